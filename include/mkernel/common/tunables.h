@@ -1,0 +1,50 @@
+// mkernel — the one table of tunables. Each has a name, an env var, a default and a help
+// line; the value comes from (lowest to highest precedence) the default, the environment,
+// or the API (tunables::set). `mkernel doctor` prints all of them with their source.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/status.h"
+
+namespace mk {
+
+enum class TunableType { kInt, kString };
+enum class TunableSource { kDefault, kEnv, kApi };
+const char* tunable_source_name(TunableSource s);
+
+struct TunableDef {
+  const char* name;      // "bootstrap_timeout_ms"
+  const char* env;       // "MK_BOOTSTRAP_TIMEOUT_MS"
+  TunableType type;
+  const char* default_value;
+  const char* help;
+};
+
+struct TunableValue {
+  const TunableDef* def;
+  std::string value;
+  TunableSource source;
+};
+
+namespace tunables {
+// The declared table (see src/common/tunables.cc), in declaration order.
+const std::vector<TunableDef>& table();
+// Current values with their source. Environment is read once, at first use.
+std::vector<TunableValue> snapshot();
+// Set by name ("signal_timeout_ms") or env name ("MK_SIGNAL_TIMEOUT_MS"). Validates type.
+Status set(const std::string& name, const std::string& value);
+// Drops an API override (the value falls back to env or default).
+Status reset(const std::string& name);
+// Typed reads; an unknown name or a malformed value is an InvalidArgument status.
+Status get_int(const std::string& name, int64_t* out);
+Status get_string(const std::string& name, std::string* out);
+// Convenience for code paths where the name is a literal from the table: returns the
+// default when lookup fails (and logs a WARN once), so a typo cannot crash a kernel launch.
+int64_t int_or_default(const std::string& name);
+std::string string_or_default(const std::string& name);
+}  // namespace tunables
+
+}  // namespace mk

@@ -1,0 +1,69 @@
+// mkernel — the record a timed-out device wait leaves for the host (host and device code).
+//
+// A kernel whose bounded wait expires claims the communicator's record (first writer wins,
+// through a claim word in device memory), fills it in host-mapped pinned memory, fences at
+// system scope and traps. The host, seeing the launch fail, turns the record into a Status
+// that names rank, op, role, peer, flag and values (Communicator::check_device).
+#pragma once
+
+#include <cstdint>
+
+namespace mk {
+
+enum class Role : uint32_t {
+  kNone = 0,
+  kCompute = 1,
+  kComm = 2,       // intra-node communication
+  kNetSend = 3,
+  kNetRecv = 4,
+  kController = 5,
+  kTest = 6,
+};
+const char* role_name(Role r);
+
+// Op tags: which operator a wait belongs to. Operators add theirs here.
+enum class OpTag : uint32_t {
+  kNone = 0,
+  kSelfCheck = 1,
+  kSignalTest = 2,
+  kAgGemm = 16,
+  kGemmRs = 17,
+  kGemmAr = 18,
+  kMoeDispatch = 19,
+  kMoeLayer = 20,
+  kRingAttention = 21,
+};
+const char* op_tag_name(uint32_t tag);
+
+struct DiagRecord {
+  uint32_t size;        // sizeof(DiagRecord), written by the host at creation
+  uint32_t version;     // kDiagVersion
+  uint32_t state;       // 0 empty, 2 complete (set last, after a system fence)
+  int32_t rank;
+  int32_t peer;         // rank expected to raise the flag (-1: not one peer)
+  uint32_t op_tag;
+  uint32_t role;
+  int32_t flag_index;
+  int32_t block;
+  int32_t thread;
+  uint64_t expected;    // waited for flag >= expected
+  uint64_t seen;        // last value read
+  uint64_t waited_ns;
+  uint64_t timeout_ns;
+};
+constexpr uint32_t kDiagVersion = 1;
+static_assert(sizeof(DiagRecord) == 72, "DiagRecord is read by the host: keep its layout fixed");
+
+// What a device wait needs to report its own failure; passed to kernels by value.
+struct WaitCtx {
+  DiagRecord* diag;     // host-mapped (device pointer of pinned host memory)
+  uint32_t* claim;      // device memory, 0 until a wait claims the record
+  uint64_t timeout_ns;  // 0: unbounded is not allowed; the host always sets a bound
+  int32_t rank;
+  uint32_t op_tag;
+  uint32_t role;
+  uint32_t pad;
+};
+static_assert(sizeof(WaitCtx) == 40, "WaitCtx is a kernel parameter");
+
+}  // namespace mk

@@ -1,0 +1,91 @@
+// mkernel — device signals: 64-bit flags in symmetric memory, release/acquire at system
+// scope (peers may be other processes and other GPUs), and bounded waits.
+//
+// Memory-ordering contract:
+//  - signal_set / signal_add are release operations at .sys scope: every write this thread
+//    made before (and, through a preceding __syncthreads, every write its CTA made) is
+//    visible to a thread that observes the new value with an acquire load.
+//  - wait_ge is an acquire: reads after it (in this thread, or in its CTA after a following
+//    __syncthreads) see the data published before the matching signal.
+//  - Flags are monotonic: a call's target is derived from its epoch (epoch.cuh), so flags are
+//    never reset between calls and a captured CUDA graph can replay.
+#pragma once
+
+#include <cstdint>
+
+#include "mkernel/device/diag.h"
+
+namespace mk {
+namespace device {
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Raise a flag (own or a peer's) to v. Release, system scope.
+__device__ __forceinline__ void signal_set(uint64_t* flag, uint64_t v) { st_release_sys(flag, v); }
+// Add v to a flag (own or a peer's). Release, system scope.
+__device__ __forceinline__ void signal_add(uint64_t* flag, uint64_t v) {
+  red_add_release_sys(flag, v);
+}
+
+// Writes the diagnostic record (first timed-out wait wins) and traps. Never returns.
+// Out of line: the cold path stays out of every wait loop's instruction stream.
+inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, const uint64_t* flag,
+                                                 int peer, int flag_index, uint64_t expected,
+                                                 uint64_t seen, uint64_t waited_ns) {
+  if (ctx.diag && ctx.claim && atomicCAS(ctx.claim, 0u, 1u) == 0u) {
+    volatile DiagRecord* d = ctx.diag;
+    d->rank = ctx.rank;
+    d->peer = peer;
+    d->op_tag = ctx.op_tag;
+    d->role = ctx.role;
+    d->flag_index = flag_index;
+    d->block = static_cast<int32_t>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    d->thread = static_cast<int32_t>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+    d->expected = expected;
+    d->seen = seen;
+    d->waited_ns = waited_ns;
+    d->timeout_ns = ctx.timeout_ns;
+    __threadfence_system();
+    d->state = 2u;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// Waits until *flag >= expected (acquire, system scope) and returns the value seen.
+// Bounded: after ctx.timeout_ns the wait reports (rank, op, role, peer, flag, expected, seen)
+// and traps, so a lost signal becomes an error on the host, never a silent hang.
+__device__ __forceinline__ uint64_t wait_ge(const WaitCtx& ctx, const uint64_t* flag,
+                                            uint64_t expected, int peer, int flag_index) {
+  uint64_t v = ld_acquire_sys(flag);
+  if (v >= expected) return v;
+  const uint64_t start = global_timer_ns();
+  uint32_t spins = 0;
+  while ((v = ld_acquire_sys(flag)) < expected) {
+    if ((++spins & 255u) == 0) {
+      const uint64_t waited = global_timer_ns() - start;
+      if (waited > ctx.timeout_ns)
+        report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited);
+    }
+  }
+  return v;
+}
+
+
+}  // namespace device
+}  // namespace mk

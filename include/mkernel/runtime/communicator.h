@@ -1,0 +1,90 @@
+// mkernel — the communicator: bootstrap + topology + symmetric heap + streams + the
+// diagnostic record of device waits. One per rank; created and destroyed collectively.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "mkernel/common/status.h"
+#include "mkernel/device/diag.h"
+#include "mkernel/device/views.h"
+#include "mkernel/runtime/bootstrap.h"
+#include "mkernel/runtime/symmetric_heap.h"
+#include "mkernel/runtime/topology.h"
+
+namespace mk {
+
+struct CommConfig {
+  int device = -2;            // -2: tunable `device`; -1: host-local rank % visible GPUs; >= 0
+  int ranks_per_node = -1;    // -1: tunable `ranks_per_node`
+  std::string symmem_mode;    // "": tunable `symmem_mode` (auto, vmm, ipc)
+  bool require_gpu = false;   // fail instead of running CPU-only when no GPU is visible
+};
+
+struct HeapContext;
+class IpcServer;
+
+class Communicator {
+ public:
+  // Collective over `bs`. Without a GPU (and !cfg.require_gpu) the communicator still has
+  // bootstrap and topology; allocation then fails with kNotSupported.
+  static Status create(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg,
+                       std::unique_ptr<Communicator>* out);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // Collective, idempotent: frees symmetric memory (newest first), stops the IPC server,
+  // destroys streams. The destructor calls it.
+  Status destroy();
+
+  int rank() const { return topo_.rank; }
+  int world() const { return topo_.world; }
+  int device() const { return device_; }  // -1 without GPU
+  bool has_gpu() const { return device_ >= 0; }
+  const Topology& topology() const { return topo_; }
+  Bootstrap& bootstrap() { return *bs_; }
+  SymmetricHeap& heap() { return *heap_; }
+  cudaStream_t stream() const { return stream_; }       // compute work
+  cudaStream_t comm_stream() const { return comm_stream_; }
+
+  // A pad of `count` zeroed 64-bit flags in symmetric memory (collective).
+  Status alloc_signals(uint32_t count, SymmetricBuffer** out);
+  // A zeroed EpochState in device memory, owned by the communicator.
+  Status alloc_epoch(EpochState** out);
+
+  // The context kernels pass to bounded waits: rank, op, role, and the timeout
+  // (tunable signal_timeout_ms unless timeout_ms >= 0).
+  WaitCtx wait_ctx(OpTag op, Role role, int64_t timeout_ms = -1) const;
+  // Turns the outcome of a launch or synchronization into a Status. When a device wait
+  // timed out, the Status (kTimeout) names rank, op, role, peer, flag, expected and seen.
+  Status check_device(cudaError_t err) const;
+  // cudaStreamSynchronize(s) + check_device.
+  Status sync(cudaStream_t s) const;
+  // True once a device wait has written the diagnostic record.
+  bool wait_timed_out() const;
+
+ private:
+  Communicator();
+  Status init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg);
+
+  std::unique_ptr<Bootstrap> bs_;
+  Topology topo_;
+  int device_ = -1;
+  std::unique_ptr<IpcServer> ipc_;
+  std::unique_ptr<HeapContext> heap_ctx_;
+  std::unique_ptr<SymmetricHeap> heap_;
+  cudaStream_t stream_ = nullptr, comm_stream_ = nullptr;
+  DiagRecord* diag_ = nullptr;      // pinned, mapped
+  uint32_t* diag_claim_ = nullptr;  // device
+  std::vector<void*> device_allocs_;
+  bool destroyed_ = false;
+};
+
+// "rank 1 (op signal-test, role test, block 0 thread 0) waited 200 ms on flag 3 from rank 0:
+//  expected >= 5, seen 4". Exposed for tests.
+std::string describe_diag(const DiagRecord& d);
+
+}  // namespace mk

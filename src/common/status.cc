@@ -1,0 +1,74 @@
+#include "mkernel/common/status.h"
+
+#include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+
+#include <cuda_runtime_api.h>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/log.h"
+
+namespace mk {
+
+const char* code_name(Code c) {
+  switch (c) {
+    case Code::kOk: return "ok";
+    case Code::kInvalidArgument: return "invalid argument";
+    case Code::kMismatch: return "mismatch across ranks";
+    case Code::kTimeout: return "timeout";
+    case Code::kCudaError: return "CUDA error";
+    case Code::kSystemError: return "system error";
+    case Code::kOutOfMemory: return "out of memory";
+    case Code::kNotSupported: return "not supported";
+    case Code::kRemoteError: return "remote error";
+    case Code::kPermissionDenied: return "permission denied";
+    case Code::kInternal: return "internal error";
+  }
+  return "unknown";
+}
+
+std::string Status::to_string() const {
+  if (ok()) return "ok";
+  std::string s = code_name(code_);
+  if (!msg_.empty()) s += ": " + msg_;
+  return s;
+}
+
+Status make_status(Code code, const char* fmt, ...) {
+  char buf[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  return Status(code, buf);
+}
+
+namespace detail {
+
+void log_check_failure(const char* file, int line, const char* expr, const Status& s) {
+  // Strip the directory: the log line stays short and still points at the call site.
+  const char* base = strrchr(file, '/');
+  base = base ? base + 1 : file;
+  MK_LOG(LogLevel::kInfo, kSubsysAll, "%s:%d -> %s (%s)", base, line, code_name(s.code()), expr);
+}
+
+Status cuda_status(int err, const char* expr, const char* file, int line) {
+  auto e = static_cast<cudaError_t>(err);
+  const char* base = strrchr(file, '/');
+  base = base ? base + 1 : file;
+  Code code = (e == cudaErrorMemoryAllocation) ? Code::kOutOfMemory : Code::kCudaError;
+  return make_status(code, "%s failed: %s (%s, %d) at %s:%d", expr, cudaGetErrorString(e),
+                     cudaGetErrorName(e), err, base, line);
+}
+
+Status errno_status(int err, const char* expr, const char* file, int line) {
+  const char* base = strrchr(file, '/');
+  base = base ? base + 1 : file;
+  return make_status(Code::kSystemError, "%s failed: %s (errno %d) at %s:%d", expr,
+                     strerror(err), err, base, line);
+}
+
+}  // namespace detail
+}  // namespace mk

@@ -1,0 +1,152 @@
+#include "mkernel/common/tunables.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "mkernel/common/log.h"
+
+namespace mk {
+
+const char* tunable_source_name(TunableSource s) {
+  switch (s) {
+    case TunableSource::kDefault: return "default";
+    case TunableSource::kEnv: return "env";
+    case TunableSource::kApi: return "api";
+  }
+  return "?";
+}
+
+namespace tunables {
+namespace {
+
+// The table. Add a tunable here and nowhere else; read it with get_int/get_string.
+const std::vector<TunableDef> kTable = {
+    {"debug", "MK_DEBUG", TunableType::kString, "WARN",
+     "log level: NONE, WARN, INFO or TRACE"},
+    {"debug_subsys", "MK_DEBUG_SUBSYS", TunableType::kString, "ALL",
+     "comma list of INIT,BOOT,MEM,NET,PROXY,TOPO,SIGNAL,TUNE or ALL; a leading ^ excludes"},
+    {"debug_file", "MK_DEBUG_FILE", TunableType::kString, "",
+     "log to this file instead of stderr (%h host, %p pid expanded)"},
+    {"bootstrap_timeout_ms", "MK_BOOTSTRAP_TIMEOUT_MS", TunableType::kInt, "60000",
+     "how long a bootstrap collective waits for every rank before failing with the missing ranks"},
+    {"ipc_timeout_ms", "MK_IPC_TIMEOUT_MS", TunableType::kInt, "30000",
+     "how long a handle exchange over the node-local socket may take"},
+    {"signal_timeout_ms", "MK_SIGNAL_TIMEOUT_MS", TunableType::kInt, "10000",
+     "bound on every device-side wait; on expiry the kernel records who it waited for and traps"},
+    {"ranks_per_node", "MK_RANKS_PER_NODE", TunableType::kInt, "0",
+     "0: nodes from hostnames; k > 0: consecutive groups of k ranks form one (emulated) node"},
+    {"device", "MK_DEVICE", TunableType::kInt, "-1",
+     "CUDA device of this rank; -1: host-local rank modulo the visible device count"},
+    {"symmem_mode", "MK_SYMMEM_MODE", TunableType::kString, "auto",
+     "peer mapping of symmetric memory: auto (VMM, else cudaIpc), vmm or ipc"},
+};
+
+struct State {
+  std::mutex mu;
+  std::map<std::string, std::string> api;  // overrides set through the API
+};
+State& state() {
+  static State s;
+  return s;
+}
+
+const TunableDef* find(const std::string& name) {
+  for (const auto& d : kTable)
+    if (name == d.name || name == d.env) return &d;
+  return nullptr;
+}
+
+bool parse_int(const std::string& v, int64_t* out) {
+  if (v.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  long long x = strtoll(v.c_str(), &end, 0);
+  if (errno != 0 || *end != '\0') return false;
+  *out = x;
+  return true;
+}
+
+TunableValue value_of(const TunableDef& d) {
+  {
+    std::lock_guard<std::mutex> g(state().mu);
+    auto it = state().api.find(d.name);
+    if (it != state().api.end()) return {&d, it->second, TunableSource::kApi};
+  }
+  if (const char* e = getenv(d.env)) return {&d, e, TunableSource::kEnv};
+  return {&d, d.default_value, TunableSource::kDefault};
+}
+
+}  // namespace
+
+const std::vector<TunableDef>& table() { return kTable; }
+
+std::vector<TunableValue> snapshot() {
+  std::vector<TunableValue> out;
+  for (const auto& d : kTable) out.push_back(value_of(d));
+  return out;
+}
+
+Status set(const std::string& name, const std::string& value) {
+  const TunableDef* d = find(name);
+  if (!d) return make_status(Code::kInvalidArgument, "unknown tunable '%s'", name.c_str());
+  int64_t x;
+  if (d->type == TunableType::kInt && !parse_int(value, &x))
+    return make_status(Code::kInvalidArgument, "tunable %s expects an integer, got '%s'",
+                       d->name, value.c_str());
+  {
+    std::lock_guard<std::mutex> g(state().mu);
+    state().api[d->name] = value;
+  }
+  if (std::string(d->name).rfind("debug", 0) == 0) log_reconfigure();
+  return OkStatus();
+}
+
+Status reset(const std::string& name) {
+  const TunableDef* d = find(name);
+  if (!d) return make_status(Code::kInvalidArgument, "unknown tunable '%s'", name.c_str());
+  {
+    std::lock_guard<std::mutex> g(state().mu);
+    state().api.erase(d->name);
+  }
+  if (std::string(d->name).rfind("debug", 0) == 0) log_reconfigure();
+  return OkStatus();
+}
+
+Status get_int(const std::string& name, int64_t* out) {
+  const TunableDef* d = find(name);
+  if (!d) return make_status(Code::kInvalidArgument, "unknown tunable '%s'", name.c_str());
+  if (d->type != TunableType::kInt)
+    return make_status(Code::kInvalidArgument, "tunable %s is not an integer", d->name);
+  TunableValue v = value_of(*d);
+  if (!parse_int(v.value, out))
+    return make_status(Code::kInvalidArgument, "tunable %s (from %s) is not an integer: '%s'",
+                       d->name, tunable_source_name(v.source), v.value.c_str());
+  return OkStatus();
+}
+
+Status get_string(const std::string& name, std::string* out) {
+  const TunableDef* d = find(name);
+  if (!d) return make_status(Code::kInvalidArgument, "unknown tunable '%s'", name.c_str());
+  *out = value_of(*d).value;
+  return OkStatus();
+}
+
+int64_t int_or_default(const std::string& name) {
+  int64_t v = 0;
+  Status s = get_int(name, &v);
+  if (s.ok()) return v;
+  MK_WARN(kSubsysTune, "%s; using the default", s.message().c_str());
+  const TunableDef* d = find(name);
+  return (d && parse_int(d->default_value, &v)) ? v : 0;
+}
+
+std::string string_or_default(const std::string& name) {
+  std::string v;
+  if (get_string(name, &v).ok()) return v;
+  return "";
+}
+
+}  // namespace tunables
+}  // namespace mk

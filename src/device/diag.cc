@@ -1,0 +1,50 @@
+#include <cstdio>
+
+#include "mkernel/device/diag.h"
+#include "mkernel/runtime/communicator.h"
+
+namespace mk {
+
+const char* role_name(Role r) {
+  switch (r) {
+    case Role::kNone: return "none";
+    case Role::kCompute: return "compute";
+    case Role::kComm: return "comm";
+    case Role::kNetSend: return "net-send";
+    case Role::kNetRecv: return "net-recv";
+    case Role::kController: return "controller";
+    case Role::kTest: return "test";
+  }
+  return "unknown";
+}
+
+const char* op_tag_name(uint32_t tag) {
+  switch (static_cast<OpTag>(tag)) {
+    case OpTag::kNone: return "none";
+    case OpTag::kSelfCheck: return "selfcheck";
+    case OpTag::kSignalTest: return "signal-test";
+    case OpTag::kAgGemm: return "ag_gemm";
+    case OpTag::kGemmRs: return "gemm_rs";
+    case OpTag::kGemmAr: return "gemm_ar";
+    case OpTag::kMoeDispatch: return "moe_dispatch_gemm";
+    case OpTag::kMoeLayer: return "moe_layer";
+    case OpTag::kRingAttention: return "ring_attention";
+  }
+  return "unknown";
+}
+
+std::string describe_diag(const DiagRecord& d) {
+  char buf[512];
+  char peer[32];
+  if (d.peer >= 0) snprintf(peer, sizeof(peer), "rank %d", d.peer);
+  else snprintf(peer, sizeof(peer), "any rank");
+  snprintf(buf, sizeof(buf),
+           "rank %d (op %s, role %s, block %d thread %d) waited %.1f ms (bound %.1f ms) on flag %d "
+           "from %s: expected >= %llu, seen %llu",
+           d.rank, op_tag_name(d.op_tag), role_name(static_cast<Role>(d.role)), d.block, d.thread,
+           d.waited_ns / 1e6, d.timeout_ns / 1e6, d.flag_index, peer,
+           static_cast<unsigned long long>(d.expected), static_cast<unsigned long long>(d.seen));
+  return buf;
+}
+
+}  // namespace mk

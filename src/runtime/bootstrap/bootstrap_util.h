@@ -1,0 +1,45 @@
+// Private helpers shared by the bootstrap implementations.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mkernel/common/status.h"
+
+namespace mk {
+namespace detail {
+
+// "0,3,5" (truncated after 16 entries).
+std::string rank_list(const std::vector<int>& ranks);
+// The one error every waiting rank returns when ranks are missing.
+Status missing_ranks_status(const char* kind, const char* op, uint64_t seq,
+                            const std::vector<int>& missing, int64_t timeout_ms);
+
+// Polling backoff: spins briefly, then sleeps up to 1 ms, so a long wait costs little CPU.
+class Backoff {
+ public:
+  void pause() {
+    if (n_ < 64) {
+      ++n_;
+      std::this_thread::yield();
+      return;
+    }
+    sleep_us_ = sleep_us_ < 1000 ? sleep_us_ * 2 : 1000;
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
+  }
+
+ private:
+  int n_ = 0;
+  int sleep_us_ = 1;
+};
+
+using Clock = std::chrono::steady_clock;
+inline Clock::time_point deadline_after(int64_t ms) {
+  return Clock::now() + std::chrono::milliseconds(ms);
+}
+
+}  // namespace detail
+}  // namespace mk

@@ -1,0 +1,85 @@
+// Bootstrap over a key-value store (PyTorch's c10d Store through callbacks).
+// Key of rank r's contribution to collective #seq: "<prefix>/<seq>/<r>".
+#include <cstring>
+
+#include "mkernel/common/check.h"
+#include "mkernel/runtime/bootstrap.h"
+#include "src/runtime/bootstrap/bootstrap_util.h"
+
+namespace mk {
+namespace {
+
+class StoreBootstrap final : public Bootstrap {
+ public:
+  StoreBootstrap(int rank, int size, std::string prefix, StoreCallbacks cb)
+      : rank_(rank), size_(size), prefix_(std::move(prefix)), cb_(std::move(cb)) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* kind() const override { return "store"; }
+
+  Status allgather(const void* send, void* recv, size_t bytes, int64_t timeout_ms) override {
+    const int64_t tmo = resolve_timeout(timeout_ms);
+    const uint64_t seq = seq_++;
+    std::vector<uint8_t> mine(static_cast<const uint8_t*>(send),
+                              static_cast<const uint8_t*>(send) + bytes);
+    MK_CHECK(cb_.set(key(seq, rank_), mine));
+    std::vector<bool> have(size_, false);
+    have[rank_] = true;
+    memmove(static_cast<uint8_t*>(recv) + rank_ * bytes, mine.data(), bytes);
+    int left = size_ - 1;
+    auto deadline = detail::deadline_after(tmo);
+    detail::Backoff backoff;
+    while (left > 0) {
+      for (int r = 0; r < size_; ++r) {
+        if (have[r]) continue;
+        std::vector<uint8_t> v;
+        bool found = false;
+        MK_CHECK(cb_.try_get(key(seq, r), &v, &found));
+        if (!found) continue;
+        if (v.size() != bytes)
+          return make_status(Code::kMismatch,
+                             "store bootstrap allgather #%llu: rank %d sent %zu bytes, rank %d "
+                             "expected %zu",
+                             static_cast<unsigned long long>(seq), r, v.size(), rank_, bytes);
+        memcpy(static_cast<uint8_t*>(recv) + r * bytes, v.data(), bytes);
+        have[r] = true;
+        --left;
+      }
+      if (left == 0) break;
+      if (detail::Clock::now() > deadline) {
+        std::vector<int> missing;
+        for (int r = 0; r < size_; ++r)
+          if (!have[r]) missing.push_back(r);
+        return detail::missing_ranks_status("store", "allgather", seq, missing, tmo);
+      }
+      backoff.pause();
+    }
+    // Every rank has set its key of #seq, so every rank has finished reading #seq-1:
+    // this rank's key of #seq-1 is no longer needed.
+    if (seq > 0 && cb_.erase) (void)cb_.erase(key(seq - 1, rank_));
+    return OkStatus();
+  }
+
+ private:
+  std::string key(uint64_t seq, int r) const {
+    return prefix_ + "/" + std::to_string(seq) + "/" + std::to_string(r);
+  }
+  int rank_, size_;
+  std::string prefix_;
+  StoreCallbacks cb_;
+  uint64_t seq_ = 0;
+};
+
+}  // namespace
+
+Status make_store_bootstrap(int rank, int size, const std::string& prefix, StoreCallbacks cb,
+                            std::unique_ptr<Bootstrap>* out) {
+  MK_REQUIRE(size >= 1 && rank >= 0 && rank < size, Code::kInvalidArgument,
+             "store bootstrap: rank %d outside world of %d", rank, size);
+  MK_REQUIRE(cb.set && cb.try_get, Code::kInvalidArgument,
+             "store bootstrap needs set and try_get callbacks");
+  *out = std::make_unique<StoreBootstrap>(rank, size, prefix, std::move(cb));
+  return OkStatus();
+}
+
+}  // namespace mk

@@ -1,0 +1,117 @@
+// A world of W ranks inside one process: each rank is a thread holding its own Bootstrap;
+// collectives meet in a shared table keyed by the per-rank sequence number.
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "mkernel/common/check.h"
+#include "mkernel/runtime/bootstrap.h"
+#include "src/runtime/bootstrap/bootstrap_util.h"
+
+namespace mk {
+namespace {
+
+struct ThreadWorld {
+  struct Op {
+    size_t bytes = 0;
+    bool bytes_set = false;
+    std::vector<std::vector<uint8_t>> data;
+    std::vector<bool> arrived;
+    int count = 0;
+    int departed = 0;
+    std::vector<int> failed;  // ranks that gave up on this op (timeout / mismatch)
+  };
+  explicit ThreadWorld(int n) : size(n) {}
+  int size;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, Op> ops;
+};
+
+class ThreadBootstrap final : public Bootstrap {
+ public:
+  ThreadBootstrap(std::shared_ptr<ThreadWorld> w, int rank) : w_(std::move(w)), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return w_->size; }
+  const char* kind() const override { return "threads"; }
+
+  Status allgather(const void* send, void* recv, size_t bytes, int64_t timeout_ms) override {
+    const int64_t tmo = resolve_timeout(timeout_ms);
+    const uint64_t seq = seq_++;
+    std::unique_lock<std::mutex> lk(w_->mu);
+    ThreadWorld::Op& op = w_->ops[seq];
+    if (op.data.empty()) {
+      op.data.resize(w_->size);
+      op.arrived.assign(w_->size, false);
+    }
+    if (!op.failed.empty()) {
+      leave(seq, op);
+      return make_status(Code::kRemoteError,
+                         "threads bootstrap allgather #%llu already failed on rank(s) %s",
+                         static_cast<unsigned long long>(seq),
+                         detail::rank_list(op.failed).c_str());
+    }
+    if (op.bytes_set && op.bytes != bytes) {
+      size_t other = op.bytes;
+      op.failed.push_back(rank_);
+      w_->cv.notify_all();
+      leave(seq, op);
+      return make_status(Code::kMismatch,
+                         "threads bootstrap allgather #%llu: rank %d passed %zu bytes, others %zu",
+                         static_cast<unsigned long long>(seq), rank_, bytes, other);
+    }
+    op.bytes = bytes;
+    op.bytes_set = true;
+    op.data[rank_].assign(static_cast<const uint8_t*>(send),
+                          static_cast<const uint8_t*>(send) + bytes);
+    op.arrived[rank_] = true;
+    ++op.count;
+    w_->cv.notify_all();
+    bool done = w_->cv.wait_until(lk, detail::deadline_after(tmo), [&] {
+      return op.count == w_->size || !op.failed.empty();
+    });
+    if (!op.failed.empty() && op.count != w_->size) {
+      std::vector<int> f = op.failed;
+      leave(seq, op);
+      return make_status(Code::kRemoteError,
+                         "threads bootstrap allgather #%llu failed on rank(s) %s",
+                         static_cast<unsigned long long>(seq), detail::rank_list(f).c_str());
+    }
+    if (!done) {
+      std::vector<int> missing;
+      for (int r = 0; r < w_->size; ++r)
+        if (!op.arrived[r]) missing.push_back(r);
+      op.failed.push_back(rank_);
+      w_->cv.notify_all();
+      leave(seq, op);
+      return detail::missing_ranks_status("threads", "allgather", seq, missing, tmo);
+    }
+    for (int r = 0; r < w_->size; ++r)
+      memcpy(static_cast<uint8_t*>(recv) + r * bytes, op.data[r].data(), bytes);
+    leave(seq, op);
+    return OkStatus();
+  }
+
+ private:
+  // @pre w_->mu held. The last rank out frees the op's storage.
+  void leave(uint64_t seq, ThreadWorld::Op& op) {
+    if (++op.departed == w_->size) w_->ops.erase(seq);
+  }
+
+  std::shared_ptr<ThreadWorld> w_;
+  int rank_;
+  uint64_t seq_ = 0;
+};
+
+}  // namespace
+
+Status make_thread_world(int size, std::vector<std::unique_ptr<Bootstrap>>* out) {
+  MK_REQUIRE(size >= 1, Code::kInvalidArgument, "thread world size must be >= 1, got %d", size);
+  auto w = std::make_shared<ThreadWorld>(size);
+  out->clear();
+  for (int r = 0; r < size; ++r) out->push_back(std::make_unique<ThreadBootstrap>(w, r));
+  return OkStatus();
+}
+
+}  // namespace mk

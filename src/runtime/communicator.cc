@@ -1,0 +1,228 @@
+#include "mkernel/runtime/communicator.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
+#include "src/runtime/heap_context.h"
+#include "src/runtime/ipc_socket.h"
+
+namespace mk {
+
+Communicator::Communicator() = default;
+
+Communicator::~Communicator() { (void)destroy(); }
+
+Status Communicator::create(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg,
+                            std::unique_ptr<Communicator>* out) {
+  MK_REQUIRE(bs, Code::kInvalidArgument, "Communicator::create needs a bootstrap");
+  std::unique_ptr<Communicator> c(new Communicator());
+  MK_CHECK(c->init(std::move(bs), cfg));
+  *out = std::move(c);
+  return OkStatus();
+}
+
+namespace {
+Status parse_mode(const std::string& s, SymmetricMode* m) {
+  if (s == "auto") *m = SymmetricMode::kAuto;
+  else if (s == "vmm") *m = SymmetricMode::kVmm;
+  else if (s == "ipc") *m = SymmetricMode::kIpc;
+  else return make_status(Code::kInvalidArgument, "symmem_mode must be auto, vmm or ipc, got '%s'", s.c_str());
+  return OkStatus();
+}
+}  // namespace
+
+Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) {
+  bs_ = std::move(bs);
+  const int rank = bs_->rank(), world = bs_->size();
+  log_set_rank(rank);
+
+  // 1. hosts, so each rank can pick its GPU by its index on its host
+  std::vector<RankInfo> infos(world);
+  RankInfo me = local_host_info(rank);
+  MK_CHECK(bs_->allgather(&me, infos.data(), sizeof(me)));
+
+  // 2. GPU
+  int ndev = 0;
+  Status gpu_err;
+  cudaError_t e = cudaGetDeviceCount(&ndev);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    ndev = 0;
+    gpu_err = make_status(Code::kNotSupported, "no usable GPU: %s", cudaGetErrorString(e));
+  } else if (ndev == 0) {
+    gpu_err = make_status(Code::kNotSupported, "no GPU visible");
+  }
+  if (ndev > 0) {
+    int want = cfg.device;
+    if (want == -2) want = static_cast<int>(tunables::int_or_default("device"));
+    if (want < 0) want = host_local_index(infos, rank) % ndev;
+    if (want >= ndev) {
+      gpu_err = make_status(Code::kInvalidArgument, "device %d requested, %d visible", want, ndev);
+    } else {
+      Status s = [&]() -> Status {
+        MK_CUDA_CHECK(cudaSetDevice(want));
+        MK_CHECK(fill_gpu_info(want, &me));
+        return OkStatus();
+      }();
+      if (s.ok()) device_ = want;
+      else gpu_err = s;
+    }
+  }
+  if (cfg.require_gpu || device_ >= 0) {
+    // A rank with a GPU error must not leave its peers waiting: agree first.
+    Status mine = (cfg.require_gpu && device_ < 0) ? gpu_err : OkStatus();
+    MK_CHECK(agree(*bs_, mine, "communicator: selecting GPUs"));
+  }
+  if (device_ < 0 && !gpu_err.ok())
+    MK_INFO(kSubsysInit, "rank %d: running without GPU (%s)", rank, gpu_err.message().c_str());
+
+  // 3. topology (pure function of the gathered infos; agreed, so all ranks fail alike)
+  MK_CHECK(bs_->allgather(&me, infos.data(), sizeof(me)));
+  int rpn = cfg.ranks_per_node >= 0 ? cfg.ranks_per_node
+                                    : static_cast<int>(tunables::int_or_default("ranks_per_node"));
+  Status ts = build_topology(rank, infos, rpn, cuda_peer_access, &topo_);
+  MK_CHECK(agree(*bs_, ts, "communicator: topology"));
+  MK_INFO(kSubsysTopo, "%s", topo_.describe().c_str());
+
+  // 4. the job's IPC secret (rank 0 draws it) and this rank's socket
+  heap_ctx_ = std::make_unique<HeapContext>();
+  Status ss = (rank == 0) ? make_ipc_secret(&heap_ctx_->secret) : OkStatus();
+  MK_CHECK(agree(*bs_, ss, "communicator: drawing the job secret"));
+  uint8_t secret[48];
+  memcpy(secret, heap_ctx_->secret.job_id.data(), 16);
+  memcpy(secret + 16, heap_ctx_->secret.token.data(), 32);
+  MK_CHECK(bs_->broadcast(secret, sizeof(secret), 0));
+  memcpy(heap_ctx_->secret.job_id.data(), secret, 16);
+  memcpy(heap_ctx_->secret.token.data(), secret + 16, 32);
+  memset(secret, 0, sizeof(secret));
+  bool any_ipc = false;
+  for (int r = 0; r < world; ++r) any_ipc |= topo_.path[r] == PeerPath::kIpc;
+  Status is = (any_ipc && device_ >= 0) ? IpcServer::create(heap_ctx_->secret, rank, &ipc_) : OkStatus();
+  MK_CHECK(agree(*bs_, is, "communicator: starting the IPC socket"));
+
+  // 5. heap, streams, diagnostic record
+  std::string mode = cfg.symmem_mode.empty() ? tunables::string_or_default("symmem_mode")
+                                             : cfg.symmem_mode;
+  Status ms = parse_mode(mode, &heap_ctx_->requested);
+  heap_ctx_->bs = bs_.get();
+  heap_ctx_->topo = &topo_;
+  heap_ctx_->ipc = ipc_.get();
+  heap_ctx_->device = device_;
+  for (int r = 0; r < world; ++r)
+    if (topo_.path[r] == PeerPath::kSelf || topo_.path[r] == PeerPath::kSameProcess)
+      heap_ctx_->process_devices.push_back(infos[r].cuda_device);
+  std::sort(heap_ctx_->process_devices.begin(), heap_ctx_->process_devices.end());
+  heap_ctx_->process_devices.erase(
+      std::unique(heap_ctx_->process_devices.begin(), heap_ctx_->process_devices.end()),
+      heap_ctx_->process_devices.end());
+  heap_ = std::make_unique<SymmetricHeap>(heap_ctx_.get());
+
+  Status gs = ms;
+  if (gs.ok() && device_ >= 0) {
+    gs = [&]() -> Status {
+      MK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      MK_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+      MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&diag_), sizeof(DiagRecord),
+                                  cudaHostAllocMapped | cudaHostAllocPortable));
+      memset(diag_, 0, sizeof(DiagRecord));
+      diag_->size = sizeof(DiagRecord);
+      diag_->version = kDiagVersion;
+      MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&diag_claim_), sizeof(uint32_t)));
+      MK_CUDA_CHECK(cudaMemset(diag_claim_, 0, sizeof(uint32_t)));
+      MK_CUDA_CHECK(cudaDeviceSynchronize());
+      return OkStatus();
+    }();
+  }
+  MK_CHECK(agree(*bs_, gs, "communicator: streams and diagnostics"));
+  MK_INFO(kSubsysInit, "communicator ready: rank %d/%d, node %d/%d, GPU %d", rank, world,
+          topo_.node, topo_.num_nodes, device_);
+  return OkStatus();
+}
+
+Status Communicator::destroy() {
+  if (destroyed_) return OkStatus();
+  destroyed_ = true;
+  Status first;
+  if (heap_) first = heap_->destroy();
+  if (ipc_) ipc_->shutdown();
+  if (device_ >= 0) {
+    cudaSetDevice(device_);
+    for (void* p : device_allocs_) cudaFree(p);
+    device_allocs_.clear();
+    if (stream_) cudaStreamDestroy(stream_);
+    if (comm_stream_) cudaStreamDestroy(comm_stream_);
+    if (diag_claim_) cudaFree(diag_claim_);
+    if (diag_) cudaFreeHost(diag_);
+    stream_ = comm_stream_ = nullptr;
+    diag_claim_ = nullptr;
+    diag_ = nullptr;
+    cudaGetLastError();  // a sticky error from a trapped kernel must not leak into the caller
+  }
+  return first;
+}
+
+Status Communicator::alloc_signals(uint32_t count, SymmetricBuffer** out) {
+  MK_REQUIRE(count > 0, Code::kInvalidArgument, "alloc_signals: count must be > 0");
+  SymmetricBuffer* b = nullptr;
+  MK_CHECK(heap_->alloc(static_cast<size_t>(count) * sizeof(uint64_t), &b));
+  Status s = [&]() -> Status {
+    MK_CUDA_CHECK(cudaMemset(b->local(), 0, b->mapped_size()));
+    MK_CUDA_CHECK(cudaDeviceSynchronize());
+    return OkStatus();
+  }();
+  // Every pad is zero before any rank may signal into it.
+  MK_CHECK(agree(*bs_, s, "alloc_signals"));
+  *out = b;
+  return OkStatus();
+}
+
+Status Communicator::alloc_epoch(EpochState** out) {
+  MK_REQUIRE(device_ >= 0, Code::kNotSupported, "alloc_epoch: no GPU");
+  void* p = nullptr;
+  MK_CUDA_CHECK(cudaMalloc(&p, sizeof(EpochState)));
+  device_allocs_.push_back(p);
+  MK_CUDA_CHECK(cudaMemset(p, 0, sizeof(EpochState)));
+  MK_CUDA_CHECK(cudaDeviceSynchronize());
+  *out = static_cast<EpochState*>(p);
+  return OkStatus();
+}
+
+WaitCtx Communicator::wait_ctx(OpTag op, Role role, int64_t timeout_ms) const {
+  if (timeout_ms < 0) timeout_ms = tunables::int_or_default("signal_timeout_ms");
+  if (timeout_ms <= 0) timeout_ms = 1;  // every wait is bounded
+  WaitCtx c;
+  memset(&c, 0, sizeof(c));
+  c.diag = diag_;  // mapped pinned memory: the host pointer is valid on the device (UVA)
+  c.claim = diag_claim_;
+  c.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  c.rank = topo_.rank;
+  c.op_tag = static_cast<uint32_t>(op);
+  c.role = static_cast<uint32_t>(role);
+  return c;
+}
+
+bool Communicator::wait_timed_out() const {
+  return diag_ && reinterpret_cast<volatile DiagRecord*>(diag_)->state == 2u;
+}
+
+Status Communicator::check_device(cudaError_t err) const {
+  if (wait_timed_out()) {
+    DiagRecord d;
+    memcpy(&d, const_cast<const DiagRecord*>(diag_), sizeof(d));
+    return Status(Code::kTimeout, "device wait timed out: " + describe_diag(d) +
+                                      (err != cudaSuccess ? std::string(" (kernel: ") +
+                                                                cudaGetErrorName(err) + ")"
+                                                          : std::string()));
+  }
+  if (err != cudaSuccess)
+    return make_status(err == cudaErrorMemoryAllocation ? Code::kOutOfMemory : Code::kCudaError,
+                       "rank %d: %s (%s)", topo_.rank, cudaGetErrorString(err), cudaGetErrorName(err));
+  return OkStatus();
+}
+
+Status Communicator::sync(cudaStream_t s) const { return check_device(cudaStreamSynchronize(s)); }
+
+}  // namespace mk

@@ -1,0 +1,23 @@
+// What the symmetric heap borrows from its communicator (private).
+#pragma once
+
+#include <vector>
+
+#include "mkernel/runtime/bootstrap.h"
+#include "mkernel/runtime/symmetric_heap.h"
+#include "mkernel/runtime/topology.h"
+#include "src/runtime/ipc_socket.h"
+
+namespace mk {
+
+struct HeapContext {
+  Bootstrap* bs = nullptr;
+  const Topology* topo = nullptr;
+  IpcServer* ipc = nullptr;  // null when no peer is reached through IPC
+  IpcSecret secret{};
+  int device = -1;           // -1: no GPU
+  SymmetricMode requested = SymmetricMode::kAuto;
+  std::vector<int> process_devices;  // devices of the same-process ranks of this node (incl. own)
+};
+
+}  // namespace mk

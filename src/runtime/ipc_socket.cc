@@ -1,0 +1,328 @@
+#include "src/runtime/ipc_socket.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/log.h"
+
+namespace mk {
+namespace {
+
+constexpr uint32_t kMagic = 0x4d4b4950;  // "MKIP"
+constexpr uint32_t kWireVersion = 1;
+
+// Request and reply layouts are the wire protocol between ranks of one build.
+struct Request {
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank;
+  uint32_t pad;
+  uint64_t id;
+  uint8_t token[32];
+};
+static_assert(sizeof(Request) == 56, "IPC request layout is part of the wire protocol");
+
+struct Reply {
+  uint32_t magic;
+  int32_t code;  // mk::Code; kOk comes with exactly one fd
+};
+static_assert(sizeof(Reply) == 8, "IPC reply layout is part of the wire protocol");
+
+sockaddr_un make_addr(const std::string& name, socklen_t* len) {
+  sockaddr_un a;
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  // Abstract namespace: sun_path[0] = '\0', the name follows, no terminator.
+  memcpy(a.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
+bool equal_ct(const uint8_t* a, const uint8_t* b, size_t n) {
+  uint8_t d = 0;
+  for (size_t i = 0; i < n; ++i) d |= a[i] ^ b[i];
+  return d == 0;
+}
+
+void set_timeouts(int fd, int64_t ms) {
+  timeval tv;
+  tv.tv_sec = ms / 1000;
+  tv.tv_usec = (ms % 1000) * 1000;
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Full read/write with EINTR handling; false on EOF, error or timeout.
+bool read_full(int fd, void* buf, size_t n) {
+  auto* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    ssize_t k = recv(fd, p, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool send_reply(int conn, Code code, int fd) {
+  Reply rep{kMagic, static_cast<int32_t>(code)};
+  iovec iov{&rep, sizeof(rep)};
+  msghdr msg;
+  memset(&msg, 0, sizeof(msg));
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))];
+  if (fd >= 0) {
+    memset(ctrl, 0, sizeof(ctrl));
+    msg.msg_control = ctrl;
+    msg.msg_controllen = sizeof(ctrl);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  ssize_t k;
+  do {
+    k = sendmsg(conn, &msg, MSG_NOSIGNAL);
+  } while (k < 0 && errno == EINTR);
+  return k == static_cast<ssize_t>(sizeof(rep));
+}
+
+std::string hex(const uint8_t* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) {
+    s += d[p[i] >> 4];
+    s += d[p[i] & 15];
+  }
+  return s;
+}
+
+}  // namespace
+
+Status make_ipc_secret(IpcSecret* out) {
+  uint8_t buf[48];
+  size_t got = 0;
+  while (got < sizeof(buf)) {
+    ssize_t k = getrandom(buf + got, sizeof(buf) - got, 0);
+    if (k < 0 && errno == EINTR) continue;
+    MK_SYS_CHECK(k);
+    got += static_cast<size_t>(k);
+  }
+  memcpy(out->job_id.data(), buf, 16);
+  memcpy(out->token.data(), buf + 16, 32);
+  return OkStatus();
+}
+
+std::string ipc_socket_name(const IpcSecret& s, int rank) {
+  return "mkernel-" + hex(s.job_id.data(), s.job_id.size()) + "-" + std::to_string(rank);
+}
+
+Status IpcServer::create(const IpcSecret& secret, int rank, std::unique_ptr<IpcServer>* out) {
+  std::unique_ptr<IpcServer> s(new IpcServer());
+  s->secret_ = secret;
+  s->rank_ = rank;
+  s->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  MK_SYS_CHECK(s->listen_fd_);
+  socklen_t len;
+  std::string name = ipc_socket_name(secret, rank);
+  sockaddr_un a = make_addr(name, &len);
+  if (bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&a), len) < 0)
+    return make_status(Code::kSystemError, "rank %d: cannot bind IPC socket @%s: %s", rank,
+                       name.c_str(), strerror(errno));
+  MK_SYS_CHECK(listen(s->listen_fd_, 128));
+  s->wake_fd_ = eventfd(0, EFD_CLOEXEC);
+  MK_SYS_CHECK(s->wake_fd_);
+  s->thread_ = std::thread([p = s.get()] { p->loop(); });
+  MK_INFO(kSubsysMem, "rank %d: IPC server listening on @%s", rank, name.c_str());
+  *out = std::move(s);
+  return OkStatus();
+}
+
+IpcServer::~IpcServer() { shutdown(); }
+
+void IpcServer::shutdown() {
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+    thread_.join();
+  }
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+  listen_fd_ = wake_fd_ = -1;
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& kv : fds_) close(kv.second);
+  fds_.clear();
+}
+
+Status IpcServer::publish(uint64_t id, int fd) {
+  int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  MK_SYS_CHECK(d);
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = fds_.find(id);
+  if (it != fds_.end()) close(it->second);
+  fds_[id] = d;
+  return OkStatus();
+}
+
+void IpcServer::retract(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = fds_.find(id);
+  if (it == fds_.end()) return;
+  close(it->second);
+  fds_.erase(it);
+}
+
+void IpcServer::loop() {
+  pollfd pf[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  for (;;) {
+    int n = poll(pf, 2, -1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      MK_WARN(kSubsysMem, "rank %d: IPC server poll failed: %s; serving stops", rank_,
+              strerror(errno));
+      return;
+    }
+    if (pf[1].revents) return;
+    if (pf[0].revents & POLLIN) {
+      int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (conn < 0) continue;
+      serve(conn);
+      close(conn);
+    }
+  }
+}
+
+// One request per connection. Short timeouts: a stalled client must not block other peers.
+void IpcServer::serve(int conn) {
+  set_timeouts(conn, 2000);
+  ucred cred;
+  socklen_t clen = sizeof(cred);
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &clen) < 0) {
+    ++refused_;
+    MK_WARN(kSubsysMem, "rank %d: IPC connection refused: SO_PEERCRED failed: %s", rank_,
+            strerror(errno));
+    return;
+  }
+  if (cred.uid != geteuid()) {
+    ++refused_;
+    MK_WARN(kSubsysMem, "rank %d: IPC connection from pid %d uid %u refused: not this job's uid %u",
+            rank_, cred.pid, cred.uid, geteuid());
+    send_reply(conn, Code::kPermissionDenied, -1);
+    return;
+  }
+  Request req;
+  if (!read_full(conn, &req, sizeof(req)) || req.magic != kMagic || req.version != kWireVersion) {
+    ++refused_;
+    MK_WARN(kSubsysMem, "rank %d: IPC connection from pid %d refused: malformed request", rank_,
+            cred.pid);
+    return;
+  }
+  if (!equal_ct(req.token, secret_.token.data(), 32)) {
+    ++refused_;
+    MK_WARN(kSubsysMem, "rank %d: IPC connection from pid %d (claims rank %d) refused: wrong job token",
+            rank_, cred.pid, req.rank);
+    send_reply(conn, Code::kPermissionDenied, -1);
+    return;
+  }
+  int fd = -1;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = fds_.find(req.id);
+    if (it != fds_.end()) fd = it->second;
+    // Sent while holding the lock, so a concurrent retract cannot close it mid-send.
+    if (fd < 0) {
+      send_reply(conn, Code::kInvalidArgument, -1);
+    } else if (send_reply(conn, Code::kOk, fd)) {
+      ++served_;
+    }
+  }
+  if (fd < 0)
+    MK_WARN(kSubsysMem, "rank %d: rank %d asked for unknown allocation %llu", rank_, req.rank,
+            static_cast<unsigned long long>(req.id));
+}
+
+Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
+                    int64_t timeout_ms, int* fd_out) {
+  *fd_out = -1;
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  MK_SYS_CHECK(s);
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{s};
+  set_timeouts(s, timeout_ms);
+  socklen_t len;
+  std::string name = ipc_socket_name(secret, peer);
+  sockaddr_un a = make_addr(name, &len);
+  if (connect(s, reinterpret_cast<sockaddr*>(&a), len) < 0)
+    return make_status(Code::kSystemError, "rank %d: cannot reach rank %d's IPC socket @%s: %s",
+                       my_rank, peer, name.c_str(), strerror(errno));
+  ucred cred;
+  socklen_t clen = sizeof(cred);
+  MK_SYS_CHECK(getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &clen));
+  if (cred.uid != geteuid())
+    return make_status(Code::kPermissionDenied,
+                       "rank %d: IPC socket of rank %d is owned by uid %u, not %u: refusing it",
+                       my_rank, peer, cred.uid, geteuid());
+  Request req;
+  memset(&req, 0, sizeof(req));
+  req.magic = kMagic;
+  req.version = kWireVersion;
+  req.rank = my_rank;
+  req.id = id;
+  memcpy(req.token, secret.token.data(), 32);
+  if (send(s, &req, sizeof(req), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(req)))
+    return make_status(Code::kSystemError, "rank %d: sending IPC request to rank %d: %s", my_rank,
+                       peer, strerror(errno));
+  Reply rep;
+  iovec iov{&rep, sizeof(rep)};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))];
+  msghdr msg;
+  memset(&msg, 0, sizeof(msg));
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = sizeof(ctrl);
+  ssize_t k;
+  do {
+    k = recvmsg(s, &msg, MSG_CMSG_CLOEXEC);
+  } while (k < 0 && errno == EINTR);
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+    return make_status(Code::kTimeout, "rank %d: rank %d's IPC server did not answer within %lld ms",
+                       my_rank, peer, static_cast<long long>(timeout_ms));
+  if (k != static_cast<ssize_t>(sizeof(rep)) || rep.magic != kMagic)
+    return make_status(Code::kPermissionDenied,
+                       "rank %d: rank %d's IPC server closed the connection without an answer "
+                       "(refused)",
+                       my_rank, peer);
+  int fd = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+      memcpy(&fd, CMSG_DATA(c), sizeof(int));
+  if (rep.code != static_cast<int32_t>(Code::kOk)) {
+    if (fd >= 0) close(fd);
+    return make_status(static_cast<Code>(rep.code),
+                       "rank %d: rank %d refused to share allocation %llu (%s)", my_rank, peer,
+                       static_cast<unsigned long long>(id), code_name(static_cast<Code>(rep.code)));
+  }
+  if (fd < 0)
+    return make_status(Code::kInternal, "rank %d: rank %d answered without a descriptor", my_rank,
+                       peer);
+  *fd_out = fd;
+  return OkStatus();
+}
+
+}  // namespace mk

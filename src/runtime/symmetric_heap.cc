@@ -1,0 +1,415 @@
+#include "mkernel/runtime/symmetric_heap.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <cuda_runtime_api.h>
+
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/common/tunables.h"
+#include "src/runtime/bootstrap/bootstrap_util.h"
+#include "src/runtime/cuda_driver.h"
+#include "src/runtime/heap_context.h"
+
+namespace mk {
+
+const char* symmetric_mode_name(SymmetricMode m) {
+  switch (m) {
+    case SymmetricMode::kAuto: return "auto";
+    case SymmetricMode::kVmm: return "vmm";
+    case SymmetricMode::kIpc: return "ipc";
+    case SymmetricMode::kProcess: return "process";
+  }
+  return "?";
+}
+
+SymmetricView SymmetricBuffer::view() const {
+  return SymmetricView{local_, d_peers_, bytes_, rank_, world_};
+}
+SignalView SymmetricBuffer::signal_view() const {
+  return SignalView{static_cast<uint64_t*>(local_), reinterpret_cast<uint64_t* const*>(d_peers_),
+                    static_cast<uint32_t>(bytes_ / 8), rank_, world_, 0};
+}
+
+namespace {
+
+// What each rank publishes per allocation request.
+struct AllocRequest {
+  uint64_t bytes;
+  int32_t mode;      // requested SymmetricMode
+  int32_t has_gpu;
+  int32_t vmm_ok;    // device supports VMM with POSIX-FD export
+  int32_t pad;
+};
+
+// What each rank publishes per allocation once its own copy exists.
+struct Exchange {
+  uint64_t mapped;
+  uint64_t ptr;            // for ranks of the same process
+  cudaIpcMemHandle_t ipc;  // for cudaIpc mode
+};
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+Status vmm_supported(int device, bool* ok) {
+  *ok = false;
+  const CudaDriver* d = nullptr;
+  if (!cuda_driver(&d).ok()) return OkStatus();
+  CUdevice dev;
+  MK_CU_CHECK(d->cuDeviceGet(&dev, device));
+  int vmm = 0, fd = 0;
+  MK_CU_CHECK(d->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev));
+  MK_CU_CHECK(d->cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev));
+  *ok = vmm && fd;
+  return OkStatus();
+}
+
+std::string size_list(const std::vector<AllocRequest>& reqs) {
+  std::string s;
+  for (size_t r = 0; r < reqs.size() && r < 8; ++r) {
+    if (r) s += ", ";
+    s += "rank " + std::to_string(r) + ": " + std::to_string(reqs[r].bytes) + " B";
+  }
+  if (reqs.size() > 8) s += ", ...";
+  return s;
+}
+
+}  // namespace
+
+SymmetricHeap::SymmetricHeap(HeapContext* ctx) : ctx_(ctx) {}
+
+SymmetricHeap::~SymmetricHeap() { (void)destroy(); }
+
+size_t SymmetricHeap::live_buffers() const {
+  size_t n = 0;
+  for (const auto& b : buffers_) n += !b->freed_;
+  return n;
+}
+
+Status SymmetricHeap::agree(const Status& mine, const char* what) {
+  return mk::agree(*ctx_->bs, mine, what);
+}
+
+Status SymmetricHeap::alloc(size_t bytes, SymmetricBuffer** out) {
+  *out = nullptr;
+  MK_REQUIRE(!destroyed_, Code::kInvalidArgument, "symmetric alloc on a destroyed heap");
+  Bootstrap& bs = *ctx_->bs;
+  const int world = bs.size(), rank = bs.rank();
+
+  AllocRequest mine{};
+  mine.bytes = bytes;
+  mine.mode = static_cast<int32_t>(ctx_->requested);
+  mine.has_gpu = ctx_->device >= 0;
+  if (mine.has_gpu) {
+    bool ok = false;
+    MK_CUDA_CHECK(cudaSetDevice(ctx_->device));
+    Status s = vmm_supported(ctx_->device, &ok);
+    mine.vmm_ok = s.ok() && ok;
+  }
+  std::vector<AllocRequest> reqs(world);
+  MK_CHECK(bs.allgather(&mine, reqs.data(), sizeof(mine)));
+  // Validation on gathered data: every rank reaches the same verdict.
+  std::vector<int> zero, nogpu;
+  bool same_size = true, same_mode = true, all_vmm = true;
+  for (int r = 0; r < world; ++r) {
+    if (reqs[r].bytes == 0) zero.push_back(r);
+    if (!reqs[r].has_gpu) nogpu.push_back(r);
+    same_size &= reqs[r].bytes == reqs[0].bytes;
+    same_mode &= reqs[r].mode == reqs[0].mode;
+    all_vmm &= reqs[r].vmm_ok != 0;
+  }
+  if (!zero.empty())
+    return make_status(Code::kInvalidArgument,
+                       "symmetric alloc: size 0 requested by rank(s) %s (sizes: %s)",
+                       detail::rank_list(zero).c_str(), size_list(reqs).c_str());
+  if (!same_size)
+    return make_status(Code::kMismatch, "symmetric alloc: ranks asked for different sizes (%s)",
+                       size_list(reqs).c_str());
+  if (!same_mode)
+    return make_status(Code::kMismatch,
+                       "symmetric alloc: ranks asked for different mapping modes (symmem_mode)");
+  if (!nogpu.empty())
+    return make_status(Code::kNotSupported, "symmetric alloc: no GPU on rank(s) %s",
+                       detail::rank_list(nogpu).c_str());
+
+  if (mode_ == SymmetricMode::kAuto) {
+    SymmetricMode want = static_cast<SymmetricMode>(reqs[0].mode);
+    if (want == SymmetricMode::kAuto) want = all_vmm ? SymmetricMode::kVmm : SymmetricMode::kIpc;
+    if (want == SymmetricMode::kVmm && !all_vmm)
+      return make_status(Code::kNotSupported,
+                         "symmetric alloc: symmem_mode=vmm but a GPU lacks VMM with POSIX-FD "
+                         "export; use symmem_mode=auto or ipc");
+    mode_ = want;
+    MK_INFO(kSubsysMem, "symmetric heap: peer mapping through %s", symmetric_mode_name(mode_));
+  }
+
+  auto b = std::make_unique<SymmetricBuffer>();
+  b->id_ = next_id_++;
+  b->bytes_ = bytes;
+  b->rank_ = rank;
+  b->world_ = world;
+  Status local_err;
+  Status s = alloc_mode(bytes, mode_, b.get(), &local_err);
+  if (!s.ok() && mode_ == SymmetricMode::kVmm &&
+      static_cast<SymmetricMode>(reqs[0].mode) == SymmetricMode::kAuto &&
+      s.code() != Code::kOutOfMemory && s.code() != Code::kTimeout) {
+    // VMM export/import can be refused (container policies, MPS setups): fall back once.
+    MK_WARN(kSubsysMem, "symmetric heap: VMM peer mapping failed (%s); falling back to cudaIpc",
+            s.message().c_str());
+    mode_ = SymmetricMode::kIpc;
+    b->id_ = next_id_++;
+    s = alloc_mode(bytes, mode_, b.get(), &local_err);
+  }
+  MK_CHECK(s);
+  MK_INFO(kSubsysMem, "symmetric alloc #%llu: %zu B (mapped %zu B) via %s",
+          static_cast<unsigned long long>(b->id_), bytes, b->mapped_, symmetric_mode_name(b->mode_));
+  *out = b.get();
+  buffers_.push_back(std::move(b));
+  return OkStatus();
+}
+
+// Creates this rank's copy, agrees, then maps the peers' and agrees again. On any rank's
+// failure every rank unwinds and returns the same error.
+Status SymmetricHeap::alloc_mode(size_t bytes, SymmetricMode mode, SymmetricBuffer* b,
+                                 Status* local_err) {
+  const Topology& topo = *ctx_->topo;
+  const int world = topo.world;
+  b->mode_ = mode;
+  b->peers_.assign(world, nullptr);
+  b->peer_handles_.assign(world, 0);
+  b->peer_opened_.assign(world, false);
+  b->peer_mapped_.assign(world, 0);
+  b->local_ = nullptr;
+  b->local_handle_ = 0;
+  b->d_peers_ = nullptr;
+
+  // 1. this rank's copy
+  auto create_local = [&]() -> Status {
+    if (mode == SymmetricMode::kVmm) {
+      const CudaDriver* d = nullptr;
+      MK_CHECK(cuda_driver(&d));
+      CUdevice dev;
+      MK_CU_CHECK(d->cuDeviceGet(&dev, ctx_->device));
+      CUmemAllocationProp prop;
+      memset(&prop, 0, sizeof(prop));
+      prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      prop.location.id = dev;
+      prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+      int rdma = 0;
+      if (d->cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                                  dev) == CUDA_SUCCESS && rdma)
+        prop.allocFlags.gpuDirectRDMACapable = 1;  // the network backend may register it
+      size_t gran = 0;
+      MK_CU_CHECK(d->cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+      b->mapped_ = round_up(bytes, gran);
+      CUmemGenericAllocationHandle h;
+      MK_CU_CHECK(d->cuMemCreate(&h, b->mapped_, &prop, 0));
+      b->local_handle_ = h;
+      CUdeviceptr va = 0;
+      MK_CU_CHECK(d->cuMemAddressReserve(&va, b->mapped_, gran, 0, 0));
+      b->local_ = reinterpret_cast<void*>(va);
+      MK_CU_CHECK(d->cuMemMap(va, b->mapped_, 0, h, 0));
+      // Access for this GPU and for the GPUs of same-process ranks, which use this VA directly.
+      std::vector<CUmemAccessDesc> acc;
+      for (int devi : ctx_->process_devices) {
+        CUmemAccessDesc a;
+        memset(&a, 0, sizeof(a));
+        a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        a.location.id = devi;
+        a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        acc.push_back(a);
+      }
+      MK_CU_CHECK(d->cuMemSetAccess(va, b->mapped_, acc.data(), acc.size()));
+    } else {
+      b->mapped_ = round_up(bytes, 256);
+      MK_CUDA_CHECK(cudaMalloc(&b->local_, b->mapped_));
+      for (int devi : ctx_->process_devices) {
+        if (devi == ctx_->device) continue;
+        cudaError_t e = cudaDeviceEnablePeerAccess(devi, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+        else MK_CUDA_CHECK(e);
+      }
+    }
+    return OkStatus();
+  };
+  MK_CUDA_CHECK(cudaSetDevice(ctx_->device));
+  *local_err = create_local();
+  Status s = agree(*local_err, ("symmetric alloc of " + std::to_string(bytes) + " B").c_str());
+  if (!s.ok()) {
+    release_local(b);
+    return s;
+  }
+  s = map_peers(b, local_err);
+  if (!s.ok()) {
+    release_peers(b);
+    release_local(b);
+    return s;
+  }
+  return OkStatus();
+}
+
+Status SymmetricHeap::map_peers(SymmetricBuffer* b, Status* local_err) {
+  const Topology& topo = *ctx_->topo;
+  const int world = topo.world, rank = topo.rank;
+  const CudaDriver* d = nullptr;
+  int exported_fd = -1;
+  Exchange mine;
+  memset(&mine, 0, sizeof(mine));
+  mine.mapped = b->mapped_;
+  mine.ptr = reinterpret_cast<uint64_t>(b->local_);
+  auto publish = [&]() -> Status {
+    if (b->mode_ == SymmetricMode::kVmm) {
+      MK_CHECK(cuda_driver(&d));
+      bool any_ipc = false;
+      for (int r = 0; r < world; ++r) any_ipc |= topo.path[r] == PeerPath::kIpc;
+      if (any_ipc) {
+        MK_REQUIRE(ctx_->ipc, Code::kInternal, "IPC peers but no IPC server");
+        MK_CU_CHECK(d->cuMemExportToShareableHandle(
+            &exported_fd, static_cast<CUmemGenericAllocationHandle>(b->local_handle_),
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+        Status ps = ctx_->ipc->publish(b->id_, exported_fd);
+        close(exported_fd);
+        MK_CHECK(ps);
+      }
+    } else {
+      MK_CUDA_CHECK(cudaIpcGetMemHandle(&mine.ipc, b->local_));
+    }
+    return OkStatus();
+  };
+  Status ps = publish();
+  // The allgather doubles as the barrier after which every rank's fd is published.
+  std::vector<Exchange> all(world);
+  MK_CHECK(ctx_->bs->allgather(&mine, all.data(), sizeof(mine)));
+  Status ag = agree(ps, "symmetric alloc: exporting handles");
+  if (!ag.ok()) {
+    if (ctx_->ipc) ctx_->ipc->retract(b->id_);
+    return ag;
+  }
+
+  auto import_all = [&]() -> Status {
+    const int64_t tmo = tunables::int_or_default("ipc_timeout_ms");
+    for (int r = 0; r < world; ++r) {
+      switch (topo.path[r]) {
+        case PeerPath::kSelf: b->peers_[r] = b->local_; break;
+        case PeerPath::kNetwork: b->peers_[r] = nullptr; break;
+        case PeerPath::kSameProcess: b->peers_[r] = reinterpret_cast<void*>(all[r].ptr); break;
+        case PeerPath::kIpc:
+          if (b->mode_ == SymmetricMode::kVmm) {
+            int fd = -1;
+            MK_CHECK(ipc_fetch_fd(ctx_->secret, rank, r, b->id_, tmo, &fd));
+            CUmemGenericAllocationHandle h;
+            CUresult cr = d->cuMemImportFromShareableHandle(
+                &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+            close(fd);
+            MK_CU_CHECK(cr);
+            b->peer_handles_[r] = h;
+            CUdeviceptr va = 0;
+            MK_CU_CHECK(d->cuMemAddressReserve(&va, all[r].mapped, 0, 0, 0));
+            b->peers_[r] = reinterpret_cast<void*>(va);
+            b->peer_mapped_[r] = all[r].mapped;
+            MK_CU_CHECK(d->cuMemMap(va, all[r].mapped, 0, h, 0));
+            CUmemAccessDesc a;
+            memset(&a, 0, sizeof(a));
+            a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            a.location.id = ctx_->device;
+            a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            MK_CU_CHECK(d->cuMemSetAccess(va, all[r].mapped, &a, 1));
+          } else {
+            void* p = nullptr;
+            MK_CUDA_CHECK(cudaIpcOpenMemHandle(&p, all[r].ipc, cudaIpcMemLazyEnablePeerAccess));
+            b->peers_[r] = p;
+            b->peer_opened_[r] = true;
+          }
+          break;
+      }
+    }
+    MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->d_peers_), world * sizeof(void*)));
+    MK_CUDA_CHECK(cudaMemcpy(b->d_peers_, b->peers_.data(), world * sizeof(void*),
+                             cudaMemcpyHostToDevice));
+    return OkStatus();
+  };
+  *local_err = import_all();
+  Status s = agree(*local_err, "symmetric alloc: mapping peers");
+  // Every rank has imported (or given up): the exported fd need not be served any longer.
+  if (ctx_->ipc) ctx_->ipc->retract(b->id_);
+  return s;
+}
+
+void SymmetricHeap::release_peers(SymmetricBuffer* b) {
+  const CudaDriver* d = nullptr;
+  (void)cuda_driver(&d);
+  for (int r = 0; r < static_cast<int>(b->peers_.size()); ++r) {
+    if (b->peer_handles_.size() > static_cast<size_t>(r) && b->peer_handles_[r] && d) {
+      if (b->peers_[r] && b->peer_mapped_[r]) {
+        auto va = reinterpret_cast<CUdeviceptr>(b->peers_[r]);
+        d->cuMemUnmap(va, b->peer_mapped_[r]);
+        d->cuMemAddressFree(va, b->peer_mapped_[r]);
+      }
+      d->cuMemRelease(static_cast<CUmemGenericAllocationHandle>(b->peer_handles_[r]));
+      b->peer_handles_[r] = 0;
+    }
+    if (b->peer_opened_.size() > static_cast<size_t>(r) && b->peer_opened_[r]) {
+      cudaIpcCloseMemHandle(b->peers_[r]);
+      b->peer_opened_[r] = false;
+    }
+    if (r != b->rank_) b->peers_[r] = nullptr;
+  }
+  if (b->d_peers_) {
+    cudaFree(b->d_peers_);
+    b->d_peers_ = nullptr;
+  }
+}
+
+void SymmetricHeap::release_local(SymmetricBuffer* b) {
+  if (!b->local_) return;
+  if (b->mode_ == SymmetricMode::kVmm) {
+    const CudaDriver* d = nullptr;
+    if (cuda_driver(&d).ok()) {
+      d->cuMemUnmap(reinterpret_cast<CUdeviceptr>(b->local_), b->mapped_);
+      d->cuMemAddressFree(reinterpret_cast<CUdeviceptr>(b->local_), b->mapped_);
+      if (b->local_handle_) d->cuMemRelease(static_cast<CUmemGenericAllocationHandle>(b->local_handle_));
+    }
+  } else {
+    cudaFree(b->local_);
+  }
+  b->local_ = nullptr;
+  b->local_handle_ = 0;
+  if (!b->peers_.empty()) b->peers_[b->rank_] = nullptr;
+}
+
+Status SymmetricHeap::free(SymmetricBuffer* b) {
+  if (!b || b->freed_) return OkStatus();
+  MK_CUDA_CHECK(cudaSetDevice(ctx_->device));
+  // Own work on the buffer is done; the barrier says every rank's is.
+  Status sync = OkStatus();
+  if (cudaDeviceSynchronize() != cudaSuccess)
+    sync = make_status(Code::kCudaError, "symmetric free: device sync failed: %s",
+                       cudaGetErrorString(cudaGetLastError()));
+  Status s1 = ctx_->bs->barrier();
+  release_peers(b);
+  // Nobody maps this rank's copy any more once every rank has released its peers.
+  Status s2 = s1.ok() ? ctx_->bs->barrier() : s1;
+  release_local(b);
+  b->freed_ = true;
+  MK_CHECK(sync);
+  MK_CHECK(s1);
+  MK_CHECK(s2);
+  return OkStatus();
+}
+
+Status SymmetricHeap::destroy() {
+  if (destroyed_) return OkStatus();
+  destroyed_ = true;
+  Status first;
+  for (auto it = buffers_.rbegin(); it != buffers_.rend(); ++it) {
+    Status s = free(it->get());
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+}  // namespace mk

@@ -1,0 +1,44 @@
+// mkernel — command line entry: `mkernel doctor`, `mkernel selfcheck`.
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mkernel/mkernel.h"
+#include "tools/cli.h"
+
+namespace {
+void usage() {
+  printf(
+      "usage: mkernel <command> [options]\n"
+      "  doctor               GPUs, driver/CUDA versions, peer access and NVLink, MPS,\n"
+      "                       libfabric providers, and every tunable with its source\n"
+      "  selfcheck [--ranks N] [--timeout-ms T]\n"
+      "                       bootstrap, topology, symmetric memory and signals on the local\n"
+      "                       GPUs; under mpirun one rank per process, else N threads\n"
+      "  version              print the version\n"
+      "Tunables: see `mkernel doctor`; set MK_<NAME> in the environment.\n");
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    usage();
+    return 2;
+  }
+  std::string cmd = argv[1];
+  std::vector<std::string> args(argv + 2, argv + argc);
+  if (cmd == "doctor") return mk::cli::doctor(args);
+  if (cmd == "selfcheck") return mk::cli::selfcheck(args);
+  if (cmd == "version" || cmd == "--version") {
+    printf("mkernel %s\n", mk::version());
+    return 0;
+  }
+  if (cmd == "help" || cmd == "--help" || cmd == "-h") {
+    usage();
+    return 0;
+  }
+  fprintf(stderr, "mkernel: unknown command '%s'\n", cmd.c_str());
+  usage();
+  return 2;
+}
