@@ -383,12 +383,16 @@ void SymmetricHeap::release_local(SymmetricBuffer* b) {
 
 Status SymmetricHeap::free(SymmetricBuffer* b) {
   if (!b || b->freed_) return OkStatus();
-  MK_CUDA_CHECK(cudaSetDevice(ctx_->device));
-  // Own work on the buffer is done; the barrier says every rank's is.
+  // Own work on the buffer is done; the barrier says every rank's is. A dead context (a
+  // trapped kernel) is reported, but the barriers are still met so no peer waits in vain.
   Status sync = OkStatus();
-  if (cudaDeviceSynchronize() != cudaSuccess)
+  cudaError_t e = cudaSetDevice(ctx_->device);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
     sync = make_status(Code::kCudaError, "symmetric free: device sync failed: %s",
-                       cudaGetErrorString(cudaGetLastError()));
+                       cudaGetErrorString(e));
+    cudaGetLastError();
+  }
   Status s1 = ctx_->bs->barrier();
   release_peers(b);
   // Nobody maps this rank's copy any more once every rank has released its peers.

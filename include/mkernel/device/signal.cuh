@@ -44,25 +44,35 @@ __device__ __forceinline__ void signal_add(uint64_t* flag, uint64_t v) {
 
 // Writes the diagnostic record (first timed-out wait wins) and traps. Never returns.
 // Out of line: the cold path stays out of every wait loop's instruction stream.
+// The claim word goes 0 -> 1 (claimed) -> 2 (record written). A thread that loses the claim
+// waits (bounded) for 2 before trapping: a trap ends the whole grid, and an early one from
+// another thread would cut the winner's record short.
 inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, const uint64_t* flag,
-                                                 int peer, int flag_index, uint64_t expected,
-                                                 uint64_t seen, uint64_t waited_ns) {
-  if (ctx.diag && ctx.claim && atomicCAS(ctx.claim, 0u, 1u) == 0u) {
-    volatile DiagRecord* d = ctx.diag;
-    d->rank = ctx.rank;
-    d->peer = peer;
-    d->op_tag = ctx.op_tag;
-    d->role = ctx.role;
-    d->flag_index = flag_index;
-    d->block = static_cast<int32_t>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-    d->thread = static_cast<int32_t>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
-    d->expected = expected;
-    d->seen = seen;
-    d->waited_ns = waited_ns;
-    d->timeout_ns = ctx.timeout_ns;
-    __threadfence_system();
-    d->state = 2u;
-    __threadfence_system();
+                                                        int peer, int flag_index, uint64_t expected,
+                                                        uint64_t seen, uint64_t waited_ns) {
+  if (ctx.diag && ctx.claim) {
+    if (atomicCAS(ctx.claim, 0u, 1u) == 0u) {
+      volatile DiagRecord* d = ctx.diag;
+      d->rank = ctx.rank;
+      d->peer = peer;
+      d->op_tag = ctx.op_tag;
+      d->role = ctx.role;
+      d->flag_index = flag_index;
+      d->block = static_cast<int32_t>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+      d->thread = static_cast<int32_t>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+      d->expected = expected;
+      d->seen = seen;
+      d->waited_ns = waited_ns;
+      d->timeout_ns = ctx.timeout_ns;
+      __threadfence_system();
+      d->state = 2u;
+      __threadfence_system();
+      atomicExch(ctx.claim, 2u);
+    } else {
+      const uint64_t t0 = global_timer_ns();
+      while (atomicAdd(ctx.claim, 0u) != 2u && global_timer_ns() - t0 < 100000000ull) {
+      }
+    }
   }
   __trap();
 }

@@ -21,6 +21,7 @@ struct ThreadWorld {
     int count = 0;
     int departed = 0;
     std::vector<int> failed;  // ranks that gave up on this op (timeout / mismatch)
+    bool mismatch = false;    // ranks passed different sizes: nobody waits any longer
   };
   explicit ThreadWorld(int n) : size(n) {}
   int size;
@@ -55,6 +56,7 @@ class ThreadBootstrap final : public Bootstrap {
     if (op.bytes_set && op.bytes != bytes) {
       size_t other = op.bytes;
       op.failed.push_back(rank_);
+      op.mismatch = true;
       w_->cv.notify_all();
       leave(seq, op);
       return make_status(Code::kMismatch,
@@ -68,10 +70,11 @@ class ThreadBootstrap final : public Bootstrap {
     op.arrived[rank_] = true;
     ++op.count;
     w_->cv.notify_all();
+    // Each waiter keeps its own deadline, so every waiter names the missing ranks itself.
     bool done = w_->cv.wait_until(lk, detail::deadline_after(tmo), [&] {
-      return op.count == w_->size || !op.failed.empty();
+      return op.count == w_->size || op.mismatch;
     });
-    if (!op.failed.empty() && op.count != w_->size) {
+    if (op.mismatch) {
       std::vector<int> f = op.failed;
       leave(seq, op);
       return make_status(Code::kRemoteError,

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, run the test suite (ranks as processes under MPS),
+# the selfcheck, and keep the logs under $OUT. Usage (from the project root, .devcarry sent):
+#   bash scripts/device/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/mk-out}
+mkdir -p "$OUT"
+source .devcarry/env.sh
+source .devcarry/extra-env.sh
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; nproc
+  mpirun --version | head -1; mpicc --showme:incdirs 2>&1 | head -1
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+t0=$(date +%s)
+MK_SKIP_INSTALL=1 MK_JOBS=16 bash scripts/setup.sh > "$OUT/build.log" 2>&1
+rc=$?
+echo "build rc=$rc in $(( $(date +%s) - t0 )) s"; grep -E "mkernel:|error" "$OUT/build.log" | head -20
+[[ $rc -eq 0 ]] || { tail -40 "$OUT/build.log"; exit 1; }
+build/mkernel doctor > "$OUT/doctor.txt" 2>&1; head -30 "$OUT/doctor.txt"
+
+# Single-process tests first, without MPS (the planted trap ends that process's context).
+ctest --test-dir build -V -LE mpi > "$OUT/ctest_single.log" 2>&1
+tail -8 "$OUT/ctest_single.log"
+
+nvidia-cuda-mps-control -d && echo "MPS started"
+export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MK_MPS_PCT:-25}
+ctest --test-dir build -V -L mpi -E timeout ${MK_CTEST_ARGS:-} > "$OUT/ctest_mpi.log" 2>&1
+grep -E "us per round|replays|mapping mode|Test +#|tests passed|FAILED|Failure|rank [0-9]+\] " "$OUT/ctest_mpi.log" | head -60
+ctest --test-dir build -V -R timeout > "$OUT/ctest_timeout.log" 2>&1
+grep -E "timed out|Test +#|tests passed|Failure" "$OUT/ctest_timeout.log" | head -20
+for np in 2 4; do
+  mpirun --bind-to none -np $np build/mkernel selfcheck > "$OUT/selfcheck_np$np.log" 2>&1
+  echo "selfcheck np=$np rc=$?"; grep -E "signals|symmetric|FAILED|bootstrap" "$OUT/selfcheck_np$np.log" | head -8
+done
+echo quit | nvidia-cuda-mps-control
+echo "total $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test suite: set up and build (scripts/setup.sh), then every test. Tests labelled gpu
+# report "skipped" on a machine without a GPU. Several ranks on one GPU run side by side
+# only under MPS (nvidia-cuda-mps-control -d); see docs/testing.md.
+#   MK_TEST_LABELS=regex  run only tests whose label matches (e.g. 'cpu|mpi')
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+"$root/scripts/setup.sh"
+build=${MK_BUILD_DIR:-build}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+args=(--test-dir "$build" --output-on-failure --no-tests=error)
+[[ -n ${MK_TEST_LABELS:-} ]] && args+=(-L "$MK_TEST_LABELS")
+ctest "${args[@]}"

@@ -1,0 +1,61 @@
+// One communicator per process for the MPI GPU tests, created once and shared by the tests.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+
+#include "mkernel/mkernel.h"
+#include "mkernel/runtime/bootstrap_mpi.h"
+#include "tests/common/test_util.h"
+
+namespace mk {
+namespace test {
+
+inline std::unique_ptr<Communicator>& shared_comm_slot() {
+  static std::unique_ptr<Communicator> comm = [] {
+    std::unique_ptr<Bootstrap> bs;
+    Status s = make_mpi_bootstrap(MPI_COMM_WORLD, &bs);
+    std::unique_ptr<Communicator> c;
+    if (s.ok()) {
+      CommConfig cfg;
+      cfg.require_gpu = true;
+      s = Communicator::create(std::move(bs), cfg, &c);
+    }
+    if (!s.ok()) fprintf(stderr, "communicator: %s\n", s.to_string().c_str());
+    return c;
+  }();
+  return comm;
+}
+inline Communicator* shared_comm() { return shared_comm_slot().get(); }
+
+// Tears the communicator down (collectively) before main() finalizes MPI.
+class CommEnvironment : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    auto& c = shared_comm_slot();
+    if (c) {
+      Status s = c->destroy();
+      if (!s.ok()) fprintf(stderr, "communicator teardown: %s\n", s.to_string().c_str());
+      c.reset();
+    }
+  }
+};
+inline ::testing::Environment* const kCommEnvironment =
+    ::testing::AddGlobalTestEnvironment(new CommEnvironment);
+
+// Device counter of bad words, read back and reset.
+struct BadCounter {
+  unsigned long long* d = nullptr;
+  BadCounter() { cudaMalloc(&d, sizeof(*d)); cudaMemset(d, 0, sizeof(*d)); }
+  ~BadCounter() { cudaFree(d); }
+  unsigned long long take() {
+    unsigned long long h = ~0ull;
+    cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost);
+    cudaMemset(d, 0, sizeof(*d));
+    return h;
+  }
+};
+
+}  // namespace test
+}  // namespace mk
