@@ -1,5 +1,6 @@
 // mkernel — command line entry: `mkernel doctor`, `mkernel selfcheck`.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -29,7 +30,12 @@ int main(int argc, char** argv) {
   std::string cmd = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
   if (cmd == "doctor") return mk::cli::doctor(args);
-  if (cmd == "selfcheck") return mk::cli::selfcheck(args);
+  if (cmd == "selfcheck") {
+    // Ranks as threads share one CUDA context and wait on each other's kernels: give every
+    // stream its own hardware queue (read when CUDA creates the context).
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+    return mk::cli::selfcheck(args);
+  }
   if (cmd == "version" || cmd == "--version") {
     printf("mkernel %s\n", mk::version());
     return 0;

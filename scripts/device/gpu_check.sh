@@ -20,6 +20,9 @@ echo "build rc=$rc in $(( $(date +%s) - t0 )) s"; grep -E "mkernel:|error" "$OUT
 [[ $rc -eq 0 ]] || { tail -40 "$OUT/build.log"; exit 1; }
 build/mkernel doctor > "$OUT/doctor.txt" 2>&1; head -30 "$OUT/doctor.txt"
 
+build/mkernel selfcheck > "$OUT/selfcheck_threads.log" 2>&1
+echo "selfcheck threads rc=$?"; grep -E "signals|symmetric|FAILED|bootstrap|passed" "$OUT/selfcheck_threads.log" | head -6
+
 # Single-process tests first, without MPS (the planted trap ends that process's context).
 ctest --test-dir build -V -LE mpi > "$OUT/ctest_single.log" 2>&1
 tail -8 "$OUT/ctest_single.log"

@@ -30,15 +30,15 @@ const std::vector<TunableDef> kTable = {
     {"debug_file", "MK_DEBUG_FILE", TunableType::kString, "",
      "log to this file instead of stderr (%h host, %p pid expanded)"},
     {"bootstrap_timeout_ms", "MK_BOOTSTRAP_TIMEOUT_MS", TunableType::kInt, "60000",
-     "how long a bootstrap collective waits for every rank before failing with the missing ranks"},
+     "how long a bootstrap collective waits for every rank before failing with the missing ranks", 1},
     {"ipc_timeout_ms", "MK_IPC_TIMEOUT_MS", TunableType::kInt, "30000",
-     "how long a handle exchange over the node-local socket may take"},
+     "how long a handle exchange over the node-local socket may take", 1},
     {"signal_timeout_ms", "MK_SIGNAL_TIMEOUT_MS", TunableType::kInt, "10000",
-     "bound on every device-side wait; on expiry the kernel records who it waited for and traps"},
+     "bound on every device-side wait; on expiry the kernel records who it waited for and traps", 1},
     {"ranks_per_node", "MK_RANKS_PER_NODE", TunableType::kInt, "0",
      "0: nodes from hostnames; k > 0: consecutive groups of k ranks form one (emulated) node"},
     {"device", "MK_DEVICE", TunableType::kInt, "-1",
-     "CUDA device of this rank; -1: host-local rank modulo the visible device count"},
+     "CUDA device of this rank; -1: host-local rank modulo the visible device count", -1},
     {"symmem_mode", "MK_SYMMEM_MODE", TunableType::kString, "auto",
      "peer mapping of symmetric memory: auto (VMM, else cudaIpc), vmm or ipc"},
 };
@@ -62,7 +62,7 @@ bool parse_int(const std::string& v, int64_t* out) {
   if (v.empty()) return false;
   errno = 0;
   char* end = nullptr;
-  long long x = strtoll(v.c_str(), &end, 0);
+  long long x = strtoll(v.c_str(), &end, 10);  // base 10: "010" is ten, not eight
   if (errno != 0 || *end != '\0') return false;
   *out = x;
   return true;
@@ -95,6 +95,9 @@ Status set(const std::string& name, const std::string& value) {
   if (d->type == TunableType::kInt && !parse_int(value, &x))
     return make_status(Code::kInvalidArgument, "tunable %s expects an integer, got '%s'",
                        d->name, value.c_str());
+  if (d->type == TunableType::kInt && x < d->min_value)
+    return make_status(Code::kInvalidArgument, "tunable %s must be >= %lld, got %lld", d->name,
+                       static_cast<long long>(d->min_value), static_cast<long long>(x));
   {
     std::lock_guard<std::mutex> g(state().mu);
     state().api[d->name] = value;
@@ -123,6 +126,10 @@ Status get_int(const std::string& name, int64_t* out) {
   if (!parse_int(v.value, out))
     return make_status(Code::kInvalidArgument, "tunable %s (from %s) is not an integer: '%s'",
                        d->name, tunable_source_name(v.source), v.value.c_str());
+  if (*out < d->min_value)
+    return make_status(Code::kInvalidArgument, "tunable %s (from %s) must be >= %lld, got %lld",
+                       d->name, tunable_source_name(v.source),
+                       static_cast<long long>(d->min_value), static_cast<long long>(*out));
   return OkStatus();
 }
 

@@ -1,6 +1,7 @@
 #include "mkernel/runtime/communicator.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "mkernel/common/cuda_check.h"
@@ -119,6 +120,16 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
       std::unique(heap_ctx_->process_devices.begin(), heap_ctx_->process_devices.end()),
       heap_ctx_->process_devices.end());
   heap_ = std::make_unique<SymmetricHeap>(heap_ctx_.get());
+  int same_process_gpu = 0;
+  for (int r = 0; r < world; ++r)
+    same_process_gpu += topo_.path[r] == PeerPath::kSameProcess && infos[r].cuda_device == device_;
+  if (same_process_gpu > 0 && device_ >= 0 && !getenv("CUDA_DEVICE_MAX_CONNECTIONS"))
+    MK_WARN(kSubsysInit,
+            "rank %d shares its GPU with %d rank(s) of this process: their kernels wait on each "
+            "other, and CUDA may queue them behind one another on its 8 default hardware queues "
+            "(a bounded wait then reports it). Set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
+            "starts, or use one process per rank.",
+            rank, same_process_gpu);
 
   Status gs = ms;
   if (gs.ok() && device_ >= 0) {

@@ -14,6 +14,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
 
 namespace mk {
 namespace {
@@ -205,9 +206,10 @@ void IpcServer::loop() {
   }
 }
 
-// One request per connection. Short timeouts: a stalled client must not block other peers.
+// One request per connection. A legitimate client sends its request right after connecting,
+// so a short deadline bounds how long a stalled (same-uid) client can hold up other peers.
 void IpcServer::serve(int conn) {
-  set_timeouts(conn, 2000);
+  set_timeouts(conn, 250);
   ucred cred;
   socklen_t clen = sizeof(cred);
   if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &clen) < 0) {
@@ -257,6 +259,7 @@ void IpcServer::serve(int conn) {
 Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
                     int64_t timeout_ms, int* fd_out) {
   *fd_out = -1;
+  if (timeout_ms <= 0) timeout_ms = tunables::int_or_default("ipc_timeout_ms");
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   MK_SYS_CHECK(s);
   struct Closer {

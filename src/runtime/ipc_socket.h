@@ -68,6 +68,7 @@ class IpcServer {
 
 // Asks `peer`'s server for the fd published under `id`. On success *fd_out is a new fd owned
 // by the caller. kPermissionDenied if the server refused, kTimeout if it did not answer.
+// timeout_ms <= 0: the tunable ipc_timeout_ms.
 Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
                     int64_t timeout_ms, int* fd_out);
 

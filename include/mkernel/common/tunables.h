@@ -21,6 +21,7 @@ struct TunableDef {
   TunableType type;
   const char* default_value;
   const char* help;
+  int64_t min_value = 0;  // integers below it are rejected (kInt only)
 };
 
 struct TunableValue {
@@ -32,7 +33,8 @@ struct TunableValue {
 namespace tunables {
 // The declared table (see src/common/tunables.cc), in declaration order.
 const std::vector<TunableDef>& table();
-// Current values with their source. Environment is read once, at first use.
+// Current values with their source. The environment is read on every lookup, so a variable
+// set before a communicator is created takes effect; an API value wins over both.
 std::vector<TunableValue> snapshot();
 // Set by name ("signal_timeout_ms") or env name ("MK_SIGNAL_TIMEOUT_MS"). Validates type.
 Status set(const std::string& name, const std::string& value);

@@ -73,7 +73,7 @@ class MpiBootstrap final : public Bootstrap {
       MK_MPI_CHECK(MPI_Isend(out + rank_ * bytes, static_cast<int>(bytes), MPI_BYTE, r, tag,
                              comm_, &reqs.back()));
     }
-    return wait_all(reqs, peer_of, nrecv, "allgather", seq, tmo);
+    return wait_all(reqs, peer_of, nrecv, bytes, "allgather", seq, tmo);
   }
 
   Status broadcast(void* buf, size_t bytes, int root, int64_t timeout_ms) override {
@@ -98,15 +98,16 @@ class MpiBootstrap final : public Bootstrap {
       nrecv = 1;
       MK_MPI_CHECK(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, root, tag, comm_, &reqs.back()));
     }
-    return wait_all(reqs, peer_of, nrecv, "broadcast", seq, tmo);
+    return wait_all(reqs, peer_of, nrecv, bytes, "broadcast", seq, tmo);
   }
 
  private:
   // Polls until every request completes or the deadline passes. A missing rank is one whose
   // receive never completed (or, for sends that need a matching receive, whose receive was
-  // never posted). On timeout the outstanding receives are cancelled; sends are released.
+  // never posted). A receive shorter than `bytes` is a size mismatch (a longer one fails
+  // with MPI_ERR_TRUNCATE). On any failure the outstanding requests are abandoned.
   Status wait_all(std::vector<MPI_Request>& reqs, const std::vector<int>& peer_of, size_t nrecv,
-                  const char* op, uint64_t seq, int64_t tmo) {
+                  size_t bytes, const char* op, uint64_t seq, int64_t tmo) {
     auto deadline = detail::deadline_after(tmo);
     detail::Backoff backoff;
     std::vector<int> idx(reqs.size());
@@ -116,53 +117,61 @@ class MpiBootstrap final : public Bootstrap {
       int n = 0;
       int err = MPI_Testsome(static_cast<int>(reqs.size()), reqs.data(), &n, idx.data(), st.data());
       if (err != MPI_SUCCESS) {
+        Status s = mpi_status(err, "MPI_Testsome");
         for (int i = 0; i < n; ++i) {
-          if (st[i].MPI_ERROR != MPI_SUCCESS && st[i].MPI_ERROR != MPI_ERR_PENDING) {
-            int len = 0;
-            char msg[MPI_MAX_ERROR_STRING] = {0};
-            MPI_Error_string(st[i].MPI_ERROR, msg, &len);
-            return make_status(st[i].MPI_ERROR == MPI_ERR_TRUNCATE ? Code::kMismatch
-                                                                  : Code::kSystemError,
-                               "mpi bootstrap %s #%llu with rank %d: %s (did the ranks pass the "
-                               "same byte count?)",
-                               op, static_cast<unsigned long long>(seq), peer_of[idx[i]], msg);
-          }
+          if (st[i].MPI_ERROR == MPI_SUCCESS || st[i].MPI_ERROR == MPI_ERR_PENDING) continue;
+          int len = 0;
+          char msg[MPI_MAX_ERROR_STRING] = {0};
+          MPI_Error_string(st[i].MPI_ERROR, msg, &len);
+          s = make_status(st[i].MPI_ERROR == MPI_ERR_TRUNCATE ? Code::kMismatch : Code::kSystemError,
+                          "mpi bootstrap %s #%llu with rank %d: %s (did the ranks pass the same "
+                          "byte count?)",
+                          op, static_cast<unsigned long long>(seq), peer_of[idx[i]], msg);
+          break;
         }
-        return mpi_status(err, "MPI_Testsome");
+        abandon(reqs, nrecv);
+        return s;
       }
       if (n == MPI_UNDEFINED) break;
       for (int i = 0; i < n; ++i) {
-        if (idx[i] < static_cast<int>(nrecv)) {
-          int count = 0;
-          MPI_Get_count(&st[i], MPI_BYTE, &count);
-          (void)count;  // a shorter message than posted is a mismatch too
+        if (idx[i] >= static_cast<int>(nrecv)) continue;
+        int count = 0;
+        MPI_Get_count(&st[i], MPI_BYTE, &count);
+        if (static_cast<size_t>(count) != bytes) {
+          abandon(reqs, nrecv);
+          return make_status(Code::kMismatch,
+                             "mpi bootstrap %s #%llu: rank %d sent %d bytes, rank %d expected %zu",
+                             op, static_cast<unsigned long long>(seq), peer_of[idx[i]], count,
+                             rank_, bytes);
         }
       }
       left -= n;
       if (left == 0) break;
       if (detail::Clock::now() > deadline) {
         std::vector<int> missing;
-        for (size_t i = 0; i < reqs.size(); ++i) {
-          if (reqs[i] == MPI_REQUEST_NULL) continue;
-          bool dup = false;
-          for (int m : missing) dup |= (m == peer_of[i]);
-          if (!dup) missing.push_back(peer_of[i]);
-        }
-        for (size_t i = 0; i < reqs.size(); ++i) {
-          if (reqs[i] == MPI_REQUEST_NULL) continue;
-          if (i < nrecv) {
-            MPI_Cancel(&reqs[i]);
-            MPI_Wait(&reqs[i], MPI_STATUS_IGNORE);
-          } else {
-            MPI_Request_free(&reqs[i]);
-          }
-        }
+        for (size_t i = 0; i < reqs.size(); ++i)
+          if (reqs[i] != MPI_REQUEST_NULL) missing.push_back(peer_of[i]);
         std::sort(missing.begin(), missing.end());
+        missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+        abandon(reqs, nrecv);
         return detail::missing_ranks_status("mpi", op, seq, missing, tmo);
       }
       backoff.pause();
     }
     return OkStatus();
+  }
+
+  // Cancels outstanding receives (their buffers may be reused) and releases sends.
+  static void abandon(std::vector<MPI_Request>& reqs, size_t nrecv) {
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (reqs[i] == MPI_REQUEST_NULL) continue;
+      if (i < nrecv) {
+        MPI_Cancel(&reqs[i]);
+        MPI_Wait(&reqs[i], MPI_STATUS_IGNORE);
+      } else {
+        MPI_Request_free(&reqs[i]);
+      }
+    }
   }
 
   MPI_Comm comm_;

@@ -29,6 +29,15 @@ class StoreBootstrap final : public Bootstrap {
     int left = size_ - 1;
     auto deadline = detail::deadline_after(tmo);
     detail::Backoff backoff;
+    // A rank that timed out leaves "<prefix>/<seq>/abort": a late rank must not succeed
+    // where the others failed.
+    auto aborted = [&](std::string* who) -> Status {
+      std::vector<uint8_t> v;
+      bool found = false;
+      MK_CHECK(cb_.try_get(abort_key(seq), &v, &found));
+      if (found) *who = std::string(v.begin(), v.end());
+      return OkStatus();
+    };
     while (left > 0) {
       for (int r = 0; r < size_; ++r) {
         if (have[r]) continue;
@@ -50,10 +59,18 @@ class StoreBootstrap final : public Bootstrap {
         std::vector<int> missing;
         for (int r = 0; r < size_; ++r)
           if (!have[r]) missing.push_back(r);
+        std::string r = std::to_string(rank_);
+        (void)cb_.set(abort_key(seq), std::vector<uint8_t>(r.begin(), r.end()));
         return detail::missing_ranks_status("store", "allgather", seq, missing, tmo);
       }
       backoff.pause();
     }
+    std::string who;
+    MK_CHECK(aborted(&who));
+    if (!who.empty())
+      return make_status(Code::kRemoteError,
+                         "store bootstrap allgather #%llu already failed: rank %s timed out on it",
+                         static_cast<unsigned long long>(seq), who.c_str());
     // Every rank has set its key of #seq, so every rank has finished reading #seq-1:
     // this rank's key of #seq-1 is no longer needed.
     if (seq > 0 && cb_.erase) (void)cb_.erase(key(seq - 1, rank_));
@@ -61,6 +78,7 @@ class StoreBootstrap final : public Bootstrap {
   }
 
  private:
+  std::string abort_key(uint64_t seq) const { return prefix_ + "/" + std::to_string(seq) + "/abort"; }
   std::string key(uint64_t seq, int r) const {
     return prefix_ + "/" + std::to_string(seq) + "/" + std::to_string(r);
   }

@@ -1,0 +1,638 @@
+// CPU tests of the in-process bootstraps: the thread world (make_thread_world) and the
+// key-value store bootstrap (make_store_bootstrap over an in-memory store), plus agree().
+// Each rank is a thread; every collective passes an explicit, short timeout.
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mkernel/runtime/bootstrap.h"
+#include "tests/common/test_util.h"
+
+namespace mk {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kOpTimeoutMs = 1500;   // happy-path collectives
+constexpr int64_t kMissTimeoutMs = 500;  // collectives that are expected to time out
+
+int64_t ms_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+}
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t x = a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
+  x ^= x >> 31;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 29;
+  return x;
+}
+
+// Rank-tagged random payload: a function of (seed, op, rank), so every rank can compute
+// what every other rank sent. For n >= 8 the first bytes also spell out rank and op.
+std::vector<uint8_t> payload(uint64_t op, int rank, size_t n) {
+  std::mt19937_64 g(mix(mix(test::test_seed(), op), static_cast<uint64_t>(rank) + 1));
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = static_cast<uint8_t>(g());
+  if (n >= 8) {
+    uint32_t r = static_cast<uint32_t>(rank), o = static_cast<uint32_t>(op);
+    memcpy(v.data(), &r, 4);
+    memcpy(v.data() + 4, &o, 4);
+  }
+  return v;
+}
+
+// Compares every byte of an allgather result; returns "" or a description of the first error.
+std::string check_gathered(const std::vector<uint8_t>& recv, uint64_t op, int world, size_t n) {
+  if (recv.size() != n * world) return "recv has the wrong size";
+  size_t bad = 0;
+  std::string first;
+  for (int r = 0; r < world; ++r) {
+    std::vector<uint8_t> want = payload(op, r, n);
+    for (size_t i = 0; i < n; ++i) {
+      if (recv[r * n + i] != want[i]) {
+        if (bad++ == 0)
+          first = "block of rank " + std::to_string(r) + " byte " + std::to_string(i) + ": got " +
+                  std::to_string(recv[r * n + i]) + ", want " + std::to_string(want[i]);
+      }
+    }
+  }
+  if (!bad) return "";
+  return std::to_string(bad) + " wrong bytes (op " + std::to_string(op) + ", " +
+         std::to_string(n) + " bytes/rank); first: " + first;
+}
+
+// A receive buffer pre-filled with the complement of the expected data: every byte is wrong
+// until the collective writes it.
+std::vector<uint8_t> poisoned_recv(uint64_t op, int world, size_t n) {
+  std::vector<uint8_t> v(n * world);
+  for (int r = 0; r < world; ++r) {
+    std::vector<uint8_t> want = payload(op, r, n);
+    for (size_t i = 0; i < n; ++i) v[r * n + i] = static_cast<uint8_t>(~want[i]);
+  }
+  return v;
+}
+
+template <class F>
+void run_ranks(int world, F fn) {
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) th.emplace_back([&fn, r] { fn(r); });
+  for (auto& t : th) t.join();
+}
+
+const std::vector<size_t> kSizes = {1, 2, 7, 8, 64, 1000, 4099, 100 * 1024};
+
+// The checks shared by every bootstrap: allgather of every size (twice, the second time with
+// send aliasing recv), broadcast from every root, barrier that really synchronizes.
+void exercise(std::vector<std::unique_ptr<Bootstrap>>& bs, const char* kind) {
+  const int W = static_cast<int>(bs.size());
+  std::atomic<int> arrivals{0};
+  run_ranks(W, [&](int rank) {
+    Bootstrap& b = *bs[rank];
+    EXPECT_EQ(b.rank(), rank);
+    EXPECT_EQ(b.size(), W);
+    EXPECT_STREQ(b.kind(), kind);
+    uint64_t op = 0;
+    for (int round = 0; round < 2; ++round) {
+      for (size_t n : kSizes) {
+        ++op;
+        std::vector<uint8_t> recv = poisoned_recv(op, W, n);
+        Status s;
+        if (round == 0) {
+          std::vector<uint8_t> send = payload(op, rank, n);
+          s = b.allgather(send.data(), recv.data(), n, kOpTimeoutMs);
+        } else {
+          std::vector<uint8_t> mine = payload(op, rank, n);
+          memcpy(recv.data() + rank * n, mine.data(), n);  // send aliases recv
+          s = b.allgather(recv.data() + rank * n, recv.data(), n, kOpTimeoutMs);
+        }
+        EXPECT_TRUE(s.ok()) << "rank " << rank << " allgather " << n << ": " << s.to_string();
+        if (!s.ok()) return;
+        std::string err = check_gathered(recv, op, W, n);
+        EXPECT_EQ(err, "") << "rank " << rank;
+        if (!err.empty()) return;
+      }
+    }
+    for (size_t n : {size_t(1), size_t(13), size_t(4096), size_t(100 * 1024)}) {
+      for (int root = 0; root < W; ++root) {
+        ++op;
+        std::vector<uint8_t> buf = payload(op, rank, n);  // non-roots start with their own data
+        std::vector<uint8_t> want = payload(op, root, n);
+        if (rank != root && n >= 8) {
+          ASSERT_NE(buf, want);
+        }
+        Status s = b.broadcast(buf.data(), n, root, kOpTimeoutMs);
+        EXPECT_TRUE(s.ok()) << "rank " << rank << " broadcast root " << root << ": " << s.to_string();
+        if (!s.ok()) return;
+        size_t bad = 0;
+        for (size_t i = 0; i < n; ++i) bad += buf[i] != want[i];
+        EXPECT_EQ(bad, 0u) << "rank " << rank << " broadcast of " << n << " bytes from " << root;
+        if (bad) return;
+      }
+    }
+    // Barrier: nobody leaves barrier #i before everybody has arrived at it.
+    for (int i = 0; i < 20; ++i) {
+      arrivals.fetch_add(1);
+      if ((i + rank) % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      Status s = b.barrier(kOpTimeoutMs);
+      EXPECT_TRUE(s.ok()) << "rank " << rank << " barrier " << i << ": " << s.to_string();
+      if (!s.ok()) return;
+      int seen = arrivals.load();
+      EXPECT_GE(seen, W * (i + 1)) << "rank " << rank << " left barrier " << i << " early";
+      // A second barrier so no rank races ahead into the next increment before all checked.
+      s = b.barrier(kOpTimeoutMs);
+      EXPECT_TRUE(s.ok()) << s.to_string();
+      if (!s.ok()) return;
+    }
+    // Many back-to-back small collectives.
+    for (int i = 0; i < 200; ++i) {
+      ++op;
+      const size_t n = 1 + (op % 24);
+      std::vector<uint8_t> send = payload(op, rank, n);
+      std::vector<uint8_t> recv = poisoned_recv(op, W, n);
+      Status s = b.allgather(send.data(), recv.data(), n, kOpTimeoutMs);
+      EXPECT_TRUE(s.ok()) << s.to_string();
+      if (!s.ok()) return;
+      std::string err = check_gathered(recv, op, W, n);
+      EXPECT_EQ(err, "") << "rank " << rank;
+      if (!err.empty()) return;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Thread world
+
+class ThreadWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(ThreadWorld, CollectivesDeliverEveryByte) {
+  const int W = GetParam();
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(W, &bs));
+  ASSERT_EQ(static_cast<int>(bs.size()), W);
+  exercise(bs, "threads");
+}
+
+TEST_P(ThreadWorld, AgreeAllOk) {
+  const int W = GetParam();
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(W, &bs));
+  run_ranks(W, [&](int rank) {
+    for (int i = 0; i < 5; ++i) {
+      Status s = agree(*bs[rank], OkStatus(), "step", kOpTimeoutMs);
+      EXPECT_TRUE(s.ok()) << "rank " << rank << ": " << s.to_string();
+    }
+  });
+}
+
+TEST_P(ThreadWorld, AgreeReportsFailingRanks) {
+  const int W = GetParam();
+  if (W < 2) GTEST_SKIP() << "needs two ranks";
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(W, &bs));
+  std::mt19937_64 rng(mix(test::test_seed(), 0xA64EE));
+  const std::string what = "phase" + std::to_string(rng() % 1000);
+  const std::string msg1 = "rank one broke " + std::to_string(rng());
+  const std::string msg3 = "rank three broke " + std::to_string(rng());
+  std::vector<Status> one(W), two(W);
+  run_ranks(W, [&](int rank) {
+    Status mine = rank == 1 ? Status(Code::kOutOfMemory, msg1) : OkStatus();
+    one[rank] = agree(*bs[rank], mine, what, kOpTimeoutMs);
+    // Second round: ranks 1 and 3 (if present) fail with different codes.
+    Status mine2 = rank == 1   ? Status(Code::kCudaError, msg1)
+                   : rank == 3 ? Status(Code::kSystemError, msg3)
+                               : OkStatus();
+    two[rank] = agree(*bs[rank], mine2, what, kOpTimeoutMs);
+  });
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(one[r].code(), Code::kOutOfMemory) << one[r].to_string();
+    EXPECT_NE(one[r].message().find("rank(s) 1:"), std::string::npos) << one[r].message();
+    EXPECT_NE(one[r].message().find(msg1), std::string::npos) << one[r].message();
+    EXPECT_NE(one[r].message().find(what), std::string::npos) << one[r].message();
+    EXPECT_EQ(one[r].message(), one[0].message());
+    EXPECT_EQ(two[r].code(), Code::kCudaError) << two[r].to_string();
+    const std::string list = W > 3 ? "rank(s) 1,3:" : "rank(s) 1:";
+    EXPECT_NE(two[r].message().find(list), std::string::npos) << two[r].message();
+    EXPECT_NE(two[r].message().find(msg1), std::string::npos) << two[r].message();
+    EXPECT_EQ(two[r].message(), two[0].message());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ThreadWorld, ::testing::Values(1, 2, 3, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "W" + std::to_string(i.param);
+                         });
+
+TEST(ThreadWorldErrors, BadArguments) {
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  EXPECT_EQ(make_thread_world(0, &bs).code(), Code::kInvalidArgument);
+  EXPECT_EQ(make_thread_world(-3, &bs).code(), Code::kInvalidArgument);
+  MK_ASSERT_OK(make_thread_world(2, &bs));
+  uint8_t buf[4] = {1, 2, 3, 4};
+  EXPECT_EQ(bs[0]->broadcast(buf, 4, 2, kOpTimeoutMs).code(), Code::kInvalidArgument);
+  EXPECT_EQ(bs[0]->broadcast(buf, 4, -1, kOpTimeoutMs).code(), Code::kInvalidArgument);
+}
+
+// The rank that passes a different byte count gets kMismatch; the others an error, promptly.
+TEST(ThreadWorldErrors, SizeMismatch) {
+  for (int W : {2, 3, 4}) {
+    SCOPED_TRACE("W=" + std::to_string(W));
+    std::vector<std::unique_ptr<Bootstrap>> bs;
+    MK_ASSERT_OK(make_thread_world(W, &bs));
+    const int odd = W - 1;
+    const size_t n = 16;
+    std::vector<Status> st(W);
+    std::vector<int64_t> took(W);
+    run_ranks(W, [&](int rank) {
+      // The odd rank comes last, so the others have already agreed on n.
+      if (rank == odd) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      size_t mine = rank == odd ? n + 1 : n;
+      std::vector<uint8_t> send = payload(1, rank, mine);
+      std::vector<uint8_t> recv(mine * W, 0x5a);
+      auto t0 = Clock::now();
+      st[rank] = bs[rank]->allgather(send.data(), recv.data(), mine, kOpTimeoutMs);
+      took[rank] = ms_since(t0);
+    });
+    EXPECT_EQ(st[odd].code(), Code::kMismatch) << st[odd].to_string();
+    EXPECT_NE(st[odd].message().find(std::to_string(n + 1)), std::string::npos)
+        << st[odd].message();
+    for (int r = 0; r < W; ++r) {
+      EXPECT_FALSE(st[r].ok()) << "rank " << r << " returned ok from a mismatched allgather";
+      // Woken by the failure, not by their own deadline.
+      EXPECT_LT(took[r], kOpTimeoutMs - 200) << "rank " << r << ": " << st[r].to_string();
+    }
+  }
+}
+
+// Whatever the arrival order, every rank of a mismatched allgather returns an error, and at
+// least one of them is kMismatch.
+TEST(ThreadWorldErrors, SizeMismatchAnyOrder) {
+  const int W = 4;
+  for (int odd = 0; odd < W; ++odd) {
+    SCOPED_TRACE("odd rank " + std::to_string(odd));
+    std::vector<std::unique_ptr<Bootstrap>> bs;
+    MK_ASSERT_OK(make_thread_world(W, &bs));
+    std::vector<Status> st(W);
+    run_ranks(W, [&](int rank) {
+      if (rank != odd) std::this_thread::sleep_for(std::chrono::milliseconds(20 * (rank + 1)));
+      size_t mine = rank == odd ? 40 : 24;
+      std::vector<uint8_t> send = payload(2, rank, mine);
+      std::vector<uint8_t> recv(mine * W, 0x5a);
+      st[rank] = bs[rank]->allgather(send.data(), recv.data(), mine, kOpTimeoutMs);
+    });
+    int mismatches = 0;
+    for (int r = 0; r < W; ++r) {
+      EXPECT_FALSE(st[r].ok()) << "rank " << r;
+      mismatches += st[r].code() == Code::kMismatch;
+    }
+    EXPECT_GE(mismatches, 1);
+  }
+}
+
+// W=4, rank 2 skips allgather #0. As bootstrap.h promises, every rank that did arrive returns
+// kTimeout naming rank 2, after (about) the timeout and not much later; rank 2 arriving late,
+// after everyone gave up, gets an error rather than stale success or a hang.
+// (Before commit 1dda30a only the first waiter to expire got kTimeout; the others returned
+// kRemoteError naming that waiter instead of the missing rank.)
+TEST(ThreadWorldErrors, MissingRankIsNamedByEveryWaiter) {
+  const int W = 4, missing = 2;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(W, &bs));
+  std::vector<Status> st(W);
+  std::vector<int64_t> took(W, 0);
+  const size_t n = 32;
+  run_ranks(W, [&](int rank) {
+    if (rank == missing) return;
+    std::vector<uint8_t> send = payload(3, rank, n);
+    std::vector<uint8_t> recv(n * W, 0x5a);
+    auto t0 = Clock::now();
+    st[rank] = bs[rank]->allgather(send.data(), recv.data(), n, kMissTimeoutMs);
+    took[rank] = ms_since(t0);
+  });
+  for (int r = 0; r < W; ++r) {
+    if (r == missing) continue;
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(st[r].code(), Code::kTimeout) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("rank(s) 2 "), std::string::npos) << st[r].message();
+    EXPECT_NE(st[r].message().find(std::to_string(kMissTimeoutMs)), std::string::npos)
+        << st[r].message();
+    EXPECT_GE(took[r], kMissTimeoutMs - 50);
+    EXPECT_LE(took[r], kMissTimeoutMs + 1000);
+  }
+  std::vector<uint8_t> send = payload(3, missing, n);
+  std::vector<uint8_t> recv(n * W, 0x5a);
+  auto t0 = Clock::now();
+  Status late = bs[missing]->allgather(send.data(), recv.data(), n, kMissTimeoutMs);
+  EXPECT_FALSE(late.ok()) << "the late rank's allgather succeeded although its peers gave up";
+  EXPECT_LE(ms_since(t0), kMissTimeoutMs + 1000);
+}
+
+// Two ranks missing: both are named, by each of the others.
+TEST(ThreadWorldErrors, TwoMissingRanksAreBothNamed) {
+  const int W = 5;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(W, &bs));
+  std::vector<Status> st(W);
+  run_ranks(W, [&](int rank) {
+    if (rank == 1 || rank == 4) return;
+    std::vector<uint8_t> send = payload(4, rank, 5);
+    std::vector<uint8_t> recv(5 * W, 0x5a);
+    st[rank] = bs[rank]->allgather(send.data(), recv.data(), 5, 300);
+  });
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(st[r].code(), Code::kTimeout) << "rank " << r << ": " << st[r].to_string();
+    EXPECT_NE(st[r].message().find("rank(s) 1,4 "), std::string::npos) << st[r].message();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Store bootstrap over an in-memory store
+
+class MemStore {
+ public:
+  StoreCallbacks callbacks(bool with_erase = true) {
+    StoreCallbacks cb;
+    cb.set = [this](const std::string& key, const std::vector<uint8_t>& value) {
+      std::lock_guard<std::mutex> g(mu_);
+      if (map_.count(key)) ++rewrites_;
+      map_[key] = value;
+      ++sets_;
+      if (map_.size() > max_keys_) max_keys_ = map_.size();
+      return OkStatus();
+    };
+    cb.try_get = [this](const std::string& key, std::vector<uint8_t>* value, bool* found) {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = map_.find(key);
+      *found = it != map_.end();
+      if (*found) *value = it->second;
+      return OkStatus();
+    };
+    if (with_erase) {
+      cb.erase = [this](const std::string& key) {
+        std::lock_guard<std::mutex> g(mu_);
+        erased_ += map_.erase(key);
+        return OkStatus();
+      };
+    }
+    return cb;
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> g(mu_);
+    return map_.size();
+  }
+  size_t max_keys() {
+    std::lock_guard<std::mutex> g(mu_);
+    return max_keys_;
+  }
+  size_t sets() {
+    std::lock_guard<std::mutex> g(mu_);
+    return sets_;
+  }
+  size_t erased() {
+    std::lock_guard<std::mutex> g(mu_);
+    return erased_;
+  }
+  size_t rewrites() {
+    std::lock_guard<std::mutex> g(mu_);
+    return rewrites_;
+  }
+  std::vector<std::string> keys() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<std::string> k;
+    for (const auto& kv : map_) k.push_back(kv.first);
+    return k;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::vector<uint8_t>> map_;
+  size_t max_keys_ = 0, sets_ = 0, erased_ = 0, rewrites_ = 0;
+};
+
+Status make_store_world(MemStore& store, int W, const std::string& prefix,
+                        std::vector<std::unique_ptr<Bootstrap>>* out, bool with_erase = true) {
+  out->clear();
+  for (int r = 0; r < W; ++r) {
+    out->emplace_back();
+    Status s = make_store_bootstrap(r, W, prefix, store.callbacks(with_erase), &out->back());
+    if (!s.ok()) return s;
+  }
+  return OkStatus();
+}
+
+class StoreWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(StoreWorld, CollectivesDeliverEveryByte) {
+  const int W = GetParam();
+  MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_store_world(store, W, "pfx" + std::to_string(test::test_seed() % 1000), &bs));
+  exercise(bs, "store");
+  EXPECT_EQ(store.rewrites(), 0u) << "a key was written twice";
+  // The erase callback keeps the store at O(W) keys however many collectives ran.
+  EXPECT_LE(store.max_keys(), static_cast<size_t>(2 * W)) << "store grew with the op count";
+  EXPECT_EQ(store.size(), static_cast<size_t>(W));
+}
+
+TEST_P(StoreWorld, AgreeReportsFailingRank) {
+  const int W = GetParam();
+  MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_store_world(store, W, "agree", &bs));
+  const std::string msg = "store rank failed " + std::to_string(mix(test::test_seed(), 7));
+  std::vector<Status> ok(W), bad(W);
+  run_ranks(W, [&](int rank) {
+    ok[rank] = agree(*bs[rank], OkStatus(), "init", kOpTimeoutMs);
+    Status mine = (rank == 1 % W) ? Status(Code::kPermissionDenied, msg) : OkStatus();
+    bad[rank] = agree(*bs[rank], mine, "init", kOpTimeoutMs);
+  });
+  const std::string who = "rank(s) " + std::to_string(1 % W) + ":";
+  for (int r = 0; r < W; ++r) {
+    EXPECT_TRUE(ok[r].ok()) << ok[r].to_string();
+    EXPECT_EQ(bad[r].code(), Code::kPermissionDenied) << bad[r].to_string();
+    EXPECT_NE(bad[r].message().find(who), std::string::npos) << bad[r].message();
+    EXPECT_NE(bad[r].message().find(msg), std::string::npos) << bad[r].message();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, StoreWorld, ::testing::Values(1, 2, 3, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "W" + std::to_string(i.param);
+                         });
+
+TEST(StoreBootstrap, KeysStayBoundedOverFiftyCollectives) {
+  for (int W : {2, 5}) {
+    SCOPED_TRACE("W=" + std::to_string(W));
+    MemStore store;
+    std::vector<std::unique_ptr<Bootstrap>> bs;
+    MK_ASSERT_OK(make_store_world(store, W, "bounded", &bs));
+    run_ranks(W, [&](int rank) {
+      for (int i = 0; i < 50; ++i) {
+        const size_t n = 1 + i;
+        std::vector<uint8_t> send = payload(100 + i, rank, n);
+        std::vector<uint8_t> recv = poisoned_recv(100 + i, W, n);
+        Status s = bs[rank]->allgather(send.data(), recv.data(), n, kOpTimeoutMs);
+        EXPECT_TRUE(s.ok()) << s.to_string();
+        if (!s.ok()) return;
+        std::string err = check_gathered(recv, 100 + i, W, n);
+        EXPECT_EQ(err, "");
+        if (!err.empty()) return;
+      }
+    });
+    EXPECT_EQ(store.sets(), static_cast<size_t>(50 * W));
+    EXPECT_EQ(store.erased(), static_cast<size_t>(49 * W));
+    EXPECT_LE(store.max_keys(), static_cast<size_t>(2 * W));
+    EXPECT_EQ(store.size(), static_cast<size_t>(W));
+    for (const auto& k : store.keys()) EXPECT_EQ(k.rfind("bounded/", 0), 0u) << k;
+  }
+}
+
+TEST(StoreBootstrap, WorksWithoutEraseCallback) {
+  const int W = 3;
+  MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_store_world(store, W, "noerase", &bs, /*with_erase=*/false));
+  run_ranks(W, [&](int rank) {
+    for (int i = 0; i < 10; ++i) {
+      std::vector<uint8_t> send = payload(200 + i, rank, 9);
+      std::vector<uint8_t> recv = poisoned_recv(200 + i, W, 9);
+      Status s = bs[rank]->allgather(send.data(), recv.data(), 9, kOpTimeoutMs);
+      EXPECT_TRUE(s.ok()) << s.to_string();
+      if (!s.ok()) return;
+      EXPECT_EQ(check_gathered(recv, 200 + i, W, 9), "");
+    }
+  });
+  EXPECT_EQ(store.size(), static_cast<size_t>(10 * W));  // nothing erased
+}
+
+// Two worlds with different prefixes share one store concurrently without mixing data.
+TEST(StoreBootstrap, PrefixesSeparateWorlds) {
+  const int W = 3;
+  MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> a, b;
+  MK_ASSERT_OK(make_store_world(store, W, "commA", &a));
+  MK_ASSERT_OK(make_store_world(store, W, "commB", &b));
+  run_ranks(2 * W, [&](int t) {
+    auto& world = t < W ? a : b;
+    const int rank = t % W;
+    const uint64_t base = t < W ? 1000 : 2000;
+    for (int i = 0; i < 20; ++i) {
+      const size_t n = 33;
+      std::vector<uint8_t> send = payload(base + i, rank, n);
+      std::vector<uint8_t> recv = poisoned_recv(base + i, W, n);
+      Status s = world[rank]->allgather(send.data(), recv.data(), n, kOpTimeoutMs);
+      EXPECT_TRUE(s.ok()) << s.to_string();
+      if (!s.ok()) return;
+      EXPECT_EQ(check_gathered(recv, base + i, W, n), "") << "world " << (t < W ? "A" : "B");
+    }
+  });
+}
+
+TEST(StoreBootstrap, MissingRankIsNamedByEveryone) {
+  const int W = 4, missing = 2;
+  MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_store_world(store, W, "miss", &bs));
+  std::vector<Status> st(W);
+  std::vector<int64_t> took(W, 0);
+  run_ranks(W, [&](int rank) {
+    if (rank == missing) return;
+    std::vector<uint8_t> send = payload(5, rank, 48);
+    std::vector<uint8_t> recv(48 * W, 0x5a);
+    auto t0 = Clock::now();
+    st[rank] = bs[rank]->allgather(send.data(), recv.data(), 48, kMissTimeoutMs);
+    took[rank] = ms_since(t0);
+  });
+  for (int r = 0; r < W; ++r) {
+    if (r == missing) continue;
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(st[r].code(), Code::kTimeout) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("rank(s) 2 "), std::string::npos) << st[r].message();
+    EXPECT_NE(st[r].message().find("store"), std::string::npos) << st[r].message();
+    EXPECT_GE(took[r], kMissTimeoutMs - 50);
+    EXPECT_LE(took[r], kMissTimeoutMs + 1000);
+  }
+  // The late rank finds every other key but must not succeed where its peers failed.
+  std::vector<uint8_t> send = payload(5, missing, 48);
+  std::vector<uint8_t> recv(48 * W, 0x5a);
+  Status late = bs[missing]->allgather(send.data(), recv.data(), 48, kMissTimeoutMs);
+  EXPECT_EQ(late.code(), Code::kRemoteError) << late.to_string();
+}
+
+TEST(StoreBootstrap, SizeMismatchIsAnError) {
+  const int W = 3, odd = 1;
+  MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_store_world(store, W, "mm", &bs));
+  std::vector<Status> st(W);
+  run_ranks(W, [&](int rank) {
+    size_t n = rank == odd ? 21 : 20;
+    std::vector<uint8_t> send = payload(6, rank, n);
+    std::vector<uint8_t> recv(n * W, 0x5a);
+    st[rank] = bs[rank]->allgather(send.data(), recv.data(), n, kOpTimeoutMs);
+  });
+  EXPECT_EQ(st[odd].code(), Code::kMismatch) << st[odd].to_string();
+  for (int r = 0; r < W; ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    EXPECT_EQ(st[r].code(), Code::kMismatch) << "rank " << r << ": " << st[r].to_string();
+  }
+}
+
+TEST(StoreBootstrap, StoreErrorsPropagate) {
+  StoreCallbacks cb;
+  const std::string why = "store down " + std::to_string(mix(test::test_seed(), 9) % 100000);
+  cb.set = [&](const std::string&, const std::vector<uint8_t>&) {
+    return Status(Code::kSystemError, why);
+  };
+  cb.try_get = [](const std::string&, std::vector<uint8_t>*, bool* found) {
+    *found = false;
+    return OkStatus();
+  };
+  std::unique_ptr<Bootstrap> b;
+  MK_ASSERT_OK(make_store_bootstrap(0, 2, "err", cb, &b));
+  uint8_t send[3] = {9, 8, 7}, recv[6];
+  Status s = b->allgather(send, recv, 3, kMissTimeoutMs);
+  EXPECT_EQ(s.code(), Code::kSystemError) << s.to_string();
+  EXPECT_NE(s.message().find(why), std::string::npos) << s.message();
+}
+
+TEST(StoreBootstrap, BadArguments) {
+  MemStore store;
+  std::unique_ptr<Bootstrap> b;
+  EXPECT_EQ(make_store_bootstrap(2, 2, "x", store.callbacks(), &b).code(), Code::kInvalidArgument);
+  EXPECT_EQ(make_store_bootstrap(5, 2, "x", store.callbacks(), &b).code(), Code::kInvalidArgument);
+  EXPECT_EQ(make_store_bootstrap(-1, 2, "x", store.callbacks(), &b).code(), Code::kInvalidArgument);
+  EXPECT_EQ(make_store_bootstrap(0, 0, "x", store.callbacks(), &b).code(), Code::kInvalidArgument);
+  EXPECT_EQ(b, nullptr);
+  StoreCallbacks no_set = store.callbacks();
+  no_set.set = nullptr;
+  EXPECT_EQ(make_store_bootstrap(0, 2, "x", no_set, &b).code(), Code::kInvalidArgument);
+  StoreCallbacks no_get = store.callbacks();
+  no_get.try_get = nullptr;
+  EXPECT_EQ(make_store_bootstrap(0, 2, "x", no_get, &b).code(), Code::kInvalidArgument);
+  EXPECT_EQ(make_store_bootstrap(0, 2, "x", StoreCallbacks{}, &b).code(), Code::kInvalidArgument);
+  EXPECT_EQ(b, nullptr);
+  MK_EXPECT_OK(make_store_bootstrap(1, 2, "x", store.callbacks(/*with_erase=*/false), &b));
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->rank(), 1);
+  EXPECT_EQ(b->size(), 2);
+  uint8_t buf[2] = {3, 4};
+  EXPECT_EQ(b->broadcast(buf, 2, 2, kOpTimeoutMs).code(), Code::kInvalidArgument);
+}
+
+TEST(Bootstrap, LaunchedByMpiFollowsEnvironment) {
+  // This binary runs without mpirun; the check reads well-known launcher variables.
+  const char* vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"};
+  bool any = false;
+  for (const char* v : vars) any |= getenv(v) != nullptr;
+  EXPECT_EQ(launched_by_mpi(), any);
+}
+
+}  // namespace
+}  // namespace mk

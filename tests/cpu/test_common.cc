@@ -1,0 +1,440 @@
+// CPU tests of mkernel/common: Status, the check macros, the tunables table and logging.
+#include <cstdlib>
+#include <random>
+#include <set>
+#include <string>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/log.h"
+#include "mkernel/common/status.h"
+#include "mkernel/common/tunables.h"
+#include "tests/common/test_util.h"
+
+namespace mk {
+namespace {
+
+// A random printable token so the strings checked below differ on every run.
+std::string random_token(std::mt19937_64& rng, size_t n) {
+  static const char kAlpha[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) s += kAlpha[rng() % (sizeof(kAlpha) - 1)];
+  return s;
+}
+
+// Saves an environment variable, unsets it, and restores it on scope exit.
+class EnvGuard {
+ public:
+  explicit EnvGuard(const char* name) : name_(name) {
+    if (const char* v = getenv(name)) {
+      had_ = true;
+      old_ = v;
+    }
+    unsetenv(name);
+  }
+  ~EnvGuard() {
+    if (had_)
+      setenv(name_.c_str(), old_.c_str(), 1);
+    else
+      unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// Resets a tunable's API override on scope exit (even when an assertion returns early).
+class TunableGuard {
+ public:
+  explicit TunableGuard(std::string name) : name_(std::move(name)) {}
+  ~TunableGuard() { (void)tunables::reset(name_); }
+
+ private:
+  std::string name_;
+};
+
+const TunableValue* find_value(const std::vector<TunableValue>& snap, const std::string& name) {
+  for (const auto& v : snap)
+    if (name == v.def->name) return &v;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------
+// Status
+
+TEST(Status, DefaultIsOk) {
+  Status s;
+  EXPECT_TRUE(s.ok());
+  EXPECT_EQ(s.code(), Code::kOk);
+  EXPECT_TRUE(s.message().empty());
+  EXPECT_EQ(s.to_string(), "ok");
+  EXPECT_TRUE(OkStatus().ok());
+  EXPECT_TRUE(Status::ok_status().ok());
+}
+
+TEST(Status, CodeNamesAreDistinctAndKnown) {
+  std::set<std::string> names;
+  for (int c = 0; c <= static_cast<int>(Code::kInternal); ++c) {
+    std::string n = code_name(static_cast<Code>(c));
+    EXPECT_FALSE(n.empty()) << "code " << c;
+    EXPECT_NE(n, "unknown") << "code " << c;
+    EXPECT_TRUE(names.insert(n).second) << "duplicate name '" << n << "' for code " << c;
+  }
+  EXPECT_EQ(std::string(code_name(Code::kOk)), "ok");
+  EXPECT_EQ(std::string(code_name(Code::kTimeout)), "timeout");
+  EXPECT_EQ(std::string(code_name(static_cast<Code>(9999))), "unknown");
+}
+
+TEST(Status, CarriesCodeAndMessage) {
+  std::mt19937_64 rng(test::test_seed());
+  for (int c = 1; c <= static_cast<int>(Code::kInternal); ++c) {
+    std::string msg = random_token(rng, 1 + rng() % 40);
+    Status s(static_cast<Code>(c), msg);
+    EXPECT_FALSE(s.ok());
+    EXPECT_EQ(static_cast<int>(s.code()), c);
+    EXPECT_EQ(s.message(), msg);
+    EXPECT_EQ(s.to_string(), std::string(code_name(static_cast<Code>(c))) + ": " + msg);
+  }
+  // An error without a message prints just the code name.
+  Status bare(Code::kInternal, "");
+  EXPECT_FALSE(bare.ok());
+  EXPECT_EQ(bare.to_string(), code_name(Code::kInternal));
+}
+
+TEST(Status, MakeStatusFormats) {
+  std::mt19937_64 rng(test::test_seed() ^ 0x51);
+  int a = static_cast<int>(rng() % 100000);
+  std::string word = random_token(rng, 12);
+  Status s = make_status(Code::kMismatch, "rank %d says %s (%zu)", a, word.c_str(), word.size());
+  EXPECT_EQ(s.code(), Code::kMismatch);
+  EXPECT_EQ(s.message(), "rank " + std::to_string(a) + " says " + word + " (12)");
+  EXPECT_EQ(s.to_string(), "mismatch across ranks: " + s.message());
+
+  // Long messages are truncated, not overflowed.
+  std::string big(5000, 'x');
+  Status t = make_status(Code::kInternal, "%s", big.c_str());
+  EXPECT_FALSE(t.ok());
+  EXPECT_GT(t.message().size(), 1000u);
+  EXPECT_LE(t.message().size(), big.size());
+}
+
+// ---------------------------------------------------------------------------------------
+// MK_CHECK / MK_REQUIRE
+
+int g_after_check = 0;
+
+Status maybe_fail(bool fail, Code code, const std::string& msg) {
+  if (fail) return Status(code, msg);
+  return OkStatus();
+}
+
+Status uses_check(bool fail, Code code, const std::string& msg) {
+  MK_CHECK(maybe_fail(fail, code, msg));
+  ++g_after_check;  // reached only when the check passed
+  return OkStatus();
+}
+
+Status uses_require(int x, int limit) {
+  MK_REQUIRE(x < limit, Code::kInvalidArgument, "x=%d must be below %d", x, limit);
+  return OkStatus();
+}
+
+Status uses_require_code(bool cond) {
+  MK_REQUIRE(cond, Code::kNotSupported, "feature %s missing", "frob");
+  return OkStatus();
+}
+
+TEST(CheckMacros, CheckPropagatesFailureUnchanged) {
+  std::mt19937_64 rng(test::test_seed() ^ 0xC4EC);
+  for (int c = 1; c <= static_cast<int>(Code::kInternal); ++c) {
+    std::string msg = random_token(rng, 20);
+    g_after_check = 0;
+    Status s = uses_check(true, static_cast<Code>(c), msg);
+    EXPECT_EQ(static_cast<int>(s.code()), c);
+    EXPECT_EQ(s.message(), msg);
+    EXPECT_EQ(g_after_check, 0) << "MK_CHECK did not return on failure";
+  }
+  g_after_check = 0;
+  MK_EXPECT_OK(uses_check(false, Code::kInternal, "unused"));
+  EXPECT_EQ(g_after_check, 1) << "MK_CHECK returned although the status was ok";
+}
+
+TEST(CheckMacros, RequireReturnsFormattedStatus) {
+  std::mt19937_64 rng(test::test_seed() ^ 0x4E9);
+  int limit = 10 + static_cast<int>(rng() % 1000);
+  MK_EXPECT_OK(uses_require(limit - 1, limit));
+  Status s = uses_require(limit + 3, limit);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_EQ(s.message(), "x=" + std::to_string(limit + 3) + " must be below " + std::to_string(limit));
+
+  MK_EXPECT_OK(uses_require_code(true));
+  Status t = uses_require_code(false);
+  EXPECT_EQ(t.code(), Code::kNotSupported);
+  EXPECT_EQ(t.message(), "feature frob missing");
+}
+
+// ---------------------------------------------------------------------------------------
+// Tunables
+
+TEST(Tunables, TableIsWellFormed) {
+  const auto& table = tunables::table();
+  ASSERT_FALSE(table.empty());
+  std::set<std::string> names, envs;
+  for (const auto& d : table) {
+    ASSERT_NE(d.name, nullptr);
+    ASSERT_NE(d.env, nullptr);
+    ASSERT_NE(d.default_value, nullptr);
+    ASSERT_NE(d.help, nullptr);
+    EXPECT_FALSE(std::string(d.name).empty());
+    EXPECT_EQ(std::string(d.env).rfind("MK_", 0), 0u) << d.env;
+    EXPECT_FALSE(std::string(d.help).empty()) << d.name;
+    EXPECT_TRUE(names.insert(d.name).second) << "duplicate name " << d.name;
+    EXPECT_TRUE(envs.insert(d.env).second) << "duplicate env name " << d.env;
+    if (d.type == TunableType::kInt) {
+      std::string v = d.default_value;
+      ASSERT_FALSE(v.empty()) << d.name;
+      size_t used = 0;
+      long long x = 0;
+      EXPECT_NO_THROW(x = std::stoll(v, &used, 10)) << d.name << " default '" << v << "'";
+      EXPECT_EQ(used, v.size()) << d.name << " default '" << v << "' does not parse fully";
+      (void)x;
+    }
+  }
+  // A name is never also another tunable's env name.
+  for (const auto& n : names) EXPECT_EQ(envs.count(n), 0u) << n;
+}
+
+TEST(Tunables, DefaultsReadBackWithDefaultSource) {
+  for (const auto& d : tunables::table()) {
+    EnvGuard env(d.env);
+    TunableGuard guard(d.name);
+    MK_ASSERT_OK(tunables::reset(d.name));
+    auto snap = tunables::snapshot();
+    ASSERT_EQ(snap.size(), tunables::table().size());
+    const TunableValue* v = find_value(snap, d.name);
+    ASSERT_NE(v, nullptr) << d.name;
+    EXPECT_EQ(v->source, TunableSource::kDefault) << d.name;
+    EXPECT_EQ(v->value, d.default_value) << d.name;
+    if (d.type == TunableType::kInt) {
+      int64_t x = 12345678;
+      MK_EXPECT_OK(tunables::get_int(d.name, &x));
+      EXPECT_EQ(x, std::stoll(d.default_value)) << d.name;
+      EXPECT_EQ(tunables::int_or_default(d.name), std::stoll(d.default_value)) << d.name;
+      std::string s;
+      MK_EXPECT_OK(tunables::get_string(d.name, &s));
+      EXPECT_EQ(s, d.default_value);
+    } else {
+      std::string s = "garbage";
+      MK_EXPECT_OK(tunables::get_string(d.name, &s));
+      EXPECT_EQ(s, d.default_value) << d.name;
+      EXPECT_EQ(tunables::string_or_default(d.name), d.default_value);
+      int64_t x;
+      EXPECT_EQ(tunables::get_int(d.name, &x).code(), Code::kInvalidArgument)
+          << "get_int on string tunable " << d.name;
+    }
+  }
+  EXPECT_EQ(std::string(tunable_source_name(TunableSource::kDefault)), "default");
+  EXPECT_EQ(std::string(tunable_source_name(TunableSource::kEnv)), "env");
+  EXPECT_EQ(std::string(tunable_source_name(TunableSource::kApi)), "api");
+}
+
+TEST(Tunables, EnvOverridesDefaultAndApiOverridesEnv) {
+  std::mt19937_64 rng(test::test_seed() ^ 0xE17);
+  EnvGuard env("MK_RANKS_PER_NODE");
+  TunableGuard guard("ranks_per_node");
+  MK_ASSERT_OK(tunables::reset("ranks_per_node"));
+
+  const int64_t from_env = 2 + static_cast<int64_t>(rng() % 50);
+  const int64_t from_api = from_env + 1 + static_cast<int64_t>(rng() % 50);
+  ASSERT_EQ(setenv("MK_RANKS_PER_NODE", std::to_string(from_env).c_str(), 1), 0);
+
+  int64_t x = -1;
+  MK_ASSERT_OK(tunables::get_int("ranks_per_node", &x));
+  EXPECT_EQ(x, from_env);
+  const TunableValue* v;
+  auto snap = tunables::snapshot();
+  v = find_value(snap, "ranks_per_node");
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(v->source, TunableSource::kEnv);
+  EXPECT_EQ(v->value, std::to_string(from_env));
+
+  // The API wins over the environment.
+  MK_ASSERT_OK(tunables::set("ranks_per_node", std::to_string(from_api)));
+  MK_ASSERT_OK(tunables::get_int("ranks_per_node", &x));
+  EXPECT_EQ(x, from_api);
+  snap = tunables::snapshot();
+  v = find_value(snap, "ranks_per_node");
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(v->source, TunableSource::kApi);
+  EXPECT_EQ(v->value, std::to_string(from_api));
+
+  // reset drops the API value: back to the environment ...
+  MK_ASSERT_OK(tunables::reset("ranks_per_node"));
+  MK_ASSERT_OK(tunables::get_int("ranks_per_node", &x));
+  EXPECT_EQ(x, from_env);
+  snap = tunables::snapshot();
+  EXPECT_EQ(find_value(snap, "ranks_per_node")->source, TunableSource::kEnv);
+
+  // ... and without the environment, back to the default.
+  unsetenv("MK_RANKS_PER_NODE");
+  MK_ASSERT_OK(tunables::get_int("ranks_per_node", &x));
+  EXPECT_EQ(x, 0);
+  snap = tunables::snapshot();
+  EXPECT_EQ(find_value(snap, "ranks_per_node")->source, TunableSource::kDefault);
+
+  // reset is idempotent.
+  MK_EXPECT_OK(tunables::reset("ranks_per_node"));
+}
+
+TEST(Tunables, SetByEnvNameAndStrings) {
+  std::mt19937_64 rng(test::test_seed() ^ 0x5E7);
+  EnvGuard env1("MK_SIGNAL_TIMEOUT_MS");
+  EnvGuard env2("MK_SYMMEM_MODE");
+  TunableGuard g1("signal_timeout_ms");
+  TunableGuard g2("symmem_mode");
+
+  const int64_t val = 1 + static_cast<int64_t>(rng() % 1000000);
+  MK_ASSERT_OK(tunables::set("MK_SIGNAL_TIMEOUT_MS", std::to_string(val)));
+  int64_t x = 0;
+  MK_ASSERT_OK(tunables::get_int("signal_timeout_ms", &x));
+  EXPECT_EQ(x, val);
+  MK_ASSERT_OK(tunables::get_int("MK_SIGNAL_TIMEOUT_MS", &x));  // reads by env name too
+  EXPECT_EQ(x, val);
+  EXPECT_EQ(tunables::int_or_default("signal_timeout_ms"), val);
+  auto snap = tunables::snapshot();
+  EXPECT_EQ(find_value(snap, "signal_timeout_ms")->source, TunableSource::kApi);
+  // reset by env name as well.
+  MK_ASSERT_OK(tunables::reset("MK_SIGNAL_TIMEOUT_MS"));
+  MK_ASSERT_OK(tunables::get_int("signal_timeout_ms", &x));
+  EXPECT_EQ(x, 10000);
+
+  const std::string word = random_token(rng, 16);
+  MK_ASSERT_OK(tunables::set("symmem_mode", word));  // string tunables take any text
+  std::string s;
+  MK_ASSERT_OK(tunables::get_string("symmem_mode", &s));
+  EXPECT_EQ(s, word);
+  EXPECT_EQ(tunables::string_or_default("symmem_mode"), word);
+}
+
+TEST(Tunables, BadInputsAreInvalidArgument) {
+  EnvGuard env("MK_BOOTSTRAP_TIMEOUT_MS");
+  TunableGuard guard("bootstrap_timeout_ms");
+  MK_ASSERT_OK(tunables::reset("bootstrap_timeout_ms"));
+
+  for (const char* bad : {"", "abc", "12abc", "1.5", "99999999999999999999999"}) {
+    Status s = tunables::set("bootstrap_timeout_ms", bad);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << "value '" << bad << "': " << s.to_string();
+  }
+  // A rejected set leaves the value untouched.
+  int64_t x = 0;
+  MK_ASSERT_OK(tunables::get_int("bootstrap_timeout_ms", &x));
+  EXPECT_EQ(x, 60000);
+  EXPECT_EQ(find_value(tunables::snapshot(), "bootstrap_timeout_ms")->source,
+            TunableSource::kDefault);
+
+  std::string s;
+  EXPECT_EQ(tunables::set("no_such_tunable", "1").code(), Code::kInvalidArgument);
+  EXPECT_EQ(tunables::reset("no_such_tunable").code(), Code::kInvalidArgument);
+  EXPECT_EQ(tunables::get_int("no_such_tunable", &x).code(), Code::kInvalidArgument);
+  EXPECT_EQ(tunables::get_string("no_such_tunable", &s).code(), Code::kInvalidArgument);
+  EXPECT_EQ(tunables::set("MK_NO_SUCH", "1").code(), Code::kInvalidArgument);
+  Status u = tunables::set("no_such_tunable", "1");
+  EXPECT_NE(u.message().find("no_such_tunable"), std::string::npos) << u.message();
+
+  // A malformed environment value is an error for get_int and the default for int_or_default.
+  ASSERT_EQ(setenv("MK_BOOTSTRAP_TIMEOUT_MS", "soon", 1), 0);
+  Status e = tunables::get_int("bootstrap_timeout_ms", &x);
+  EXPECT_EQ(e.code(), Code::kInvalidArgument);
+  EXPECT_NE(e.message().find("soon"), std::string::npos) << e.message();
+  EXPECT_EQ(tunables::int_or_default("bootstrap_timeout_ms"), 60000);
+  // Base 10 (a leading zero is not octal) and per-tunable minimums.
+  MK_ASSERT_OK(tunables::set("bootstrap_timeout_ms", "010"));
+  MK_ASSERT_OK(tunables::get_int("bootstrap_timeout_ms", &x));
+  EXPECT_EQ(x, 10);
+  EXPECT_EQ(tunables::set("bootstrap_timeout_ms", "0x10").code(), Code::kInvalidArgument);
+  EXPECT_EQ(tunables::set("bootstrap_timeout_ms", "-5").code(), Code::kInvalidArgument);
+  EXPECT_EQ(tunables::set("signal_timeout_ms", "0").code(), Code::kInvalidArgument);
+  MK_ASSERT_OK(tunables::set("device", "-1"));
+  EXPECT_EQ(tunables::set("device", "-2").code(), Code::kInvalidArgument);
+  MK_ASSERT_OK(tunables::reset("device"));
+  MK_ASSERT_OK(tunables::reset("bootstrap_timeout_ms"));
+  ASSERT_EQ(setenv("MK_BOOTSTRAP_TIMEOUT_MS", "-5", 1), 0);
+  EXPECT_EQ(tunables::get_int("bootstrap_timeout_ms", &x).code(), Code::kInvalidArgument);
+  EXPECT_EQ(tunables::int_or_default("bootstrap_timeout_ms"), 60000);
+  // An unknown name in int_or_default does not crash.
+  EXPECT_EQ(tunables::int_or_default("no_such_tunable"), 0);
+  EXPECT_EQ(tunables::string_or_default("no_such_tunable"), "");
+}
+
+// ---------------------------------------------------------------------------------------
+// Logging
+
+TEST(Log, LevelFollowsDebugTunable) {
+  EnvGuard e1("MK_DEBUG");
+  EnvGuard e2("MK_DEBUG_SUBSYS");
+  TunableGuard g1("debug");
+  TunableGuard g2("debug_subsys");
+  MK_ASSERT_OK(tunables::reset("debug_subsys"));
+
+  MK_ASSERT_OK(tunables::set("debug", "INFO"));
+  EXPECT_TRUE(log_enabled(LogLevel::kInfo, kSubsysBoot));
+  EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+  EXPECT_FALSE(log_enabled(LogLevel::kTrace, kSubsysBoot));
+
+  MK_ASSERT_OK(tunables::set("debug", "WARN"));
+  EXPECT_FALSE(log_enabled(LogLevel::kInfo, kSubsysBoot));
+  EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+
+  MK_ASSERT_OK(tunables::set("debug", "TRACE"));
+  EXPECT_TRUE(log_enabled(LogLevel::kTrace, kSubsysMem));
+
+  MK_ASSERT_OK(tunables::set("debug", "NONE"));
+  EXPECT_FALSE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+
+  // Back to the default (WARN) after reset.
+  MK_ASSERT_OK(tunables::reset("debug"));
+  EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+  EXPECT_FALSE(log_enabled(LogLevel::kInfo, kSubsysBoot));
+}
+
+TEST(Log, SubsystemMaskAndExclusion) {
+  EnvGuard e1("MK_DEBUG");
+  EnvGuard e2("MK_DEBUG_SUBSYS");
+  TunableGuard g1("debug");
+  TunableGuard g2("debug_subsys");
+  MK_ASSERT_OK(tunables::set("debug", "INFO"));
+
+  const uint32_t others[] = {kSubsysInit, kSubsysBoot,   kSubsysNet,
+                             kSubsysProxy, kSubsysTopo, kSubsysSignal, kSubsysTune};
+
+  MK_ASSERT_OK(tunables::set("debug_subsys", "MEM"));
+  EXPECT_TRUE(log_enabled(LogLevel::kInfo, kSubsysMem));
+  for (uint32_t s : others) EXPECT_FALSE(log_enabled(LogLevel::kInfo, s)) << "subsys bit " << s;
+
+  MK_ASSERT_OK(tunables::set("debug_subsys", "^MEM"));
+  EXPECT_FALSE(log_enabled(LogLevel::kInfo, kSubsysMem));
+  for (uint32_t s : others) EXPECT_TRUE(log_enabled(LogLevel::kInfo, s)) << "subsys bit " << s;
+
+  MK_ASSERT_OK(tunables::set("debug_subsys", "BOOT,NET"));
+  EXPECT_TRUE(log_enabled(LogLevel::kInfo, kSubsysBoot));
+  EXPECT_TRUE(log_enabled(LogLevel::kInfo, kSubsysNet));
+  EXPECT_FALSE(log_enabled(LogLevel::kInfo, kSubsysMem));
+  EXPECT_FALSE(log_enabled(LogLevel::kInfo, kSubsysTopo));
+
+  MK_ASSERT_OK(tunables::set("debug_subsys", "ALL"));
+  for (uint32_t s : others) EXPECT_TRUE(log_enabled(LogLevel::kInfo, s));
+  EXPECT_TRUE(log_enabled(LogLevel::kInfo, kSubsysMem));
+
+  // The level still applies inside an enabled subsystem.
+  MK_ASSERT_OK(tunables::set("debug_subsys", "MEM"));
+  EXPECT_FALSE(log_enabled(LogLevel::kTrace, kSubsysMem));
+
+  MK_ASSERT_OK(tunables::reset("debug_subsys"));
+  MK_ASSERT_OK(tunables::reset("debug"));
+  EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysMem));
+  EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+}
+
+}  // namespace
+}  // namespace mk
