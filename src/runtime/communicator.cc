@@ -72,9 +72,10 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
       else gpu_err = s;
     }
   }
-  if (cfg.require_gpu || device_ >= 0) {
-    // A rank with a GPU error must not leave its peers waiting: agree first.
-    Status mine = (cfg.require_gpu && device_ < 0) ? gpu_err : OkStatus();
+  {
+    // Always agreed (every rank takes the same path): a rank whose GPU is present but
+    // unusable, or missing when one is required, fails the communicator on every rank.
+    Status mine = ((ndev > 0 || cfg.require_gpu) && device_ < 0) ? gpu_err : OkStatus();
     MK_CHECK(agree(*bs_, mine, "communicator: selecting GPUs"));
   }
   if (device_ < 0 && !gpu_err.ok())
