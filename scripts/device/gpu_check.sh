@@ -3,8 +3,11 @@
 # the selfcheck, and keep the logs under $OUT. Usage (from the project root, .devcarry sent):
 #   bash scripts/device/gpu_check.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/mk-out}
-mkdir -p "$OUT"
+# Logs go to $LOGS and come back packed as $OUT/logs.tgz (the tool returns few files).
+RESULT=${OUT:-/tmp/mk-out}
+OUT=/tmp/mk-logs
+rm -rf "$OUT" && mkdir -p "$OUT" "$RESULT"
+trap 'tar -C "$OUT" -czf "$RESULT/logs.tgz" .' EXIT
 source .devcarry/env.sh
 source .devcarry/extra-env.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -18,7 +21,7 @@ MK_SKIP_INSTALL=1 MK_JOBS=16 bash scripts/setup.sh > "$OUT/build.log" 2>&1
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - t0 )) s"; grep -E "mkernel:|error" "$OUT/build.log" | head -20
 [[ $rc -eq 0 ]] || { tail -40 "$OUT/build.log"; exit 1; }
-build/mkernel doctor > "$OUT/doctor.txt" 2>&1; head -30 "$OUT/doctor.txt"
+build/mkernel doctor > "$OUT/doctor.txt" 2>&1; sed -n '/GPUs/,/MPS/p' "$OUT/doctor.txt"
 
 build/mkernel selfcheck > "$OUT/selfcheck_threads.log" 2>&1
 echo "selfcheck threads rc=$?"; grep -E "signals|symmetric|FAILED|bootstrap|passed" "$OUT/selfcheck_threads.log" | head -6
@@ -31,11 +34,14 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MK_MPS_PCT:-25}
 ctest --test-dir build -V -L mpi -E timeout ${MK_CTEST_ARGS:-} > "$OUT/ctest_mpi.log" 2>&1
 grep -E "us per round|replays|mapping mode|Test +#|tests passed|FAILED|Failure|rank [0-9]+\] " "$OUT/ctest_mpi.log" | head -60
-ctest --test-dir build -V -R timeout > "$OUT/ctest_timeout.log" 2>&1
-grep -E "timed out|Test +#|tests passed|Failure" "$OUT/ctest_timeout.log" | head -20
 for np in 2 4; do
   mpirun --bind-to none -np $np build/mkernel selfcheck > "$OUT/selfcheck_np$np.log" 2>&1
   echo "selfcheck np=$np rc=$?"; grep -E "signals|symmetric|FAILED|bootstrap" "$OUT/selfcheck_np$np.log" | head -8
 done
+ctest --test-dir build -V -R timeout > "$OUT/ctest_timeout.log" 2>&1
+grep -E "timed out|Test +#|tests passed|Failure" "$OUT/ctest_timeout.log" | head -20
+# The README's main command, as a user would run it (MPS still up).
+MK_SKIP_INSTALL=1 bash scripts/run.sh > "$OUT/run.log" 2>&1
+echo "scripts/run.sh rc=$?"; grep -E "selfcheck|FAILED" "$OUT/run.log" | head -8
 echo quit | nvidia-cuda-mps-control
 echo "total $(( $(date +%s) - t0 )) s"
