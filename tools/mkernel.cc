@@ -32,8 +32,10 @@ int main(int argc, char** argv) {
   if (cmd == "doctor") return mk::cli::doctor(args);
   if (cmd == "selfcheck") {
     // Ranks as threads share one CUDA context and wait on each other's kernels: give every
-    // stream its own hardware queue (read when CUDA creates the context).
-    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+    // stream its own hardware queue (read when CUDA creates the context). Not for one rank
+    // per process: under MPS each client's queues come from one pool, and 4 clients with 32
+    // each exhausted it (context creation failed with out-of-memory on an H200).
+    if (!mk::launched_by_mpi()) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
     return mk::cli::selfcheck(args);
   }
   if (cmd == "version" || cmd == "--version") {
