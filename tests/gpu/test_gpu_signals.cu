@@ -146,7 +146,7 @@ TEST_P(SignalsGraph, Replays100Times) {
   }
   if (comm->rank() == 0)
     printf("%d graph replays of an all-to-all exchange (epoch advanced by %s): %.1f us each\n",
-           replays, self_advance ? "the kernel" : "a second node", us / replays);
+           replays, self_advance ? "the kernel" : "a second kernel", us / replays);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   MK_ASSERT_OK(a.finish());
