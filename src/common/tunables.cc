@@ -41,6 +41,18 @@ const std::vector<TunableDef> kTable = {
      "CUDA device of this rank; -1: host-local rank modulo the visible device count", -1},
     {"symmem_mode", "MK_SYMMEM_MODE", TunableType::kString, "auto",
      "peer mapping of symmetric memory: auto (VMM, else cudaIpc), vmm or ipc"},
+    {"net_backend", "MK_NET_BACKEND", TunableType::kString, "libfabric",
+     "network backend between nodes: libfabric or loopback (ranks as threads of one process)"},
+    {"net_provider", "MK_NET_PROVIDER", TunableType::kString, "auto",
+     "libfabric provider: auto (efa, verbs;ofi_rxm, tcp;ofi_rxm; shm when all ranks share a host) or a name"},
+    {"net_staging", "MK_NET_STAGING", TunableType::kString, "auto",
+     "stage GPU windows through pinned host buffers: auto (when the provider lacks FI_HMEM), always, never"},
+    {"proxy_ring_slots", "MK_PROXY_RING_SLOTS", TunableType::kInt, "4096",
+     "commands the GPU-to-proxy ring holds (a power of two); a full ring back-pressures the GPU", 2},
+    {"proxy_max_inflight", "MK_PROXY_MAX_INFLIGHT", TunableType::kInt, "512",
+     "puts a proxy keeps posted at once; past it the proxy stops draining the ring", 1},
+    {"net_timeout_ms", "MK_NET_TIMEOUT_MS", TunableType::kInt, "30000",
+     "how long a proxy waits on a stalled peer (credits, completions) before failing, naming it", 1},
 };
 
 struct State {

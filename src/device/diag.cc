@@ -38,11 +38,15 @@ std::string describe_diag(const DiagRecord& d) {
   char peer[32];
   if (d.peer >= 0) snprintf(peer, sizeof(peer), "rank %d", d.peer);
   else snprintf(peer, sizeof(peer), "any rank");
+  char what[64];
+  if (d.flag_index == kDiagRingSlot) snprintf(what, sizeof(what), "a command-ring slot");
+  else snprintf(what, sizeof(what), "flag %d", d.flag_index);
   snprintf(buf, sizeof(buf),
-           "rank %d (op %s, role %s, block %d thread %d) waited %.1f ms (bound %.1f ms) on flag %d "
+           "rank %d (op %s, role %s, block %d thread %d) %s after %.1f ms (bound %.1f ms) on %s "
            "from %s: expected >= %llu, seen %llu",
            d.rank, op_tag_name(d.op_tag), role_name(static_cast<Role>(d.role)), d.block, d.thread,
-           d.waited_ns / 1e6, d.timeout_ns / 1e6, d.flag_index, peer,
+           d.reason == kDiagAborted ? "stopped waiting (communicator failed)" : "timed out",
+           d.waited_ns / 1e6, d.timeout_ns / 1e6, what, peer,
            static_cast<unsigned long long>(d.expected), static_cast<unsigned long long>(d.seen));
   return buf;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
@@ -142,6 +143,9 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
       memset(diag_, 0, sizeof(DiagRecord));
       diag_->size = sizeof(DiagRecord);
       diag_->version = kDiagVersion;
+      MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&abort_word_), sizeof(uint64_t),
+                                  cudaHostAllocMapped | cudaHostAllocPortable));
+      *abort_word_ = 0;
       MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&diag_claim_), sizeof(uint32_t)));
       MK_CUDA_CHECK(cudaMemset(diag_claim_, 0, sizeof(uint32_t)));
       MK_CUDA_CHECK(cudaDeviceSynchronize());
@@ -168,6 +172,8 @@ Status Communicator::destroy() {
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
     if (diag_claim_) cudaFree(diag_claim_);
     if (diag_) cudaFreeHost(diag_);
+    if (abort_word_) cudaFreeHost(abort_word_);
+    abort_word_ = nullptr;
     stream_ = comm_stream_ = nullptr;
     diag_claim_ = nullptr;
     diag_ = nullptr;
@@ -209,6 +215,7 @@ WaitCtx Communicator::wait_ctx(OpTag op, Role role, int64_t timeout_ms) const {
   memset(&c, 0, sizeof(c));
   c.diag = diag_;  // mapped pinned memory: the host pointer is valid on the device (UVA)
   c.claim = diag_claim_;
+  c.abort = abort_word_;
   c.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
   c.rank = topo_.rank;
   c.op_tag = static_cast<uint32_t>(op);
@@ -220,14 +227,29 @@ bool Communicator::wait_timed_out() const {
   return diag_ && reinterpret_cast<volatile DiagRecord*>(diag_)->state == 2u;
 }
 
+void Communicator::abort(const Status& why) {
+  {
+    std::lock_guard<std::mutex> g(abort_mu_);
+    if (abort_status_.ok()) abort_status_ = why;
+  }
+  if (abort_word_) __atomic_store_n(abort_word_, uint64_t(1), __ATOMIC_RELEASE);
+}
+
+Status Communicator::abort_status() const {
+  std::lock_guard<std::mutex> g(abort_mu_);
+  return abort_status_;
+}
+
 Status Communicator::check_device(cudaError_t err) const {
   if (wait_timed_out()) {
     DiagRecord d;
     memcpy(&d, const_cast<const DiagRecord*>(diag_), sizeof(d));
-    return Status(Code::kTimeout, "device wait timed out: " + describe_diag(d) +
-                                      (err != cudaSuccess ? std::string(" (kernel: ") +
-                                                                cudaGetErrorName(err) + ")"
-                                                          : std::string()));
+    std::string msg = "device wait failed: " + describe_diag(d);
+    if (err != cudaSuccess) msg += std::string(" (kernel: ") + cudaGetErrorName(err) + ")";
+    Status why = abort_status();
+    if (d.reason == kDiagAborted && !why.ok()) msg += "; cause: " + why.to_string();
+    return Status(d.reason == kDiagAborted ? (why.ok() ? Code::kRemoteError : why.code()) : Code::kTimeout,
+                  msg);
   }
   if (err != cudaSuccess)
     return make_status(err == cudaErrorMemoryAllocation ? Code::kOutOfMemory : Code::kCudaError,

@@ -57,6 +57,7 @@ Status cuda_driver(const CudaDriver** out) {
     MK_RESOLVE(cuDeviceGetAttribute)
     MK_RESOLVE(cuDeviceGet)
     MK_RESOLVE(cuGetErrorString)
+    MK_RESOLVE(cuStreamWriteValue64)
 #undef MK_RESOLVE
     if (!missing.empty())
       g_status = make_status(Code::kNotSupported, "CUDA driver lacks entry points: %s",

@@ -23,6 +23,7 @@ struct CudaDriver {
   MK_DRIVER_FN(cuDeviceGetAttribute)
   MK_DRIVER_FN(cuDeviceGet)
   MK_DRIVER_FN(cuGetErrorString)
+  MK_DRIVER_FN(cuStreamWriteValue64)
 #undef MK_DRIVER_FN
 };
 

@@ -50,20 +50,27 @@ struct DiagRecord {
   uint64_t seen;        // last value read
   uint64_t waited_ns;
   uint64_t timeout_ns;
+  uint32_t reason;      // kDiagTimeout, or kDiagAborted: the communicator failed meanwhile
+  uint32_t pad;
 };
-constexpr uint32_t kDiagVersion = 1;
-static_assert(sizeof(DiagRecord) == 72, "DiagRecord is read by the host: keep its layout fixed");
+constexpr uint32_t kDiagVersion = 2;
+constexpr uint32_t kDiagTimeout = 0;
+constexpr uint32_t kDiagAborted = 1;
+// flag_index values that are not flags
+constexpr int32_t kDiagRingSlot = -2;  // a producer waiting for room in the command ring
+static_assert(sizeof(DiagRecord) == 80, "DiagRecord is read by the host: keep its layout fixed");
 
 // What a device wait needs to report its own failure; passed to kernels by value.
 struct WaitCtx {
   DiagRecord* diag;     // host-mapped (device pointer of pinned host memory)
   uint32_t* claim;      // device memory, 0 until a wait claims the record
+  const uint64_t* abort;  // pinned host word, non-zero once the communicator failed (or null)
   uint64_t timeout_ns;  // 0: unbounded is not allowed; the host always sets a bound
   int32_t rank;
   uint32_t op_tag;
   uint32_t role;
   uint32_t pad;
 };
-static_assert(sizeof(WaitCtx) == 40, "WaitCtx is a kernel parameter");
+static_assert(sizeof(WaitCtx) == 48, "WaitCtx is a kernel parameter");
 
 }  // namespace mk

@@ -49,7 +49,8 @@ __device__ __forceinline__ void signal_add(uint64_t* flag, uint64_t v) {
 // another thread would cut the winner's record short.
 inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, const uint64_t* flag,
                                                         int peer, int flag_index, uint64_t expected,
-                                                        uint64_t seen, uint64_t waited_ns) {
+                                                        uint64_t seen, uint64_t waited_ns,
+                                                        uint32_t reason = kDiagTimeout) {
   if (ctx.diag && ctx.claim) {
     if (atomicCAS(ctx.claim, 0u, 1u) == 0u) {
       volatile DiagRecord* d = ctx.diag;
@@ -64,6 +65,7 @@ inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, cons
       d->seen = seen;
       d->waited_ns = waited_ns;
       d->timeout_ns = ctx.timeout_ns;
+      d->reason = reason;
       __threadfence_system();
       d->state = 2u;
       __threadfence_system();
@@ -77,9 +79,14 @@ inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, cons
   __trap();
 }
 
+__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+}
+
 // Waits until *flag >= expected (acquire, system scope) and returns the value seen.
-// Bounded: after ctx.timeout_ns the wait reports (rank, op, role, peer, flag, expected, seen)
-// and traps, so a lost signal becomes an error on the host, never a silent hang.
+// Bounded: after ctx.timeout_ns — or as soon as the communicator's abort word is set (a
+// peer died, the network failed) — the wait reports (rank, op, role, peer, flag, expected,
+// seen) and traps, so a lost signal becomes an error on the host, never a silent hang.
 __device__ __forceinline__ uint64_t wait_ge(const WaitCtx& ctx, const uint64_t* flag,
                                             uint64_t expected, int peer, int flag_index) {
   uint64_t v = ld_acquire_sys(flag);
@@ -91,6 +98,8 @@ __device__ __forceinline__ uint64_t wait_ge(const WaitCtx& ctx, const uint64_t* 
       const uint64_t waited = global_timer_ns() - start;
       if (waited > ctx.timeout_ns)
         report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited);
+      if (ctx.abort && ld_volatile_u64(ctx.abort) != 0)
+        report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited, kDiagAborted);
     }
   }
   return v;

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "mkernel/common/status.h"
@@ -65,6 +66,11 @@ class Communicator {
   Status sync(cudaStream_t s) const;
   // True once a device wait has written the diagnostic record.
   bool wait_timed_out() const;
+  // Marks the communicator failed (first cause wins): every bounded device wait of its
+  // kernels stops at its next check and reports; check_device then names `why`. Called by
+  // whoever watches the network (the proxy's owner). Thread-safe.
+  void abort(const Status& why);
+  Status abort_status() const;
 
  private:
   Communicator();
@@ -79,6 +85,9 @@ class Communicator {
   cudaStream_t stream_ = nullptr, comm_stream_ = nullptr;
   DiagRecord* diag_ = nullptr;      // pinned, mapped
   uint32_t* diag_claim_ = nullptr;  // device
+  uint64_t* abort_word_ = nullptr;  // pinned, mapped: non-zero once abort() was called
+  mutable std::mutex abort_mu_;
+  Status abort_status_;
   std::vector<void*> device_allocs_;
   bool destroyed_ = false;
 };

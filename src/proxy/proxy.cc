@@ -1,0 +1,645 @@
+#include "mkernel/proxy/proxy.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <cuda_runtime_api.h>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
+#include "src/runtime/cuda_driver.h"
+
+namespace mk {
+namespace {
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+constexpr uint64_t kChunkCookie = 1ull << 63;   // LocalDone of a staged chunk (low bits: chunk id)
+constexpr uint64_t kCreditCookie = 1ull << 62;  // LocalDone of a credit return (ignored)
+
+const char* op_name(uint8_t op) {
+  switch (static_cast<CmdOp>(op)) {
+    case CmdOp::kNop: return "nop";
+    case CmdOp::kPut: return "put";
+    case CmdOp::kFence: return "fence";
+  }
+  return "unknown";
+}
+
+std::string describe(const Command& c) {
+  char buf[256];
+  snprintf(buf, sizeof(buf),
+           "command #%llu (op %s=%u, peer %d, window %u+%llu -> window %u+%llu, %llu B, user %llu)",
+           static_cast<unsigned long long>(c.seq - 1), op_name(c.op), c.op, c.peer, c.src_window,
+           static_cast<unsigned long long>(c.src_offset), c.dst_window,
+           static_cast<unsigned long long>(c.dst_offset), static_cast<unsigned long long>(c.bytes),
+           static_cast<unsigned long long>(c.user));
+  return buf;
+}
+
+// Binds the calling thread to the CPUs of the GPU's NUMA node (best effort).
+void bind_near_gpu(int device) {
+  char pci[32] = {0};
+  if (device < 0 || cudaDeviceGetPCIBusId(pci, sizeof(pci), device) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  for (char* p = pci; *p; ++p) *p = static_cast<char>(tolower(*p));
+  std::ifstream f(std::string("/sys/bus/pci/devices/") + pci + "/local_cpulist");
+  std::string list;
+  if (!f || !std::getline(f, list) || list.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::stringstream ss(list);
+  std::string range;
+  while (std::getline(ss, range, ',')) {
+    int a = 0, b = 0;
+    if (sscanf(range.c_str(), "%d-%d", &a, &b) == 2) {
+      for (int c = a; c <= b && c < CPU_SETSIZE; ++c) CPU_SET(c, &set);
+    } else if (sscanf(range.c_str(), "%d", &a) == 1 && a < CPU_SETSIZE) {
+      CPU_SET(a, &set);
+    }
+  }
+  if (CPU_COUNT(&set) > 0 && pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0)
+    MK_INFO(kSubsysProxy, "proxy bound near GPU %d (%s): CPUs %s", device, pci, list.c_str());
+}
+
+}  // namespace
+
+Status Proxy::create(ProxyWindows* windows, FlagSink* flags, const ProxyConfig& cfg,
+                     std::unique_ptr<Proxy>* out) {
+  MK_REQUIRE(windows && flags, Code::kInvalidArgument, "proxy needs windows and a flag sink");
+  net::Backend* backend = windows->backend();
+  MK_REQUIRE(backend->api_version() == net::kBackendApiVersion, Code::kMismatch,
+             "backend %s speaks API version %u, the proxy %u", backend->name(),
+             backend->api_version(), net::kBackendApiVersion);
+  std::unique_ptr<Proxy> p(new Proxy());
+  p->wins_ = windows;
+  p->be_ = backend;
+  p->rank_ = windows->rank();
+  p->world_ = windows->world();
+  p->flags_ = flags;
+  p->cfg_ = cfg;
+  uint64_t slots = cfg.ring_slots ? cfg.ring_slots
+                                  : static_cast<uint64_t>(tunables::int_or_default("proxy_ring_slots"));
+  p->cfg_.max_inflight = cfg.max_inflight
+                             ? cfg.max_inflight
+                             : static_cast<uint32_t>(tunables::int_or_default("proxy_max_inflight"));
+  p->timeout_ms_ = cfg.timeout_ms >= 0 ? cfg.timeout_ms : tunables::int_or_default("net_timeout_ms");
+  MK_CHECK(CommandRing::create(slots, cfg.gpu_ring, &p->ring_));
+  p->ops_.resize(p->cfg_.max_inflight);
+  for (uint32_t i = p->cfg_.max_inflight; i > 0; --i) p->free_ops_.push_back(i - 1);
+  p->flag_counts_.assign(flags->count(), 0);
+  p->done_buf_.reserve(256);
+  p->arrival_buf_.reserve(256);
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) == cudaSuccess && ndev > 0) {
+    MK_CUDA_CHECK(cudaStreamCreateWithFlags(&p->stream_, cudaStreamNonBlocking));
+  } else {
+    cudaGetLastError();
+  }
+  const StagingConfig& sc = windows->staging_config();
+  p->out_.resize(sc.outbox_slots);
+  for (uint32_t i = sc.outbox_slots; i > 0; --i) {
+    p->free_outbox_.push_back(i - 1);
+    p->out_free_ids_.push_back(i - 1);
+  }
+  p->sent_to_.assign(p->world_, 0);
+  p->credit_from_.assign(p->world_, 0);
+  p->freed_.assign(p->world_, std::vector<uint8_t>(sc.inbox_slots, 0));
+  p->next_credit_.assign(p->world_, 0);
+  p->credit_owed_.assign(p->world_, 0);
+  *out = std::move(p);
+  return OkStatus();
+}
+
+Proxy::~Proxy() {
+  (void)stop();
+  for (void* e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+Status CudaFlagSink::raise(uint32_t index, uint64_t value, cudaStream_t stream) {
+  const CudaDriver* d = nullptr;
+  MK_CHECK(cuda_driver(&d));
+  MK_CU_CHECK(d->cuStreamWriteValue64(reinterpret_cast<CUstream>(stream),
+                                      reinterpret_cast<CUdeviceptr>(&flags_[index]), value, 0));
+  return OkStatus();
+}
+
+// Copies through the proxy's stream when the GPU is involved (ticket: an event), else now.
+Status Proxy::copy(void* dst, const void* src, uint64_t bytes, bool device, int* ticket) {
+  *ticket = -1;
+  if (bytes == 0) return OkStatus();
+  if (!device || !stream_) {
+    memcpy(dst, src, bytes);
+    return OkStatus();
+  }
+  MK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+  if (free_events_.empty()) {
+    cudaEvent_t e;
+    MK_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    events_.push_back(e);
+    free_events_.push_back(static_cast<int>(events_.size()) - 1);
+  }
+  *ticket = free_events_.back();
+  free_events_.pop_back();
+  MK_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[*ticket]), stream_));
+  return OkStatus();
+}
+
+bool Proxy::copy_done(int ticket) {
+  if (ticket < 0) return true;
+  cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(events_[ticket]));
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) fail(make_status(Code::kCudaError, "rank %d: staging copy failed: %s", rank_, cudaGetErrorString(e)));
+  free_events_.push_back(ticket);
+  return true;
+}
+
+Status Proxy::start() {
+  MK_REQUIRE(!running_.load(), Code::kInvalidArgument, "proxy already started");
+  stop_.store(false);
+  running_.store(true);
+  thread_ = std::thread([this] {
+    if (cfg_.near_gpu >= 0) bind_near_gpu(cfg_.near_gpu);
+    loop();
+  });
+  return OkStatus();
+}
+
+Status Proxy::stop() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+  running_.store(false);
+  return status();
+}
+
+Status Proxy::status() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return error_;
+}
+
+ProxyStats Proxy::stats() const {
+  ProxyStats s;
+  s.commands = commands_.load();
+  s.puts = puts_.load();
+  s.bytes = bytes_.load();
+  s.arrivals = arrivals_.load();
+  s.nops = nops_.load();
+  s.eagain = eagain_.load();
+  s.rejected = rejected_.load();
+  return s;
+}
+
+void Proxy::fail(const Status& s) {
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (error_.ok()) {
+      error_ = s;
+      first = true;
+    }
+  }
+  if (!first) return;
+  failed_.store(1, std::memory_order_release);
+  MK_WARN(kSubsysProxy, "proxy of rank %d failed: %s", rank_, s.to_string().c_str());
+  if (on_error_) on_error_(s);
+}
+
+Status Proxy::validate(const Command& c) const {
+  const std::string what = describe(c);
+  if (c.size != sizeof(Command) || c.version != kCommandVersion)
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: size %u / version %u, expected %zu / %u",
+                       rank_, what.c_str(), c.size, c.version, sizeof(Command), kCommandVersion);
+  if (c.op >= kCmdOpCount)
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown op", rank_, what.c_str());
+  if (c.local_flag != kNoFlag && c.local_flag >= flags_->count())
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: local flag %u past the %u flags",
+                       rank_, what.c_str(), c.local_flag, flags_->count());
+  if (c.op != static_cast<uint8_t>(CmdOp::kPut)) return OkStatus();
+  if (c.peer < 0 || c.peer >= world_)
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown peer (world of %d)", rank_,
+                       what.c_str(), world_);
+  if (c.remote_flag != kNoFlag && c.remote_flag >= kImmNoFlag)
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: remote flag %u not encodable",
+                       rank_, what.c_str(), c.remote_flag);
+  const uint64_t src_size = wins_->size(c.src_window, rank_);
+  const uint64_t dst_size = wins_->size(c.dst_window, c.peer);
+  if (src_size == 0)
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown source window", rank_,
+                       what.c_str());
+  if (dst_size == 0)
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown window on rank %d", rank_,
+                       what.c_str(), c.peer);
+  // Overflow-safe: offset <= size and bytes <= size - offset.
+  if (c.src_offset > src_size || c.bytes > src_size - c.src_offset)
+    return make_status(Code::kInvalidArgument,
+                       "rank %d rejected %s: source range past this rank's window (%llu B)", rank_,
+                       what.c_str(), static_cast<unsigned long long>(src_size));
+  if (c.dst_offset > dst_size || c.bytes > dst_size - c.dst_offset)
+    return make_status(Code::kInvalidArgument,
+                       "rank %d rejected %s: destination range past rank %d's window (%llu B)", rank_,
+                       what.c_str(), c.peer, static_cast<unsigned long long>(dst_size));
+  return OkStatus();
+}
+
+Status Proxy::raise_local(uint32_t flag) {
+  if (flag == kNoFlag) return OkStatus();
+  return flags_->raise(flag, ++flag_counts_[flag], stream_);
+}
+
+Status Proxy::raise_arrival(uint32_t imm) {
+  arrivals_.fetch_add(1, std::memory_order_relaxed);
+  if (imm == kImmNoFlag) return OkStatus();
+  if (imm >= flags_->count())
+    return make_status(Code::kInvalidArgument,
+                       "rank %d: an arrival names flag %u, past this rank's %u flags (peers "
+                       "disagree on the flag layout?)",
+                       rank_, imm, flags_->count());
+  return flags_->raise(imm, ++flag_counts_[imm], stream_);
+}
+
+bool Proxy::drain() {
+  bool any = false;
+  Command c;
+  const bool failed = failed_.load(std::memory_order_relaxed) != 0;
+  // A fence holds later commands back until every earlier put completed.
+  while (!fence_waiting_ && (failed || inflight_ < cfg_.max_inflight) && ring_->peek(&c)) {
+    ring_->pop();
+    any = true;
+    commands_.fetch_add(1, std::memory_order_relaxed);
+    if (failed_.load(std::memory_order_relaxed)) continue;  // fail-stop: drain, post nothing
+    Status v = validate(c);
+    if (!v.ok()) {
+      rejected_.fetch_add(1, std::memory_order_relaxed);
+      fail(v);
+      continue;
+    }
+    switch (static_cast<CmdOp>(c.op)) {
+      case CmdOp::kNop: {
+        nops_.fetch_add(1, std::memory_order_relaxed);
+        Status s = raise_local(c.local_flag);
+        if (!s.ok()) fail(s);
+        break;
+      }
+      case CmdOp::kFence:
+        if (inflight_ == 0) {
+          Status s = raise_local(c.local_flag);
+          if (!s.ok()) fail(s);
+        } else {
+          fence_waiting_ = true;
+          fence_cmd_ = c;
+        }
+        break;
+      case CmdOp::kPut: {
+        uint32_t id = free_ops_.back();
+        free_ops_.pop_back();
+        Op& op = ops_[id];
+        op.cmd = c;
+        op.posted = false;
+        op.live = true;
+        op.start_ns = now_ns();
+        op.staged = wins_->get(c.src_window)->staged || wins_->get(c.dst_window)->staged;
+        ++inflight_;
+        if (op.staged) {
+          const uint64_t chunk = wins_->staging_config().chunk_bytes;
+          op.chunks = c.bytes == 0 ? 1 : static_cast<uint32_t>((c.bytes + chunk - 1) / chunk);
+          op.chunks_started = op.chunks_done = 0;
+          staged_queue_.push_back(id);
+        } else {
+          pending_.push_back(id);
+        }
+        break;
+      }
+    }
+  }
+  return any;
+}
+
+bool Proxy::post_pending() {
+  bool any = false;
+  while (pending_head_ < pending_.size()) {
+    if (failed_.load(std::memory_order_relaxed)) break;
+    const uint32_t id = pending_[pending_head_];
+    Op& op = ops_[id];
+    const Command& c = op.cmd;
+    bool posted = false;
+    Status s = be_->put(c.peer, wins_->get(c.src_window)->backend_id, c.src_offset,
+                        wins_->get(c.dst_window)->backend_id, c.dst_offset, c.bytes,
+                        imm_for_flag(c.remote_flag), id, &posted);
+    if (!s.ok()) {
+      fail(Status(s.code(), "rank " + std::to_string(rank_) + ": posting " + describe(c) + ": " +
+                                s.message()));
+      break;
+    }
+    if (!posted) {
+      eagain_.fetch_add(1, std::memory_order_relaxed);
+      break;  // the backend is out of resources: progress first, keep the order
+    }
+    op.posted = true;
+    ++pending_head_;
+    any = true;
+  }
+  if (pending_head_ == pending_.size()) {
+    pending_.clear();
+    pending_head_ = 0;
+  }
+  return any;
+}
+
+bool Proxy::poll() {
+  done_buf_.clear();
+  arrival_buf_.clear();
+  Status s = be_->progress(&done_buf_, &arrival_buf_);
+  if (!s.ok()) fail(s);
+  for (const net::LocalDone& d : done_buf_) {
+    if (d.cookie == kCreditCookie) continue;
+    uint32_t id;
+    if (d.cookie & kChunkCookie) {
+      OutChunk& ch = out_[d.cookie & ~kChunkCookie];
+      free_outbox_.push_back(ch.outbox_slot);
+      out_free_ids_.push_back(static_cast<uint32_t>(d.cookie & ~kChunkCookie));
+      ch.posted = false;
+      id = ch.op;
+      if (++ops_[id].chunks_done < ops_[id].chunks) continue;
+    } else {
+      id = static_cast<uint32_t>(d.cookie);
+      if (id >= ops_.size()) continue;
+    }
+    Op& op = ops_[id];
+    puts_.fetch_add(1, std::memory_order_relaxed);
+    bytes_.fetch_add(op.cmd.bytes, std::memory_order_relaxed);
+    Status r = raise_local(op.cmd.local_flag);
+    if (!r.ok()) fail(r);
+    op.posted = false;
+    op.live = false;
+    free_ops_.push_back(id);
+    --inflight_;
+  }
+  for (const net::Arrival& a : arrival_buf_) {
+    Status r = (a.imm & kImmStaged) ? on_staged_arrival(a.imm) : raise_arrival(a.imm);
+    if (!r.ok()) fail(r);
+  }
+  if (fence_waiting_ && inflight_ == 0) {
+    fence_waiting_ = false;
+    Status r = raise_local(fence_cmd_.local_flag);
+    if (!r.ok()) fail(r);
+  }
+  return !done_buf_.empty() || !arrival_buf_.empty();
+}
+
+bool Proxy::stage_out() {
+  if (staged_queue_.empty() && out_free_ids_.size() == out_.size()) return false;
+  bool any = false;
+  const StagingConfig& sc = wins_->staging_config();
+  // Start chunks, oldest command first; a command waiting for room holds back the later ones.
+  size_t started_ops = 0;
+  for (uint32_t id : staged_queue_) {
+    Op& op = ops_[id];
+    const Command& c = op.cmd;
+    const int peer = c.peer;
+    while (op.chunks_started < op.chunks && !free_outbox_.empty() &&
+           sent_to_[peer] - credit_from_[peer] < sc.inbox_slots) {
+      const uint32_t j = op.chunks_started++;
+      const uint32_t k_out = free_outbox_.back();
+      free_outbox_.pop_back();
+      const uint32_t k_in = static_cast<uint32_t>(sent_to_[peer]++ % sc.inbox_slots);
+      const uint64_t off = uint64_t(j) * sc.chunk_bytes;
+      const uint64_t len = c.bytes == 0 ? 0 : std::min<uint64_t>(sc.chunk_bytes, c.bytes - off);
+      uint8_t* slot = wins_->outbox_slot(k_out);
+      StagedHeader h{};
+      h.magic = kStagedMagic;
+      h.src_rank = static_cast<uint32_t>(rank_);
+      h.dst_window = c.dst_window;
+      h.remote_flag = c.remote_flag;
+      h.dst_offset = c.dst_offset + off;
+      h.bytes = len;
+      h.command = c.seq;
+      h.chunks = op.chunks;
+      memcpy(slot, &h, sizeof(h));
+      const ProxyWindows::Window* src = wins_->get(c.src_window);
+      const uint32_t cid = out_free_ids_.back();
+      out_free_ids_.pop_back();
+      OutChunk& ch = out_[cid];
+      ch = OutChunk{id, j, k_out, k_in, -1, false};
+      Status s = copy(slot + sizeof(StagedHeader), static_cast<uint8_t*>(src->base) + c.src_offset + off,
+                      len, src->kind == net::MemKind::kCuda, &ch.copy);
+      if (!s.ok()) {
+        fail(s);
+        return true;
+      }
+      any = true;
+    }
+    if (op.chunks_started < op.chunks) break;
+    ++started_ops;
+  }
+  staged_queue_.erase(staged_queue_.begin(), staged_queue_.begin() + started_ops);
+  // Post chunks whose copy into the outbox finished.
+  for (uint32_t cid = 0; cid < out_.size(); ++cid) {
+    OutChunk& ch = out_[cid];
+    if (ch.posted || std::find(out_free_ids_.begin(), out_free_ids_.end(), cid) != out_free_ids_.end())
+      continue;
+    if (!copy_done(ch.copy)) continue;
+    ch.copy = -1;
+    const Command& c = ops_[ch.op].cmd;
+    const StagedHeader* h = reinterpret_cast<const StagedHeader*>(wins_->outbox_slot(ch.outbox_slot));
+    bool posted = false;
+    Status s = be_->put(c.peer, wins_->outbox_id(), uint64_t(ch.outbox_slot) * wins_->slot_bytes(),
+                        wins_->inbox_id(), wins_->inbox_offset(rank_, ch.inbox_slot),
+                        sizeof(StagedHeader) + h->bytes,
+                        kImmStaged | (uint32_t(rank_) << 16) | ch.inbox_slot, kChunkCookie | cid, &posted);
+    if (!s.ok()) {
+      fail(Status(s.code(), "rank " + std::to_string(rank_) + ": posting a staged chunk of " +
+                                describe(c) + ": " + s.message()));
+      return true;
+    }
+    if (!posted) {
+      eagain_.fetch_add(1, std::memory_order_relaxed);
+      break;
+    }
+    ch.posted = true;
+    ops_[ch.op].posted = true;
+    any = true;
+  }
+  return any;
+}
+
+Status Proxy::on_staged_arrival(uint32_t imm) {
+  const int sender = static_cast<int>((imm >> 16) & 0x3fff);
+  const uint32_t low = imm & 0xffff;
+  MK_REQUIRE(sender < world_ && wins_->staging(), Code::kInternal,
+             "rank %d: staging traffic (imm 0x%08x) from unknown rank %d", rank_, imm, sender);
+  if (imm & kImmCredit) {
+    credit_from_[sender] += low;
+    return OkStatus();
+  }
+  const StagingConfig& sc = wins_->staging_config();
+  MK_REQUIRE(low < sc.inbox_slots, Code::kInternal, "rank %d: rank %d wrote inbox slot %u of %u",
+             rank_, sender, low, sc.inbox_slots);
+  InChunk in;
+  in.sender = sender;
+  in.slot = low;
+  memcpy(&in.h, wins_->inbox_slot(sender, low), sizeof(StagedHeader));
+  const StagedHeader& h = in.h;
+  const ProxyWindows::Window* dst = wins_->get(h.dst_window);
+  // The receiver checks too: a staged chunk never writes outside its window.
+  if (h.magic != kStagedMagic || h.src_rank != static_cast<uint32_t>(sender) || !dst ||
+      h.bytes > sc.chunk_bytes || h.dst_offset > dst->bytes || h.bytes > dst->bytes - h.dst_offset)
+    return make_status(Code::kInvalidArgument,
+                       "rank %d: rank %d sent a bad staged chunk (magic 0x%x, window %u, offset "
+                       "%llu, %llu B)",
+                       rank_, sender, h.magic, h.dst_window, static_cast<unsigned long long>(h.dst_offset),
+                       static_cast<unsigned long long>(h.bytes));
+  MK_CHECK(copy(static_cast<uint8_t*>(dst->base) + h.dst_offset,
+                wins_->inbox_slot(sender, low) + sizeof(StagedHeader), h.bytes,
+                dst->kind == net::MemKind::kCuda, &in.copy));
+  in_.push_back(in);
+  return OkStatus();
+}
+
+bool Proxy::stage_in() {
+  bool any = false;
+  const StagingConfig& sc = wins_->staging_config();
+  for (size_t i = 0; i < in_.size();) {
+    InChunk& in = in_[i];
+    if (!copy_done(in.copy)) {
+      ++i;
+      continue;
+    }
+    any = true;
+    const auto key = std::make_pair(in.sender, in.h.command);
+    if (++chunks_in_[key] == in.h.chunks) {
+      chunks_in_.erase(key);
+      Status r = raise_arrival(imm_for_flag(in.h.remote_flag));
+      if (!r.ok()) fail(r);
+    }
+    // Slots return to the sender in slot order (it reuses them round-robin).
+    std::vector<uint8_t>& freed = freed_[in.sender];
+    freed[in.slot] = 1;
+    while (freed[next_credit_[in.sender] % sc.inbox_slots]) {
+      freed[next_credit_[in.sender] % sc.inbox_slots] = 0;
+      ++next_credit_[in.sender];
+      ++credit_owed_[in.sender];
+    }
+    in_[i] = in_.back();
+    in_.pop_back();
+  }
+  for (int s = 0; s < world_; ++s) {
+    if (credit_owed_[s] == 0) continue;
+    const uint32_t n = std::min<uint32_t>(credit_owed_[s], 0xffff);
+    bool posted = false;
+    Status st = be_->put(s, wins_->credit_id(), 0, wins_->credit_id(), 0, 0,
+                         kImmStaged | kImmCredit | (uint32_t(rank_) << 16) | n, kCreditCookie, &posted);
+    if (!st.ok()) {
+      fail(Status(st.code(), "rank " + std::to_string(rank_) + ": returning staging credits to rank " +
+                                 std::to_string(s) + ": " + st.message()));
+      return true;
+    }
+    if (!posted) break;
+    credit_owed_[s] -= n;
+    any = true;
+  }
+  return any;
+}
+
+// A put that does not complete within the timeout names its peer.
+void Proxy::check_stalls() {
+  if (failed_.load(std::memory_order_relaxed) || inflight_ == 0) return;
+  const uint64_t now = now_ns(), limit = static_cast<uint64_t>(timeout_ms_) * 1000000ull;
+  for (uint32_t i = 0; i < ops_.size(); ++i) {
+    const Op& op = ops_[i];
+    // Posting, completing, and (staged) waiting for the receiver's credits: one bound.
+    if (op.live && now - op.start_ns > limit) {
+      fail(make_status(Code::kTimeout,
+                       "rank %d: a put to rank %d did not complete within %lld ms (%s): is rank "
+                       "%d alive?",
+                       rank_, op.cmd.peer, static_cast<long long>(timeout_ms_),
+                       describe(op.cmd).c_str(), op.cmd.peer));
+      return;
+    }
+  }
+}
+
+bool Proxy::busy() const {
+  return inflight_ != 0 || fence_waiting_ || !in_.empty() ||
+         std::any_of(credit_owed_.begin(), credit_owed_.end(), [](uint32_t n) { return n != 0; });
+}
+
+void Proxy::loop() {
+  uint64_t idle = 0, last_check = now_ns();
+  while (!stop_.load(std::memory_order_acquire)) {
+    bool any = drain();
+    if (!failed_.load(std::memory_order_relaxed)) {
+      any |= post_pending();
+      any |= stage_out();
+    }
+    any |= poll();
+    if (!failed_.load(std::memory_order_relaxed)) any |= stage_in();
+    // After a failure nothing completes reliably: count the proxy idle so flush() returns
+    // (with the error) instead of waiting for puts that will never finish.
+    if (!busy() || failed_.load(std::memory_order_relaxed))
+      idle_epoch_.fetch_add(1, std::memory_order_release);
+    const uint64_t t = now_ns();
+    if (t - last_check > 10000000ull) {  // every 10 ms
+      check_stalls();
+      last_check = t;
+    }
+    if (any) {
+      idle = 0;
+    } else if (++idle > 1024) {
+      // Quiet: yield the core now and then, but stay responsive (latency matters here).
+      if ((idle & 63) == 0) std::this_thread::yield();
+    }
+  }
+}
+
+Status Proxy::flush(int64_t timeout_ms) {
+  if (timeout_ms < 0) timeout_ms = timeout_ms_;
+  MK_REQUIRE(running_.load(), Code::kInvalidArgument, "proxy flush: not started");
+  // Wait for the ring to be consumed up to what was pushed now, and for an idle pass after.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const RingView v = ring_->view();
+  for (;;) {
+    Status s = status();
+    if (!s.ok()) return s;
+    // The ring is empty when the slot at tail is unpublished.
+    const uint64_t tail = __atomic_load_n(v.tail, __ATOMIC_ACQUIRE);
+    const Command* slot = &v.slots[tail & (v.capacity - 1)];
+    const bool ring_empty = __atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != tail + 1;
+    if (ring_empty) {
+      // Two idle passes after seeing the ring empty: nothing pending, nothing in flight.
+      uint64_t e0 = idle_epoch_.load(std::memory_order_acquire);
+      for (;;) {
+        uint64_t e = idle_epoch_.load(std::memory_order_acquire);
+        if (e >= e0 + 2) return status();
+        if (std::chrono::steady_clock::now() > deadline) break;
+        if (!status().ok()) return status();
+        std::this_thread::yield();
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline)
+      return make_status(Code::kTimeout,
+                         "rank %d: proxy flush did not finish within %lld ms (%llu commands "
+                         "consumed, %llu puts completed)",
+                         rank_, static_cast<long long>(timeout_ms),
+                         static_cast<unsigned long long>(commands_.load()),
+                         static_cast<unsigned long long>(puts_.load()));
+    std::this_thread::yield();
+  }
+}
+
+}  // namespace mk

@@ -1,0 +1,173 @@
+// Fault: W processes stream puts to each other through their proxies; one is killed with
+// SIGKILL mid-run. Every survivor must fail within the timeout with an error naming it.
+// Processes are forked here (mpirun would tear the whole job down); they bootstrap through
+// a key-value store kept in files of a private directory.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "tests/cpu/proxy_harness.h"
+
+namespace mk {
+namespace test {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string file_key(const std::string& dir, const std::string& key) {
+  std::string k = key;
+  for (auto& c : k)
+    if (c == '/') c = '_';
+  return dir + "/" + k;
+}
+
+StoreCallbacks file_store(const std::string& dir) {
+  StoreCallbacks cb;
+  cb.set = [dir](const std::string& key, const std::vector<uint8_t>& v) -> Status {
+    std::string path = file_key(dir, key), tmp = path + ".tmp";
+    FILE* f = fopen(tmp.c_str(), "wb");
+    if (!f) return make_status(Code::kSystemError, "store: cannot write %s", tmp.c_str());
+    fwrite(v.data(), 1, v.size(), f);
+    fclose(f);
+    rename(tmp.c_str(), path.c_str());  // atomic: readers see all or nothing
+    return OkStatus();
+  };
+  cb.try_get = [dir](const std::string& key, std::vector<uint8_t>* v, bool* found) -> Status {
+    std::ifstream f(file_key(dir, key), std::ios::binary);
+    *found = static_cast<bool>(f);
+    if (*found) v->assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    return OkStatus();
+  };
+  return cb;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text;
+}
+
+// One rank: returns 0 when it failed with an error naming `victim`, 1 otherwise.
+int child(const std::string& dir, int rank, int W, int victim, int64_t timeout_ms) {
+  std::unique_ptr<Bootstrap> bs;
+  if (!make_store_bootstrap(rank, W, "fault", file_store(dir), &bs).ok()) return 1;
+  ProxyWorld w;
+  Status s = w.init(bs.get(), net::BackendConfig{}, 65536, 65536);
+  if (!s.ok()) {
+    write_file(dir + "/result_" + std::to_string(rank), "init: " + s.to_string());
+    return 1;
+  }
+  std::vector<uint64_t> flags(W, 0);
+  HostFlagSink sink(flags.data(), W);
+  std::unique_ptr<Proxy> proxy;
+  ProxyConfig pc;
+  pc.timeout_ms = timeout_ms;
+  if (!Proxy::create(w.wins.get(), &sink, pc, &proxy).ok() || !proxy->start().ok()) return 1;
+  (void)bs->barrier();
+  write_file(dir + "/ready_" + std::to_string(rank), "ready");
+  // Stream puts to every peer; watch every peer's arrivals. A peer whose arrivals stop for
+  // timeout_ms, or a proxy error, ends the run.
+  std::vector<uint64_t> last(W, 0);
+  std::vector<Clock::time_point> moved(W, Clock::now());
+  Status err;
+  auto end = Clock::now() + std::chrono::seconds(60);
+  uint64_t i = 0;
+  while (err.ok() && Clock::now() < end) {
+    for (int p = 0; p < W && err.ok(); ++p) {
+      if (p == rank) continue;
+      Status ps = proxy->ring().push(make_put(p, w.src_win, (i % 64) * 8, w.dst_win,
+                                              uint64_t(rank) * 512 + (i % 64) * 8, 8, rank),
+                                     timeout_ms, &proxy->failed_word());
+      if (!ps.ok()) err = proxy->status().ok() ? ps : proxy->status();
+    }
+    ++i;
+    if (err.ok() && !proxy->status().ok()) err = proxy->status();
+    for (int p = 0; p < W && err.ok(); ++p) {
+      if (p == rank) continue;
+      uint64_t f = __atomic_load_n(&flags[p], __ATOMIC_ACQUIRE);
+      if (f != last[p]) {
+        last[p] = f;
+        moved[p] = Clock::now();
+      } else if (Clock::now() - moved[p] > std::chrono::milliseconds(timeout_ms)) {
+        err = make_status(Code::kTimeout, "rank %d: no arrivals from rank %d for %lld ms", rank, p,
+                          static_cast<long long>(timeout_ms));
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  write_file(dir + "/result_" + std::to_string(rank), err.to_string());
+  // No collective teardown: a peer is dead. Leave without waiting on it.
+  const bool named = err.message().find("rank " + std::to_string(victim)) != std::string::npos;
+  return (!err.ok() && named) ? 0 : 1;
+}
+
+TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
+  const int W = 3, victim = 2;
+  const int64_t timeout_ms = 2000;
+  char tmpl[] = "/tmp/mk-fault-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  std::vector<pid_t> pids(W);
+  for (int r = 0; r < W; ++r) {
+    pids[r] = fork();
+    ASSERT_GE(pids[r], 0);
+    if (pids[r] == 0) _exit(child(dir, r, W, victim, timeout_ms));
+  }
+  // Kill the victim once every rank streams.
+  auto deadline = Clock::now() + std::chrono::seconds(30);
+  bool ready = false;
+  while (!ready && Clock::now() < deadline) {
+    ready = true;
+    for (int r = 0; r < W; ++r) ready &= access((dir + "/ready_" + std::to_string(r)).c_str(), F_OK) == 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(ready) << "ranks did not start";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  kill(pids[victim], SIGKILL);
+  auto killed = Clock::now();
+  std::vector<int> status(W, -1);
+  std::vector<double> took(W, 0);
+  for (int left = W; left > 0 && Clock::now() < killed + std::chrono::seconds(30);) {
+    for (int r = 0; r < W; ++r) {
+      if (status[r] != -1) continue;
+      int st = 0;
+      if (waitpid(pids[r], &st, WNOHANG) == pids[r]) {
+        status[r] = st;
+        took[r] = std::chrono::duration<double, std::milli>(Clock::now() - killed).count();
+        --left;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int r = 0; r < W; ++r) {
+    if (status[r] == -1) {
+      kill(pids[r], SIGKILL);
+      waitpid(pids[r], nullptr, 0);
+    }
+  }
+  for (int r = 0; r < W; ++r) {
+    if (r == victim) {
+      EXPECT_TRUE(WIFSIGNALED(status[r])) << "the victim was not killed";
+      continue;
+    }
+    std::ifstream f(dir + "/result_" + std::to_string(r));
+    std::stringstream msg;
+    msg << f.rdbuf();
+    printf("rank %d (after %.0f ms): %s\n", r, took[r], msg.str().c_str());
+    EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+        << "rank " << r << " did not fail naming rank " << victim << ": " << msg.str();
+    EXPECT_LT(took[r], timeout_ms + 5000.0) << "rank " << r << " took too long";
+  }
+  std::string cmd = "rm -rf " + dir;
+  (void)!system(cmd.c_str());
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace mk
