@@ -8,6 +8,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define MK_HOST_DEVICE __host__ __device__
+#else
+#define MK_HOST_DEVICE
+#endif
+
 namespace mk {
 
 constexpr uint8_t kCommandVersion = 1;
@@ -38,7 +44,7 @@ struct alignas(64) Command {
 static_assert(sizeof(Command) == 64, "Command layout is shared by GPU producers and the proxy");
 static_assert(alignof(Command) == 64, "one command per 64-byte line");
 
-inline Command make_put(int peer, uint32_t src_window, uint64_t src_offset, uint32_t dst_window,
+MK_HOST_DEVICE inline Command make_put(int peer, uint32_t src_window, uint64_t src_offset, uint32_t dst_window,
                         uint64_t dst_offset, uint64_t bytes, uint32_t remote_flag,
                         uint32_t local_flag = kNoFlag, uint64_t user = 0) {
   Command c{};
@@ -57,7 +63,7 @@ inline Command make_put(int peer, uint32_t src_window, uint64_t src_offset, uint
   return c;
 }
 
-inline Command make_op(CmdOp op, uint32_t local_flag = kNoFlag, uint64_t user = 0) {
+MK_HOST_DEVICE inline Command make_op(CmdOp op, uint32_t local_flag = kNoFlag, uint64_t user = 0) {
   Command c{};
   c.size = sizeof(Command);
   c.version = kCommandVersion;
