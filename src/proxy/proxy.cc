@@ -556,22 +556,20 @@ bool Proxy::stage_in() {
   return any;
 }
 
-// A put that does not complete within the timeout names its peer.
+// A put that does not complete within the timeout names its peer. The oldest stalled put
+// names the culprit: later puts to healthy peers can queue behind it in the provider.
 void Proxy::check_stalls() {
   if (failed_.load(std::memory_order_relaxed) || inflight_ == 0) return;
   const uint64_t now = now_ns(), limit = static_cast<uint64_t>(timeout_ms_) * 1000000ull;
-  for (uint32_t i = 0; i < ops_.size(); ++i) {
-    const Op& op = ops_[i];
-    // Posting, completing, and (staged) waiting for the receiver's credits: one bound.
-    if (op.live && now - op.start_ns > limit) {
-      fail(make_status(Code::kTimeout,
-                       "rank %d: a put to rank %d did not complete within %lld ms (%s): is rank "
-                       "%d alive?",
-                       rank_, op.cmd.peer, static_cast<long long>(timeout_ms_),
-                       describe(op.cmd).c_str(), op.cmd.peer));
-      return;
-    }
-  }
+  const Op* oldest = nullptr;
+  for (const Op& op : ops_)
+    if (op.live && (!oldest || op.start_ns < oldest->start_ns)) oldest = &op;
+  if (oldest && now - oldest->start_ns > limit)
+    fail(make_status(Code::kTimeout,
+                     "rank %d: a put to rank %d did not complete within %lld ms (%s): is rank %d "
+                     "alive?",
+                     rank_, oldest->cmd.peer, static_cast<long long>(timeout_ms_),
+                     describe(oldest->cmd).c_str(), oldest->cmd.peer));
 }
 
 bool Proxy::busy() const {

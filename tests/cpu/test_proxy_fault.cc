@@ -102,9 +102,14 @@ int child(const std::string& dir, int rank, int W, int victim, int64_t timeout_m
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   write_file(dir + "/result_" + std::to_string(rank), err.to_string());
-  // No collective teardown: a peer is dead. Leave without waiting on it.
+  // Stay alive (the proxy keeps serving) until every survivor has reported, so no survivor
+  // mistakes another's exit for the failure. No collective teardown: a peer is dead.
+  auto linger = Clock::now() + std::chrono::seconds(20);
+  while (access((dir + "/done").c_str(), F_OK) != 0 && Clock::now() < linger)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const bool named = err.message().find("rank " + std::to_string(victim)) != std::string::npos;
-  return (!err.ok() && named) ? 0 : 1;
+  // Leave at once: a collective teardown would wait for the dead rank (and time out).
+  _exit((!err.ok() && named) ? 0 : 1);
 }
 
 TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
@@ -131,15 +136,26 @@ TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   kill(pids[victim], SIGKILL);
   auto killed = Clock::now();
+  // A survivor has reported when its result file exists.
+  std::vector<double> took(W, -1);
+  for (int left = W - 1; left > 0 && Clock::now() < killed + std::chrono::seconds(30);) {
+    for (int r = 0; r < W; ++r) {
+      if (r == victim || took[r] >= 0) continue;
+      if (access((dir + "/result_" + std::to_string(r)).c_str(), F_OK) == 0) {
+        took[r] = std::chrono::duration<double, std::milli>(Clock::now() - killed).count();
+        --left;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  write_file(dir + "/done", "done");
   std::vector<int> status(W, -1);
-  std::vector<double> took(W, 0);
-  for (int left = W; left > 0 && Clock::now() < killed + std::chrono::seconds(30);) {
+  for (int left = W; left > 0 && Clock::now() < killed + std::chrono::seconds(60);) {
     for (int r = 0; r < W; ++r) {
       if (status[r] != -1) continue;
       int st = 0;
       if (waitpid(pids[r], &st, WNOHANG) == pids[r]) {
         status[r] = st;
-        took[r] = std::chrono::duration<double, std::milli>(Clock::now() - killed).count();
         --left;
       }
     }
@@ -162,6 +178,7 @@ TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
     printf("rank %d (after %.0f ms): %s\n", r, took[r], msg.str().c_str());
     EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
         << "rank " << r << " did not fail naming rank " << victim << ": " << msg.str();
+    EXPECT_GE(took[r], 0.0) << "rank " << r << " never reported";
     EXPECT_LT(took[r], timeout_ms + 5000.0) << "rank " << r << " took too long";
   }
   std::string cmd = "rm -rf " + dir;
