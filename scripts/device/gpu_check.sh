@@ -27,13 +27,20 @@ build/mkernel selfcheck > "$OUT/selfcheck_threads.log" 2>&1
 echo "selfcheck threads rc=$?"; grep -E "signals|symmetric|FAILED|bootstrap|passed" "$OUT/selfcheck_threads.log" | head -6
 
 # Single-process tests first, without MPS (the planted trap ends that process's context).
-ctest --test-dir build -V -LE mpi > "$OUT/ctest_single.log" 2>&1
+ctest --test-dir build -V -L gpu -LE mpi > "$OUT/ctest_single.log" 2>&1
 tail -8 "$OUT/ctest_single.log"
 
 nvidia-cuda-mps-control -d && echo "MPS started"
 export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MK_MPS_PCT:-25}
-ctest --test-dir build -V -L mpi -E timeout ${MK_CTEST_ARGS:-} > "$OUT/ctest_mpi.log" 2>&1
-grep -E "us per round|replays|mapping mode|Test +#|tests passed|FAILED|Failure|rank [0-9]+\] " "$OUT/ctest_mpi.log" | head -60
+ctest --test-dir build -V -L gpu -L mpi -E timeout ${MK_CTEST_ARGS:-} > "$OUT/ctest_mpi.log" 2>&1
+grep -E "us per round|replays|mapping mode|GB/s|Test +#|tests passed|FAILED|Failure|rank [0-9]+\] " "$OUT/ctest_mpi.log" | head -60
+# GPU-initiated networking benchmark: host-staged over shm and tcp, next to the host limits.
+for v in shm:always tcp_rxm:always shm:auto; do
+  p=${v%%:*}; st=${v##*:}
+  MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=$p MK_NET_STAGING=$st mpirun --bind-to none -np 2 \
+    build/bench/bench_gpu_proxy --json "$OUT/bench_gpu_proxy_${p}_$st.json" > "$OUT/bench_gpu_proxy_${p}_$st.log" 2>&1
+  echo "bench_gpu_proxy $p staging=$st rc=$?"; tail -12 "$OUT/bench_gpu_proxy_${p}_$st.log"
+done
 for np in 2 4; do
   mpirun --bind-to none -np $np build/mkernel selfcheck > "$OUT/selfcheck_np$np.log" 2>&1
   echo "selfcheck np=$np rc=$?"; grep -E "signals|symmetric|FAILED|bootstrap" "$OUT/selfcheck_np$np.log" | head -8

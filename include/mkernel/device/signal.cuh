@@ -29,6 +29,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -89,22 +95,26 @@ __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
 // seen) and traps, so a lost signal becomes an error on the host, never a silent hang.
 __device__ __forceinline__ uint64_t wait_ge(const WaitCtx& ctx, const uint64_t* flag,
                                             uint64_t expected, int peer, int flag_index) {
-  uint64_t v = ld_acquire_sys(flag);
-  if (v >= expected) return v;
-  const uint64_t start = global_timer_ns();
-  uint32_t spins = 0;
-  while ((v = ld_acquire_sys(flag)) < expected) {
-    if ((++spins & 255u) == 0) {
-      const uint64_t waited = global_timer_ns() - start;
-      if (waited > ctx.timeout_ns)
-        report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited);
-      if (ctx.abort && ld_volatile_u64(ctx.abort) != 0)
-        report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited, kDiagAborted);
+  // Poll with relaxed loads (an acquire load per poll would fence every iteration and slow
+  // the SM and the memory system for everyone); once the value is there, one fence makes the
+  // poll an acquire (PTX "acquire pattern": a strong read, then fence.acq_rel).
+  uint64_t v = ld_relaxed_sys(flag);
+  if (v < expected) {
+    const uint64_t start = global_timer_ns();
+    uint32_t spins = 0;
+    while ((v = ld_relaxed_sys(flag)) < expected) {
+      if ((++spins & 255u) == 0) {
+        const uint64_t waited = global_timer_ns() - start;
+        if (waited > ctx.timeout_ns)
+          report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited);
+        if (ctx.abort && ld_volatile_u64(ctx.abort) != 0)
+          report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited, kDiagAborted);
+      }
     }
   }
+  fence_acq_rel_sys();
   return v;
 }
-
 
 }  // namespace device
 }  // namespace mk
