@@ -221,39 +221,32 @@ void Proxy::fail(const Status& s) {
 }
 
 Status Proxy::validate(const Command& c) const {
-  const std::string what = describe(c);
+  // The common case costs a few compares; the message is formatted only for a bad command.
+  auto bad = [&](const char* fmt, auto... args) {
+    char why[160];
+    snprintf(why, sizeof(why), fmt, args...);
+    return make_status(Code::kInvalidArgument, "rank %d rejected %s: %s", rank_, describe(c).c_str(), why);
+  };
   if (c.size != sizeof(Command) || c.version != kCommandVersion)
-    return make_status(Code::kInvalidArgument, "rank %d rejected %s: size %u / version %u, expected %zu / %u",
-                       rank_, what.c_str(), c.size, c.version, sizeof(Command), kCommandVersion);
-  if (c.op >= kCmdOpCount)
-    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown op", rank_, what.c_str());
+    return bad("size %u / version %u, expected %zu / %u", c.size, c.version, sizeof(Command),
+               unsigned(kCommandVersion));
+  if (c.op >= kCmdOpCount) return bad("unknown op");
   if (c.local_flag != kNoFlag && c.local_flag >= flags_->count())
-    return make_status(Code::kInvalidArgument, "rank %d rejected %s: local flag %u past the %u flags",
-                       rank_, what.c_str(), c.local_flag, flags_->count());
+    return bad("local flag %u past the %u flags", c.local_flag, flags_->count());
   if (c.op != static_cast<uint8_t>(CmdOp::kPut)) return OkStatus();
-  if (c.peer < 0 || c.peer >= world_)
-    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown peer (world of %d)", rank_,
-                       what.c_str(), world_);
+  if (c.peer < 0 || c.peer >= world_) return bad("unknown peer (world of %d)", world_);
   if (c.remote_flag != kNoFlag && c.remote_flag >= kImmNoFlag)
-    return make_status(Code::kInvalidArgument, "rank %d rejected %s: remote flag %u not encodable",
-                       rank_, what.c_str(), c.remote_flag);
+    return bad("remote flag %u not encodable", c.remote_flag);
   const uint64_t src_size = wins_->size(c.src_window, rank_);
   const uint64_t dst_size = wins_->size(c.dst_window, c.peer);
-  if (src_size == 0)
-    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown source window", rank_,
-                       what.c_str());
-  if (dst_size == 0)
-    return make_status(Code::kInvalidArgument, "rank %d rejected %s: unknown window on rank %d", rank_,
-                       what.c_str(), c.peer);
+  if (src_size == 0) return bad("unknown source window");
+  if (dst_size == 0) return bad("unknown window on rank %d", c.peer);
   // Overflow-safe: offset <= size and bytes <= size - offset.
   if (c.src_offset > src_size || c.bytes > src_size - c.src_offset)
-    return make_status(Code::kInvalidArgument,
-                       "rank %d rejected %s: source range past this rank's window (%llu B)", rank_,
-                       what.c_str(), static_cast<unsigned long long>(src_size));
+    return bad("source range past this rank's window (%llu B)", static_cast<unsigned long long>(src_size));
   if (c.dst_offset > dst_size || c.bytes > dst_size - c.dst_offset)
-    return make_status(Code::kInvalidArgument,
-                       "rank %d rejected %s: destination range past rank %d's window (%llu B)", rank_,
-                       what.c_str(), c.peer, static_cast<unsigned long long>(dst_size));
+    return bad("destination range past rank %d's window (%llu B)", c.peer,
+               static_cast<unsigned long long>(dst_size));
   return OkStatus();
 }
 
