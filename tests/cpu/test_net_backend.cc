@@ -1,0 +1,707 @@
+// The network backends (include/mkernel/net/backend.h).
+//
+// Built twice from this file:
+//   test_net_backend (mpirun, one binary per provider through MK_NET_PROVIDER): the libfabric
+//     backend between processes;
+//   test_net_loopback (MK_NET_TEST_LOOPBACK, one process): the loopback backend between the
+//     threads of a thread world, W = 1..4.
+// The exchange at the heart of both: every rank registers a destination window and a source
+// window, then puts to every rank (itself included) rank-tagged bytes at unaligned offsets.
+// Receivers check each put's bytes when its Arrival comes (data before completion), every
+// byte at the end (unwritten bytes keep their poison), and every LocalDone cookie once.
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mkernel/common/tunables.h"
+#include "mkernel/net/backend.h"
+#include "mkernel/runtime/bootstrap.h"
+#include "mkernel/runtime/topology.h"
+#include "tests/common/test_util.h"
+
+#ifndef MK_NET_TEST_LOOPBACK
+#include <mpi.h>
+
+#include "mkernel/runtime/bootstrap_mpi.h"
+#endif
+
+namespace mk {
+namespace {
+
+using net::Arrival;
+using net::Backend;
+using net::LocalDone;
+using net::MemKind;
+using net::WindowId;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kWaitMs = 15000;   // every wait in a test is bounded by this
+constexpr uint64_t kSrcShift = 5;    // source regions start at odd offsets...
+constexpr uint64_t kDstShift = 3;    // ...and so do destination regions
+constexpr int kImmIndexBits = 20;    // imm = src << 20 | put index
+constexpr uint32_t kImmIndexMask = (1u << kImmIndexBits) - 1;
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t x = a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
+  x ^= x >> 31;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 29;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 32;
+  return x;
+}
+
+// The bytes rank src sends rank dst: a stream keyed by (seed, tag, src, dst), byte `pos`.
+uint64_t stream_key(uint64_t tag, int src, int dst) {
+  return mix(mix(mix(test::test_seed(), tag), static_cast<uint64_t>(src) + 1),
+             static_cast<uint64_t>(dst) + 1);
+}
+inline uint8_t stream_byte(uint64_t key, uint64_t pos) {
+  return static_cast<uint8_t>(mix(key, pos >> 3) >> ((pos & 7) * 8));
+}
+void fill_stream(uint8_t* p, uint64_t key, uint64_t pos, uint64_t n, bool invert) {
+  for (uint64_t i = 0; i < n; ++i) {
+    uint8_t b = stream_byte(key, pos + i);
+    p[i] = invert ? static_cast<uint8_t>(~b) : b;
+  }
+}
+// Index of the first byte of p that differs from the stream, or n.
+uint64_t first_bad(const uint8_t* p, uint64_t key, uint64_t pos, uint64_t n, bool invert) {
+  for (uint64_t i = 0; i < n; ++i) {
+    uint8_t b = stream_byte(key, pos + i);
+    if (p[i] != (invert ? static_cast<uint8_t>(~b) : b)) return i;
+  }
+  return n;
+}
+
+enum class Plan { kRandom, kSmall };
+
+struct PutDesc {
+  uint64_t off;    // within the (src, dst) region, the same on both sides
+  uint64_t bytes;
+};
+
+constexpr uint64_t kRandomRegion = 5ull << 20;
+constexpr int kSmallPuts = 3000;
+constexpr uint64_t kSmallSlot = 72;
+
+uint64_t region_bytes(Plan p) { return p == Plan::kRandom ? kRandomRegion : kSmallPuts * kSmallSlot; }
+
+// The puts src makes to dst, derived from the seed alone (every rank can compute every plan).
+//   kRandom: one zero-byte put, one of 1 B..4 MiB, then 1 B..64 KiB ones (log-uniform) with
+//            gaps of 0..40 bytes until the region is full;
+//   kSmall:  kSmallPuts puts of 0..64 bytes, one per 72-byte slot (a flood for back-pressure).
+std::vector<PutDesc> make_plan(Plan kind, uint64_t tag, int src, int dst) {
+  std::mt19937_64 g(stream_key(tag ^ 0x9a11, src, dst));
+  std::vector<PutDesc> v;
+  const uint64_t region = region_bytes(kind);
+  if (kind == Plan::kSmall) {
+    for (int i = 0; i < kSmallPuts; ++i)
+      v.push_back({static_cast<uint64_t>(i) * kSmallSlot + g() % 7, g() % 65});
+    return v;
+  }
+  uint64_t off = g() % 61;
+  v.push_back({off, 0});
+  uint64_t big = 1 + g() % (4ull << 20);
+  v.push_back({off, big});
+  off += big + g() % 41;
+  for (;;) {
+    uint64_t bytes = std::max<uint64_t>(1, static_cast<uint64_t>(std::exp2((g() % 1601) / 100.0)));
+    if (off + bytes > region) break;
+    v.push_back({off, bytes});
+    off += bytes + g() % 41;
+  }
+  std::shuffle(v.begin(), v.end(), g);  // issue order is not address order
+  return v;
+}
+
+struct Stats {
+  uint64_t puts = 0;
+  uint64_t bytes = 0;
+  uint64_t eagain = 0;
+  double seconds = 0;
+};
+
+// Collects the first few failures of a rank as text (works from any thread).
+struct Failures {
+  std::string text;
+  int count = 0;
+  void add(const std::string& s) {
+    if (count++ < 8) text += (text.empty() ? "" : "\n") + s;
+  }
+  bool any() const { return count > 0; }
+};
+
+// The exchange, run by every rank (a process or a thread). Returns "" or what went wrong.
+// Collectives (register/deregister) are always reached, even after a failure, so one rank's
+// failure shows as a message rather than as the other ranks hanging.
+std::string run_exchange(Bootstrap& bs, Backend& be, Plan kind, uint64_t tag, Stats* st) {
+  const int me = bs.rank(), W = bs.size();
+  const uint64_t R = region_bytes(kind);
+  Failures f;
+  auto where = [&](const std::string& s) { return "rank " + std::to_string(me) + ": " + s; };
+
+  // Source: region for dst d at d*R + kSrcShift holds stream(me, d). Destination: region for
+  // src s at s*R + kDstShift starts as the complement of stream(s, me); the rest is 0xA5.
+  std::vector<uint8_t> src(W * R + 16), dst(W * R + 16, 0xA5);
+  for (int d = 0; d < W; ++d) fill_stream(src.data() + d * R + kSrcShift, stream_key(tag, me, d), 0, R, false);
+  for (int s = 0; s < W; ++s) fill_stream(dst.data() + s * R + kDstShift, stream_key(tag, s, me), 0, R, true);
+  std::vector<std::vector<PutDesc>> out_plan(W), in_plan(W);
+  for (int p = 0; p < W; ++p) {
+    out_plan[p] = make_plan(kind, tag, me, p);
+    in_plan[p] = make_plan(kind, tag, p, me);
+    if (out_plan[p].size() > kImmIndexMask) f.add(where("plan too long for the imm encoding"));
+  }
+
+  WindowId wdst = net::kNoWindow, wsrc = net::kNoWindow;
+  Status s = be.register_window(dst.data(), dst.size(), MemKind::kHost, &wdst);
+  if (!s.ok()) return where("register dst: " + s.to_string());
+  s = be.register_window(src.data(), src.size(), MemKind::kHost, &wsrc);
+  if (!s.ok()) return where("register src: " + s.to_string());
+  for (int p = 0; p < W; ++p) {
+    if (be.window_size(wdst, p) != W * R + 16 || be.window_size(wsrc, p) != W * R + 16)
+      f.add(where("window_size of rank " + std::to_string(p) + " is wrong"));
+  }
+
+  // Book-keeping.
+  std::vector<std::vector<uint8_t>> done_seen(W), arr_seen(W);
+  std::vector<uint64_t> arr_count(W, 0);
+  uint64_t expected_arrivals = 0, expected_done = 0, n_done = 0, n_arr = 0;
+  for (int p = 0; p < W; ++p) {
+    done_seen[p].assign(out_plan[p].size(), 0);
+    arr_seen[p].assign(in_plan[p].size(), 0);
+    expected_arrivals += in_plan[p].size();
+    expected_done += out_plan[p].size();
+  }
+  std::vector<LocalDone> done;
+  std::vector<Arrival> arrivals;
+  auto drain = [&]() -> bool {
+    done.clear();
+    arrivals.clear();
+    Status ps = be.progress(&done, &arrivals);
+    if (!ps.ok()) {
+      f.add(where("progress: " + ps.to_string()));
+      return false;
+    }
+    for (const LocalDone& d : done) {
+      const int p = static_cast<int>(d.cookie >> 32);
+      const uint64_t i = d.cookie & 0xffffffffu;
+      if (p < 0 || p >= W || i >= done_seen[p].size()) {
+        f.add(where("LocalDone with a cookie never used: " + std::to_string(d.cookie)));
+        continue;
+      }
+      if (done_seen[p][i]++) f.add(where("LocalDone twice for put " + std::to_string(i) + " to rank " + std::to_string(p)));
+      ++n_done;
+    }
+    for (const Arrival& a : arrivals) {
+      const int p = static_cast<int>(a.imm >> kImmIndexBits);
+      const uint32_t i = a.imm & kImmIndexMask;
+      if (p >= W || i >= arr_seen[p].size()) {
+        f.add(where("Arrival with an imm never sent: " + std::to_string(a.imm)));
+        continue;
+      }
+      if (arr_seen[p][i]++) f.add(where("Arrival twice for put " + std::to_string(i) + " of rank " + std::to_string(p)));
+      ++arr_count[p];
+      ++n_arr;
+      const PutDesc& pd = in_plan[p][i];
+      const uint8_t* at = dst.data() + p * R + kDstShift + pd.off;
+      uint64_t bad = first_bad(at, stream_key(tag, p, me), pd.off, pd.bytes, false);
+      if (bad != pd.bytes)
+        f.add(where("put " + std::to_string(i) + " of rank " + std::to_string(p) + " (" +
+                    std::to_string(pd.bytes) + " bytes at +" + std::to_string(pd.off) +
+                    "): byte " + std::to_string(bad) + " not there when its Arrival came"));
+    }
+    return true;
+  };
+
+  // Issue every put, interleaved over the destinations; progress only when refused.
+  struct Op {
+    int peer;
+    uint32_t index;
+  };
+  std::vector<Op> ops;
+  for (int p = 0; p < W; ++p)
+    for (uint32_t i = 0; i < out_plan[p].size(); ++i) ops.push_back({p, i});
+  std::mt19937_64 g(stream_key(tag ^ 0x155e, me, me));
+  std::shuffle(ops.begin(), ops.end(), g);
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + std::chrono::milliseconds(kWaitMs);
+  bool alive = !f.any();
+  for (size_t k = 0; alive && k < ops.size(); ++k) {
+    const Op& op = ops[k];
+    const PutDesc& pd = out_plan[op.peer][op.index];
+    const uint32_t imm = static_cast<uint32_t>(me) << kImmIndexBits | op.index;
+    const uint64_t cookie = static_cast<uint64_t>(op.peer) << 32 | op.index;
+    for (;;) {
+      bool posted = false;
+      Status ps = be.put(op.peer, wsrc, op.peer * R + kSrcShift + pd.off, wdst,
+                         me * R + kDstShift + pd.off, pd.bytes, imm, cookie, &posted);
+      if (!ps.ok()) {
+        f.add(where("put to rank " + std::to_string(op.peer) + ": " + ps.to_string()));
+        alive = false;
+        break;
+      }
+      if (posted) {
+        ++st->puts;
+        st->bytes += pd.bytes;
+        break;
+      }
+      ++st->eagain;
+      const bool drained = drain();
+      if (drained && done.empty() && arrivals.empty()) std::this_thread::yield();
+      if (!drained || Clock::now() > deadline) {
+        if (Clock::now() > deadline) f.add(where("put to rank " + std::to_string(op.peer) + " refused until the deadline"));
+        alive = false;
+        break;
+      }
+    }
+  }
+  // Wait for every LocalDone and every Arrival.
+  while (alive && (n_done < expected_done || n_arr < expected_arrivals)) {
+    if (!drain()) break;
+    if (Clock::now() > deadline) {
+      std::string miss;
+      for (int p = 0; p < W; ++p)
+        if (arr_count[p] < in_plan[p].size())
+          miss += " rank " + std::to_string(p) + ": " + std::to_string(arr_count[p]) + "/" +
+                  std::to_string(in_plan[p].size()) + ";";
+      f.add(where("after " + std::to_string(kWaitMs) + " ms: LocalDone " + std::to_string(n_done) +
+                  "/" + std::to_string(expected_done) + ", arrivals" + (miss.empty() ? " complete" : miss)));
+      break;
+    }
+    if (done.empty() && arrivals.empty()) std::this_thread::yield();
+  }
+  st->seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  // Every byte: written ranges hold the stream, the rest of each region its complement, the
+  // gaps between regions 0xA5.
+  if (!f.any()) {
+    for (int p = 0; p < W; ++p) {
+      std::vector<uint8_t> written(R, 0);
+      for (const PutDesc& pd : in_plan[p]) memset(written.data() + pd.off, 1, pd.bytes);
+      const uint64_t key = stream_key(tag, p, me);
+      const uint8_t* region = dst.data() + p * R + kDstShift;
+      uint64_t bad = 0;
+      std::string first;
+      for (uint64_t i = 0; i < R; ++i) {
+        uint8_t want = written[i] ? stream_byte(key, i) : static_cast<uint8_t>(~stream_byte(key, i));
+        if (region[i] != want && bad++ == 0)
+          first = std::string(written[i] ? "written" : "unwritten") + " byte +" + std::to_string(i);
+      }
+      if (bad) f.add(where(std::to_string(bad) + " wrong bytes from rank " + std::to_string(p) + "; first: " + first));
+    }
+    for (int p = 0; p <= W; ++p) {
+      const uint64_t lo = p == 0 ? 0 : (p - 1) * R + kDstShift + R;
+      const uint64_t hi = p == W ? dst.size() : p * R + kDstShift;
+      for (uint64_t i = lo; i < hi; ++i)
+        if (dst[i] != 0xA5) {
+          f.add(where("byte " + std::to_string(i) + " outside every region was written"));
+          break;
+        }
+    }
+  }
+  s = be.deregister_window(wsrc);
+  if (!s.ok()) f.add(where("deregister src: " + s.to_string()));
+  s = be.deregister_window(wdst);
+  if (!s.ok()) f.add(where("deregister dst: " + s.to_string()));
+  // Completions the quiesce of deregister may have kept must not be duplicates.
+  if (s.ok()) {
+    done.clear();
+    arrivals.clear();
+    Status ps = be.progress(&done, &arrivals);
+    if (!ps.ok()) f.add(where("progress after deregister: " + ps.to_string()));
+    if (!done.empty() || !arrivals.empty()) f.add(where("completions after everything was seen"));
+  }
+  return f.text;
+}
+
+// Windows of different sizes, a zero-byte window, repeat deregistration, GPU kind without
+// FI_HMEM, puts into a dead window, finalize twice.
+std::string run_windows(Bootstrap& bs, Backend& be, bool expect_cuda_refused) {
+  const int me = bs.rank(), W = bs.size();
+  Failures f;
+  auto where = [&](const std::string& s) { return "rank " + std::to_string(me) + ": " + s; };
+  std::vector<uint8_t> a((me + 1) * 4096 + me, 0x11);
+  WindowId wa = net::kNoWindow, wz = net::kNoWindow;
+  Status s = be.register_window(a.data(), a.size(), MemKind::kHost, &wa);
+  if (!s.ok()) return where("register: " + s.to_string());
+  for (int p = 0; p < W; ++p)
+    if (be.window_size(wa, p) != static_cast<uint64_t>((p + 1) * 4096 + p))
+      f.add(where("window_size(" + std::to_string(p) + ") = " + std::to_string(be.window_size(wa, p))));
+  if (be.window_size(wa, W) != 0 || be.window_size(wa, -1) != 0 || be.window_size(wa + 7, 0) != 0)
+    f.add(where("window_size of an unknown rank or window is not 0"));
+  // Rank 0's copy of window z has no bytes at all; zero-byte puts into it must arrive.
+  std::vector<uint8_t> z(64, 0x22);
+  s = be.register_window(me == 0 ? nullptr : z.data(), me == 0 ? 0 : z.size(), MemKind::kHost, &wz);
+  if (!s.ok()) return where("register zero-byte window: " + s.to_string());
+  if (be.window_size(wz, 0) != 0) f.add(where("zero-byte window has a size"));
+  const int kZeroPuts = 3;
+  std::vector<int> got(W * kZeroPuts, 0);
+  size_t nd = 0, na = 0;
+  const size_t want_a = me == 0 ? static_cast<size_t>(W * kZeroPuts) : 0;
+  auto count = [&]() {
+    std::vector<LocalDone> d;
+    std::vector<Arrival> ar;
+    Status ps = be.progress(&d, &ar);
+    if (!ps.ok()) {
+      f.add(where("progress: " + ps.to_string()));
+      return false;
+    }
+    nd += d.size();
+    for (const Arrival& x : ar) {
+      uint32_t i = x.imm - 0x7000u;
+      if (i >= got.size() || got[i]++) f.add(where("unexpected zero-byte arrival " + std::to_string(x.imm)));
+      ++na;
+    }
+    return true;
+  };
+  auto deadline = Clock::now() + std::chrono::milliseconds(kWaitMs);
+  for (int k = 0; k < kZeroPuts && !f.any(); ++k) {
+    WindowId from = k == 0 ? wz : wa;
+    for (;;) {
+      bool posted = false;
+      s = be.put(0, from, 0, wz, 0, 0, 0x7000u + static_cast<uint32_t>(me * kZeroPuts + k),
+                 1000 + k, &posted);
+      if (!s.ok()) {
+        f.add(where("zero-byte put: " + s.to_string()));
+        break;
+      }
+      if (posted) break;
+      if (Clock::now() > deadline) {
+        f.add(where("zero-byte put refused until the deadline"));
+        break;
+      }
+      if (!count()) break;
+    }
+  }
+  // Every rank's LocalDones; rank 0 also W * kZeroPuts arrivals.
+  while (!f.any() && (nd < static_cast<size_t>(kZeroPuts) || na < want_a)) {
+    if (!count()) break;
+    if (Clock::now() > deadline) {
+      f.add(where("zero-byte puts: " + std::to_string(nd) + " LocalDone, " + std::to_string(na) +
+                  "/" + std::to_string(want_a) + " arrivals by the deadline"));
+      break;
+    }
+  }
+  // GPU memory without FI_HMEM: refused on every rank, nothing registered.
+  if (expect_cuda_refused) {
+    WindowId wc = 12345;
+    s = be.register_window(a.data(), a.size(), MemKind::kCuda, &wc);
+    if (s.code() != Code::kNotSupported) f.add(where("kCuda window without FI_HMEM: " + s.to_string()));
+    if (wc != net::kNoWindow) f.add(where("a refused window got an id"));
+  }
+  s = be.deregister_window(wz);
+  if (!s.ok()) f.add(where("deregister z: " + s.to_string()));
+  s = be.deregister_window(wa);
+  if (!s.ok()) f.add(where("deregister a: " + s.to_string()));
+  s = be.deregister_window(wa);  // idempotent
+  if (!s.ok()) f.add(where("second deregister: " + s.to_string()));
+  if (be.window_size(wa, me) != 0) f.add(where("a dead window still has a size"));
+  bool posted = true;
+  s = be.put(me, wa, 0, wa, 0, 1, 1, 1, &posted);
+  if (s.ok() || posted) f.add(where("a put into a dead window was accepted"));
+  if (be.deregister_window(999).code() != Code::kInvalidArgument)
+    f.add(where("deregister of an unknown window is not kInvalidArgument"));
+  s = be.finalize();
+  if (!s.ok()) f.add(where("finalize: " + s.to_string()));
+  s = be.finalize();
+  if (!s.ok()) f.add(where("second finalize: " + s.to_string()));
+  posted = true;
+  s = be.put(me, wa, 0, wa, 0, 1, 1, 1, &posted);
+  if (s.ok() || posted) f.add(where("a put after finalize was accepted"));
+  return f.text;
+}
+
+std::string describe(const Stats& st, int rank) {
+  char b[200];
+  snprintf(b, sizeof(b), "rank %d: %llu puts, %.1f MiB in %.2f s, %llu refused (posted=false)", rank,
+           static_cast<unsigned long long>(st.puts), st.bytes / 1048576.0, st.seconds,
+           static_cast<unsigned long long>(st.eagain));
+  return b;
+}
+
+Status make_topology(Bootstrap& bs, Topology* topo) {
+  std::vector<RankInfo> infos(bs.size());
+  RankInfo mine = local_host_info(bs.rank());
+  Status s = bs.allgather(&mine, infos.data(), sizeof(RankInfo));
+  if (!s.ok()) return s;
+  return build_topology(bs.rank(), infos, 0, nullptr, topo);
+}
+
+// Bounds every collective of a test, so a broken rank surfaces as an error, not a hang.
+void bound_timeouts() {
+  (void)tunables::set("bootstrap_timeout_ms", "20000");
+  (void)tunables::set("net_timeout_ms", "15000");
+}
+
+#ifndef MK_NET_TEST_LOOPBACK
+// ---------------------------------------------------------------------------------------
+// libfabric, one process per rank. MK_NET_PROVIDER (set by ctest) names the provider.
+
+std::string provider_under_test() {
+  const char* p = getenv("MK_NET_PROVIDER");
+  return p && *p ? p : "auto";
+}
+
+class NetMpi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    bound_timeouts();
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+    MK_ASSERT_OK(make_mpi_bootstrap(MPI_COMM_WORLD, &bs_));
+    MK_ASSERT_OK(make_topology(*bs_, &topo_));
+  }
+  void TearDown() override {
+    if (be_) (void)be_->finalize();
+    be_.reset();
+    bs_.reset();
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  Status create(const std::string& provider = "") {
+    net::BackendConfig cfg;
+    cfg.kind = "libfabric";
+    cfg.provider = provider;
+    return net::create_backend(*bs_, topo_, cfg, &be_);
+  }
+  // Failures of every rank reach rank 0's report too.
+  void expect_empty_everywhere(const std::string& mine) {
+    char buf[1024] = {0};
+    snprintf(buf, sizeof(buf), "%s", mine.c_str());
+    std::vector<char> all(sizeof(buf) * size_);
+    MK_ASSERT_OK(bs_->allgather(buf, all.data(), sizeof(buf)));
+    for (int r = 0; r < size_; ++r)
+      EXPECT_STREQ(all.data() + r * sizeof(buf), "") << "(reported by rank " << r << ")";
+  }
+  int rank_ = 0, size_ = 1;
+  std::unique_ptr<Bootstrap> bs_;
+  Topology topo_;
+  std::unique_ptr<Backend> be_;
+};
+
+TEST_F(NetMpi, NameAndCaps) {
+  MK_ASSERT_OK(create());
+  const std::string want = provider_under_test();
+  const std::string name = be_->name();
+  EXPECT_EQ(name.rfind("libfabric/", 0), 0u) << name;
+  // The backend reads "tcp_rxm" as "tcp;ofi_rxm" (the spelling ctest uses: no ';' in a list).
+  std::string full = want;
+  for (const char* u : {"_rxm", "_rxd"}) {
+    size_t at = full.find(u);
+    if (at != std::string::npos && full.find(';') == std::string::npos)
+      full = full.substr(0, at) + ";ofi_" + (u + 1);
+  }
+  if (want != "auto") {
+    EXPECT_EQ(name, "libfabric/" + full);
+  }
+  if (rank_ == 0) printf("provider under test: %s -> backend %s\n", want.c_str(), name.c_str());
+  net::BackendCaps c = be_->caps();
+  EXPECT_GE(c.imm_bytes, 4u);
+  EXPECT_GE(c.max_put_bytes, 4ull << 20);
+  EXPECT_FALSE(c.cuda_windows) << "no GPU here, so no FI_HMEM";
+  EXPECT_EQ(be_->api_version(), net::kBackendApiVersion);
+  std::vector<std::string> provs = net::libfabric_providers();
+  EXPECT_NE(std::find(provs.begin(), provs.end(), name.substr(strlen("libfabric/"))), provs.end())
+      << "libfabric_providers() lacks " << name;
+  MK_EXPECT_OK(be_->finalize());
+  MK_EXPECT_OK(be_->finalize());
+}
+
+TEST_F(NetMpi, RandomPutsEveryPair) {
+  MK_ASSERT_OK(create());
+  Stats st;
+  std::string err = run_exchange(*bs_, *be_, Plan::kRandom, 1, &st);
+  printf("[%s] random: %s\n", be_->name(), describe(st, rank_).c_str());
+  expect_empty_everywhere(err);
+  MK_EXPECT_OK(be_->finalize());
+}
+
+TEST_F(NetMpi, FloodOfSmallPuts) {
+  MK_ASSERT_OK(create());
+  Stats st;
+  std::string err = run_exchange(*bs_, *be_, Plan::kSmall, 2, &st);
+  printf("[%s] flood: %s\n", be_->name(), describe(st, rank_).c_str());
+  expect_empty_everywhere(err);
+  // The same backend again: windows come and go, ids keep counting.
+  Stats st2;
+  err = run_exchange(*bs_, *be_, Plan::kRandom, 3, &st2);
+  expect_empty_everywhere(err);
+  MK_EXPECT_OK(be_->finalize());
+}
+
+TEST_F(NetMpi, Windows) {
+  MK_ASSERT_OK(create());
+  expect_empty_everywhere(run_windows(*bs_, *be_, /*expect_cuda_refused=*/true));
+}
+
+// Ranks posing as separate hosts: "auto" must skip shm and take tcp;ofi_rxm on a routable
+// (non-loopback) fabric. Run in the tcp suite only (the others would repeat it).
+TEST_F(NetMpi, AutoAcrossHostsTakesTcp) {
+  if (provider_under_test() != "tcp_rxm") GTEST_SKIP() << "runs in the tcp suite";
+  std::vector<RankInfo> infos = topo_.info;
+  for (int r = 0; r < size_; ++r) infos[r].host_hash ^= 0x5151000000000000ull + static_cast<uint64_t>(r);
+  Topology several;
+  MK_ASSERT_OK(build_topology(rank_, infos, 0, nullptr, &several));
+  ASSERT_EQ(several.num_nodes, size_);
+  net::BackendConfig cfg;
+  cfg.kind = "libfabric";
+  cfg.provider = "auto";
+  MK_ASSERT_OK(net::create_backend(*bs_, several, cfg, &be_));
+  EXPECT_STREQ(be_->name(), "libfabric/tcp;ofi_rxm");
+  expect_empty_everywhere(run_windows(*bs_, *be_, /*expect_cuda_refused=*/true));
+}
+
+TEST_F(NetMpi, UnknownProviderIsNamed) {
+  Status s = create("no_such_provider");
+  EXPECT_EQ(s.code(), Code::kNotSupported) << s.to_string();
+  EXPECT_NE(s.message().find("no_such_provider"), std::string::npos) << s.message();
+  EXPECT_EQ(be_, nullptr);
+  // The job carries on: a good backend right after.
+  MK_ASSERT_OK(create());
+  MK_EXPECT_OK(be_->finalize());
+}
+
+TEST_F(NetMpi, OtherKinds) {
+  net::BackendConfig cfg;
+  cfg.kind = "carrier_pigeon";
+  EXPECT_EQ(net::create_backend(*bs_, topo_, cfg, &be_).code(), Code::kInvalidArgument);
+  cfg.kind = "loopback";
+  Status s = net::create_backend(*bs_, topo_, cfg, &be_);
+  if (size_ == 1) {
+    MK_EXPECT_OK(s);
+  } else {
+    EXPECT_EQ(s.code(), Code::kNotSupported) << s.to_string();
+    EXPECT_NE(s.message().find("process"), std::string::npos) << s.message();
+  }
+}
+
+#else  // MK_NET_TEST_LOOPBACK
+// ---------------------------------------------------------------------------------------
+// loopback, ranks as threads of this process.
+
+template <typename F>
+void run_ranks(int world, F fn) {
+  std::vector<std::thread> th;
+  for (int r = 0; r < world; ++r) th.emplace_back([&fn, r] { fn(r); });
+  for (auto& t : th) t.join();
+}
+
+struct ThreadWorld {
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  std::vector<Topology> topo;
+  std::vector<std::unique_ptr<Backend>> be;
+};
+
+class NetLoopback : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { bound_timeouts(); }
+  // Builds the world and each rank's backend; returns per-rank errors ("" each if fine).
+  std::vector<std::string> start(ThreadWorld* w, uint32_t depth) {
+    const int W = GetParam();
+    std::vector<std::string> err(W);
+    Status s = make_thread_world(W, &w->bs);
+    if (!s.ok()) return std::vector<std::string>(W, s.to_string());
+    w->topo.resize(W);
+    w->be.resize(W);
+    run_ranks(W, [&](int r) {
+      Status t = make_topology(*w->bs[r], &w->topo[r]);
+      if (t.ok()) {
+        net::BackendConfig cfg;
+        cfg.kind = "loopback";
+        cfg.loopback_queue_depth = depth;
+        t = net::create_backend(*w->bs[r], w->topo[r], cfg, &w->be[r]);
+      }
+      if (!t.ok()) err[r] = "rank " + std::to_string(r) + ": " + t.to_string();
+    });
+    return err;
+  }
+};
+
+TEST_P(NetLoopback, RandomPutsEveryPair) {
+  const int W = GetParam();
+  ThreadWorld w;
+  for (auto& e : start(&w, 0)) ASSERT_EQ(e, "");
+  std::vector<std::string> err(W);
+  std::vector<Stats> st(W);
+  run_ranks(W, [&](int r) {
+    EXPECT_STREQ(w.be[r]->name(), "loopback");
+    err[r] = run_exchange(*w.bs[r], *w.be[r], Plan::kRandom, 11, &st[r]);
+    Status s = w.be[r]->finalize();
+    if (!s.ok()) err[r] += " finalize: " + s.to_string();
+  });
+  for (int r = 0; r < W; ++r) {
+    printf("[loopback W=%d] random: %s\n", W, describe(st[r], r).c_str());
+    EXPECT_EQ(err[r], "");
+  }
+}
+
+TEST_P(NetLoopback, BackPressure) {
+  const int W = GetParam();
+  ThreadWorld w;
+  for (auto& e : start(&w, 16)) ASSERT_EQ(e, "");  // 16 arrivals per inbox, then posted=false
+  std::vector<std::string> err(W);
+  std::vector<Stats> st(W);
+  run_ranks(W, [&](int r) {
+    err[r] = run_exchange(*w.bs[r], *w.be[r], Plan::kSmall, 12, &st[r]);
+    if (err[r].empty()) err[r] = run_exchange(*w.bs[r], *w.be[r], Plan::kRandom, 13, &st[r]);
+    Status s = w.be[r]->finalize();
+    if (!s.ok()) err[r] += " finalize: " + s.to_string();
+  });
+  for (int r = 0; r < W; ++r) {
+    printf("[loopback W=%d] flood: %s\n", W, describe(st[r], r).c_str());
+    EXPECT_EQ(err[r], "");
+    EXPECT_GT(st[r].eagain, 0u) << "rank " << r << " was never refused: the retry path went untested";
+  }
+}
+
+TEST_P(NetLoopback, Windows) {
+  const int W = GetParam();
+  ThreadWorld w;
+  for (auto& e : start(&w, 0)) ASSERT_EQ(e, "");
+  std::vector<std::string> err(W);
+  run_ranks(W, [&](int r) { err[r] = run_windows(*w.bs[r], *w.be[r], /*expect_cuda_refused=*/false); });
+  for (int r = 0; r < W; ++r) EXPECT_EQ(err[r], "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, NetLoopback, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "W" + std::to_string(i.param);
+                         });
+
+// A rank of another process: refused from the gathered infos alone, no collective started.
+TEST(NetLoopbackErrors, AnotherProcessIsRefused) {
+  std::vector<RankInfo> infos = {local_host_info(0), local_host_info(1)};
+  infos[1].pid += 1;
+  Topology topo;
+  MK_ASSERT_OK(build_topology(0, infos, 0, nullptr, &topo));
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(2, &bs));
+  net::BackendConfig cfg;
+  cfg.kind = "loopback";
+  std::unique_ptr<Backend> be;
+  Status s = net::create_backend(*bs[0], topo, cfg, &be);
+  EXPECT_EQ(s.code(), Code::kNotSupported) << s.to_string();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.message();
+  EXPECT_EQ(be, nullptr);
+}
+
+TEST(NetLoopbackErrors, MismatchedTopology) {
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(2, &bs));
+  Topology topo;  // a world of one
+  MK_ASSERT_OK(build_topology(0, {local_host_info(0)}, 0, nullptr, &topo));
+  net::BackendConfig cfg;
+  cfg.kind = "loopback";
+  std::unique_ptr<Backend> be;
+  EXPECT_EQ(net::create_backend(*bs[0], topo, cfg, &be).code(), Code::kInvalidArgument);
+}
+#endif
+
+}  // namespace
+}  // namespace mk
