@@ -26,6 +26,11 @@ build/mkernel doctor > "$OUT/doctor.txt" 2>&1; sed -n '/GPUs/,/MPS/p' "$OUT/doct
 build/mkernel selfcheck > "$OUT/selfcheck_threads.log" 2>&1
 echo "selfcheck threads rc=$?"; grep -E "signals|symmetric|FAILED|bootstrap|passed" "$OUT/selfcheck_threads.log" | head -6
 
+# The GEMM's machine code: wgmma (HGMMA) must be there, and no spills.
+cuobjdump -sass build/CMakeFiles/mkernel.dir/src/gemm/sm90_gemm_bf16.cu.o 2>/dev/null | grep -cE "HGMMA" | sed 's/^/HGMMA instructions: /'
+cuobjdump -res-usage build/CMakeFiles/mkernel.dir/src/gemm/sm90_gemm_bf16.cu.o 2>/dev/null | grep -A1 persistent_gemm | tail -1
+build/bench/bench_gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1; echo "bench_gemm rc=$?"; cat "$OUT/bench_gemm.log"
+
 # Single-process tests first, without MPS (the planted trap ends that process's context).
 ctest --test-dir build -V -L gpu -LE mpi > "$OUT/ctest_single.log" 2>&1
 tail -8 "$OUT/ctest_single.log"

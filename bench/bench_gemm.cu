@@ -1,0 +1,139 @@
+// bench_gemm: mkernel's persistent sm_90a GEMM against cuBLAS, same random-normal buffers,
+// same run. C[M,N] = A[M,K] · B[N,K]ᵀ, bf16 in and out, fp32 accumulation.
+//   build/bench/bench_gemm [--json FILE] [--reps N] [M N K ...]
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mkernel/gemm/gemm.h"
+
+namespace {
+
+__global__ void fill_normal(__nv_bfloat16* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t x = seed ^ (i * 0x9e3779b97f4a7c15ull);
+    x ^= x >> 31; x *= 0xbf58476d1ce4e5b9ull; x ^= x >> 29; x *= 0x94d049bb133111ebull; x ^= x >> 32;
+    const float u1 = ((x & 0xffffff) + 1) / 16777217.0f, u2 = ((x >> 24) & 0xffffff) / 16777216.0f;
+    p[i] = __float2bfloat16(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+#define CK(x)                                                                  \
+  do {                                                                         \
+    auto e_ = (x);                                                             \
+    if (e_ != 0) {                                                             \
+      fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #x, int(e_)); \
+      exit(1);                                                                 \
+    }                                                                          \
+  } while (0)
+
+template <class F>
+float median_ms(F f, int reps, cudaEvent_t a, cudaEvent_t b) {
+  for (int i = 0; i < 5; ++i) f();  // warm-up
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a);
+    f();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json;
+  int reps = 30;
+  std::vector<long long> dims;
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+    else dims.push_back(atoll(argv[i]));
+  }
+  if (dims.empty())
+    dims = {8192, 8192, 8192, 4096, 8192, 2048, 16384, 16384, 1024, 8192, 4096, 4096,
+            8192, 3584, 8192, 8192, 8192, 3584};
+  cublasHandle_t h;
+  CK(cublasCreate(&h));
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  int ctas = 0;
+  mk::Status s = mk::gemm::persistent_ctas(&ctas);
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  printf("%s, %d SMs; mkernel persistent grid %d CTAs; median of %d after 5 warm-ups\n", prop.name,
+         prop.multiProcessorCount, ctas, reps);
+  printf("%6s %6s %6s | %9s %9s | %9s %9s | %6s\n", "M", "N", "K", "cuBLAS ms", "TFLOP/s", "mkernel", "TFLOP/s", "ratio");
+  FILE* jf = json.empty() ? nullptr : fopen(json.c_str(), "w");
+  if (jf) fprintf(jf, "{\"device\": \"%s\", \"rows\": [\n", prop.name);
+  for (size_t i = 0; i + 2 < dims.size(); i += 3) {
+    const long long M = dims[i], N = dims[i + 1], K = dims[i + 2];
+    __nv_bfloat16 *A, *B, *C, *R;
+    CK(cudaMalloc(&A, M * K * 2));
+    CK(cudaMalloc(&B, N * K * 2));
+    CK(cudaMalloc(&C, M * N * 2));
+    CK(cudaMalloc(&R, M * N * 2));
+    fill_normal<<<1024, 256>>>(A, M * K, 1);
+    fill_normal<<<1024, 256>>>(B, N * K, 2);
+    mk::gemm::Arguments args;
+    args.A = A;
+    args.B = B;
+    args.C = C;
+    args.M = M;
+    args.N = N;
+    args.K = K;
+    const float one = 1, zero = 0;
+    auto cublas = [&] {
+      CK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, K, A, CUDA_R_16BF, K, &zero, R,
+                      CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    auto mine = [&] {
+      mk::Status st = mk::gemm::run(args, nullptr);
+      if (!st.ok()) {
+        fprintf(stderr, "mkernel gemm: %s\n", st.to_string().c_str());
+        exit(1);
+      }
+    };
+    const float tc = median_ms(cublas, reps, a, b), tm = median_ms(mine, reps, a, b);
+    CK(cudaDeviceSynchronize());
+    // Same answer? (relative Frobenius distance between the two bf16 results)
+    std::vector<__nv_bfloat16> hc(M * N), hr(M * N);
+    cudaMemcpy(hc.data(), C, M * N * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(hr.data(), R, M * N * 2, cudaMemcpyDeviceToHost);
+    double num = 0, den = 0;
+    for (long long j = 0; j < M * N; j += 7) {
+      const double x = __bfloat162float(hc[j]), y = __bfloat162float(hr[j]);
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    const double flop = 2.0 * M * N * K;
+    printf("%6lld %6lld %6lld | %9.3f %9.1f | %9.3f %9.1f | %6.3f   (rel. diff %.1e)\n", M, N, K, tc,
+           flop / tc / 1e9, tm, flop / tm / 1e9, tc / tm, std::sqrt(num / den));
+    if (jf)
+      fprintf(jf, "  {\"M\": %lld, \"N\": %lld, \"K\": %lld, \"cublas_ms\": %.4f, \"mkernel_ms\": %.4f, \"cublas_tflops\": %.1f, \"mkernel_tflops\": %.1f, \"ratio\": %.3f}%s\n",
+              M, N, K, tc, tm, flop / tc / 1e9, flop / tm / 1e9, tc / tm, i + 5 < dims.size() ? "," : "");
+    cudaFree(A);
+    cudaFree(B);
+    cudaFree(C);
+    cudaFree(R);
+  }
+  if (jf) {
+    fprintf(jf, "]}\n");
+    fclose(jf);
+  }
+  cublasDestroy(h);
+  return s.ok() ? 0 : 1;
+}

@@ -1,0 +1,43 @@
+// mkernel — Hopper GEMM building block (sm_90a): C[M,N] = A[M,K] · B[N,K]ᵀ, bf16 in and out,
+// fp32 accumulation. A, B, C row-major (B in the PyTorch weight layout). A persistent,
+// warp-specialized kernel (one TMA producer warpgroup, two WGMMA consumer warpgroups, 128x256x64
+// tiles) whose tile loop is mkernel's own, built on CUTLASS 4.2's SM90 collectives.
+//
+// Any M, N, K whose rows are 16-byte aligned (lda, ldb, ldc multiples of 8 elements, pointers
+// 16-byte aligned): tails are handled by TMA bounds, not rejected.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mkernel/common/status.h"
+
+namespace mk {
+namespace gemm {
+
+enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+struct Arguments {
+  const void* A = nullptr;  // [M, K], row stride lda (elements)
+  const void* B = nullptr;  // [N, K], row stride ldb
+  void* C = nullptr;        // [M, N], row stride ldc
+  int64_t M = 0, N = 0, K = 0;
+  int64_t lda = 0, ldb = 0, ldc = 0;  // 0: packed (K, K, N)
+  DType a_type = DType::kBF16, b_type = DType::kBF16, c_type = DType::kBF16;
+};
+
+struct RunConfig {
+  int max_ctas = 0;  // 0: every CTA that can be co-resident on the SMs this context may use
+};
+
+// kInvalidArgument with the reason (dtype, alignment, zero K, aliasing of C with A or B);
+// kNotSupported when this build has no CUTLASS or the device is not sm_90.
+Status can_implement(const Arguments& args);
+// Enqueues the GEMM on `stream`. M == 0 or N == 0 is a no-op.
+Status run(const Arguments& args, cudaStream_t stream, const RunConfig& cfg = RunConfig{});
+// The persistent grid run() would launch (co-resident CTAs on this context's SMs).
+Status persistent_ctas(int* out);
+
+}  // namespace gemm
+}  // namespace mk

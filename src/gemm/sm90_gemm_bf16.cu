@@ -1,0 +1,295 @@
+// The persistent sm_90a bf16 GEMM: CUTLASS 4.2 collectives (TMA producer, WGMMA consumers,
+// TMA-store epilogue) driven by mkernel's own kernel body and tile loop.
+#include "mkernel/gemm/gemm.h"
+
+#include <cstdint>
+#include <cstring>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+
+#if MK_WITH_CUTLASS
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#endif
+
+namespace mk {
+namespace gemm {
+
+#if MK_WITH_CUTLASS
+namespace sm90 {
+using namespace cute;
+
+using Element = cutlass::bfloat16_t;
+using TileShape = Shape<_128, _256, _64>;   // (BLK_M, BLK_N, BLK_K)
+using ClusterShape = Shape<_1, _1, _1>;
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    void, cutlass::layout::RowMajor, 8,          // no C source
+    Element, cutlass::layout::RowMajor, 8,       // D: bf16 row-major
+    cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+
+// B is [N, K] row-major, i.e. K-contiguous: CUTLASS calls that a column-major B.
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    Element, cutlass::layout::RowMajor, 8,
+    Element, cutlass::layout::ColumnMajor, 8,
+    float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<
+        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+using TiledMma = typename CollectiveMainloop::TiledMma;
+using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
+using EpiLoadPipeline = typename CollectiveEpilogue::LoadPipeline;
+using EpiStorePipeline = typename CollectiveEpilogue::StorePipeline;
+using StrideA = typename CollectiveMainloop::StrideA;
+using StrideB = typename CollectiveMainloop::StrideB;
+using StrideC = typename CollectiveEpilogue::StrideC;
+using StrideD = typename CollectiveEpilogue::StrideD;
+using ProblemShape = Shape<int, int, int, int>;  // (M, N, K, L)
+
+constexpr int kThreads = 384;     // producer warpgroup + two consumer warpgroups
+constexpr int kMmaThreads = 256;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;  // 40 * 128 + 232 * 256 <= 64K registers
+static_assert(size(TiledMma{}) == kMmaThreads, "two consumer warpgroups");
+
+// Every shared byte lives here; swizzled TMA tiles need 1 KiB alignment.
+struct SharedStorage {
+  alignas(1024) typename CollectiveMainloop::TensorStorage mainloop_tensors;
+  alignas(1024) typename CollectiveEpilogue::TensorStorage epilogue_tensors;
+  alignas(16) typename CollectiveMainloop::PipelineStorage mainloop_pipe;
+  alignas(16) typename CollectiveEpilogue::PipelineStorage epi_load_pipe;
+};
+static_assert(sizeof(SharedStorage) <= 232448, "shared storage exceeds the sm_90 opt-in limit");
+
+struct Params {
+  ProblemShape problem;
+  typename CollectiveMainloop::Params mainloop;
+  typename CollectiveEpilogue::Params epilogue;
+  int tiles_m, tiles_n, k_tiles;
+};
+
+// Static persistent schedule: CTA b takes tiles b, b + grid, ... Consecutive tiles walk down M
+// within a column of N tiles, so CTAs running together share B tiles in L2.
+__device__ __forceinline__ auto tile_coord(const Params& p, int t) {
+  return make_coord(t % p.tiles_m, t / p.tiles_m, _, 0);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__ const Params params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+  const int wg = cutlass::canonical_warp_group_idx();
+  const int warp_in_wg = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+  const int lane = cutlass::canonical_lane_idx();
+  const int mma_tid = int(threadIdx.x) % kMmaThreads;
+  const uint32_t cta_rank = cute::block_rank_in_cluster();
+  if (cutlass::canonical_warp_idx_sync() == 0 && cute::elect_one_sync()) {
+    CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+    CollectiveEpilogue::prefetch_tma_descriptors(params.epilogue);
+  }
+  typename MainloopPipeline::Params mp;
+  if (wg == 0 && warp_in_wg == 0) mp.role = MainloopPipeline::ThreadCategory::Producer;
+  if (wg >= 1) mp.role = MainloopPipeline::ThreadCategory::Consumer;
+  mp.is_leader = (threadIdx.x % cutlass::NumThreadsPerWarpGroup) == 0;
+  mp.num_consumers = kMmaThreads;
+  mp.num_producers = CollectiveMainloop::NumProducerThreadEvents;
+  mp.transaction_bytes = params.mainloop.tma_transaction_bytes;
+  MainloopPipeline mainloop_pipeline(smem.mainloop_pipe, mp, ClusterShape{});
+  typename EpiLoadPipeline::Params lp;
+  if (wg == 0 && warp_in_wg == 2) lp.role = EpiLoadPipeline::ThreadCategory::Producer;
+  if (wg >= 1) lp.role = EpiLoadPipeline::ThreadCategory::Consumer;
+  lp.dst_blockid = cta_rank;
+  lp.producer_arv_count = cutlass::NumThreadsPerWarp;
+  lp.consumer_arv_count = kMmaThreads;
+  lp.transaction_bytes = params.epilogue.tma_transaction_bytes;
+  EpiLoadPipeline epi_load_pipeline(smem.epi_load_pipe, lp);
+  typename EpiStorePipeline::Params spp;
+  spp.always_wait = true;
+  EpiStorePipeline epi_store_pipeline(spp);
+  __syncthreads();  // barrier inits visible to the whole CTA (cluster of one); none after the split
+
+  TiledMma tiled_mma;
+  auto blk_shape = TileShape{};
+  auto problem_mnkl = params.problem;
+  CollectiveMainloop mainloop;
+  auto load_inputs = mainloop.load_init(problem_mnkl, params.mainloop);
+  const int num_tiles = params.tiles_m * params.tiles_n;
+  const int k_tiles = params.k_tiles;
+
+  if (wg == 0) {
+    // Producer warpgroup: warp 0 streams A and B tiles through TMA into the stage ring.
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (warp_in_wg == 0) {
+      auto state = cutlass::make_producer_start_state<MainloopPipeline>();
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+        mainloop.load(params.mainloop, mainloop_pipeline, state, load_inputs, tile_coord(params, t),
+                      k_iter, k_tiles, lane, cta_rank, smem.mainloop_tensors);
+        state.advance(k_tiles);
+      }
+      mainloop.load_tail(mainloop_pipeline, state);
+    }
+    // Warps 1-3 idle here: the place for communication roles.
+  } else {
+    // Two consumer warpgroups share each tile: WGMMA into registers, then the TMA-store epilogue.
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    CollectiveEpilogue epilogue(params.epilogue, smem.epilogue_tensors);
+    typename CollectiveMainloop::PipelineState ml_read;
+    typename CollectiveEpilogue::LoadPipelineState el_read;
+    auto es_write = cutlass::make_producer_start_state<EpiStorePipeline>();
+    bool stored = false;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      auto blk_coord = tile_coord(params, t);
+      auto accum = partition_fragment_C(tiled_mma, take<0, 2>(blk_shape));
+      mainloop.mma(mainloop_pipeline, ml_read, accum, k_tiles, mma_tid, smem.mainloop_tensors, params.mainloop);
+      mainloop.mma_tail(mainloop_pipeline, ml_read, k_tiles);
+      ml_read.advance(k_tiles);
+      auto [el_next, es_next] = epilogue.store(epi_load_pipeline, el_read, epi_store_pipeline, es_write,
+                                               problem_mnkl, blk_shape, blk_coord, accum, tiled_mma,
+                                               mma_tid, smem.epilogue_tensors);
+      el_read = el_next;
+      es_write = es_next;
+      stored = true;
+    }
+    if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: fail loudly instead of computing nothing
+#endif
+}
+
+}  // namespace sm90
+#endif  // MK_WITH_CUTLASS
+
+namespace {
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kF32: return "f32";
+  }
+  return "?";
+}
+}  // namespace
+
+Status can_implement(const Arguments& a) {
+  MK_REQUIRE(a.a_type == DType::kBF16 && a.b_type == DType::kBF16 && a.c_type == DType::kBF16,
+             Code::kInvalidArgument, "gemm: only bf16 A, B and C are implemented (got %s, %s, %s)",
+             dtype_name(a.a_type), dtype_name(a.b_type), dtype_name(a.c_type));
+  MK_REQUIRE(a.M >= 0 && a.N >= 0 && a.K >= 0, Code::kInvalidArgument,
+             "gemm: negative shape (%lld, %lld, %lld)", (long long)a.M, (long long)a.N, (long long)a.K);
+  MK_REQUIRE(a.K > 0, Code::kInvalidArgument, "gemm: K must be > 0 (C = A·Bᵀ over an empty K is not a GEMM)");
+  MK_REQUIRE(a.M < (1ll << 31) && a.N < (1ll << 31) && a.K < (1ll << 31), Code::kInvalidArgument,
+             "gemm: each of M, N, K must be < 2^31");
+  const int64_t lda = a.lda ? a.lda : a.K, ldb = a.ldb ? a.ldb : a.K, ldc = a.ldc ? a.ldc : a.N;
+  MK_REQUIRE(lda >= a.K && ldb >= a.K && ldc >= a.N, Code::kInvalidArgument,
+             "gemm: leading dimensions (%lld, %lld, %lld) shorter than the rows (%lld, %lld, %lld)",
+             (long long)lda, (long long)ldb, (long long)ldc, (long long)a.K, (long long)a.K, (long long)a.N);
+  MK_REQUIRE(lda % 8 == 0 && ldb % 8 == 0 && ldc % 8 == 0, Code::kInvalidArgument,
+             "gemm: row strides must be multiples of 8 elements (16 bytes): lda %lld, ldb %lld, ldc %lld",
+             (long long)lda, (long long)ldb, (long long)ldc);
+  if (a.M > 0 && a.N > 0) {
+    MK_REQUIRE(a.A && a.B && a.C, Code::kInvalidArgument, "gemm: null pointer");
+    MK_REQUIRE(aligned16(a.A) && aligned16(a.B) && aligned16(a.C), Code::kInvalidArgument,
+               "gemm: A, B and C must be 16-byte aligned");
+    auto overlaps = [](const void* p, int64_t pb, const void* q, int64_t qb) {
+      auto x = reinterpret_cast<uintptr_t>(p), y = reinterpret_cast<uintptr_t>(q);
+      return x < y + qb && y < x + pb;
+    };
+    const int64_t ab = (a.M - 1) * lda * 2 + a.K * 2, bb = (a.N - 1) * ldb * 2 + a.K * 2,
+                  cb = (a.M - 1) * ldc * 2 + a.N * 2;
+    MK_REQUIRE(!overlaps(a.C, cb, a.A, ab) && !overlaps(a.C, cb, a.B, bb), Code::kInvalidArgument,
+               "gemm: C overlaps A or B");
+  }
+#if !MK_WITH_CUTLASS
+  return Status(Code::kNotSupported, "gemm: mkernel was built without CUTLASS headers");
+#else
+  return OkStatus();
+#endif
+}
+
+Status persistent_ctas(int* out) {
+#if MK_WITH_CUTLASS
+  int dev = 0, sms = 0, per_sm = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&dev));
+  // Under MPS this is the share of SMs this client may use, not the chip's count.
+  MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int smem = int(sizeof(sm90::SharedStorage));
+  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90::persistent_gemm, sm90::kThreads, smem));
+  MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "gemm: the kernel cannot be resident on this device");
+  *out = sms * per_sm;
+  return OkStatus();
+#else
+  *out = 0;
+  return Status(Code::kNotSupported, "gemm: mkernel was built without CUTLASS headers");
+#endif
+}
+
+Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
+  MK_CHECK(can_implement(a));
+  if (a.M == 0 || a.N == 0) return OkStatus();
+#if MK_WITH_CUTLASS
+  using namespace sm90;
+  int dev = 0, major = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&dev));
+  MK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  MK_REQUIRE(major == 9, Code::kNotSupported, "gemm: needs an sm_90 GPU (this one is sm_%d*)", major);
+  const int M = int(a.M), N = int(a.N), K = int(a.K);
+  ProblemShape problem{M, N, K, 1};
+  StrideA dA = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
+  StrideB dB = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
+  StrideD dD = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
+  cute::get<0>(dA) = a.lda ? a.lda : a.K;
+  cute::get<0>(dB) = a.ldb ? a.ldb : a.K;
+  cute::get<0>(dD) = a.ldc ? a.ldc : a.N;
+  typename CollectiveMainloop::Arguments ml{static_cast<const Element*>(a.A), dA, static_cast<const Element*>(a.B), dB};
+  typename CollectiveEpilogue::Arguments ep{};
+  ep.thread.alpha = 1.0f;
+  ep.thread.beta = 0.0f;
+  ep.ptr_C = nullptr;
+  ep.dC = StrideC(dD);
+  ep.ptr_D = static_cast<Element*>(a.C);
+  ep.dD = dD;
+  MK_REQUIRE(CollectiveMainloop::can_implement(problem, ml) && CollectiveEpilogue::can_implement(problem, ep),
+             Code::kInvalidArgument, "gemm: CUTLASS collectives reject this problem (M %d, N %d, K %d)", M, N, K);
+  Params p{};
+  p.problem = problem;
+  p.mainloop = CollectiveMainloop::to_underlying_arguments(problem, ml, nullptr);
+  p.epilogue = CollectiveEpilogue::to_underlying_arguments(problem, ep, nullptr);
+  p.tiles_m = (M + 127) / 128;
+  p.tiles_n = (N + 255) / 256;
+  p.k_tiles = (K + 63) / 64;
+  int resident = 0;
+  MK_CHECK(persistent_ctas(&resident));
+  // A persistent grid larger than what can be co-resident would serialize (and, with the
+  // communication roles to come, deadlock): refuse rather than launch it.
+  MK_REQUIRE(cfg.max_ctas <= resident, Code::kInvalidArgument,
+             "gemm: max_ctas %d exceeds the %d CTAs that can be co-resident", cfg.max_ctas, resident);
+  const int tiles = p.tiles_m * p.tiles_n;
+  int grid = cfg.max_ctas > 0 ? cfg.max_ctas : resident;
+  if (grid > tiles) grid = tiles;
+  persistent_gemm<<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+  MK_CUDA_CHECK(cudaGetLastError());
+  return OkStatus();
+#else
+  return Status(Code::kNotSupported, "gemm: mkernel was built without CUTLASS headers");
+#endif
+}
+
+}  // namespace gemm
+}  // namespace mk

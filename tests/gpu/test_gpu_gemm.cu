@@ -1,0 +1,182 @@
+// The Hopper GEMM building block against exact and cuBLAS references.
+#include <cublas_v2.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "mkernel/gemm/gemm.h"
+#include "tests/common/test_util.h"
+
+namespace mk {
+namespace test {
+namespace {
+
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~DevBuf() { cudaFree(p); }
+};
+
+struct Shape {
+  int64_t M, N, K, ldc;
+};
+
+// Small integers are exact in bf16 and their products sum exactly in fp32, so the kernel's
+// bf16 output must equal the fp32 reference rounded to bf16, element for element. C is
+// poisoned (NaN) first, padding columns included, and every element is checked.
+TEST(Gemm, ExactOnSmallIntegers) {
+  std::mt19937_64 rng(test_seed());
+  const Shape shapes[] = {{1000, 1030, 520, 1032}, {128, 256, 64, 256}, {129, 264, 72, 264},
+                          {1, 8, 8, 8},           {300, 4096, 8, 4096}, {2048, 1024, 1536, 1024},
+                          {777, 520, 2056, 528}};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(testing::Message() << "M " << s.M << " N " << s.N << " K " << s.K << " ldc " << s.ldc);
+    std::uniform_int_distribution<int> d(-3, 3);
+    std::vector<__nv_bfloat16> A(s.M * s.K), B(s.N * s.K);
+    std::vector<float> a(A.size()), b(B.size());
+    bool nonzero = false;
+    for (size_t i = 0; i < A.size(); ++i) nonzero |= (a[i] = float(d(rng))) != 0, A[i] = __float2bfloat16(a[i]);
+    for (size_t i = 0; i < B.size(); ++i) b[i] = float(d(rng)), B[i] = __float2bfloat16(b[i]);
+    ASSERT_TRUE(nonzero);
+    DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(s.M * s.ldc * 2);
+    cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemset(dC.p, 0xff, s.M * s.ldc * 2);  // 0xffff: NaN in bf16
+    gemm::Arguments args;
+    args.A = dA.p;
+    args.B = dB.p;
+    args.C = dC.p;
+    args.M = s.M;
+    args.N = s.N;
+    args.K = s.K;
+    args.ldc = s.ldc;
+    MK_ASSERT_OK(gemm::run(args, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<__nv_bfloat16> C(s.M * s.ldc);
+    cudaMemcpy(C.data(), dC.p, C.size() * 2, cudaMemcpyDeviceToHost);
+    int64_t bad = 0, pad_touched = 0;
+    for (int64_t m = 0; m < s.M; ++m) {
+      for (int64_t n = 0; n < s.N; ++n) {
+        float ref = 0;
+        for (int64_t k = 0; k < s.K; ++k) ref += a[m * s.K + k] * b[n * s.K + k];
+        const float want = __bfloat162float(__float2bfloat16(ref));
+        const float got = __bfloat162float(C[m * s.ldc + n]);
+        if (!(got == want) && bad++ < 5) ADD_FAILURE() << "C[" << m << "," << n << "] = " << got << ", want " << want;
+      }
+      for (int64_t n = s.N; n < s.ldc; ++n) {
+        uint16_t raw;
+        memcpy(&raw, &C[m * s.ldc + n], 2);
+        pad_touched += raw != 0xffff;
+      }
+    }
+    EXPECT_EQ(bad, 0);
+    EXPECT_EQ(pad_touched, 0) << "the kernel wrote past N into the row padding";
+  }
+}
+
+// Random normal inputs: the kernel's error against an fp32-output cuBLAS reference must be
+// close to cuBLAS's own bf16-output error against the same reference.
+TEST(Gemm, RandomNormalAgainstCublas) {
+  cublasHandle_t h;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  std::mt19937_64 rng(test_seed() + 1);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (Shape s : {Shape{2048, 2048, 1024, 2048}, Shape{1000, 3000, 520, 3000}, Shape{4096, 4096, 4096, 4096}}) {
+    SCOPED_TRACE(testing::Message() << "M " << s.M << " N " << s.N << " K " << s.K);
+    std::vector<__nv_bfloat16> A(s.M * s.K), B(s.N * s.K);
+    for (auto& x : A) x = __float2bfloat16(nd(rng));
+    for (auto& x : B) x = __float2bfloat16(nd(rng));
+    DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(s.M * s.N * 2), dR(s.M * s.N * 2), dF(s.M * s.N * 4);
+    cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemset(dC.p, 0xff, s.M * s.N * 2);
+    gemm::Arguments args;
+    args.A = dA.p;
+    args.B = dB.p;
+    args.C = dC.p;
+    args.M = s.M;
+    args.N = s.N;
+    args.K = s.K;
+    MK_ASSERT_OK(gemm::run(args, nullptr));
+    // Row-major C[M,N] = A·Bᵀ is column-major Cᵀ[N,M] = op_T(B) · op_N(A).
+    const float one = 1, zero = 0;
+    ASSERT_EQ(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.N, s.M, s.K, &one, dB.p, CUDA_R_16BF, s.K, dA.p,
+                           CUDA_R_16BF, s.K, &zero, dR.p, CUDA_R_16BF, s.N, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.N, s.M, s.K, &one, dB.p, CUDA_R_16BF, s.K, dA.p,
+                           CUDA_R_16BF, s.K, &zero, dF.p, CUDA_R_32F, s.N, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<__nv_bfloat16> C(s.M * s.N), R(s.M * s.N);
+    std::vector<float> F(s.M * s.N);
+    cudaMemcpy(C.data(), dC.p, C.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(R.data(), dR.p, R.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(F.data(), dF.p, F.size() * 4, cudaMemcpyDeviceToHost);
+    double ef = 0, ec = 0, er = 0;
+    int64_t nan = 0;
+    for (size_t i = 0; i < F.size(); ++i) {
+      const double f = F[i], c = __bfloat162float(C[i]), r = __bfloat162float(R[i]);
+      nan += std::isnan(c);
+      ef += f * f;
+      ec += (c - f) * (c - f);
+      er += (r - f) * (r - f);
+    }
+    const double rel_mk = std::sqrt(ec / ef), rel_cublas = std::sqrt(er / ef);
+    printf("M %lld N %lld K %lld: relative error mkernel %.3e, cuBLAS bf16 %.3e\n", (long long)s.M,
+           (long long)s.N, (long long)s.K, rel_mk, rel_cublas);
+    EXPECT_EQ(nan, 0);
+    EXPECT_LE(rel_mk, 1.5 * rel_cublas + 1e-6);
+    EXPECT_LT(rel_mk, 1e-2);
+  }
+  cublasDestroy(h);
+}
+
+TEST(Gemm, BadInputIsRejected) {
+  DevBuf A(1 << 20), B(1 << 20), C(1 << 20);
+  gemm::Arguments ok;
+  ok.A = A.p;
+  ok.B = B.p;
+  ok.C = C.p;
+  ok.M = 64;
+  ok.N = 64;
+  ok.K = 64;
+  MK_EXPECT_OK(gemm::can_implement(ok));
+  auto expect_bad = [&](gemm::Arguments a, const char* what) {
+    Status s = gemm::can_implement(a);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << what << ": " << s.to_string();
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
+    EXPECT_FALSE(gemm::run(a, nullptr).ok());
+  };
+  gemm::Arguments a = ok;
+  a.K = 0;
+  expect_bad(a, "K must be > 0");
+  a = ok;
+  a.A = static_cast<char*>(A.p) + 2;
+  expect_bad(a, "16-byte aligned");
+  a = ok;
+  a.lda = 65;
+  a.K = 64;
+  expect_bad(a, "multiples of 8");
+  a = ok;
+  a.c_type = gemm::DType::kF32;
+  expect_bad(a, "only bf16");
+  a = ok;
+  a.C = A.p;
+  expect_bad(a, "overlaps");
+  int resident = 0;
+  MK_ASSERT_OK(gemm::persistent_ctas(&resident));
+  EXPECT_GT(resident, 0);
+  gemm::RunConfig too_many;
+  too_many.max_ctas = resident + 1;
+  Status s = gemm::run(ok, nullptr, too_many);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("co-resident"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace mk
