@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# GEMM-only call on the GPU machine: build the GEMM test and benchmark, check the machine code,
+# run the tests and the benchmark against cuBLAS. Logs come back as $OUT/gemm_logs.tgz.
+set -uo pipefail
+RESULT=${OUT:-/tmp/mk-out}
+OUT=/tmp/mk-gemm
+rm -rf "$OUT" && mkdir -p "$OUT" "$RESULT"
+trap 'tar -C "$OUT" -czf "$RESULT/gemm_logs.tgz" .' EXIT
+source .devcarry/env.sh
+source .devcarry/extra-env.sh
+cmake -S . -B build -G Ninja > "$OUT/cmake.log" 2>&1 && ninja -C build -j16 test_gpu_gemm bench_gemm test_gpu_threads > "$OUT/build.log" 2>&1
+echo "build rc=$?"; grep -E "error" "$OUT/build.log" | head
+cuobjdump -sass build/CMakeFiles/mkernel.dir/src/gemm/sm90_gemm_bf16.cu.o 2>/dev/null | grep -cE "HGMMA" | sed 's/^/HGMMA instructions: /'
+build/tests/gpu/test_gpu_gemm > "$OUT/test_gpu_gemm.log" 2>&1; echo "test_gpu_gemm rc=$?"; grep -E "OK|FAILED|relative|Failure|gemm" "$OUT/test_gpu_gemm.log" | head -20
+CUDA_DEVICE_MAX_CONNECTIONS=32 build/tests/gpu/test_gpu_threads > "$OUT/test_gpu_threads.log" 2>&1; echo "test_gpu_threads rc=$?"; grep -E "OK|FAILED" "$OUT/test_gpu_threads.log"
+build/bench/bench_gemm --json "$OUT/bench_gemm.json" ${MK_GEMM_ARGS:-} > "$OUT/bench_gemm.log" 2>&1; echo "bench_gemm rc=$?"; cat "$OUT/bench_gemm.log"
