@@ -206,6 +206,13 @@ Status can_implement(const Arguments& a) {
   MK_REQUIRE(lda >= a.K && ldb >= a.K && ldc >= a.N, Code::kInvalidArgument,
              "gemm: leading dimensions (%lld, %lld, %lld) shorter than the rows (%lld, %lld, %lld)",
              (long long)lda, (long long)ldb, (long long)ldc, (long long)a.K, (long long)a.K, (long long)a.N);
+  // Rows are 16-byte aligned: K (rows of A and B) and N (rows of C) are multiples of 8 bf16.
+  // Measured on an H200: with N = 1030 and ldc = 1032 the TMA store wrote the 16-byte
+  // remainder of each row (2 elements past N), so a ragged row end is rejected, not clipped.
+  MK_REQUIRE(a.K % 8 == 0 && a.N % 8 == 0, Code::kInvalidArgument,
+             "gemm: K and N must be multiples of 8 (16-byte rows), got K %lld, N %lld; pad them "
+             "(zeros in A/B, ignore the extra columns of C)",
+             (long long)a.K, (long long)a.N);
   MK_REQUIRE(lda % 8 == 0 && ldb % 8 == 0 && ldc % 8 == 0, Code::kInvalidArgument,
              "gemm: row strides must be multiples of 8 elements (16 bytes): lda %lld, ldb %lld, ldc %lld",
              (long long)lda, (long long)ldb, (long long)ldc);
@@ -272,9 +279,8 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   ep.dC = StrideC(dD);
   ep.ptr_D = static_cast<Element*>(a.C);
   ep.dD = dD;
-  // The collectives' own can_implement also wants K and N to be multiples of 8 (it checks the
-  // extents against packed default strides). TMA needs only 16-byte-aligned bases and row
-  // strides, which can_implement() above checked: a K or N tail is clipped by the TMA bounds.
+  MK_REQUIRE(CollectiveMainloop::can_implement(problem, ml) && CollectiveEpilogue::can_implement(problem, ep),
+             Code::kInvalidArgument, "gemm: CUTLASS collectives reject this problem (M %d, N %d, K %d)", M, N, K);
   Params p{};
   p.problem = problem;
   p.mainloop = CollectiveMainloop::to_underlying_arguments(problem, ml, nullptr);

@@ -30,7 +30,8 @@ struct Shape {
 // poisoned (NaN) first, padding columns included, and every element is checked.
 TEST(Gemm, ExactOnSmallIntegers) {
   std::mt19937_64 rng(test_seed());
-  const Shape shapes[] = {{1000, 1030, 520, 1032}, {128, 256, 64, 256}, {129, 264, 72, 264},
+  // M, N, K off the 128 x 256 x 64 tile; padded ldc (its padding must stay untouched).
+  const Shape shapes[] = {{1000, 1032, 520, 1040}, {128, 256, 64, 256}, {129, 264, 72, 264},
                           {1, 8, 8, 8},           {300, 4096, 8, 4096}, {2048, 1024, 1536, 1024},
                           {777, 520, 2056, 528}};
   for (const Shape& s : shapes) {
@@ -161,6 +162,10 @@ TEST(Gemm, BadInputIsRejected) {
   a.lda = 65;
   a.K = 64;
   expect_bad(a, "multiples of 8");
+  a = ok;
+  a.N = 1030;
+  a.ldc = 1032;
+  expect_bad(a, "multiples of 8 (16-byte rows)");
   a = ok;
   a.c_type = gemm::DType::kF32;
   expect_bad(a, "only bf16");

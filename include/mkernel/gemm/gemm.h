@@ -3,8 +3,10 @@
 // warp-specialized kernel (one TMA producer warpgroup, two WGMMA consumer warpgroups, 128x256x64
 // tiles) whose tile loop is mkernel's own, built on CUTLASS 4.2's SM90 collectives.
 //
-// Any M, N, K whose rows are 16-byte aligned (lda, ldb, ldc multiples of 8 elements, pointers
-// 16-byte aligned): tails are handled by TMA bounds, not rejected.
+// Any M, N, K whose rows are 16-byte aligned (K and N multiples of 8 bf16; lda, ldb, ldc
+// multiples of 8; pointers 16-byte aligned): tile tails (M, N, K not multiples of 128, 256, 64)
+// are handled by TMA bounds, not rejected. A ragged row (N = 1030) is rejected: TMA stores
+// write whole 16-byte units.
 #pragma once
 
 #include <cuda_runtime_api.h>
