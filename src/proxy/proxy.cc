@@ -270,6 +270,7 @@ bool Proxy::drain() {
   bool any = false;
   Command c;
   const bool failed = failed_.load(std::memory_order_relaxed) != 0;
+  const uint64_t batch_ns = now_ns();  // one clock read per batch: the stall bound is coarse anyway
   // A fence holds later commands back until every earlier put completed.
   while (!fence_waiting_ && (failed || inflight_ < cfg_.max_inflight) && ring_->peek(&c)) {
     ring_->pop();
@@ -305,7 +306,7 @@ bool Proxy::drain() {
         op.cmd = c;
         op.posted = false;
         op.live = true;
-        op.start_ns = now_ns();
+        op.start_ns = batch_ns;
         op.staged = wins_->get(c.src_window)->staged || wins_->get(c.dst_window)->staged;
         ++inflight_;
         if (op.staged) {
