@@ -194,7 +194,6 @@ class Proxy {
   std::atomic<uint64_t> idle_epoch_{0};  // bumps each loop pass with nothing in flight
   mutable std::mutex mu_;
   Status error_;
-  ProxyStats stats_;
   std::atomic<uint64_t> commands_{0}, puts_{0}, bytes_{0}, arrivals_{0}, nops_{0}, eagain_{0},
       rejected_{0};
 };
