@@ -79,6 +79,9 @@ struct Params {
   typename CollectiveMainloop::Params mainloop;
   typename CollectiveEpilogue::Params epilogue;
   int tiles_m, tiles_n, k_tiles;
+  const int* order;       // caller-given tile order, or null (grouped static order)
+  uint64_t* tile_flags;   // per-tile signal after the tile's stores are in global memory
+  uint64_t flag_value;
 };
 
 // Static persistent schedule: CTA b takes tiles b, b + grid, ... Tiles are numbered in groups
@@ -86,12 +89,32 @@ struct Params {
 // CTAs then covers about 16 x 8 tiles: per k-step it reads 16 A and 8 B slices (16 KiB and
 // 32 KiB each) instead of 64 A slices with plain column order, so L2 serves most loads.
 constexpr int kGroupM = 16;
-__device__ __forceinline__ auto tile_coord(const Params& p, int t) {
+// The schedulers share one method set: work item i of the persistent loop -> a tile id
+// (t = n * tiles_m + m). Producer and consumers walk the same items, so they agree.
+__device__ __forceinline__ int tile_of_item(const Params& p, int i) {
+  if (p.order) return p.order[i];  // caller-given order
   const int per_group = kGroupM * p.tiles_n;
-  const int first_m = (t / per_group) * kGroupM;
+  const int first_m = (i / per_group) * kGroupM;
   const int rows = min(p.tiles_m - first_m, kGroupM);
-  const int r = t % per_group;
-  return make_coord(first_m + r % rows, r / rows, _, 0);
+  const int r = i % per_group;
+  return (r / rows) * p.tiles_m + first_m + r % rows;
+}
+__device__ __forceinline__ auto tile_coord(const Params& p, int i) {
+  const int t = tile_of_item(p, i);
+  return make_coord(t % p.tiles_m, t / p.tiles_m, _, 0);
+}
+
+// Per-tile signal: the warp that issued the tile's TMA stores (consumer warp 0; bulk-copy
+// groups belong to the issuing thread) waits until the stores are complete in global memory,
+// not only until shared memory was read, orders the async proxy's writes before its own, then
+// one lane publishes the flag with a release store at system scope.
+__device__ __forceinline__ void signal_tile(const Params& p, int mma_tid, int t) {
+  if (mma_tid >= 32) return;
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  __syncwarp();
+  if (mma_tid == 0)
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p.tile_flags + t), "l"(p.flag_value) : "memory");
 }
 
 __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__ const Params params) {
@@ -170,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
       el_read = el_next;
       es_write = es_next;
       stored = true;
+      if (params.tile_flags) signal_tile(params, mma_tid, tile_of_item(params, t));
     }
     if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
   }
@@ -236,6 +260,13 @@ Status can_implement(const Arguments& a) {
 #endif
 }
 
+TileCount tile_count(int64_t M, int64_t N) {
+  TileCount c;
+  c.m = static_cast<int>((M + 127) / 128);
+  c.n = static_cast<int>((N + 255) / 256);
+  return c;
+}
+
 Status persistent_ctas(int* out) {
 #if MK_WITH_CUTLASS
   int dev = 0, sms = 0, per_sm = 0;
@@ -288,6 +319,9 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   p.tiles_m = (M + 127) / 128;
   p.tiles_n = (N + 255) / 256;
   p.k_tiles = (K + 63) / 64;
+  p.order = a.tile_order;
+  p.tile_flags = a.tile_flags;
+  p.flag_value = a.tile_flag_value;
   int resident = 0;
   MK_CHECK(persistent_ctas(&resident));
   // A persistent grid larger than what can be co-resident would serialize (and, with the

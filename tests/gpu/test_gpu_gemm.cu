@@ -2,6 +2,7 @@
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -134,6 +135,134 @@ TEST(Gemm, RandomNormalAgainstCublas) {
     EXPECT_LT(rel_mk, 1e-2);
   }
   cublasDestroy(h);
+}
+
+// Fills A and B with small integers; returns the host copies.
+void small_ints(std::mt19937_64& rng, std::vector<__nv_bfloat16>& v) {
+  std::uniform_int_distribution<int> d(-3, 3);
+  for (auto& x : v) x = __float2bfloat16(float(d(rng)));
+}
+
+std::vector<uint16_t> run_gemm(const gemm::Arguments& args, size_t elems) {
+  EXPECT_EQ(cudaMemset(args.C, 0xff, elems * 2), cudaSuccess);
+  Status s = gemm::run(args, nullptr);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> out(elems);
+  cudaMemcpy(out.data(), args.C, elems * 2, cudaMemcpyDeviceToHost);
+  return out;
+}
+
+// The caller-given scheduler: reversed and shuffled tile orders give the same C, bit for bit.
+TEST(Gemm, CallerGivenTileOrder) {
+  std::mt19937_64 rng(test_seed() + 2);
+  const int64_t M = 1000, N = 1032, K = 520;
+  std::vector<__nv_bfloat16> A(M * K), B(N * K);
+  small_ints(rng, A);
+  small_ints(rng, B);
+  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2);
+  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+  gemm::Arguments args;
+  args.A = dA.p;
+  args.B = dB.p;
+  args.C = dC.p;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  const std::vector<uint16_t> base = run_gemm(args, M * N);
+  const gemm::TileCount tc = gemm::tile_count(M, N);
+  std::vector<int> order(tc.total());
+  for (int i = 0; i < tc.total(); ++i) order[i] = tc.total() - 1 - i;
+  DevBuf dOrder(order.size() * sizeof(int));
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) std::shuffle(order.begin(), order.end(), rng);
+    cudaMemcpy(dOrder.p, order.data(), order.size() * sizeof(int), cudaMemcpyHostToDevice);
+    args.tile_order = static_cast<const int*>(dOrder.p);
+    EXPECT_TRUE(run_gemm(args, M * N) == base) << (pass ? "shuffled" : "reversed") << " order";
+  }
+}
+
+// Waits (bounded) for each tile's flag, then copies the tile: a flag raised before its data
+// would leave poison in the snapshot.
+__global__ void snapshot_on_flag(const uint64_t* flags, uint64_t value, const uint16_t* C, uint16_t* snap,
+                                 int tiles_m, int tiles_total, int64_t M, int64_t N, int* timeouts) {
+  for (int t = blockIdx.x; t < tiles_total; t += gridDim.x) {
+    if (threadIdx.x == 0) {
+      const long long t0 = clock64();
+      uint64_t v;
+      do {
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flags + t) : "memory");
+      } while (v < value && clock64() - t0 < 20000000000ll);
+      if (v < value) atomicAdd(timeouts, 1);
+    }
+    __syncthreads();
+    const int64_t m0 = int64_t(t % tiles_m) * 128, n0 = int64_t(t / tiles_m) * 256;
+    for (int i = threadIdx.x; i < 128 * 256; i += blockDim.x) {
+      const int64_t m = m0 + i / 256, n = n0 + i % 256;
+      if (m < M && n < N) snap[m * N + n] = reinterpret_cast<const volatile uint16_t*>(C)[m * N + n];
+    }
+    __syncthreads();
+  }
+}
+
+TEST(Gemm, TileFlagsFollowTheirData) {
+  std::mt19937_64 rng(test_seed() + 3);
+  const int64_t M = 2048, N = 2048, K = 1024;
+  std::vector<__nv_bfloat16> A(M * K), B(N * K);
+  small_ints(rng, A);
+  small_ints(rng, B);
+  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2), dSnap(M * N * 2), dT(sizeof(int));
+  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+  gemm::Arguments args;
+  args.A = dA.p;
+  args.B = dB.p;
+  args.C = dC.p;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  const std::vector<uint16_t> ref = run_gemm(args, M * N);  // no flags
+  const gemm::TileCount tc = gemm::tile_count(M, N);
+  DevBuf dFlags(tc.total() * 8);
+  for (uint64_t epoch = 1; epoch <= 3; ++epoch) {  // flags are never reset: values grow
+    if (epoch == 1) cudaMemset(dFlags.p, 0, tc.total() * 8);
+    cudaMemset(dC.p, 0xff, M * N * 2);
+    cudaMemset(dSnap.p, 0xff, M * N * 2);
+    cudaMemset(dT.p, 0, sizeof(int));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaStream_t s1, s2;
+    cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking);
+    // The watcher first (4 CTAs), then the GEMM on the SMs left: both must be resident.
+    snapshot_on_flag<<<4, 256, 0, s2>>>(static_cast<uint64_t*>(dFlags.p), epoch, static_cast<uint16_t*>(dC.p),
+                                        static_cast<uint16_t*>(dSnap.p), tc.m, tc.total(), M, N,
+                                        static_cast<int*>(dT.p));
+    int resident = 0;
+    MK_ASSERT_OK(gemm::persistent_ctas(&resident));
+    gemm::RunConfig rc;
+    rc.max_ctas = resident - 4;
+    args.tile_flags = static_cast<uint64_t*>(dFlags.p);
+    args.tile_flag_value = epoch;
+    MK_ASSERT_OK(gemm::run(args, s1, rc));
+    ASSERT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s2), cudaSuccess);
+    cudaStreamDestroy(s1);
+    cudaStreamDestroy(s2);
+    int timeouts = -1;
+    cudaMemcpy(&timeouts, dT.p, sizeof(int), cudaMemcpyDeviceToHost);
+    EXPECT_EQ(timeouts, 0);
+    std::vector<uint16_t> C(M * N), snap(M * N);
+    std::vector<uint64_t> flags(tc.total());
+    cudaMemcpy(C.data(), dC.p, M * N * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(snap.data(), dSnap.p, M * N * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(flags.data(), dFlags.p, flags.size() * 8, cudaMemcpyDeviceToHost);
+    EXPECT_TRUE(C == ref) << "epoch " << epoch;
+    int64_t early = 0;
+    for (int64_t i = 0; i < M * N; ++i) early += snap[i] != ref[i];
+    EXPECT_EQ(early, 0) << "elements read after their tile's flag that were not yet written, epoch " << epoch;
+    for (int t = 0; t < tc.total(); ++t) ASSERT_EQ(flags[t], epoch) << "tile " << t;
+  }
 }
 
 TEST(Gemm, BadInputIsRejected) {

@@ -27,7 +27,26 @@ struct Arguments {
   int64_t M = 0, N = 0, K = 0;
   int64_t lda = 0, ldb = 0, ldc = 0;  // 0: packed (K, K, N)
   DType a_type = DType::kBF16, b_type = DType::kBF16, c_type = DType::kBF16;
+
+  // Tiles are 128 x 256; tile id t covers rows (t % tiles_m) * 128 and columns
+  // (t / tiles_m) * 256, with tiles_m = ceil(M / 128) (see tile_count()).
+  // Scheduler: nullptr — static persistent order, grouped 16 tile-rows at a time for L2
+  // reuse; else a device array of every tile id once, in the order CTAs should take them
+  // (e.g. rank-rotated so communication can start with the first tiles): CTA b takes
+  // entries b, b + grid, ...
+  const int* tile_order = nullptr;
+  // Per-tile signal: when non-null, tile t's flag is set to tile_flag_value (release, system
+  // scope) once every element of the tile is written to C in global memory. C may be a peer's
+  // buffer (a symmetric-memory peer pointer): the flag then follows the remote writes.
+  uint64_t* tile_flags = nullptr;
+  uint64_t tile_flag_value = 1;
 };
+
+struct TileCount {
+  int m = 0, n = 0;
+  int total() const { return m * n; }
+};
+TileCount tile_count(int64_t M, int64_t N);
 
 struct RunConfig {
   int max_ctas = 0;  // 0: every CTA that can be co-resident on the SMs this context may use
