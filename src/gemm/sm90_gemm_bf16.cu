@@ -19,6 +19,7 @@
 #include "cutlass/numeric_types.h"
 #include "cutlass/pipeline/pipeline.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include <cuda_bf16.h>
 #endif
 
 namespace mk {
@@ -82,6 +83,10 @@ struct Params {
   const int* order;       // caller-given tile order, or null (grouped static order)
   uint64_t* tile_flags;   // per-tile signal after the tile's stores are in global memory
   uint64_t flag_value;
+  int flag_add;           // add flag_value instead of setting it
+  int epi_mode;           // Epilogue
+  void* c;                // the reduce-add destination (bf16 or fp32)
+  int64_t ldc;
 };
 
 // Static persistent schedule: CTA b takes tiles b, b + grid, ... Tiles are numbered in groups
@@ -104,17 +109,75 @@ __device__ __forceinline__ auto tile_coord(const Params& p, int i) {
   return make_coord(t % p.tiles_m, t / p.tiles_m, _, 0);
 }
 
-// Per-tile signal: the warp that issued the tile's TMA stores (consumer warp 0; bulk-copy
+__device__ __forceinline__ void publish_flag(const Params& p, int t) {
+  if (p.flag_add)
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p.tile_flags + t), "l"(p.flag_value) : "memory");
+  else
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p.tile_flags + t), "l"(p.flag_value) : "memory");
+}
+
+// Per-tile signal after TMA stores: the warp that issued them (consumer warp 0; bulk-copy
 // groups belong to the issuing thread) waits until the stores are complete in global memory,
 // not only until shared memory was read, orders the async proxy's writes before its own, then
-// one lane publishes the flag with a release store at system scope.
-__device__ __forceinline__ void signal_tile(const Params& p, int mma_tid, int t) {
+// one lane publishes the flag with release semantics at system scope.
+__device__ __forceinline__ void signal_tile_after_tma(const Params& p, int mma_tid, int t) {
   if (mma_tid >= 32) return;
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   asm volatile("fence.proxy.async.global;" ::: "memory");
   __syncwarp();
-  if (mma_tid == 0)
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p.tile_flags + t), "l"(p.flag_value) : "memory");
+  if (mma_tid == 0) publish_flag(p, t);
+}
+
+// Reduce-add epilogue straight from the accumulator registers: each consumer thread adds its
+// elements into C with system-scope reductions (atomic across GPUs writing one owner), pairs
+// of adjacent bf16 columns as one bf16x2 reduction. Rows and columns past (M, N) are skipped.
+template <class Accum>
+__device__ __forceinline__ void reduce_add_tile(const Params& p, const Accum& accum, int mma_tid,
+                                                int tile_m, int tile_n) {
+  TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(mma_tid);
+  const int M = get<0>(p.problem), N = get<1>(p.problem);
+  Tensor coords = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(TileShape{}),
+                             make_coord(tile_m, tile_n));
+  Tensor tc = thr_mma.partition_C(coords);  // same layout as the accumulators
+  static_assert(decltype(size(accum))::value % 2 == 0, "accumulators come in column pairs");
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(accum); i += 2) {
+    const int m = get<0>(tc(i)), n = get<1>(tc(i)), n1 = get<1>(tc(i + 1));
+    if (m >= M) continue;
+    if (p.epi_mode == int(Epilogue::kReduceAddF32)) {
+      float* row = static_cast<float*>(p.c) + int64_t(m) * p.ldc;
+      if (n < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n), "f"(accum(i)) : "memory");
+      if (n1 < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n1), "f"(accum(i + 1)) : "memory");
+    } else {
+      __nv_bfloat16* row = static_cast<__nv_bfloat16*>(p.c) + int64_t(m) * p.ldc;
+      if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(accum(i), accum(i + 1));
+        asm volatile("red.relaxed.sys.global.add.noftz.bf16x2 [%0], %1;" ::"l"(row + n),
+                     "r"(*reinterpret_cast<uint32_t*>(&v)) : "memory");
+      } else {
+        if (n < N) {
+          __nv_bfloat16 v = __float2bfloat16_rn(accum(i));
+          asm volatile("red.relaxed.sys.global.add.noftz.bf16 [%0], %1;" ::"l"(row + n),
+                       "h"(*reinterpret_cast<uint16_t*>(&v)) : "memory");
+        }
+        if (n1 < N) {
+          __nv_bfloat16 v = __float2bfloat16_rn(accum(i + 1));
+          asm volatile("red.relaxed.sys.global.add.noftz.bf16 [%0], %1;" ::"l"(row + n1),
+                       "h"(*reinterpret_cast<uint16_t*>(&v)) : "memory");
+        }
+      }
+    }
+  }
+}
+
+// After a reduce-add tile: every consumer thread's reductions are made visible at system
+// scope, the 256 consumer threads meet, then one thread publishes the flag.
+constexpr uint32_t kReduceBarrier = 1;  // user named-barrier id (hardware id 9)
+__device__ __forceinline__ void signal_tile_after_reduce(const Params& p, int mma_tid, int t) {
+  __threadfence_system();
+  cutlass::arch::NamedBarrier::sync(kMmaThreads, kReduceBarrier);
+  if (mma_tid == 0) publish_flag(p, t);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__ const Params params) {
@@ -187,13 +250,19 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
       mainloop.mma(mainloop_pipeline, ml_read, accum, k_tiles, mma_tid, smem.mainloop_tensors, params.mainloop);
       mainloop.mma_tail(mainloop_pipeline, ml_read, k_tiles);
       ml_read.advance(k_tiles);
-      auto [el_next, es_next] = epilogue.store(epi_load_pipeline, el_read, epi_store_pipeline, es_write,
-                                               problem_mnkl, blk_shape, blk_coord, accum, tiled_mma,
-                                               mma_tid, smem.epilogue_tensors);
-      el_read = el_next;
-      es_write = es_next;
-      stored = true;
-      if (params.tile_flags) signal_tile(params, mma_tid, tile_of_item(params, t));
+      if (params.epi_mode == int(Epilogue::kStore)) {
+        auto [el_next, es_next] = epilogue.store(epi_load_pipeline, el_read, epi_store_pipeline, es_write,
+                                                 problem_mnkl, blk_shape, blk_coord, accum, tiled_mma,
+                                                 mma_tid, smem.epilogue_tensors);
+        el_read = el_next;
+        es_write = es_next;
+        stored = true;
+        if (params.tile_flags) signal_tile_after_tma(params, mma_tid, tile_of_item(params, t));
+      } else {
+        const int tile = tile_of_item(params, t);
+        reduce_add_tile(params, accum, mma_tid, tile % params.tiles_m, tile / params.tiles_m);
+        if (params.tile_flags) signal_tile_after_reduce(params, mma_tid, tile);
+      }
     }
     if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
   }
@@ -211,16 +280,21 @@ const char* dtype_name(DType t) {
   switch (t) {
     case DType::kBF16: return "bf16";
     case DType::kF16: return "f16";
-    case DType::kF32: return "f32";
+    case DType::kF32: return "fp32";
   }
   return "?";
 }
 }  // namespace
 
 Status can_implement(const Arguments& a) {
-  MK_REQUIRE(a.a_type == DType::kBF16 && a.b_type == DType::kBF16 && a.c_type == DType::kBF16,
-             Code::kInvalidArgument, "gemm: only bf16 A, B and C are implemented (got %s, %s, %s)",
-             dtype_name(a.a_type), dtype_name(a.b_type), dtype_name(a.c_type));
+  const DType want_c = a.epilogue == Epilogue::kReduceAddF32 ? DType::kF32 : DType::kBF16;
+  MK_REQUIRE(a.epilogue == Epilogue::kStore || a.epilogue == Epilogue::kReduceAddBF16 ||
+                 a.epilogue == Epilogue::kReduceAddF32,
+             Code::kInvalidArgument, "gemm: unknown epilogue %d", int(a.epilogue));
+  MK_REQUIRE(a.a_type == DType::kBF16 && a.b_type == DType::kBF16 && a.c_type == want_c,
+             Code::kInvalidArgument,
+             "gemm: only bf16 A and B are implemented, with a %s C for this epilogue (got %s, %s, %s)",
+             dtype_name(want_c), dtype_name(a.a_type), dtype_name(a.b_type), dtype_name(a.c_type));
   MK_REQUIRE(a.M >= 0 && a.N >= 0 && a.K >= 0, Code::kInvalidArgument,
              "gemm: negative shape (%lld, %lld, %lld)", (long long)a.M, (long long)a.N, (long long)a.K);
   MK_REQUIRE(a.K > 0, Code::kInvalidArgument, "gemm: K must be > 0 (C = A·Bᵀ over an empty K is not a GEMM)");
@@ -248,8 +322,9 @@ Status can_implement(const Arguments& a) {
       auto x = reinterpret_cast<uintptr_t>(p), y = reinterpret_cast<uintptr_t>(q);
       return x < y + qb && y < x + pb;
     };
+    const int64_t cbytes = a.c_type == DType::kF32 ? 4 : 2;
     const int64_t ab = (a.M - 1) * lda * 2 + a.K * 2, bb = (a.N - 1) * ldb * 2 + a.K * 2,
-                  cb = (a.M - 1) * ldc * 2 + a.N * 2;
+                  cb = (a.M - 1) * ldc * cbytes + a.N * cbytes;
     MK_REQUIRE(!overlaps(a.C, cb, a.A, ab) && !overlaps(a.C, cb, a.B, bb), Code::kInvalidArgument,
                "gemm: C overlaps A or B");
   }
@@ -301,7 +376,10 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   StrideD dD = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
   cute::get<0>(dA) = a.lda ? a.lda : a.K;
   cute::get<0>(dB) = a.ldb ? a.ldb : a.K;
-  cute::get<0>(dD) = a.ldc ? a.ldc : a.N;
+  const int64_t ldc = a.ldc ? a.ldc : a.N;
+  // The TMA-store descriptor is always built; for an fp32 reduce-add destination it views the
+  // buffer as bf16 (twice the elements per row) and is never used.
+  cute::get<0>(dD) = a.c_type == DType::kF32 ? 2 * ldc : ldc;
   typename CollectiveMainloop::Arguments ml{static_cast<const Element*>(a.A), dA, static_cast<const Element*>(a.B), dB};
   typename CollectiveEpilogue::Arguments ep{};
   ep.thread.alpha = 1.0f;
@@ -322,6 +400,10 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   p.order = a.tile_order;
   p.tile_flags = a.tile_flags;
   p.flag_value = a.tile_flag_value;
+  p.flag_add = a.tile_flag_add ? 1 : 0;
+  p.epi_mode = int(a.epilogue);
+  p.c = a.C;
+  p.ldc = ldc;
   int resident = 0;
   MK_CHECK(persistent_ctas(&resident));
   // A persistent grid larger than what can be co-resident would serialize (and, with the

@@ -265,6 +265,72 @@ TEST(Gemm, TileFlagsFollowTheirData) {
   }
 }
 
+// Reduce-add epilogues: C += A·Bᵀ. Small integers keep every sum exact, so the result must
+// equal the host's to the last bit; per-tile flags count one arrival per call (flag add).
+TEST(Gemm, ReduceAddEpilogues) {
+  std::mt19937_64 rng(test_seed() + 4);
+  const int64_t M = 1000, N = 776, K = 16;  // |A·Bᵀ| <= 64 and |C| <= 128: exact in bf16 too
+  std::vector<__nv_bfloat16> A(M * K), B(N * K);
+  std::uniform_int_distribution<int> d2(-2, 2), d64(-64, 64);
+  for (auto& x : A) x = __float2bfloat16(float(d2(rng)));
+  for (auto& x : B) x = __float2bfloat16(float(d2(rng)));
+  std::vector<float> P(M * N, 0.f), X(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += __bfloat162float(A[m * K + k]) * __bfloat162float(B[n * K + k]);
+      P[m * N + n] = acc;
+      X[m * N + n] = float(d64(rng));
+    }
+  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC32(M * N * 4), dC16(M * N * 2);
+  const gemm::TileCount tc = gemm::tile_count(M, N);
+  DevBuf dFlags(tc.total() * 8);
+  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+  gemm::Arguments args;
+  args.A = dA.p;
+  args.B = dB.p;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  args.tile_flags = static_cast<uint64_t*>(dFlags.p);
+  args.tile_flag_add = true;
+  {  // fp32 accumulation buffer, two calls
+    cudaMemcpy(dC32.p, X.data(), M * N * 4, cudaMemcpyHostToDevice);
+    cudaMemset(dFlags.p, 0, tc.total() * 8);
+    args.C = dC32.p;
+    args.c_type = gemm::DType::kF32;
+    args.epilogue = gemm::Epilogue::kReduceAddF32;
+    MK_ASSERT_OK(gemm::run(args, nullptr));
+    MK_ASSERT_OK(gemm::run(args, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> C(M * N);
+    std::vector<uint64_t> f(tc.total());
+    cudaMemcpy(C.data(), dC32.p, M * N * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(f.data(), dFlags.p, f.size() * 8, cudaMemcpyDeviceToHost);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < M * N; ++i) bad += C[i] != X[i] + 2 * P[i];
+    EXPECT_EQ(bad, 0) << "fp32 reduce-add";
+    for (uint64_t v : f) ASSERT_EQ(v, 2u);
+  }
+  {  // bf16 destination, one call
+    std::vector<__nv_bfloat16> X16(M * N);
+    for (int64_t i = 0; i < M * N; ++i) X16[i] = __float2bfloat16(X[i]);
+    cudaMemcpy(dC16.p, X16.data(), M * N * 2, cudaMemcpyHostToDevice);
+    args.C = dC16.p;
+    args.c_type = gemm::DType::kBF16;
+    args.epilogue = gemm::Epilogue::kReduceAddBF16;
+    args.tile_flags = nullptr;
+    MK_ASSERT_OK(gemm::run(args, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<__nv_bfloat16> C(M * N);
+    cudaMemcpy(C.data(), dC16.p, M * N * 2, cudaMemcpyDeviceToHost);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < M * N; ++i) bad += __bfloat162float(C[i]) != X[i] + P[i];
+    EXPECT_EQ(bad, 0) << "bf16 reduce-add";
+  }
+}
+
 TEST(Gemm, BadInputIsRejected) {
   DevBuf A(1 << 20), B(1 << 20), C(1 << 20);
   gemm::Arguments ok;
@@ -298,6 +364,9 @@ TEST(Gemm, BadInputIsRejected) {
   a = ok;
   a.c_type = gemm::DType::kF32;
   expect_bad(a, "only bf16");
+  a = ok;
+  a.epilogue = gemm::Epilogue::kReduceAddF32;  // needs an fp32 C
+  expect_bad(a, "fp32 C");
   a = ok;
   a.C = A.p;
   expect_bad(a, "overlaps");

@@ -20,6 +20,14 @@ namespace gemm {
 
 enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
+// What the epilogue does with a finished tile.
+enum class Epilogue : int {
+  kStore = 0,          // C = A·Bᵀ (bf16) through TMA stores; C may be a peer's buffer
+  kReduceAddBF16 = 1,  // C += A·Bᵀ (bf16 C) with red.add.bf16x2, atomic across ranks
+  kReduceAddF32 = 2,   // C += A·Bᵀ into an fp32 accumulation buffer (c_type kF32): exact
+                       // cross-rank sums of integer-valued data, any arrival order
+};
+
 struct Arguments {
   const void* A = nullptr;  // [M, K], row stride lda (elements)
   const void* B = nullptr;  // [N, K], row stride ldb
@@ -40,6 +48,10 @@ struct Arguments {
   // buffer (a symmetric-memory peer pointer): the flag then follows the remote writes.
   uint64_t* tile_flags = nullptr;
   uint64_t tile_flag_value = 1;
+  // false: set the flag to tile_flag_value; true: add tile_flag_value (several ranks
+  // reduce-adding into one owner each add 1, and the owner waits for the count).
+  bool tile_flag_add = false;
+  Epilogue epilogue = Epilogue::kStore;
 };
 
 struct TileCount {
