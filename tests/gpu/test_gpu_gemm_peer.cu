@@ -90,12 +90,14 @@ TEST_F(GemmPeer, StoreIntoTheNextRank) {
   cudaMemcpy(dB, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
   cudaDeviceSynchronize();
   MK_ASSERT_OK(comm->bootstrap().barrier());
+  // Load the GEMM kernel before any kernel waits on it: with CUDA's lazy module loading,
+  // loading a kernel waits for the running ones, and the watcher below waits for the GEMM.
+  int resident = 0;
+  MK_ASSERT_OK(gemm::persistent_ctas(&resident));
   cudaStream_t ws;
   cudaStreamCreateWithFlags(&ws, cudaStreamNonBlocking);
   wait_and_snapshot<<<2, 256, 0, ws>>>(flags->signal_view(), comm->wait_ctx(OpTag::kGemmRs, Role::kComm),
                                        C->local(), false, snap, tc.m, tc.total(), 1);
-  int resident = 0;
-  MK_ASSERT_OK(gemm::persistent_ctas(&resident));
   gemm::Arguments args;
   args.A = dA;
   args.B = dB;
@@ -154,13 +156,13 @@ TEST_F(GemmPeer, ReduceAddIntoOneOwner) {
   cudaMemcpy(dB, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
   cudaDeviceSynchronize();
   MK_ASSERT_OK(comm->bootstrap().barrier());
+  int resident = 0;
+  MK_ASSERT_OK(gemm::persistent_ctas(&resident));  // loads the kernel (see above)
   cudaStream_t ws;
   cudaStreamCreateWithFlags(&ws, cudaStreamNonBlocking);
   if (me == 0)
     wait_and_snapshot<<<2, 256, 0, ws>>>(flags->signal_view(), comm->wait_ctx(OpTag::kGemmRs, Role::kComm),
                                          C->local(), true, snap, tc.m, tc.total(), uint64_t(W));
-  int resident = 0;
-  MK_ASSERT_OK(gemm::persistent_ctas(&resident));
   gemm::Arguments args;
   args.A = dA;
   args.B = dB;

@@ -69,7 +69,10 @@ struct RunConfig {
 Status can_implement(const Arguments& args);
 // Enqueues the GEMM on `stream`. M == 0 or N == 0 is a no-op.
 Status run(const Arguments& args, cudaStream_t stream, const RunConfig& cfg = RunConfig{});
-// The persistent grid run() would launch (co-resident CTAs on this context's SMs).
+// The persistent grid run() would launch (co-resident CTAs on this context's SMs). It also
+// loads the kernel: call it before launching another kernel that waits on this GEMM's tile
+// flags — with CUDA's lazy module loading (the default), loading a kernel waits for running
+// kernels, so a waiter launched first would wait forever (its bounded wait reports it).
 Status persistent_ctas(int* out);
 
 }  // namespace gemm
