@@ -11,7 +11,8 @@ source .devcarry/extra-env.sh
 cmake -S . -B build -G Ninja > "$OUT/cmake.log" 2>&1 && ninja -C build -j16 test_gpu_gemm test_gpu_gemm_peer bench_gemm test_gpu_threads > "$OUT/build.log" 2>&1
 echo "build rc=$?"; grep -E "error" "$OUT/build.log" | head
 cuobjdump -sass build/CMakeFiles/mkernel.dir/src/gemm/sm90_gemm_bf16.cu.o 2>/dev/null | grep -cE "HGMMA" | sed 's/^/HGMMA instructions: /'
-build/tests/gpu/test_gpu_gemm > "$OUT/test_gpu_gemm.log" 2>&1; echo "test_gpu_gemm rc=$?"; grep -E "OK|FAILED|relative|Failure|gemm" "$OUT/test_gpu_gemm.log" | head -20
+MK_TRACE_OUT="$OUT/gemm_trace.json" build/tests/gpu/test_gpu_gemm > "$OUT/test_gpu_gemm.log" 2>&1; echo "test_gpu_gemm rc=$?"; grep -E "OK|FAILED|relative|Failure|gemm" "$OUT/test_gpu_gemm.log" | head -20
+python3 tools/trace_png.py "$OUT/gemm_trace.json" "$RESULT/gemm_trace.png" && echo "trace PNG written"
 CUDA_DEVICE_MAX_CONNECTIONS=32 build/tests/gpu/test_gpu_threads > "$OUT/test_gpu_threads.log" 2>&1; echo "test_gpu_threads rc=$?"; grep -E "OK|FAILED" "$OUT/test_gpu_threads.log"
 # The epilogues into other ranks' memory: processes under MPS.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -14,6 +14,7 @@ const char* role_name(Role r) {
     case Role::kNetRecv: return "net-recv";
     case Role::kController: return "controller";
     case Role::kTest: return "test";
+    case Role::kLoad: return "load";
   }
   return "unknown";
 }

@@ -7,6 +7,8 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "mkernel/device/diag.h"
+#include "mkernel/device/trace.h"
 
 #if MK_WITH_CUTLASS
 #include "cute/tensor.hpp"
@@ -87,7 +89,24 @@ struct Params {
   int epi_mode;           // Epilogue
   void* c;                // the reduce-add destination (bf16 or fp32)
   int64_t ldc;
+  TraceBuffer trace;      // used by the traced kernel variant only
 };
+
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+__device__ __forceinline__ uint64_t timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void trace_item(const Params& p, Role role, int item, uint64_t t0) {
+  const unsigned int i = atomicAdd(p.trace.count, 1u);
+  if (i < p.trace.capacity)
+    p.trace.events[i] = TraceEvent{t0, timer_ns(), sm_id(), blockIdx.x, uint32_t(role), item};
+}
 
 // Static persistent schedule: CTA b takes tiles b, b + grid, ... Tiles are numbered in groups
 // of kGroupM tile-rows; within a group they walk down M first, then across N. A wave of ~132
@@ -180,6 +199,9 @@ __device__ __forceinline__ void signal_tile_after_reduce(const Params& p, int mm
   if (mma_tid == 0) publish_flag(p, t);
 }
 
+// kTrace: the traced variant records one event per tile for the producer and one for the
+// consumers (start/end global-timer stamps); the untraced variant has no tracing code.
+template <bool kTrace>
 __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__ const Params params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
@@ -228,10 +250,14 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
     if (warp_in_wg == 0) {
       auto state = cutlass::make_producer_start_state<MainloopPipeline>();
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        uint64_t t0 = 0;
+        if constexpr (kTrace) t0 = timer_ns();
         auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
         mainloop.load(params.mainloop, mainloop_pipeline, state, load_inputs, tile_coord(params, t),
                       k_iter, k_tiles, lane, cta_rank, smem.mainloop_tensors);
         state.advance(k_tiles);
+        if constexpr (kTrace)
+          if (lane == 0) trace_item(params, Role::kLoad, tile_of_item(params, t), t0);
       }
       mainloop.load_tail(mainloop_pipeline, state);
     }
@@ -245,6 +271,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
     auto es_write = cutlass::make_producer_start_state<EpiStorePipeline>();
     bool stored = false;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      uint64_t t0 = 0;
+      if constexpr (kTrace) t0 = timer_ns();
       auto blk_coord = tile_coord(params, t);
       auto accum = partition_fragment_C(tiled_mma, take<0, 2>(blk_shape));
       mainloop.mma(mainloop_pipeline, ml_read, accum, k_tiles, mma_tid, smem.mainloop_tensors, params.mainloop);
@@ -263,6 +291,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
         reduce_add_tile(params, accum, mma_tid, tile % params.tiles_m, tile / params.tiles_m);
         if (params.tile_flags) signal_tile_after_reduce(params, mma_tid, tile);
       }
+      if constexpr (kTrace)
+        if (mma_tid == 0) trace_item(params, Role::kCompute, tile_of_item(params, t), t0);
     }
     if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
   }
@@ -349,8 +379,10 @@ Status persistent_ctas(int* out) {
   // Under MPS this is the share of SMs this client may use, not the chip's count.
   MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int smem = int(sizeof(sm90::SharedStorage));
-  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90::persistent_gemm, sm90::kThreads, smem));
+  // Both variants have the same resources; loading both here keeps later launches load-free.
+  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90::persistent_gemm<false>, sm90::kThreads, smem));
   MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "gemm: the kernel cannot be resident on this device");
   *out = sms * per_sm;
   return OkStatus();
@@ -413,7 +445,12 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   const int tiles = p.tiles_m * p.tiles_n;
   int grid = cfg.max_ctas > 0 ? cfg.max_ctas : resident;
   if (grid > tiles) grid = tiles;
-  persistent_gemm<<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+  if (a.trace) {
+    p.trace = *a.trace;
+    persistent_gemm<true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+  } else {
+    persistent_gemm<false><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+  }
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 #else

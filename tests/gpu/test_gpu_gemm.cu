@@ -9,6 +9,7 @@
 
 #include <cuda_bf16.h>
 
+#include "mkernel/device/diag.h"
 #include "mkernel/gemm/gemm.h"
 #include "tests/common/test_util.h"
 
@@ -329,6 +330,63 @@ TEST(Gemm, ReduceAddEpilogues) {
     for (int64_t i = 0; i < M * N; ++i) bad += __bfloat162float(C[i]) != X[i] + P[i];
     EXPECT_EQ(bad, 0) << "bf16 reduce-add";
   }
+}
+
+// The traced kernel variant: one producer and one consumer event per tile, sane stamps, the
+// same C as the untraced variant; the timeline goes to MK_TRACE_OUT (Chrome/Perfetto JSON).
+TEST(Gemm, TraceRecordsEveryTile) {
+  std::mt19937_64 rng(test_seed() + 5);
+  const int64_t M = 4096, N = 4096, K = 4096;
+  std::vector<__nv_bfloat16> A(M * K), B(N * K);
+  small_ints(rng, A);
+  small_ints(rng, B);
+  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2);
+  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+  gemm::Arguments args;
+  args.A = dA.p;
+  args.B = dB.p;
+  args.C = dC.p;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  const std::vector<uint16_t> plain = run_gemm(args, M * N);
+  TraceRecorder rec;
+  MK_ASSERT_OK(TraceRecorder::create(8192, &rec));
+  args.trace = rec.device();
+  EXPECT_TRUE(run_gemm(args, M * N) == plain) << "tracing changed the result";
+  std::vector<TraceEvent> ev;
+  uint64_t dropped = 0;
+  MK_ASSERT_OK(rec.fetch(&ev, &dropped));
+  const gemm::TileCount tc = gemm::tile_count(M, N);
+  EXPECT_EQ(dropped, 0u);
+  ASSERT_EQ(ev.size(), size_t(2 * tc.total()));
+  std::vector<int> loads(tc.total(), 0), computes(tc.total(), 0);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  for (const TraceEvent& e : ev) {
+    ASSERT_GE(e.item, 0);
+    ASSERT_LT(e.item, tc.total());
+    EXPECT_LE(e.t0_ns, e.t1_ns);
+    EXPECT_LT(e.sm, 132u);
+    EXPECT_LT(e.cta, uint32_t(sms));
+    if (e.role == uint32_t(Role::kLoad)) ++loads[e.item];
+    else if (e.role == uint32_t(Role::kCompute)) ++computes[e.item];
+    else ADD_FAILURE() << "unexpected role " << e.role;
+  }
+  for (int t = 0; t < tc.total(); ++t) {
+    EXPECT_EQ(loads[t], 1) << "tile " << t;
+    EXPECT_EQ(computes[t], 1) << "tile " << t;
+  }
+  const char* out = getenv("MK_TRACE_OUT");
+  const std::string path = out ? out : "/tmp/mkernel_gemm_trace.json";
+  MK_ASSERT_OK(write_chrome_trace(ev, path));
+  FILE* f = fopen(path.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char head[64] = {0};
+  ASSERT_GT(fread(head, 1, sizeof(head) - 1, f), 0u);
+  fclose(f);
+  EXPECT_NE(std::string(head).find("traceEvents"), std::string::npos);
 }
 
 TEST(Gemm, BadInputIsRejected) {

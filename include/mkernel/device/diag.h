@@ -18,6 +18,7 @@ enum class Role : uint32_t {
   kNetRecv = 4,
   kController = 5,
   kTest = 6,
+  kLoad = 7,       // the TMA producer of a GEMM
 };
 const char* role_name(Role r);
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "mkernel/common/status.h"
+#include "mkernel/device/trace.h"
 
 namespace mk {
 namespace gemm {
@@ -52,6 +53,9 @@ struct Arguments {
   // reduce-adding into one owner each add 1, and the owner waits for the count).
   bool tile_flag_add = false;
   Epilogue epilogue = Epilogue::kStore;
+  // Non-null: run the traced kernel variant, which records per CTA and tile a producer
+  // ("load") and a consumer ("compute") event into the buffer (see device/trace.h).
+  const TraceBuffer* trace = nullptr;
 };
 
 struct TileCount {
