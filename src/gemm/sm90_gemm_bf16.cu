@@ -68,12 +68,21 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;  // 40 * 128 + 232 * 256 <= 64K registers
 static_assert(size(TiledMma{}) == kMmaThreads, "two consumer warpgroups");
 
+// The dynamic scheduler hands work items from the producer warp to the consumers through a
+// two-slot ring in shared memory.
+constexpr int kSchedStages = 2;
+using SchedPipeline = cutlass::PipelineAsync<kSchedStages>;
+constexpr int kItemDone = -1;  // no work left
+constexpr int kItemComm = -2;  // this CTA has the communication role for this item
+
 // Every shared byte lives here; swizzled TMA tiles need 1 KiB alignment.
 struct SharedStorage {
   alignas(1024) typename CollectiveMainloop::TensorStorage mainloop_tensors;
   alignas(1024) typename CollectiveEpilogue::TensorStorage epilogue_tensors;
   alignas(16) typename CollectiveMainloop::PipelineStorage mainloop_pipe;
   alignas(16) typename CollectiveEpilogue::PipelineStorage epi_load_pipe;
+  alignas(16) typename SchedPipeline::SharedStorage sched_pipe;
+  int sched_item[kSchedStages];
 };
 static_assert(sizeof(SharedStorage) <= 232448, "shared storage exceeds the sm_90 opt-in limit");
 
@@ -90,6 +99,11 @@ struct Params {
   void* c;                // the reduce-add destination (bf16 or fp32)
   int64_t ldc;
   TraceBuffer trace;      // used by the traced kernel variant only
+  // Dynamic variant: role counts in device memory, re-read per work item; tiles from a
+  // counter (zeroed before the launch); comm-role items counted in comm_items.
+  const int* role_counts;
+  int* tile_counter;
+  unsigned int* comm_items;
 };
 
 __device__ __forceinline__ uint32_t sm_id() {
@@ -201,7 +215,11 @@ __device__ __forceinline__ void signal_tile_after_reduce(const Params& p, int mm
 
 // kTrace: the traced variant records one event per tile for the producer and one for the
 // consumers (start/end global-timer stamps); the untraced variant has no tracing code.
-template <bool kTrace>
+// kDynamic: the role-aware dynamic scheduler. Per work item the producer warp re-reads the
+// role counts (device memory, so a controller may change them while the kernel runs): CTAs
+// below role_counts[0] take the communication role for that item; the others take the next
+// tile from a global counter. Items reach the consumers through SchedPipeline.
+template <bool kTrace, bool kDynamic>
 __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__ const Params params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
@@ -234,6 +252,12 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
   typename EpiStorePipeline::Params spp;
   spp.always_wait = true;
   EpiStorePipeline epi_store_pipeline(spp);
+  typename SchedPipeline::Params schp;
+  if (wg == 0 && warp_in_wg == 0) schp.role = SchedPipeline::ThreadCategory::Producer;
+  if (wg >= 1) schp.role = SchedPipeline::ThreadCategory::Consumer;
+  schp.producer_arv_count = 1;
+  schp.consumer_arv_count = kMmaThreads;
+  SchedPipeline sched_pipeline(smem.sched_pipe, schp);
   __syncthreads();  // barrier inits visible to the whole CTA (cluster of one); none after the split
 
   TiledMma tiled_mma;
@@ -249,15 +273,58 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (warp_in_wg == 0) {
       auto state = cutlass::make_producer_start_state<MainloopPipeline>();
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        uint64_t t0 = 0;
-        if constexpr (kTrace) t0 = timer_ns();
-        auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
-        mainloop.load(params.mainloop, mainloop_pipeline, state, load_inputs, tile_coord(params, t),
-                      k_iter, k_tiles, lane, cta_rank, smem.mainloop_tensors);
-        state.advance(k_tiles);
-        if constexpr (kTrace)
-          if (lane == 0) trace_item(params, Role::kLoad, tile_of_item(params, t), t0);
+      if constexpr (kDynamic) {
+        auto sched_w = cutlass::make_producer_start_state<SchedPipeline>();
+        for (;;) {
+          int item = 0;
+          if (lane == 0) {
+            sched_pipeline.producer_acquire(sched_w);
+            // At least one CTA always computes, whatever the count says: progress is guaranteed.
+            const int comm = min(*reinterpret_cast<const volatile int*>(params.role_counts),
+                                 static_cast<int>(gridDim.x) - 1);
+            if (static_cast<int>(blockIdx.x) < comm) {
+              const int done = *reinterpret_cast<volatile int*>(params.tile_counter) >= num_tiles;
+              item = done ? kItemDone : kItemComm;
+            } else {
+              item = atomicAdd(params.tile_counter, 1);
+              if (item >= num_tiles) item = kItemDone;
+            }
+            smem.sched_item[sched_w.index()] = item;
+            sched_pipeline.producer_commit(sched_w);
+          }
+          ++sched_w;
+          item = __shfl_sync(0xffffffffu, item, 0);
+          if (item == kItemDone) break;
+          if (item == kItemComm) {
+            // The communication role's work goes here; for now it is counted and yields.
+            if (lane == 0) {
+              if (params.comm_items) atomicAdd(params.comm_items, 1u);
+              __nanosleep(2000);
+            }
+            __syncwarp();
+            continue;
+          }
+          uint64_t t0 = 0;
+          if constexpr (kTrace) t0 = timer_ns();
+          auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+          mainloop.load(params.mainloop, mainloop_pipeline, state, load_inputs,
+                        make_coord(item % params.tiles_m, item / params.tiles_m, _, 0), k_iter, k_tiles,
+                        lane, cta_rank, smem.mainloop_tensors);
+          state.advance(k_tiles);
+          if constexpr (kTrace)
+            if (lane == 0) trace_item(params, Role::kLoad, item, t0);
+        }
+      } else {
+        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+          uint64_t t0 = 0;
+          if constexpr (kTrace) t0 = timer_ns();
+          auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+          mainloop.load(params.mainloop, mainloop_pipeline, state, load_inputs, tile_coord(params, t),
+                        k_iter, k_tiles, lane, cta_rank, smem.mainloop_tensors);
+          state.advance(k_tiles);
+          if constexpr (kTrace)
+            if (lane == 0) trace_item(params, Role::kLoad, tile_of_item(params, t), t0);
+        }
       }
       mainloop.load_tail(mainloop_pipeline, state);
     }
@@ -270,10 +337,11 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
     typename CollectiveEpilogue::LoadPipelineState el_read;
     auto es_write = cutlass::make_producer_start_state<EpiStorePipeline>();
     bool stored = false;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    // One tile: MMA over K, then the epilogue and the optional signal; `tile` is the tile id.
+    auto do_tile = [&](int tile) {
       uint64_t t0 = 0;
       if constexpr (kTrace) t0 = timer_ns();
-      auto blk_coord = tile_coord(params, t);
+      auto blk_coord = make_coord(tile % params.tiles_m, tile / params.tiles_m, _, 0);
       auto accum = partition_fragment_C(tiled_mma, take<0, 2>(blk_shape));
       mainloop.mma(mainloop_pipeline, ml_read, accum, k_tiles, mma_tid, smem.mainloop_tensors, params.mainloop);
       mainloop.mma_tail(mainloop_pipeline, ml_read, k_tiles);
@@ -285,14 +353,27 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
         el_read = el_next;
         es_write = es_next;
         stored = true;
-        if (params.tile_flags) signal_tile_after_tma(params, mma_tid, tile_of_item(params, t));
+        if (params.tile_flags) signal_tile_after_tma(params, mma_tid, tile);
       } else {
-        const int tile = tile_of_item(params, t);
         reduce_add_tile(params, accum, mma_tid, tile % params.tiles_m, tile / params.tiles_m);
         if (params.tile_flags) signal_tile_after_reduce(params, mma_tid, tile);
       }
       if constexpr (kTrace)
-        if (mma_tid == 0) trace_item(params, Role::kCompute, tile_of_item(params, t), t0);
+        if (mma_tid == 0) trace_item(params, Role::kCompute, tile, t0);
+    };
+    if constexpr (kDynamic) {
+      typename SchedPipeline::PipelineState sched_r;
+      for (;;) {
+        sched_pipeline.consumer_wait(sched_r);
+        const int item = smem.sched_item[sched_r.index()];
+        sched_pipeline.consumer_release(sched_r);
+        ++sched_r;
+        if (item == kItemDone) break;
+        if (item == kItemComm) continue;
+        do_tile(item);
+      }
+    } else {
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) do_tile(tile_of_item(params, t));
     }
     if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
   }
@@ -380,9 +461,10 @@ Status persistent_ctas(int* out) {
   MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int smem = int(sizeof(sm90::SharedStorage));
   // Both variants have the same resources; loading both here keeps later launches load-free.
-  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90::persistent_gemm<false>, sm90::kThreads, smem));
+  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90::persistent_gemm<false, false>, sm90::kThreads, smem));
   MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "gemm: the kernel cannot be resident on this device");
   *out = sms * per_sm;
   return OkStatus();
@@ -445,11 +527,20 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   const int tiles = p.tiles_m * p.tiles_n;
   int grid = cfg.max_ctas > 0 ? cfg.max_ctas : resident;
   if (grid > tiles) grid = tiles;
-  if (a.trace) {
+  if (a.role_counts) {
+    MK_REQUIRE(a.tile_counter && !a.trace && !a.tile_order, Code::kInvalidArgument,
+               "gemm: role counts need a tile_counter, and do not combine with tracing or a tile order");
+    p.role_counts = a.role_counts;
+    p.tile_counter = a.tile_counter;
+    p.comm_items = a.comm_items;
+    // Stream-ordered (capturable): the counter starts at 0 for this call.
+    MK_CUDA_CHECK(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
+    persistent_gemm<false, true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+  } else if (a.trace) {
     p.trace = *a.trace;
-    persistent_gemm<true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+    persistent_gemm<true, false><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
   } else {
-    persistent_gemm<false><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+    persistent_gemm<false, false><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
   }
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();

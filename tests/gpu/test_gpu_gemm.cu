@@ -389,6 +389,42 @@ TEST(Gemm, TraceRecordsEveryTile) {
   EXPECT_NE(std::string(head).find("traceEvents"), std::string::npos);
 }
 
+// The role runtime: with 0, 1, 8 and 32 CTAs in the communication role (role counts in device
+// memory, dynamic tile scheduler) the result is the same, bit for bit, and the comm-role CTAs
+// did comm work items.
+TEST(Gemm, RoleCountsAtRunTime) {
+  std::mt19937_64 rng(test_seed() + 6);
+  const int64_t M = 2048, N = 2048, K = 1024;
+  std::vector<__nv_bfloat16> A(M * K), B(N * K);
+  small_ints(rng, A);
+  small_ints(rng, B);
+  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2), dRoles(sizeof(int)), dCounter(sizeof(int)),
+      dComm(sizeof(unsigned));
+  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+  gemm::Arguments args;
+  args.A = dA.p;
+  args.B = dB.p;
+  args.C = dC.p;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  const std::vector<uint16_t> plain = run_gemm(args, M * N);
+  args.role_counts = static_cast<const int*>(dRoles.p);
+  args.tile_counter = static_cast<int*>(dCounter.p);
+  args.comm_items = static_cast<unsigned*>(dComm.p);
+  for (int comm : {0, 1, 8, 32}) {
+    SCOPED_TRACE(testing::Message() << comm << " communication CTAs");
+    cudaMemcpy(dRoles.p, &comm, sizeof(int), cudaMemcpyHostToDevice);
+    cudaMemset(dComm.p, 0, sizeof(unsigned));
+    EXPECT_TRUE(run_gemm(args, M * N) == plain);
+    unsigned items = 0;
+    cudaMemcpy(&items, dComm.p, sizeof(items), cudaMemcpyDeviceToHost);
+    if (comm == 0) EXPECT_EQ(items, 0u);
+    else EXPECT_GE(items, unsigned(comm)) << "every comm-role CTA takes at least one item";
+  }
+}
+
 TEST(Gemm, BadInputIsRejected) {
   DevBuf A(1 << 20), B(1 << 20), C(1 << 20);
   gemm::Arguments ok;

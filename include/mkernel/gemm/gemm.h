@@ -56,6 +56,14 @@ struct Arguments {
   // Non-null: run the traced kernel variant, which records per CTA and tile a producer
   // ("load") and a consumer ("compute") event into the buffer (see device/trace.h).
   const TraceBuffer* trace = nullptr;
+  // Role runtime. Non-null: the dynamic scheduler runs. role_counts[0] (device memory, re-read
+  // by every CTA per work item, so it may change while the kernel runs) is the number of CTAs
+  // (the lowest block indices) that take the communication role instead of computing tiles;
+  // the others take tiles from tile_counter (a device int that run() zeroes on the stream).
+  // comm_items (optional) counts the communication-role work items.
+  const int* role_counts = nullptr;
+  int* tile_counter = nullptr;
+  unsigned int* comm_items = nullptr;
 };
 
 struct TileCount {
