@@ -8,7 +8,6 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/device/diag.h"
-#include "mkernel/device/signal.cuh"
 #include "mkernel/device/trace.h"
 
 #if MK_WITH_CUTLASS
@@ -105,10 +104,6 @@ struct Params {
   const int* role_counts;
   int* tile_counter;
   unsigned int* comm_items;
-  // Arrival order: work item i is arrival_queue[i], usable once *arrival_count > i.
-  const int* arrival_queue;
-  const uint64_t* arrival_count;
-  WaitCtx wait;
 };
 
 __device__ __forceinline__ uint32_t sm_id() {
@@ -285,22 +280,14 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
           if (lane == 0) {
             sched_pipeline.producer_acquire(sched_w);
             // At least one CTA always computes, whatever the count says: progress is guaranteed.
-            const int comm = params.role_counts
-                                 ? min(*reinterpret_cast<const volatile int*>(params.role_counts),
-                                       static_cast<int>(gridDim.x) - 1)
-                                 : 0;
+            const int comm = min(*reinterpret_cast<const volatile int*>(params.role_counts),
+                                 static_cast<int>(gridDim.x) - 1);
             if (static_cast<int>(blockIdx.x) < comm) {
               const int done = *reinterpret_cast<volatile int*>(params.tile_counter) >= num_tiles;
               item = done ? kItemDone : kItemComm;
             } else {
               item = atomicAdd(params.tile_counter, 1);
-              if (item >= num_tiles) {
-                item = kItemDone;
-              } else if (params.arrival_queue) {
-                // Arrival-ordered: the i-th item is the i-th tile made ready (bounded wait).
-                device::wait_ge(params.wait, params.arrival_count, uint64_t(item) + 1, -1, item);
-                item = *reinterpret_cast<const volatile int*>(params.arrival_queue + item);
-              }
+              if (item >= num_tiles) item = kItemDone;
             }
             smem.sched_item[sched_w.index()] = item;
             sched_pipeline.producer_commit(sched_w);
@@ -540,19 +527,12 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   const int tiles = p.tiles_m * p.tiles_n;
   int grid = cfg.max_ctas > 0 ? cfg.max_ctas : resident;
   if (grid > tiles) grid = tiles;
-  if (a.role_counts || a.arrival_queue) {
+  if (a.role_counts) {
     MK_REQUIRE(a.tile_counter && !a.trace && !a.tile_order, Code::kInvalidArgument,
-               "gemm: role counts and arrival order need a tile_counter, and do not combine with "
-               "tracing or a tile order");
-    MK_REQUIRE(!a.arrival_queue || (a.arrival_count && a.arrival_wait.timeout_ns > 0),
-               Code::kInvalidArgument,
-               "gemm: an arrival queue needs arrival_count and a bounded arrival_wait");
+               "gemm: role counts need a tile_counter, and do not combine with tracing or a tile order");
     p.role_counts = a.role_counts;
     p.tile_counter = a.tile_counter;
     p.comm_items = a.comm_items;
-    p.arrival_queue = a.arrival_queue;
-    p.arrival_count = a.arrival_count;
-    p.wait = a.arrival_wait;
     // Stream-ordered (capturable): the counter starts at 0 for this call.
     MK_CUDA_CHECK(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
     persistent_gemm<false, true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
