@@ -304,7 +304,6 @@ bool Proxy::drain() {
         free_ops_.pop_back();
         Op& op = ops_[id];
         op.cmd = c;
-        op.posted = false;
         op.live = true;
         op.start_ns = batch_ns;
         op.staged = wins_->get(c.src_window)->staged || wins_->get(c.dst_window)->staged;
@@ -344,7 +343,6 @@ bool Proxy::post_pending() {
       eagain_.fetch_add(1, std::memory_order_relaxed);
       break;  // the backend is out of resources: progress first, keep the order
     }
-    op.posted = true;
     ++pending_head_;
     any = true;
   }
@@ -379,7 +377,6 @@ bool Proxy::poll() {
     bytes_.fetch_add(op.cmd.bytes, std::memory_order_relaxed);
     Status r = raise_local(op.cmd.local_flag);
     if (!r.ok()) fail(r);
-    op.posted = false;
     op.live = false;
     free_ops_.push_back(id);
     --inflight_;
@@ -466,7 +463,6 @@ bool Proxy::stage_out() {
       break;
     }
     ch.posted = true;
-    ops_[ch.op].posted = true;
     any = true;
   }
   return any;

@@ -19,36 +19,6 @@
 namespace mk {
 namespace {
 
-constexpr uint32_t kMagic = 0x4d4b4950;  // "MKIP"
-constexpr uint32_t kWireVersion = 1;
-
-// Request and reply layouts are the wire protocol between ranks of one build.
-struct Request {
-  uint32_t magic;
-  uint32_t version;
-  int32_t rank;
-  uint32_t pad;
-  uint64_t id;
-  uint8_t token[32];
-};
-static_assert(sizeof(Request) == 56, "IPC request layout is part of the wire protocol");
-
-struct Reply {
-  uint32_t magic;
-  int32_t code;  // mk::Code; kOk comes with exactly one fd
-};
-static_assert(sizeof(Reply) == 8, "IPC reply layout is part of the wire protocol");
-
-sockaddr_un make_addr(const std::string& name, socklen_t* len) {
-  sockaddr_un a;
-  memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  // Abstract namespace: sun_path[0] = '\0', the name follows, no terminator.
-  memcpy(a.sun_path + 1, name.data(), name.size());
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-  return a;
-}
-
 bool equal_ct(const uint8_t* a, const uint8_t* b, size_t n) {
   uint8_t d = 0;
   for (size_t i = 0; i < n; ++i) d |= a[i] ^ b[i];
@@ -77,7 +47,7 @@ bool read_full(int fd, void* buf, size_t n) {
 }
 
 bool send_reply(int conn, Code code, int fd) {
-  Reply rep{kMagic, static_cast<int32_t>(code)};
+  IpcReply rep{kIpcMagic, static_cast<int32_t>(code)};
   iovec iov{&rep, sizeof(rep)};
   msghdr msg;
   memset(&msg, 0, sizeof(msg));
@@ -113,6 +83,16 @@ std::string hex(const uint8_t* p, size_t n) {
 
 }  // namespace
 
+sockaddr_un ipc_abstract_addr(const std::string& name, socklen_t* len) {
+  sockaddr_un a;
+  memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  // Abstract namespace: sun_path[0] = '\0', the name follows, no terminator.
+  memcpy(a.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
 Status make_ipc_secret(IpcSecret* out) {
   uint8_t buf[48];
   size_t got = 0;
@@ -139,7 +119,7 @@ Status IpcServer::create(const IpcSecret& secret, int rank, std::unique_ptr<IpcS
   MK_SYS_CHECK(s->listen_fd_);
   socklen_t len;
   std::string name = ipc_socket_name(secret, rank);
-  sockaddr_un a = make_addr(name, &len);
+  sockaddr_un a = ipc_abstract_addr(name, &len);
   if (bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&a), len) < 0)
     return make_status(Code::kSystemError, "rank %d: cannot bind IPC socket @%s: %s", rank,
                        name.c_str(), strerror(errno));
@@ -225,8 +205,8 @@ void IpcServer::serve(int conn) {
     send_reply(conn, Code::kPermissionDenied, -1);
     return;
   }
-  Request req;
-  if (!read_full(conn, &req, sizeof(req)) || req.magic != kMagic || req.version != kWireVersion) {
+  IpcRequest req;
+  if (!read_full(conn, &req, sizeof(req)) || req.magic != kIpcMagic || req.version != kIpcWireVersion) {
     ++refused_;
     MK_WARN(kSubsysMem, "rank %d: IPC connection from pid %d refused: malformed request", rank_,
             cred.pid);
@@ -269,7 +249,7 @@ Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
   set_timeouts(s, timeout_ms);
   socklen_t len;
   std::string name = ipc_socket_name(secret, peer);
-  sockaddr_un a = make_addr(name, &len);
+  sockaddr_un a = ipc_abstract_addr(name, &len);
   if (connect(s, reinterpret_cast<sockaddr*>(&a), len) < 0)
     return make_status(Code::kSystemError, "rank %d: cannot reach rank %d's IPC socket @%s: %s",
                        my_rank, peer, name.c_str(), strerror(errno));
@@ -280,17 +260,17 @@ Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
     return make_status(Code::kPermissionDenied,
                        "rank %d: IPC socket of rank %d is owned by uid %u, not %u: refusing it",
                        my_rank, peer, cred.uid, geteuid());
-  Request req;
+  IpcRequest req;
   memset(&req, 0, sizeof(req));
-  req.magic = kMagic;
-  req.version = kWireVersion;
+  req.magic = kIpcMagic;
+  req.version = kIpcWireVersion;
   req.rank = my_rank;
   req.id = id;
   memcpy(req.token, secret.token.data(), 32);
   if (send(s, &req, sizeof(req), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(req)))
     return make_status(Code::kSystemError, "rank %d: sending IPC request to rank %d: %s", my_rank,
                        peer, strerror(errno));
-  Reply rep;
+  IpcReply rep;
   iovec iov{&rep, sizeof(rep)};
   alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))];
   msghdr msg;
@@ -306,7 +286,7 @@ Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
   if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
     return make_status(Code::kTimeout, "rank %d: rank %d's IPC server did not answer within %lld ms",
                        my_rank, peer, static_cast<long long>(timeout_ms));
-  if (k != static_cast<ssize_t>(sizeof(rep)) || rep.magic != kMagic)
+  if (k != static_cast<ssize_t>(sizeof(rep)) || rep.magic != kIpcMagic)
     return make_status(Code::kPermissionDenied,
                        "rank %d: rank %d's IPC server closed the connection without an answer "
                        "(refused)",

@@ -18,11 +18,33 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <thread>
 
 #include "mkernel/common/status.h"
 
 namespace mk {
+
+// Wire protocol between ranks of one build (one request per connection, one reply, the fd
+// attached to an ok reply with SCM_RIGHTS).
+constexpr uint32_t kIpcMagic = 0x4d4b4950;  // "MKIP"
+constexpr uint32_t kIpcWireVersion = 1;
+struct IpcRequest {
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank;
+  uint32_t pad;
+  uint64_t id;
+  uint8_t token[32];
+};
+static_assert(sizeof(IpcRequest) == 56, "IPC request layout is part of the wire protocol");
+struct IpcReply {
+  uint32_t magic;
+  int32_t code;  // mk::Code; kOk comes with exactly one fd
+};
+static_assert(sizeof(IpcReply) == 8, "IPC reply layout is part of the wire protocol");
 
 struct IpcSecret {
   std::array<uint8_t, 16> job_id;
@@ -31,6 +53,8 @@ struct IpcSecret {
 // 48 random bytes from getrandom(2).
 Status make_ipc_secret(IpcSecret* out);
 std::string ipc_socket_name(const IpcSecret& s, int rank);  // without the leading NUL
+// The abstract-namespace address of `name` (sun_path[0] = '\0'); *len is the address length.
+sockaddr_un ipc_abstract_addr(const std::string& name, socklen_t* len);
 
 class IpcServer {
  public:

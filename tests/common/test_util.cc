@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <random>
 
 namespace mk {
 namespace test {
@@ -20,6 +22,26 @@ uint64_t test_seed() {
     return fresh_seed();
   }();
   return seed;
+}
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t x = a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
+  x ^= x >> 31;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 29;
+  return x;
+}
+
+std::vector<uint8_t> rank_payload(uint64_t op, int rank, size_t n) {
+  std::mt19937_64 g(mix(mix(test_seed(), op), static_cast<uint64_t>(rank) + 1));
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = static_cast<uint8_t>(g());
+  if (n >= 8) {
+    uint32_t r = static_cast<uint32_t>(rank), o = static_cast<uint32_t>(op);
+    memcpy(v.data(), &r, 4);
+    memcpy(v.data() + 4, &o, 4);
+  }
+  return v;
 }
 
 bool have_gpu() {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "mkernel/common/status.h"
 
@@ -28,6 +29,13 @@ namespace test {
 uint64_t test_seed();
 // A new random value (not cached); test_seed() reads MK_TEST_SEED or calls this once.
 uint64_t fresh_seed();
+
+// Mixes two 64-bit values (seed derivation).
+uint64_t mix(uint64_t a, uint64_t b);
+
+// Rank-tagged random bytes: a function of (seed, op, rank), so every rank can compute what
+// every other rank sent. For n >= 8 the first bytes also spell out rank and op.
+std::vector<uint8_t> rank_payload(uint64_t op, int rank, size_t n);
 
 // True when a CUDA device is usable in this process.
 bool have_gpu();

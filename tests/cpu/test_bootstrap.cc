@@ -25,27 +25,8 @@ int64_t ms_since(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
 }
 
-uint64_t mix(uint64_t a, uint64_t b) {
-  uint64_t x = a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
-  x ^= x >> 31;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 29;
-  return x;
-}
-
-// Rank-tagged random payload: a function of (seed, op, rank), so every rank can compute
-// what every other rank sent. For n >= 8 the first bytes also spell out rank and op.
-std::vector<uint8_t> payload(uint64_t op, int rank, size_t n) {
-  std::mt19937_64 g(mix(mix(test::test_seed(), op), static_cast<uint64_t>(rank) + 1));
-  std::vector<uint8_t> v(n);
-  for (auto& b : v) b = static_cast<uint8_t>(g());
-  if (n >= 8) {
-    uint32_t r = static_cast<uint32_t>(rank), o = static_cast<uint32_t>(op);
-    memcpy(v.data(), &r, 4);
-    memcpy(v.data() + 4, &o, 4);
-  }
-  return v;
-}
+using test::mix;
+std::vector<uint8_t> payload(uint64_t op, int rank, size_t n) { return test::rank_payload(op, rank, n); }
 
 // Compares every byte of an allgather result; returns "" or a description of the first error.
 std::string check_gathered(const std::vector<uint8_t>& recv, uint64_t op, int world, size_t n) {

@@ -19,26 +19,8 @@ namespace {
 constexpr int64_t kOpTimeoutMs = 1500;
 constexpr int64_t kMissTimeoutMs = 1000;
 
-uint64_t mix(uint64_t a, uint64_t b) {
-  uint64_t x = a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2));
-  x ^= x >> 31;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 29;
-  return x;
-}
-
-// Rank-tagged random bytes of (seed, op, rank); for n >= 8 the first bytes hold rank and op.
-std::vector<uint8_t> payload(uint64_t op, int rank, size_t n) {
-  std::mt19937_64 g(mix(mix(test::test_seed(), op), static_cast<uint64_t>(rank) + 1));
-  std::vector<uint8_t> v(n);
-  for (auto& b : v) b = static_cast<uint8_t>(g());
-  if (n >= 8) {
-    uint32_t r = static_cast<uint32_t>(rank), o = static_cast<uint32_t>(op);
-    memcpy(v.data(), &r, 4);
-    memcpy(v.data() + 4, &o, 4);
-  }
-  return v;
-}
+using test::mix;
+std::vector<uint8_t> payload(uint64_t op, int rank, size_t n) { return test::rank_payload(op, rank, n); }
 
 // Receive buffer holding the complement of what must arrive: every byte starts wrong.
 std::vector<uint8_t> poisoned_recv(uint64_t op, int world, size_t n) {

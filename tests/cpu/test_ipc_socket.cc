@@ -82,26 +82,6 @@ uint64_t wait_for_count(F counter, uint64_t want, int ms = 2000) {
 // The request a client sends, as laid out by ipc_socket.cc (its layout is static_assert'ed
 // there as part of the wire protocol). Used to talk to the server without ipc_fetch_fd, which
 // refuses foreign-uid servers before it sends anything.
-struct RawRequest {
-  uint32_t magic;
-  uint32_t version;
-  int32_t rank;
-  uint32_t pad;
-  uint64_t id;
-  uint8_t token[32];
-};
-static_assert(sizeof(RawRequest) == 56, "mirror of the IPC wire request");
-constexpr uint32_t kRawMagic = 0x4d4b4950;  // "MKIP"
-
-sockaddr_un abstract_addr(const std::string& name, socklen_t* len) {
-  sockaddr_un a;
-  memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  memcpy(a.sun_path + 1, name.data(), name.size());
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-  return a;
-}
-
 bool drop_to_nobody() {
   return setgroups(0, nullptr) == 0 && setresgid(kNobody, kNobody, kNobody) == 0 &&
          setresuid(kNobody, kNobody, kNobody) == 0 && geteuid() == kNobody;
@@ -325,7 +305,7 @@ TEST_F(IpcSocket, ForeignUidClientIsRefused) {
 
 // A foreign-uid client that bypasses ipc_fetch_fd's own checks and sends a well-formed request
 // with the RIGHT token: the server's SO_PEERCRED check alone must keep the fd from it.
-TEST_F(IpcSocket, ForeignUidRawRequestGetsNoFd) {
+TEST_F(IpcSocket, ForeignUidIpcRequestGetsNoFd) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to switch a child process to uid 65534";
   auto bytes = random_bytes(512);
   int fd = make_memfd(bytes);
@@ -343,11 +323,11 @@ TEST_F(IpcSocket, ForeignUidRawRequestGetsNoFd) {
     timeval tv{1, 0};
     setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     socklen_t len;
-    sockaddr_un a = abstract_addr(ipc_socket_name(secret_, rank_), &len);
+    sockaddr_un a = ipc_abstract_addr(ipc_socket_name(secret_, rank_), &len);
     if (connect(s, reinterpret_cast<sockaddr*>(&a), len) != 0) _exit(5);
-    RawRequest req;
+    IpcRequest req;
     memset(&req, 0, sizeof(req));
-    req.magic = kRawMagic;
+    req.magic = kIpcMagic;
     req.version = 1;
     req.rank = 9;
     req.id = id;
@@ -394,7 +374,7 @@ TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
     if (!drop_to_nobody()) _exit(3);
     int l = socket(AF_UNIX, SOCK_STREAM, 0);
     socklen_t len;
-    sockaddr_un a = abstract_addr(ipc_socket_name(secret, rank), &len);
+    sockaddr_un a = ipc_abstract_addr(ipc_socket_name(secret, rank), &len);
     if (l < 0 || bind(l, reinterpret_cast<sockaddr*>(&a), len) != 0 || listen(l, 4) != 0) _exit(4);
     int bait = memfd_create("bait", 0);
     char c = 1;
@@ -405,7 +385,7 @@ TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
     if (conn < 0) _exit(7);
     timeval tv{1, 0};
     setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    uint8_t buf[sizeof(RawRequest)];
+    uint8_t buf[sizeof(IpcRequest)];
     size_t got = 0;
     for (;;) {
       ssize_t k = recv(conn, buf + got, sizeof(buf) - got, 0);
@@ -414,7 +394,7 @@ TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
       if (got == sizeof(buf)) break;
     }
     // Answer "ok" with the bait fd, whatever was asked.
-    uint32_t rep[2] = {kRawMagic, 0};
+    uint32_t rep[2] = {kIpcMagic, 0};
     iovec iov{rep, sizeof(rep)};
     alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))];
     memset(ctrl, 0, sizeof(ctrl));
@@ -430,8 +410,8 @@ TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(cm), &bait, sizeof(int));
     (void)sendmsg(conn, &msg, MSG_NOSIGNAL);
-    bool leaked = got >= offsetof(RawRequest, token) + 32 &&
-                  memcmp(buf + offsetof(RawRequest, token), secret.token.data(), 32) == 0;
+    bool leaked = got >= offsetof(IpcRequest, token) + 32 &&
+                  memcmp(buf + offsetof(IpcRequest, token), secret.token.data(), 32) == 0;
     _exit(leaked ? 1 : 0);
   }
   close(ready[1]);

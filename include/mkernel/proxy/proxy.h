@@ -118,7 +118,6 @@ class Proxy {
     Command cmd;
     uint64_t start_ns = 0;   // when the proxy took the command: bounds how long it may take
     bool live = false;       // taken and not yet completed
-    bool posted = false;
     bool staged = false;
     uint32_t chunks = 1, chunks_started = 0, chunks_done = 0;
   };
