@@ -110,3 +110,6 @@ if(NOT GTest_FOUND)
 else()
   message(STATUS "mkernel: GoogleTest: found")
 endif()
+
+# ---- NCCL (cuBLAS + NCCL baselines) ----
+include(${CMAKE_CURRENT_LIST_DIR}/FindMkNccl.cmake)

@@ -1,4 +1,4 @@
-// mkernel — command line entry: `mkernel doctor`, `mkernel selfcheck`.
+// mkernel — command line entry: `mkernel doctor`, `mkernel selfcheck`, `mkernel bench`.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +17,10 @@ void usage() {
       "  selfcheck [--ranks N] [--timeout-ms T]\n"
       "                       bootstrap, topology, symmetric memory and signals on the local\n"
       "                       GPUs; under mpirun one rank per process, else N threads\n"
+      "  bench <op|all> [--m M --n N --k K] [--reps R] [--json FILE]\n"
+      "                       fused ag_gemm / gemm_rs / gemm_ar against cuBLAS + NCCL on the\n"
+      "                       local GPUs (under mpirun one rank per process): correctness, ms,\n"
+      "                       TFLOP/s, speedups, overlap efficiency\n"
       "  version              print the version\n"
       "Tunables: see `mkernel doctor`; set MK_<NAME> in the environment.\n");
 }
@@ -38,6 +42,7 @@ int main(int argc, char** argv) {
     if (!mk::launched_by_mpi()) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
     return mk::cli::selfcheck(args);
   }
+  if (cmd == "bench") return mk::cli::bench(args);
   if (cmd == "version" || cmd == "--version") {
     printf("mkernel %s\n", mk::version());
     return 0;

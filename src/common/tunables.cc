@@ -53,6 +53,9 @@ const std::vector<TunableDef> kTable = {
      "puts a proxy keeps posted at once; past it the proxy stops draining the ring", 1},
     {"net_timeout_ms", "MK_NET_TIMEOUT_MS", TunableType::kInt, "30000",
      "how long a proxy waits on a stalled peer (credits, completions) before failing, naming it", 1},
+    {"fused_comm_ctas", "MK_FUSED_COMM_CTAS", TunableType::kInt, "8",
+     "CTAs of a fused operator's persistent grid that start in the communication role (>= 1 when "
+     "the operator communicates; they compute once the communication program is taken)", 1},
 };
 
 struct State {

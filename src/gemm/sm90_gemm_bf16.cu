@@ -9,9 +9,14 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
+#include "mkernel/ops/fused_device.h"
+#include "src/gemm/gemm_internal.h"
 
 #if MK_WITH_CUTLASS
 #include "cute/tensor.hpp"
+#include "mkernel/device/command_ring.cuh"
+#include "mkernel/device/epoch.cuh"
+#include "mkernel/device/signal.cuh"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cutlass.h"
@@ -74,6 +79,8 @@ constexpr int kSchedStages = 2;
 using SchedPipeline = cutlass::PipelineAsync<kSchedStages>;
 constexpr int kItemDone = -1;  // no work left
 constexpr int kItemComm = -2;  // this CTA has the communication role for this item
+constexpr int kItemOp0 = -3;
+constexpr int kEpiRoute = 3;   // fused RS/AR: fp32 values routed per shard (hooks.route)   // kItemOp0 - i: run op i of the communication program
 
 // Every shared byte lives here; swizzled TMA tiles need 1 KiB alignment.
 struct SharedStorage {
@@ -83,6 +90,7 @@ struct SharedStorage {
   alignas(16) typename CollectiveEpilogue::PipelineStorage epi_load_pipe;
   alignas(16) typename SchedPipeline::SharedStorage sched_pipe;
   int sched_item[kSchedStages];
+  int ops_done;  // communication ops this CTA's consumers finished
 };
 static_assert(sizeof(SharedStorage) <= 232448, "shared storage exceeds the sm_90 opt-in limit");
 
@@ -104,6 +112,12 @@ struct Params {
   const int* role_counts;
   int* tile_counter;
   unsigned int* comm_items;
+  // Arrival order: work item i is arrival_queue[i], usable once *arrival_count > i.
+  const int* arrival_queue;
+  const uint64_t* arrival_count;
+  WaitCtx arrival_wait;
+  // Fused operators: the communication program and the per tile-row hooks (ops/fused_device.h).
+  ops::FusedHooks hooks;
 };
 
 __device__ __forceinline__ uint32_t sm_id() {
@@ -213,6 +227,149 @@ __device__ __forceinline__ void signal_tile_after_reduce(const Params& p, int mm
   if (mma_tid == 0) publish_flag(p, t);
 }
 
+// ---- fused operators: per tile-row hooks, the routed epilogue, the communication program ----
+
+constexpr uint32_t kHookBarrier = 2;  // consumer named barrier for the hooks and comm ops
+
+// Waits [w0, w0 + n) of the hook pool, by one thread (acquire at system scope).
+// kProducer: called from the producer warp (40 registers), whose waits inline their cold path.
+template <bool kProducer = false>
+__device__ __forceinline__ void hook_waits(const Params& p, uint32_t w0, uint32_t n, uint64_t epoch) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const ops::DevWait& w = p.hooks.waits[w0 + i];
+    if (w.mul) device::wait_ge<kProducer>(p.hooks.wait, w.flag, w.mul * epoch, w.peer, w.index);
+  }
+}
+__device__ __forceinline__ void hook_signals(const Params& p, uint32_t s0, uint32_t n, uint64_t epoch) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const ops::DevSignal& g = p.hooks.signals[s0 + i];
+    if (g.add) device::signal_add(g.flag, g.value);
+    else device::signal_set(g.flag, g.value * epoch);
+  }
+}
+
+// Routed fp32 epilogue: element (m, n) of shard s = m / shard_rows goes to
+// route[s] + (m - s * shard_rows) * N + n, reduce-added (or stored when deterministic). The
+// destinations are peers' accumulation buffers on this node.
+template <class Accum>
+__device__ __forceinline__ void route_tile(const Params& p, const Accum& accum, int mma_tid, int tile_m, int tile_n) {
+  TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(mma_tid);
+  const int M = get<0>(p.problem), N = get<1>(p.problem);
+  Tensor coords = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(TileShape{}),
+                             make_coord(tile_m, tile_n));
+  Tensor tc = thr_mma.partition_C(coords);
+  const int ms = static_cast<int>(p.hooks.shard_rows);
+  // The tile's rows span shards [s_first, ...]: the common case is one shard, so the shard of a
+  // row is found by stepping from the first one rather than by a division per element.
+  const int m_first = tile_m * int(size<0>(TileShape{}));
+  const int s_first = m_first / ms;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(accum); i += 2) {
+    const int m = get<0>(tc(i)), n = get<1>(tc(i)), n1 = get<1>(tc(i + 1));
+    if (m >= M) continue;
+    int s = s_first, r = m - s_first * ms;
+    while (r >= ms) {
+      r -= ms;
+      ++s;
+    }
+    float* row = p.hooks.route[s] + int64_t(r) * N;
+    if (p.hooks.route_store) {
+      if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
+        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(accum(i)), "f"(accum(i + 1)) : "memory");
+      } else {
+        if (n < N) row[n] = accum(i);
+        if (n1 < N) row[n1] = accum(i + 1);
+      }
+    } else {
+      if (n < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n), "f"(accum(i)) : "memory");
+      if (n1 < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n1), "f"(accum(i + 1)) : "memory");
+    }
+  }
+}
+
+// One op of the communication program, run by the 256 consumer threads of a communication CTA.
+__device__ __noinline__ void run_comm_op(const Params& p, int index, int tid, uint64_t epoch) {
+  const ops::DevOp& op = p.hooks.ops[index];
+  if (tid == 0) hook_waits(p, op.wait0, op.nwait, epoch);
+  cutlass::arch::NamedBarrier::sync(kMmaThreads, kHookBarrier);
+  // Resolve the op's pointers (at most 16; a caller buffer's entry is relative to hooks.user).
+  void* ptr[16];
+  const uint32_t np = min(op.nsrc + op.ndst, 16u);
+  for (uint32_t k = 0; k < np; ++k) {
+    const uint64_t v = p.hooks.ptrs[op.ptr0 + k];
+    ptr[k] = (v & ops::kUserPtrBit)
+                 ? static_cast<void*>(static_cast<char*>(p.hooks.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1)))
+                 : reinterpret_cast<void*>(v);
+  }
+  switch (op.kind) {
+    case ops::kDevCopy: {
+      const int4* src = static_cast<const int4*>(ptr[0]);
+      const uint64_t n = op.bytes / 16;
+      constexpr int kU = 4;
+      uint64_t j = tid;
+      for (; j + (kU - 1) * kMmaThreads < n; j += kU * kMmaThreads) {
+        int4 v[kU];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kU; ++u) v[u] = src[j + u * kMmaThreads];
+        for (uint32_t d = 0; d < op.ndst; ++d) {
+          int4* dst = static_cast<int4*>(ptr[op.nsrc + d]);
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < kU; ++u) dst[j + u * kMmaThreads] = v[u];
+        }
+      }
+      for (; j < n; j += kMmaThreads) {
+        const int4 v = src[j];
+        for (uint32_t d = 0; d < op.ndst; ++d) static_cast<int4*>(ptr[op.nsrc + d])[j] = v;
+      }
+      break;
+    }
+    case ops::kDevZero: {
+      const uint64_t n = op.bytes / 16;
+      const int4 z = make_int4(0, 0, 0, 0);
+      for (uint32_t d = 0; d < op.ndst; ++d)
+        for (uint64_t j = tid; j < n; j += kMmaThreads) static_cast<int4*>(ptr[op.nsrc + d])[j] = z;
+      break;
+    }
+    case ops::kDevReduce: {
+      const uint64_t n = op.elems / 4;
+      for (uint64_t j = tid; j < n; j += kMmaThreads) {
+        float4 acc = static_cast<const float4*>(ptr[0])[j];
+        for (uint32_t k = 1; k < op.nsrc; ++k) {
+          const float4 v = static_cast<const float4*>(ptr[k])[j];
+          acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        for (uint32_t k = 0; k < op.nsrc; ++k)
+          if (op.zero_mask & (1u << k)) static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (op.dst_f32) {
+          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<float4*>(ptr[op.nsrc + d])[j] = acc;
+        } else {
+          __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+          uint2 packed;
+          packed.x = *reinterpret_cast<uint32_t*>(&lo);
+          packed.y = *reinterpret_cast<uint32_t*>(&hi);
+          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<uint2*>(ptr[op.nsrc + d])[j] = packed;
+        }
+      }
+      break;
+    }
+    case ops::kDevNetPut:
+      // Its waits (taken above) made the source final; the proxy reads it after the push.
+      if (tid == 0) {
+        __threadfence_system();
+        device::ring_push(p.hooks.ring, p.hooks.wait, op.cmd);
+      }
+      break;
+    default:
+      break;
+  }
+  if (op.nsig) {
+    __threadfence_system();
+    cutlass::arch::NamedBarrier::sync(kMmaThreads, kHookBarrier);
+    if (tid == 0) hook_signals(p, op.sig0, op.nsig, epoch);
+  }
+}
+
 // kTrace: the traced variant records one event per tile for the producer and one for the
 // consumers (start/end global-timer stamps); the untraced variant has no tracing code.
 // kDynamic: the role-aware dynamic scheduler. Per work item the producer warp re-reads the
@@ -258,6 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
   schp.producer_arv_count = 1;
   schp.consumer_arv_count = kMmaThreads;
   SchedPipeline sched_pipeline(smem.sched_pipe, schp);
+  if (threadIdx.x == 0) smem.ops_done = 0;
   __syncthreads();  // barrier inits visible to the whole CTA (cluster of one); none after the split
 
   TiledMma tiled_mma;
@@ -267,6 +425,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
   auto load_inputs = mainloop.load_init(problem_mnkl, params.mainloop);
   const int num_tiles = params.tiles_m * params.tiles_n;
   const int k_tiles = params.k_tiles;
+  // The call's epoch (fused operators): read by every thread before any CTA can finish.
+  const uint64_t epoch = (kDynamic && params.hooks.epoch) ? device::epoch_of_call(params.hooks.epoch) : 0;
 
   if (wg == 0) {
     // Producer warpgroup: warp 0 streams A and B tiles through TMA into the stage ring.
@@ -275,19 +435,61 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
       auto state = cutlass::make_producer_start_state<MainloopPipeline>();
       if constexpr (kDynamic) {
         auto sched_w = cutlass::make_producer_start_state<SchedPipeline>();
+        bool ops_left_empty = false;
+        int ops_issued = 0;
         for (;;) {
           int item = 0;
           if (lane == 0) {
             sched_pipeline.producer_acquire(sched_w);
             // At least one CTA always computes, whatever the count says: progress is guaranteed.
-            const int comm = min(*reinterpret_cast<const volatile int*>(params.role_counts),
-                                 static_cast<int>(gridDim.x) - 1);
+            const int comm = params.role_counts
+                                 ? min(*reinterpret_cast<const volatile int*>(params.role_counts),
+                                       static_cast<int>(gridDim.x) - 1)
+                                 : 0;
+            bool took = false;
             if (static_cast<int>(blockIdx.x) < comm) {
-              const int done = *reinterpret_cast<volatile int*>(params.tile_counter) >= num_tiles;
-              item = done ? kItemDone : kItemComm;
-            } else {
+              if (params.hooks.n_ops > 0) {
+                // Ops in program order; once none is left this CTA computes.
+                if (!ops_left_empty) {
+                  const int op = atomicAdd(params.hooks.op_counter, 1);
+                  if (op < params.hooks.n_ops) {
+                    item = kItemOp0 - op;
+                    took = true;
+                    ++ops_issued;
+                  } else {
+                    ops_left_empty = true;
+                  }
+                }
+              } else {
+                const int done = *reinterpret_cast<volatile int*>(params.tile_counter) >= num_tiles;
+                item = done ? kItemDone : kItemComm;
+                took = true;
+              }
+            }
+            if (!took) {
+              // A CTA leaving the communication role first lets its consumers finish the ops it
+              // handed them: a tile queued behind an op that waits for that very tile's result
+              // (a reduction waiting on the tile counts) would never run. The ops' own waits are
+              // bounded, so this one ends too.
+              while (ops_issued && *reinterpret_cast<volatile int*>(&smem.ops_done) < ops_issued) __nanosleep(64);
               item = atomicAdd(params.tile_counter, 1);
-              if (item >= num_tiles) item = kItemDone;
+              if (item >= num_tiles) {
+                item = kItemDone;
+              } else if (params.arrival_queue) {
+                // Arrival-ordered: the i-th item is the i-th tile made ready (bounded wait).
+                device::wait_ge<true>(params.arrival_wait, params.arrival_count, uint64_t(item) + 1, -1, item);
+                item = *reinterpret_cast<const volatile int*>(params.arrival_queue + item);
+              } else if (params.order) {
+                item = params.order[item];  // caller-given order
+              }
+              if (item >= 0 && params.hooks.rows) {
+                // The tile's A rows must have arrived (AG) before TMA reads them.
+                const ops::DevRowHooks h = params.hooks.rows[item % params.tiles_m];
+                if (h.load_waits) {
+                  hook_waits<true>(params, h.load_wait0, h.load_waits, epoch);
+                  asm volatile("fence.proxy.async.global;" ::: "memory");
+                }
+              }
             }
             smem.sched_item[sched_w.index()] = item;
             sched_pipeline.producer_commit(sched_w);
@@ -295,6 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
           ++sched_w;
           item = __shfl_sync(0xffffffffu, item, 0);
           if (item == kItemDone) break;
+          if (item <= kItemOp0) continue;  // the consumers run the op
           if (item == kItemComm) {
             // The communication role's work goes here; for now it is counted and yields.
             if (lane == 0) {
@@ -346,7 +549,22 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
       mainloop.mma(mainloop_pipeline, ml_read, accum, k_tiles, mma_tid, smem.mainloop_tensors, params.mainloop);
       mainloop.mma_tail(mainloop_pipeline, ml_read, k_tiles);
       ml_read.advance(k_tiles);
-      if (params.epi_mode == int(Epilogue::kStore)) {
+      const int tm = tile % params.tiles_m;
+      ops::DevRowHooks hk{};
+      if (kDynamic && params.hooks.rows) hk = params.hooks.rows[tm];
+      if (hk.store_waits) {
+        // The destinations' owners have started this call (their buffers are free).
+        if (mma_tid == 0) hook_waits(params, hk.store_wait0, hk.store_waits, epoch);
+        cutlass::arch::NamedBarrier::sync(kMmaThreads, kHookBarrier);
+      }
+      if (params.epi_mode == kEpiRoute) {
+        route_tile(params, accum, mma_tid, tm, tile / params.tiles_m);
+        if (hk.store_sigs) {
+          __threadfence_system();
+          cutlass::arch::NamedBarrier::sync(kMmaThreads, kHookBarrier);
+          if (mma_tid == 0) hook_signals(params, hk.store_sig0, hk.store_sigs, epoch);
+        }
+      } else if (params.epi_mode == int(Epilogue::kStore)) {
         auto [el_next, es_next] = epilogue.store(epi_load_pipeline, el_read, epi_store_pipeline, es_write,
                                                  problem_mnkl, blk_shape, blk_coord, accum, tiled_mma,
                                                  mma_tid, smem.epilogue_tensors);
@@ -370,12 +588,21 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
         ++sched_r;
         if (item == kItemDone) break;
         if (item == kItemComm) continue;
+        if (item <= kItemOp0) {
+          run_comm_op(params, kItemOp0 - item, mma_tid, epoch);
+          if (mma_tid == 0) atomicAdd_block(&smem.ops_done, 1);
+          continue;
+        }
         do_tile(item);
       }
     } else {
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) do_tile(tile_of_item(params, t));
     }
     if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
+  }
+  if constexpr (kDynamic) {
+    // The last CTA to finish advances the epoch for the next call.
+    if (params.hooks.epoch) device::epoch_finish(params.hooks.epoch, gridDim.x);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: fail loudly instead of computing nothing
@@ -397,7 +624,9 @@ const char* dtype_name(DType t) {
 }
 }  // namespace
 
-Status can_implement(const Arguments& a) {
+namespace {
+// check_c false: C is not written (the routed epilogue of a fused launch): skip its checks.
+Status check_args(const Arguments& a, bool check_c) {
   const DType want_c = a.epilogue == Epilogue::kReduceAddF32 ? DType::kF32 : DType::kBF16;
   MK_REQUIRE(a.epilogue == Epilogue::kStore || a.epilogue == Epilogue::kReduceAddBF16 ||
                  a.epilogue == Epilogue::kReduceAddF32,
@@ -429,6 +658,8 @@ Status can_implement(const Arguments& a) {
     MK_REQUIRE(a.A && a.B && a.C, Code::kInvalidArgument, "gemm: null pointer");
     MK_REQUIRE(aligned16(a.A) && aligned16(a.B) && aligned16(a.C), Code::kInvalidArgument,
                "gemm: A, B and C must be 16-byte aligned");
+  }
+  if (check_c && a.M > 0 && a.N > 0) {
     auto overlaps = [](const void* p, int64_t pb, const void* q, int64_t qb) {
       auto x = reinterpret_cast<uintptr_t>(p), y = reinterpret_cast<uintptr_t>(q);
       return x < y + qb && y < x + pb;
@@ -445,6 +676,9 @@ Status can_implement(const Arguments& a) {
   return OkStatus();
 #endif
 }
+}  // namespace
+
+Status can_implement(const Arguments& a) { return check_args(a, true); }
 
 TileCount tile_count(int64_t M, int64_t N) {
   TileCount c;
@@ -474,8 +708,9 @@ Status persistent_ctas(int* out) {
 #endif
 }
 
-Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
-  MK_CHECK(can_implement(a));
+namespace {
+Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, const RunConfig& cfg) {
+  MK_CHECK(check_args(a, !(f && f->route)));
   if (a.M == 0 || a.N == 0) return OkStatus();
 #if MK_WITH_CUTLASS
   using namespace sm90;
@@ -526,13 +761,33 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
              "gemm: max_ctas %d exceeds the %d CTAs that can be co-resident", cfg.max_ctas, resident);
   const int tiles = p.tiles_m * p.tiles_n;
   int grid = cfg.max_ctas > 0 ? cfg.max_ctas : resident;
-  if (grid > tiles) grid = tiles;
-  if (a.role_counts) {
+  // A fused launch keeps its communication CTAs even when the tiles are few.
+  if (grid > tiles && !f) grid = tiles;
+  MK_REQUIRE(!f || f->hooks.n_ops == 0 || grid >= 2, Code::kInvalidArgument,
+             "gemm: a fused launch with communication needs at least 2 CTAs (got %d)", grid);
+  if (f) {
+    p.role_counts = f->role_counts;
+    p.tile_counter = f->tile_counter;
+    p.order = f->tile_order;
+    p.hooks = f->hooks;
+    if (f->route) p.epi_mode = kEpiRoute;
+    MK_REQUIRE(f->tile_counter && (f->hooks.n_ops == 0 || f->role_counts), Code::kInvalidArgument,
+               "gemm: a fused launch needs a tile counter, and role counts when it has communication ops");
+    if (f->hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(f->hooks.op_counter, 0, sizeof(int), stream));
+    MK_CUDA_CHECK(cudaMemsetAsync(f->tile_counter, 0, sizeof(int), stream));
+    persistent_gemm<false, true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+  } else if (a.role_counts || a.arrival_queue) {
     MK_REQUIRE(a.tile_counter && !a.trace && !a.tile_order, Code::kInvalidArgument,
-               "gemm: role counts need a tile_counter, and do not combine with tracing or a tile order");
+               "gemm: role counts and arrival order need a tile_counter, and do not combine with "
+               "tracing or a tile order");
+    MK_REQUIRE(!a.arrival_queue || (a.arrival_count && a.arrival_wait.timeout_ns > 0), Code::kInvalidArgument,
+               "gemm: an arrival queue needs arrival_count and a bounded arrival_wait");
     p.role_counts = a.role_counts;
     p.tile_counter = a.tile_counter;
     p.comm_items = a.comm_items;
+    p.arrival_queue = a.arrival_queue;
+    p.arrival_count = a.arrival_count;
+    p.arrival_wait = a.arrival_wait;
     // Stream-ordered (capturable): the counter starts at 0 for this call.
     MK_CUDA_CHECK(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
     persistent_gemm<false, true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
@@ -545,8 +800,20 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) {
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 #else
+  (void)f;
+  (void)stream;
+  (void)cfg;
   return Status(Code::kNotSupported, "gemm: mkernel was built without CUTLASS headers");
 #endif
+}
+}  // namespace
+
+Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) { return launch(a, nullptr, stream, cfg); }
+
+Status run_fused(const Arguments& a, const FusedLaunch& f, cudaStream_t stream, const RunConfig& cfg) {
+  MK_REQUIRE(a.epilogue == Epilogue::kStore && !a.role_counts && !a.arrival_queue && !a.trace && !a.tile_order,
+             Code::kInvalidArgument, "gemm: a fused launch takes its schedule from the FusedLaunch");
+  return launch(a, &f, stream, cfg);
 }
 
 }  // namespace gemm

@@ -425,6 +425,77 @@ TEST(Gemm, RoleCountsAtRunTime) {
   }
 }
 
+// Publishes tiles in a shuffled order, one every few microseconds: the tile id first, then
+// the count with release semantics (as a communication role would on arrival).
+__global__ void feed_arrivals(const int* order, int n, int* queue, uint64_t* count) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < n; ++i) {
+    queue[i] = order[i];
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(count), "l"(uint64_t(i + 1)) : "memory");
+    __nanosleep(3000);
+  }
+}
+
+// The arrival-ordered scheduler: tiles are computed as they are published, in a shuffled
+// order, while the GEMM runs; the result is the same, bit for bit.
+TEST(Gemm, ArrivalOrderedScheduler) {
+  std::mt19937_64 rng(test_seed() + 8);
+  const int64_t M = 2048, N = 2048, K = 1024;
+  std::vector<__nv_bfloat16> A(M * K), B(N * K);
+  small_ints(rng, A);
+  small_ints(rng, B);
+  const gemm::TileCount tc = gemm::tile_count(M, N);
+  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2), dCounter(sizeof(int)),
+      dOrder(tc.total() * sizeof(int)), dQueue(tc.total() * sizeof(int)), dCount(sizeof(uint64_t)),
+      dDiagClaim(sizeof(uint32_t));
+  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+  gemm::Arguments args;
+  args.A = dA.p;
+  args.B = dB.p;
+  args.C = dC.p;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  const std::vector<uint16_t> plain = run_gemm(args, M * N);
+  std::vector<int> order(tc.total());
+  for (int i = 0; i < tc.total(); ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  cudaMemcpy(dOrder.p, order.data(), order.size() * sizeof(int), cudaMemcpyHostToDevice);
+  cudaMemset(dQueue.p, 0xff, tc.total() * sizeof(int));
+  cudaMemset(dCount.p, 0, sizeof(uint64_t));
+  cudaMemset(dC.p, 0xff, M * N * 2);
+  cudaMemset(dDiagClaim.p, 0, sizeof(uint32_t));
+  args.tile_counter = static_cast<int*>(dCounter.p);
+  args.arrival_queue = static_cast<const int*>(dQueue.p);
+  args.arrival_count = static_cast<const uint64_t*>(dCount.p);
+  args.arrival_wait.claim = static_cast<uint32_t*>(dDiagClaim.p);  // no record: a timeout traps
+  args.arrival_wait.timeout_ns = 10ull * 1000 * 1000 * 1000;
+  int resident = 0;
+  MK_ASSERT_OK(gemm::persistent_ctas(&resident));  // loads the GEMM kernels
+  // Load the feeder too: with lazy loading, loading a kernel while the GEMM waits for it would
+  // wait for the GEMM (a deadlock the bounded wait turns into a trap).
+  cudaFuncAttributes fa;
+  ASSERT_EQ(cudaFuncGetAttributes(&fa, feed_arrivals), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t s1, s2;
+  cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking);
+  gemm::RunConfig rc;
+  rc.max_ctas = resident - 1;  // the feeder's CTA needs an SM of its own
+  // The feeder starts first and publishes while the GEMM runs.
+  feed_arrivals<<<1, 32, 0, s2>>>(static_cast<const int*>(dOrder.p), tc.total(), static_cast<int*>(dQueue.p),
+                                  static_cast<uint64_t*>(dCount.p));
+  MK_ASSERT_OK(gemm::run(args, s1, rc));
+  ASSERT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s2), cudaSuccess);
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+  std::vector<uint16_t> C(M * N);
+  cudaMemcpy(C.data(), dC.p, M * N * 2, cudaMemcpyDeviceToHost);
+  EXPECT_TRUE(C == plain);
+}
+
 TEST(Gemm, BadInputIsRejected) {
   DevBuf A(1 << 20), B(1 << 20), C(1 << 20);
   gemm::Arguments ok;

@@ -48,10 +48,10 @@ __device__ __forceinline__ void signal_add(uint64_t* flag, uint64_t v) {
 // The claim word goes 0 -> 1 (claimed) -> 2 (record written). A thread that loses the claim
 // waits (bounded) for 2 before trapping: a trap ends the whole grid, and an early one from
 // another thread would cut the winner's record short.
-inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, const uint64_t* flag,
-                                                        int peer, int flag_index, uint64_t expected,
-                                                        uint64_t seen, uint64_t waited_ns,
-                                                        uint32_t reason = kDiagTimeout) {
+__device__ __forceinline__ void report_wait_timeout_body(const WaitCtx& ctx, const uint64_t* flag,
+                                                         int peer, int flag_index, uint64_t expected,
+                                                         uint64_t seen, uint64_t waited_ns,
+                                                         uint32_t reason) {
   if (ctx.diag && ctx.claim) {
     if (atomicCAS(ctx.claim, 0u, 1u) == 0u) {
       volatile DiagRecord* d = ctx.diag;
@@ -79,6 +79,12 @@ inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, cons
   }
   __trap();
 }
+inline __device__ __noinline__ void report_wait_timeout(const WaitCtx& ctx, const uint64_t* flag,
+                                                        int peer, int flag_index, uint64_t expected,
+                                                        uint64_t seen, uint64_t waited_ns,
+                                                        uint32_t reason = kDiagTimeout) {
+  report_wait_timeout_body(ctx, flag, peer, flag_index, expected, seen, waited_ns, reason);
+}
 
 __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
   return *reinterpret_cast<const volatile uint64_t*>(p);
@@ -88,6 +94,10 @@ __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
 // Bounded: after ctx.timeout_ns — or as soon as the communicator's abort word is set (a
 // peer died, the network failed) — the wait reports (rank, op, role, peer, flag, expected,
 // seen) and traps, so a lost signal becomes an error on the host, never a silent hang.
+// kInlineReport: the cold path is inlined instead of called. Needed where one kernel waits in
+// warps with different register budgets (setmaxnreg): ptxas cannot give one out-of-line
+// function both budgets.
+template <bool kInlineReport = false>
 __device__ __forceinline__ uint64_t wait_ge(const WaitCtx& ctx, const uint64_t* flag,
                                             uint64_t expected, int peer, int flag_index) {
   // Poll with relaxed loads (an acquire load per poll would fence every iteration and slow
@@ -100,10 +110,13 @@ __device__ __forceinline__ uint64_t wait_ge(const WaitCtx& ctx, const uint64_t* 
     while ((v = ld_relaxed_sys(flag)) < expected) {
       if ((++spins & 255u) == 0) {
         const uint64_t waited = global_timer_ns() - start;
-        if (waited > ctx.timeout_ns)
-          report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited);
-        if (ctx.abort && ld_volatile_u64(ctx.abort) != 0)
-          report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited, kDiagAborted);
+        if (waited > ctx.timeout_ns || (ctx.abort && ld_volatile_u64(ctx.abort) != 0)) {
+          const uint32_t why = waited > ctx.timeout_ns ? kDiagTimeout : kDiagAborted;
+          if constexpr (kInlineReport)
+            report_wait_timeout_body(ctx, flag, peer, flag_index, expected, v, waited, why);
+          else
+            report_wait_timeout(ctx, flag, peer, flag_index, expected, v, waited, why);
+        }
       }
     }
   }

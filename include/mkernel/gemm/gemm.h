@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "mkernel/common/status.h"
+#include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
 
 namespace mk {
@@ -64,6 +65,14 @@ struct Arguments {
   const int* role_counts = nullptr;
   int* tile_counter = nullptr;
   unsigned int* comm_items = nullptr;
+  // Arrival-ordered scheduler (uses tile_counter too): work item i is tile arrival_queue[i],
+  // taken once *arrival_count > i — whoever makes tiles ready (a communication role, a peer's
+  // signal handler) writes the tile id into the queue, then raises the count with release
+  // semantics. The wait is bounded by arrival_wait (Communicator::wait_ctx); a missing arrival
+  // is reported with the item it waited for.
+  const int* arrival_queue = nullptr;
+  const uint64_t* arrival_count = nullptr;
+  WaitCtx arrival_wait{};
 };
 
 struct TileCount {

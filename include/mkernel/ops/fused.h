@@ -1,0 +1,90 @@
+// mkernel — fused GEMM collectives: AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce.
+//
+// One persistent kernel per call: compute CTAs run the GEMM's tiles in the plan's order
+// (ops/plan.h), communication CTAs run the plan's communication program — peer stores over
+// NVLink inside a node, puts through the proxy (libfabric) between nodes, hierarchically: RS and
+// AR send only node-reduced partials between twins (same local rank), AG sends each shard once
+// per remote node and forwards it inside the node. With W = nodes x local ranks:
+//
+//   ag_gemm: C[M, N] = allgather_rows(A[M/W, K]) · B[N, K]ᵀ      (N: this rank's N_loc)
+//   gemm_rs: C[M/W, N] = reduce_scatter_rows(A[M, K] · B[N, K]ᵀ)  (K: this rank's K_loc)
+//   gemm_ar: C[M, N] = allreduce(A[M, K] · B[N, K]ᵀ)
+//
+// bf16 in and out, fp32 accumulation; cross-rank sums in fp32 (reduce-adds into an fp32
+// buffer, or — deterministic — per-rank partials summed in rank order). M % W == 0 is
+// required (uneven shards are rejected at create); M need not be a multiple of the tile.
+//
+// Usage (collective: every rank, same shape):
+//   std::unique_ptr<FusedGemm> op;
+//   MK_CHECK(FusedGemm::create(comm, FusedKind::kGemmRs, {M, N, K_loc}, FusedOptions{}, &op));
+//   MK_CHECK(op->run({A, B, C}, stream));   // capturable in a CUDA graph (replays advance epochs)
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "mkernel/common/status.h"
+#include "mkernel/gemm/gemm.h"
+#include "mkernel/ops/plan.h"
+
+namespace mk {
+
+class Communicator;
+
+namespace ops {
+
+struct FusedOptions {
+  bool deterministic = false;  // RS/AR: fixed reduction order (per-rank partials, summed in order)
+  int comm_ctas = -1;          // -1: tunable fused_comm_ctas; at least 1 when the op communicates
+  int max_ctas = 0;            // persistent grid; 0: every co-resident CTA
+  std::string staging;         // network staging "auto" | "always" | "never"; "": tunable net_staging
+};
+
+struct FusedArgs {
+  const void* A = nullptr;  // AG: this rank's shard [M/W, K]; RS/AR: [M, K_loc]
+  const void* B = nullptr;  // [N, K] (AG: N_loc rows; RS/AR: K_loc columns)
+  void* C = nullptr;        // AG: [M, N_loc]; RS: [M/W, N]; AR: [M, N]
+  gemm::DType a_type = gemm::DType::kBF16, b_type = gemm::DType::kBF16, c_type = gemm::DType::kBF16;
+};
+
+struct FusedState;
+
+class FusedGemm {
+ public:
+  // Collective. Checks that every rank asked for the same operator and shape (through the
+  // bootstrap: a mismatch is the same error on every rank), builds the plan, allocates the
+  // symmetric workspaces and the signal pad, and — when ranks span several nodes — starts the
+  // network backend and the proxy.
+  static Status create(Communicator* comm, FusedKind kind, const PlanShape& shape, const FusedOptions& opt,
+                       std::unique_ptr<FusedGemm>* out);
+  ~FusedGemm();
+  FusedGemm(const FusedGemm&) = delete;
+  FusedGemm& operator=(const FusedGemm&) = delete;
+  // Collective, idempotent: flushes and stops the proxy, frees the workspaces.
+  Status destroy();
+
+  // Local checks: dtypes, null or misaligned pointers, C overlapping A or B.
+  Status can_implement(const FusedArgs& args) const;
+  // Collective: agrees on can_implement across ranks (so bad input is the same error on every
+  // rank), then enqueues the call on `stream`.
+  Status run(const FusedArgs& args, cudaStream_t stream);
+  // Enqueues without the cross-rank agreement (after a checked run: graph capture, benchmarks).
+  Status enqueue(const FusedArgs& args, cudaStream_t stream);
+
+  FusedKind kind() const;
+  const Plan& plan() const;
+  int comm_ctas() const;
+  // Changes the number of communication CTAs for later calls (device memory, no relaunch).
+  Status set_comm_ctas(int n, cudaStream_t stream);
+  // AG: the gathered A [M, K] (valid after a call completes).
+  const void* gathered_a() const;
+
+ private:
+  FusedGemm() = default;
+  std::unique_ptr<FusedState> st_;
+};
+
+}  // namespace ops
+}  // namespace mk

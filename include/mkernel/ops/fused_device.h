@@ -1,0 +1,84 @@
+// mkernel — a resolved plan as the persistent GEMM kernel reads it (host and device code).
+//
+// The operator (ops/fused.h) turns a rank's Plan (ops/plan.h) into these arrays in device
+// memory: every BufRef becomes a pointer (a peer pointer on the node), every FlagRef a flag
+// address in the operator's signal pad (a peer's pad on the node), every network put a ready
+// Command for the proxy. The kernel's communication CTAs take ops in order from op_counter;
+// its compute CTAs take tiles and honour the per tile-row hooks.
+#pragma once
+
+#include <cstdint>
+
+#include "mkernel/device/diag.h"
+#include "mkernel/device/views.h"
+#include "mkernel/proxy/command.h"
+#include "mkernel/proxy/ring_view.h"
+
+namespace mk {
+namespace ops {
+
+struct DevWait {
+  const uint64_t* flag;
+  uint64_t mul;      // wait for *flag >= mul * epoch
+  int32_t peer;      // reported on timeout
+  int32_t index;     // the flag's index in its pad (reported on timeout)
+};
+struct DevSignal {
+  uint64_t* flag;
+  uint64_t value;    // add: *flag += value; else *flag = value * epoch
+  uint32_t add;
+  uint32_t pad;
+};
+
+constexpr uint64_t kUserPtrBit = 1ull << 63;
+constexpr int kUserPtrA = 0, kUserPtrC = 1;
+MK_HOST_DEVICE inline uint64_t user_ptr(int which, uint64_t offset) {
+  return kUserPtrBit | (uint64_t(which) << 56) | offset;
+}
+
+enum DevOpKind : uint32_t { kDevCopy = 0, kDevReduce = 1, kDevNetPut = 2, kDevSignal = 3, kDevZero = 4 };
+
+struct alignas(64) DevOp {
+  uint32_t kind;
+  uint32_t nsrc, ndst;
+  uint32_t dst_f32;
+  uint32_t zero_mask;   // kDevReduce: sources zeroed after reading
+  uint32_t wait0, nwait;
+  uint32_t sig0, nsig;
+  uint32_t ptr0;        // ptrs[ptr0 .. ptr0 + nsrc) sources, then ndst destinations
+  uint64_t bytes;       // copy / zero (a multiple of 16)
+  uint64_t elems;       // reduce (a multiple of 4)
+  Command cmd;          // kDevNetPut: pushed as is
+};
+static_assert(sizeof(DevOp) == 128, "DevOp layout");
+
+// Per tile-row hooks: index ranges into waits / signals (the same fields as ops::RowHooks).
+struct DevRowHooks {
+  uint32_t load_wait0, load_waits;
+  uint32_t store_wait0, store_waits;
+  uint32_t store_sig0, store_sigs;
+};
+
+struct FusedHooks {
+  const DevOp* ops;          // null: no communication program
+  int32_t n_ops;
+  int32_t world;
+  int* op_counter;           // zeroed before each launch
+  const DevWait* waits;
+  const DevSignal* signals;
+  // Pointer pool of the ops. An entry with bit 63 set names a caller buffer, which changes from
+  // call to call: bits 56..62 index user[], bits 0..55 are the byte offset into it.
+  const uint64_t* ptrs;
+  void* user[2];             // kUserPtrA: the caller's A shard (AG); kUserPtrC: the caller's C
+  const DevRowHooks* rows;   // [tiles_m] or null
+  float* const* route;       // [world] fp32 destinations of the epilogue (see plan.h) or null
+  int64_t shard_rows;
+  int32_t route_store;       // deterministic: store instead of add
+  int32_t pad;
+  EpochState* epoch;         // read at the start, advanced by the last CTA
+  WaitCtx wait;
+  RingView ring;             // valid when the plan has network puts
+};
+
+}  // namespace ops
+}  // namespace mk

@@ -1,0 +1,503 @@
+// Plans of the fused GEMM collectives (see include/mkernel/ops/plan.h).
+#include "mkernel/ops/plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "mkernel/common/check.h"
+
+namespace mk {
+namespace ops {
+
+const char* fused_kind_name(FusedKind k) {
+  switch (k) {
+    case FusedKind::kAgGemm: return "ag_gemm";
+    case FusedKind::kGemmRs: return "gemm_rs";
+    case FusedKind::kGemmAr: return "gemm_ar";
+  }
+  return "?";
+}
+const char* buf_name(Buf b) {
+  static const char* n[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token", "?"};
+  return n[std::min(int(b), int(Buf::kCount))];
+}
+const char* region_name(Region r) {
+  static const char* n[] = {"entry", "entry_net", "row_ready", "row_count", "out_row", "net_in", "local", "src_free", "?"};
+  return n[std::min(int(r), int(Region::kCount))];
+}
+const char* comm_kind_name(CommKind k) {
+  static const char* n[] = {"copy", "reduce", "net_put", "signal", "zero"};
+  return int(k) < 5 ? n[int(k)] : "?";
+}
+
+PlanLayout PlanLayout::uniform(int world, int nodes) {
+  PlanLayout l;
+  l.world = world;
+  const int per = nodes > 0 ? world / nodes : 0;
+  l.node_ranks.assign(nodes, {});
+  l.node_of.resize(world);
+  l.local_of.resize(world);
+  for (int r = 0; r < world; ++r) {
+    const int n = per ? r / per : 0;
+    l.node_of[r] = n;
+    l.local_of[r] = per ? r % per : 0;
+    if (n < nodes) l.node_ranks[n].push_back(r);
+  }
+  return l;
+}
+
+namespace {
+
+FlagRef flag(Region r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
+PlanWait wait_on(Region r, int rank, uint32_t index, uint64_t mul, int peer) {
+  return PlanWait{flag(r, rank, index), mul, peer};
+}
+PlanSignal set_epoch(Region r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, false}; }
+PlanSignal add_one(Region r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, true}; }
+BufRef ref(Buf b, int rank, uint64_t off) { return BufRef{b, rank, off}; }
+
+struct Builder {
+  Plan& p;
+  const PlanLayout& L;
+  int64_t M, N, K, Ms;
+  int W, nodes, local;
+  std::vector<std::vector<int>> shard_chunks;  // shard -> chunk ids
+  std::vector<int> chunks_in_row;              // tile-row -> number of chunks
+  std::map<uint32_t, int> srcfree;             // this rank's puts per kSrcFree flag
+
+  // A call must not end while the proxy still reads one of its sources (the next call would
+  // overwrite it): the last ops wait for every put's local completion (zeroing a reduce-add
+  // source once it is free).
+  void finish_puts(RankPlan& rp, int me, const std::map<uint32_t, CommOp>& zeros) {
+    for (const auto& [c, count] : srcfree) {
+      CommOp op;
+      auto z = zeros.find(c);
+      if (z != zeros.end()) op = z->second;
+      else {
+        op.kind = CommKind::kSignal;
+        op.what = "puts of chunk " + std::to_string(c) + " done reading their source";
+      }
+      op.waits.push_back(wait_on(Region::kSrcFree, me, c, uint64_t(count), me));
+      rp.ops.push_back(op);
+    }
+    srcfree.clear();
+  }
+
+  // Ranks on my node other than me, starting after me (rotated).
+  std::vector<int> local_peers(int me) const {
+    const auto& nr = L.node_ranks[L.node_of[me]];
+    std::vector<int> out;
+    const int l = L.local_of[me];
+    for (int i = 1; i < local; ++i) out.push_back(nr[(l + i) % local]);
+    return out;
+  }
+  std::vector<int> local_all(int me) const {
+    std::vector<int> out{me};
+    for (int q : local_peers(me)) out.push_back(q);
+    return out;
+  }
+  // Same local index on the other nodes, nearest first.
+  std::vector<int> remote_twins(int me) const {
+    std::vector<int> out;
+    const int n = L.node_of[me], l = L.local_of[me];
+    for (int d = 1; d < nodes; ++d) out.push_back(L.node_ranks[(n + d) % nodes][l]);
+    return out;
+  }
+  // Shards in the order their rows become available to `me`: own, same node, then other nodes.
+  std::vector<int> shard_order(int me) const {
+    std::vector<int> out = local_all(me);
+    const int n = L.node_of[me], l = L.local_of[me];
+    for (int d = 1; d < nodes; ++d) {
+      const auto& nr = L.node_ranks[(n + d) % nodes];
+      for (int i = 0; i < local; ++i) out.push_back(nr[(l + i) % local]);
+    }
+    return out;
+  }
+  void tile_order_by_shards(RankPlan& rp, const std::vector<int>& shards) const {
+    std::vector<char> seen(p.tiles_m, 0);
+    for (int s : shards)
+      for (int c : shard_chunks[s]) {
+        const int tm = p.chunks[c].tile_row;
+        if (seen[tm]) continue;
+        seen[tm] = 1;
+        for (int tn = 0; tn < p.tiles_n; ++tn) rp.tile_order.push_back(tn * p.tiles_m + tm);
+      }
+  }
+  CommOp entry_op(int me) const {
+    CommOp op;
+    op.kind = CommKind::kSignal;
+    for (int q : local_peers(me)) op.signals.push_back(set_epoch(Region::kEntry, q, me));
+    op.what = "entry signal to the node's peers";
+    return op;
+  }
+  void net_entry_ops(RankPlan& rp, int me) const {
+    for (int q : remote_twins(me)) {
+      CommOp op;
+      op.kind = CommKind::kNetPut;
+      op.srcs = {ref(Buf::kToken, me, 8ull * me)};
+      op.dsts = {ref(Buf::kToken, q, 8ull * me)};
+      op.bytes = 8;
+      op.peer = q;
+      op.remote_flag = flag(Region::kEntryNet, q, me);
+      op.what = "entry signal to rank " + std::to_string(q) + " (network)";
+      rp.ops.push_back(op);
+    }
+  }
+
+  void build_ag(int me) {
+    RankPlan& rp = p.ranks[me];
+    const int64_t rowb = K * 2;
+    rp.ops.push_back(entry_op(me));
+    net_entry_ops(rp, me);
+    // 1. My shard into every gathered A of my node (mine included), chunk by chunk.
+    for (int c : shard_chunks[me]) {
+      const Chunk& ch = p.chunks[c];
+      CommOp op;
+      op.kind = CommKind::kCopy;
+      op.srcs = {ref(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
+      for (int q : local_all(me)) {
+        op.dsts.push_back(ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
+        if (q != me) op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
+        op.signals.push_back(add_one(Region::kRowReady, q, ch.tile_row));
+      }
+      op.signals.push_back(set_epoch(Region::kLocal, me, c));
+      op.bytes = uint64_t(ch.rows) * rowb;
+      op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " to the node";
+      rp.ops.push_back(op);
+    }
+    // 2. My shard to my twin on every other node, once per node.
+    for (int q : remote_twins(me))
+      for (int c : shard_chunks[me]) {
+        const Chunk& ch = p.chunks[c];
+        CommOp op;
+        op.kind = CommKind::kNetPut;
+        op.waits = {wait_on(Region::kLocal, me, c, 1, me), wait_on(Region::kEntryNet, me, q, 1, q)};
+        op.srcs = {ref(Buf::kAFull, me, uint64_t(ch.row0) * rowb)};
+        op.dsts = {ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb)};
+        op.bytes = uint64_t(ch.rows) * rowb;
+        op.peer = q;
+        op.remote_flag = flag(Region::kNetIn, q, c);
+        op.local_flag = flag(Region::kSrcFree, me, c);
+        ++srcfree[c];
+        op.what = "AG chunk " + std::to_string(c) + " to rank " + std::to_string(q) + " (network)";
+        rp.ops.push_back(op);
+      }
+    // 3. Shards of my twins arrive over the network: forward them inside the node.
+    for (int s : remote_twins(me))
+      for (int c : shard_chunks[s]) {
+        const Chunk& ch = p.chunks[c];
+        CommOp op;
+        op.waits.push_back(wait_on(Region::kNetIn, me, c, 1, s));
+        op.srcs = {ref(Buf::kAFull, me, uint64_t(ch.row0) * rowb)};
+        for (int q : local_peers(me)) {
+          op.dsts.push_back(ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
+          op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
+        }
+        for (int q : local_all(me)) op.signals.push_back(add_one(Region::kRowReady, q, ch.tile_row));
+        op.kind = op.dsts.empty() ? CommKind::kSignal : CommKind::kCopy;
+        if (op.dsts.empty()) op.srcs.clear();
+        op.bytes = op.dsts.empty() ? 0 : uint64_t(ch.rows) * rowb;
+        op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(s) + " forwarded in the node";
+        rp.ops.push_back(op);
+      }
+    finish_puts(rp, me, {});
+    // Tiles wait for every chunk of their tile-row.
+    rp.rows.resize(p.tiles_m);
+    for (int tm = 0; tm < p.tiles_m; ++tm) {
+      rp.rows[tm].load_wait0 = uint32_t(rp.waits.size());
+      rp.rows[tm].load_waits = 1;
+      // Reported on timeout: the owner of the tile-row's first shard (all of it when the rows
+      // hold one shard).
+      const int owner = int(std::min<int64_t>(int64_t(tm) * kPlanTileM / Ms, W - 1));
+      rp.waits.push_back(wait_on(Region::kRowReady, me, tm, uint64_t(chunks_in_row[tm]), owner));
+    }
+    tile_order_by_shards(rp, shard_order(me));
+  }
+
+  // RS and AR: the node reduction, the network step between twins, the owner's final sum.
+  void build_reduce(int me, bool allreduce) {
+    RankPlan& rp = p.ranks[me];
+    const int n = L.node_of[me], l = L.local_of[me];
+    const int slots = p.deterministic ? local : 1;
+    const uint64_t row4 = uint64_t(N) * 4, row2 = uint64_t(N) * 2;
+    const uint64_t per_tile_row = uint64_t(local) * p.tiles_n;  // adds to a reducer's row count
+    // accum offset of row m of shard s (node n_s) in slot k
+    auto accum_off = [&](int s, int k, int64_t m) {
+      return ((uint64_t(k) * nodes + L.node_of[s]) * Ms + uint64_t(m - s * Ms)) * row4;
+    };
+    auto recv_off = [&](int s, int src_node, int64_t m) {
+      return (uint64_t(src_node) * Ms + uint64_t(m - s * Ms)) * row4;
+    };
+    // Epilogue routing: shard s -> its reducer on my node (the rank with s's local index).
+    rp.route.resize(W);
+    for (int s = 0; s < W; ++s) {
+      const int red = L.node_ranks[n][L.local_of[s]];
+      rp.route[s] = ref(Buf::kAccum, red, accum_off(s, p.deterministic ? l : 0, s * Ms));
+    }
+    rp.rows.resize(p.tiles_m);
+    for (int tm = 0; tm < p.tiles_m; ++tm) {
+      std::set<int> reducers;
+      const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
+      for (int64_t s = r0 / Ms; s <= (r1 - 1) / Ms; ++s) reducers.insert(L.node_ranks[n][L.local_of[s]]);
+      RowHooks& h = rp.rows[tm];
+      h.store_wait0 = uint32_t(rp.waits.size());
+      h.store_sig0 = uint32_t(rp.signals.size());
+      for (int red : reducers) {
+        if (red != me) rp.waits.push_back(wait_on(Region::kEntry, me, red, 1, red));
+        rp.signals.push_back(add_one(Region::kRowCount, red, tm));
+      }
+      h.store_waits = uint32_t(rp.waits.size()) - h.store_wait0;
+      h.store_sigs = uint32_t(rp.signals.size()) - h.store_sig0;
+    }
+    rp.ops.push_back(entry_op(me));
+    net_entry_ops(rp, me);
+    std::map<uint32_t, CommOp> zeros;
+    // 1. Shards owned by my twins on other nodes: node-reduce here, send the partial.
+    for (int s : remote_twins(me))
+      for (int c : shard_chunks[s]) {
+        const Chunk& ch = p.chunks[c];
+        const uint64_t bytes = uint64_t(ch.rows) * row4;
+        PlanWait counted = wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1);
+        PlanWait ready = counted;
+        if (p.deterministic && slots > 1) {
+          CommOp red;
+          red.kind = CommKind::kReduce;
+          red.waits = {counted};
+          for (int k = 0; k < slots; ++k) red.srcs.push_back(ref(Buf::kAccum, me, accum_off(s, k, ch.row0)));
+          red.dsts = {ref(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
+          red.dst_f32 = true;
+          red.elems = uint64_t(ch.rows) * N;
+          red.signals = {set_epoch(Region::kLocal, me, c)};
+          red.what = "node sum of chunk " + std::to_string(c) + " (shard " + std::to_string(s) + ")";
+          rp.ops.push_back(red);
+          ready = wait_on(Region::kLocal, me, c, 1, me);
+        }
+        CommOp put;
+        put.kind = CommKind::kNetPut;
+        put.waits = {ready, wait_on(Region::kEntryNet, me, s, 1, s)};
+        put.srcs = {ref(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
+        put.dsts = {ref(Buf::kRecv, s, recv_off(s, n, ch.row0))};
+        put.bytes = bytes;
+        put.peer = s;
+        put.remote_flag = flag(Region::kNetIn, s, uint32_t(c * nodes + n));
+        put.what = "partial of chunk " + std::to_string(c) + " to rank " + std::to_string(s) + " (network)";
+        put.local_flag = flag(Region::kSrcFree, me, c);
+        ++srcfree[c];
+        if (!p.deterministic) {
+          // The reduce-add accumulation must be zero for the next call once the proxy read it.
+          CommOp z;
+          z.kind = CommKind::kZero;
+          z.dsts = {ref(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
+          z.bytes = bytes;
+          z.what = "zero the sent partial of chunk " + std::to_string(c);
+          zeros[c] = z;
+        }
+        rp.ops.push_back(put);
+      }
+    // 2. My own shard: node sum + the other nodes' partials, in node order.
+    for (int c : shard_chunks[me]) {
+      const Chunk& ch = p.chunks[c];
+      CommOp op;
+      op.kind = CommKind::kReduce;
+      op.waits.push_back(wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1));
+      for (int nn = 0; nn < nodes; ++nn) {
+        if (nn == n) {
+          for (int k = 0; k < slots; ++k) {
+            if (!p.deterministic) op.zero_src_mask |= 1u << op.srcs.size();
+            op.srcs.push_back(ref(Buf::kAccum, me, accum_off(me, k, ch.row0)));
+          }
+        } else {
+          op.waits.push_back(wait_on(Region::kNetIn, me, uint32_t(c * nodes + nn), 1, L.node_ranks[nn][l]));
+          op.srcs.push_back(ref(Buf::kRecv, me, recv_off(me, nn, ch.row0)));
+        }
+      }
+      op.elems = uint64_t(ch.rows) * N;
+      if (!allreduce) {
+        op.dsts = {ref(Buf::kUserC, me, uint64_t(ch.row0 - me * Ms) * row2)};
+      } else {
+        for (int q : local_all(me)) {
+          op.dsts.push_back(ref(Buf::kCws, q, uint64_t(ch.row0) * row2));
+          if (q != me) op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
+          op.signals.push_back(add_one(Region::kOutRow, q, ch.tile_row));
+        }
+        if (nodes > 1) op.signals.push_back(set_epoch(Region::kLocal, me, c));
+      }
+      op.what = "final sum of chunk " + std::to_string(c) + " (own shard)";
+      rp.ops.push_back(op);
+    }
+    if (allreduce) {
+      // 3. My final chunks to my twins; theirs forwarded inside my node.
+      for (int q : remote_twins(me))
+        for (int c : shard_chunks[me]) {
+          const Chunk& ch = p.chunks[c];
+          CommOp put;
+          put.kind = CommKind::kNetPut;
+          put.waits = {wait_on(Region::kLocal, me, c, 1, me), wait_on(Region::kEntryNet, me, q, 1, q)};
+          put.srcs = {ref(Buf::kCws, me, uint64_t(ch.row0) * row2)};
+          put.dsts = {ref(Buf::kCws, q, uint64_t(ch.row0) * row2)};
+          put.bytes = uint64_t(ch.rows) * row2;
+          put.peer = q;
+          put.remote_flag = flag(Region::kNetIn, q, uint32_t(p.chunks.size() * nodes + c));
+          put.local_flag = flag(Region::kSrcFree, me, c);
+          ++srcfree[c];
+          put.what = "final chunk " + std::to_string(c) + " to rank " + std::to_string(q) + " (network)";
+          rp.ops.push_back(put);
+        }
+      for (int s : remote_twins(me))
+        for (int c : shard_chunks[s]) {
+          const Chunk& ch = p.chunks[c];
+          CommOp op;
+          op.waits.push_back(wait_on(Region::kNetIn, me, uint32_t(p.chunks.size() * nodes + c), 1, s));
+          op.srcs = {ref(Buf::kCws, me, uint64_t(ch.row0) * row2)};
+          for (int q : local_peers(me)) {
+            op.dsts.push_back(ref(Buf::kCws, q, uint64_t(ch.row0) * row2));
+            op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
+          }
+          for (int q : local_all(me)) op.signals.push_back(add_one(Region::kOutRow, q, ch.tile_row));
+          op.kind = op.dsts.empty() ? CommKind::kSignal : CommKind::kCopy;
+          if (op.dsts.empty()) op.srcs.clear();
+          op.bytes = op.dsts.empty() ? 0 : uint64_t(ch.rows) * row2;
+          op.what = "final chunk " + std::to_string(c) + " of shard " + std::to_string(s) + " forwarded in the node";
+          rp.ops.push_back(op);
+        }
+      // 4. The all-reduced rows into the caller's C, tile-row by tile-row as they complete.
+      for (int tm = 0; tm < p.tiles_m; ++tm) {
+        const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
+        CommOp op;
+        op.kind = CommKind::kCopy;
+        op.waits = {wait_on(Region::kOutRow, me, tm, uint64_t(chunks_in_row[tm]), -1)};
+        op.srcs = {ref(Buf::kCws, me, uint64_t(r0) * row2)};
+        op.dsts = {ref(Buf::kUserC, me, uint64_t(r0) * row2)};
+        op.bytes = uint64_t(r1 - r0) * row2;
+        op.what = "rows of tile-row " + std::to_string(tm) + " to C";
+        rp.ops.push_back(op);
+      }
+    }
+    finish_puts(rp, me, zeros);
+    // Tiles: shards of other nodes first (their partials cross the network), then the node's,
+    // own shard last, each list rotated from my position.
+    std::vector<int> order;
+    for (int d = 1; d < nodes; ++d) {
+      const auto& nr = L.node_ranks[(n + d) % nodes];
+      for (int i = 0; i < local; ++i) order.push_back(nr[(l + i) % local]);
+    }
+    for (int q : local_peers(me)) order.push_back(q);
+    order.push_back(me);
+    tile_order_by_shards(rp, order);
+  }
+};
+
+}  // namespace
+
+Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout, bool deterministic,
+                  Plan* out) {
+  const int W = layout.world;
+  MK_REQUIRE(W >= 1 && int(layout.node_of.size()) == W && int(layout.local_of.size()) == W &&
+                 layout.nodes() >= 1,
+             Code::kInvalidArgument, "plan: malformed layout (world %d)", W);
+  const int local = layout.local();
+  for (const auto& nr : layout.node_ranks)
+    MK_REQUIRE(int(nr.size()) == local && local >= 1, Code::kInvalidArgument,
+               "plan: every node must hold the same number of ranks (%d vs %d)", int(nr.size()), local);
+  MK_REQUIRE(layout.nodes() * local == W, Code::kInvalidArgument, "plan: nodes x local != world");
+  for (int n = 0; n < layout.nodes(); ++n)
+    for (int l = 0; l < local; ++l) {
+      const int r = layout.node_ranks[n][l];
+      MK_REQUIRE(r >= 0 && r < W && layout.node_of[r] == n && layout.local_of[r] == l, Code::kInvalidArgument,
+                 "plan: layout tables disagree about rank %d", r);
+    }
+  const int64_t M = shape.M, N = shape.N, K = shape.K;
+  MK_REQUIRE(M > 0 && N > 0 && K > 0, Code::kInvalidArgument,
+             "%s: M, N, K must be > 0 (got %lld, %lld, %lld)", fused_kind_name(kind), (long long)M, (long long)N,
+             (long long)K);
+  MK_REQUIRE(N % 8 == 0 && K % 8 == 0, Code::kInvalidArgument,
+             "%s: N and K must be multiples of 8 (16-byte rows), got N %lld, K %lld", fused_kind_name(kind),
+             (long long)N, (long long)K);
+  MK_REQUIRE(M % W == 0, Code::kInvalidArgument,
+             "%s: M = %lld does not split into %d equal shards (uneven shards are not supported: pad M to a "
+             "multiple of the world size)",
+             fused_kind_name(kind), (long long)M, W);
+  MK_REQUIRE(M < (1ll << 31) && N < (1ll << 31) && K < (1ll << 31), Code::kInvalidArgument,
+             "%s: M, N, K must be < 2^31", fused_kind_name(kind));
+  Plan& p = *out;
+  p = Plan{};
+  p.kind = kind;
+  p.shape = shape;
+  p.layout = layout;
+  p.deterministic = deterministic && kind != FusedKind::kAgGemm;
+  p.shard_rows = M / W;
+  p.tiles_m = int((M + kPlanTileM - 1) / kPlanTileM);
+  p.tiles_n = int((N + kPlanTileN - 1) / kPlanTileN);
+  Builder b{p, layout, M, N, K, M / W, W, layout.nodes(), local, {}, {}, {}};
+  b.shard_chunks.resize(W);
+  b.chunks_in_row.assign(p.tiles_m, 0);
+  for (int s = 0; s < W; ++s) {
+    const int64_t a = s * b.Ms, e = a + b.Ms;
+    for (int64_t r = a; r < e;) {
+      const int tm = int(r / kPlanTileM);
+      const int64_t stop = std::min<int64_t>(e, int64_t(tm + 1) * kPlanTileM);
+      b.shard_chunks[s].push_back(int(p.chunks.size()));
+      p.chunks.push_back(Chunk{s, tm, r, stop - r});
+      ++b.chunks_in_row[tm];
+      r = stop;
+    }
+  }
+  const int nodes = layout.nodes();
+  const uint32_t nch = uint32_t(p.chunks.size());
+  auto& bb = p.buf_bytes;
+  bb[int(Buf::kToken)] = 8ull * W;
+  if (kind == FusedKind::kAgGemm) {
+    bb[int(Buf::kAFull)] = uint64_t(M) * K * 2;
+  } else {
+    const int slots = p.deterministic ? local : 1;
+    bb[int(Buf::kAccum)] = uint64_t(slots) * nodes * b.Ms * N * 4;
+    if (nodes > 1) bb[int(Buf::kRecv)] = uint64_t(nodes) * b.Ms * N * 4;
+    if (kind == FusedKind::kGemmAr) bb[int(Buf::kCws)] = uint64_t(M) * N * 2;
+  }
+  auto& rs = p.region_size;
+  rs[int(Region::kEntry)] = W;
+  rs[int(Region::kEntryNet)] = W;
+  rs[int(Region::kRowReady)] = p.tiles_m;
+  rs[int(Region::kRowCount)] = p.tiles_m;
+  rs[int(Region::kOutRow)] = p.tiles_m;
+  rs[int(Region::kNetIn)] = nch * uint32_t(nodes + 1);
+  rs[int(Region::kLocal)] = nch;
+  rs[int(Region::kSrcFree)] = nch;
+  uint32_t off = 0;
+  for (int r = 0; r < int(Region::kCount); ++r) {
+    p.region_offset[r] = off;
+    off += rs[r];
+  }
+  p.pad_flags = off;
+  p.ranks.resize(W);
+  for (int me = 0; me < W; ++me) {
+    p.ranks[me].rank = me;
+    if (kind == FusedKind::kAgGemm)
+      b.build_ag(me);
+    else
+      b.build_reduce(me, kind == FusedKind::kGemmAr);
+  }
+  return OkStatus();
+}
+
+std::string describe(const Plan& p, int rank) {
+  std::string s;
+  char line[256];
+  const RankPlan& rp = p.ranks[rank];
+  snprintf(line, sizeof line, "%s rank %d: M %lld N %lld K %lld, %d x %d tiles, %zu chunks, %zu ops\n",
+           fused_kind_name(p.kind), rank, (long long)p.shape.M, (long long)p.shape.N, (long long)p.shape.K,
+           p.tiles_m, p.tiles_n, p.chunks.size(), rp.ops.size());
+  s += line;
+  for (size_t i = 0; i < rp.ops.size(); ++i) {
+    const CommOp& op = rp.ops[i];
+    snprintf(line, sizeof line, "  %3zu %-7s waits %zu signals %zu: %s\n", i, comm_kind_name(op.kind),
+             op.waits.size(), op.signals.size(), op.what.c_str());
+    s += line;
+  }
+  return s;
+}
+
+}  // namespace ops
+}  // namespace mk
