@@ -8,7 +8,7 @@ RESULT=${OUT:-/tmp/mk-out}
 OUT=/tmp/mk-fused
 rm -rf "$OUT" && mkdir -p "$OUT" "$RESULT"
 trap 'tar -C "$OUT" -czf "$RESULT/fused_logs.tgz" .' EXIT
-steps=${MK_FUSED_STEPS:-"build gemm fused dead bench"}
+steps=${MK_FUSED_STEPS:-"build gemm gemmbench fused dead bench"}
 has() { [[ " $steps " == *" $1 "* ]]; }
 source .devcarry/env.sh
 source .devcarry/extra-env.sh
@@ -19,6 +19,9 @@ echo "build rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "error|NCCL|nccl" "$OUT/
 if has gemm; then
   timeout 300 build/tests/gpu/test_gpu_gemm > "$OUT/test_gpu_gemm.log" 2>&1; echo "test_gpu_gemm rc=$?"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|Failure" "$OUT/test_gpu_gemm.log" | head -20
+fi
+if has gemmbench; then
+  build/bench/bench_gemm --json "$RESULT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1; echo "bench_gemm rc=$?"; cat "$OUT/bench_gemm.log"
 fi
 nvidia-cuda-mps-control -d
 if has fused; then

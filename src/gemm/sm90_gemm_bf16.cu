@@ -248,6 +248,16 @@ __device__ __forceinline__ void hook_signals(const Params& p, uint32_t s0, uint3
   }
 }
 
+// Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
+__device__ __forceinline__ bool op_ready(const Params& p, int idx, uint64_t epoch) {
+  const ops::DevOp& op = p.hooks.ops[idx];
+  for (uint32_t i = 0; i < op.nwait; ++i) {
+    const ops::DevWait& w = p.hooks.waits[op.wait0 + i];
+    if (device::ld_relaxed_sys(w.flag) < w.mul * epoch) return false;
+  }
+  return true;
+}
+
 // Routed fp32 epilogue: element (m, n) of shard s = m / shard_rows goes to
 // route[s] + (m - s * shard_rows) * N + n, reduce-added (or stored when deterministic). The
 // destinations are peers' accumulation buffers on this node.
@@ -282,8 +292,14 @@ __device__ __forceinline__ void route_tile(const Params& p, const Accum& accum, 
         if (n1 < N) row[n1] = accum(i + 1);
       }
     } else {
-      if (n < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n), "f"(accum(i)) : "memory");
-      if (n1 < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n1), "f"(accum(i + 1)) : "memory");
+      if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
+        // One 8-byte vector reduction for the column pair (sm_90).
+        asm volatile("red.relaxed.sys.global.add.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(accum(i)),
+                     "f"(accum(i + 1)) : "memory");
+      } else {
+        if (n < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n), "f"(accum(i)) : "memory");
+        if (n1 < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n1), "f"(accum(i + 1)) : "memory");
+      }
     }
   }
 }
@@ -449,8 +465,11 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
             bool took = false;
             if (static_cast<int>(blockIdx.x) < comm) {
               if (params.hooks.n_ops > 0) {
-                // Ops in program order; once none is left this CTA computes.
-                if (!ops_left_empty) {
+                // Ops in program order. The next op is taken when its waits are already met, or
+                // when no tile is left; otherwise this CTA computes a tile meanwhile (a run-time
+                // move between roles: communication CTAs never idle in a wait while tiles remain).
+                // Once no op is left it computes for good.
+                if (!ops_left_empty && !params.hooks.peek_ops) {
                   const int op = atomicAdd(params.hooks.op_counter, 1);
                   if (op < params.hooks.n_ops) {
                     item = kItemOp0 - op;
@@ -458,6 +477,20 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
                     ++ops_issued;
                   } else {
                     ops_left_empty = true;
+                  }
+                } else if (!ops_left_empty) {
+                  const int idx = *reinterpret_cast<volatile int*>(params.hooks.op_counter);
+                  if (idx >= params.hooks.n_ops) {
+                    ops_left_empty = true;
+                  } else {
+                    const bool tiles_left = *reinterpret_cast<volatile int*>(params.tile_counter) < num_tiles;
+                    if (!tiles_left || op_ready(params, idx, epoch)) {
+                      if (atomicCAS(params.hooks.op_counter, idx, idx + 1) == idx) {
+                        item = kItemOp0 - idx;
+                        took = true;
+                        ++ops_issued;
+                      }
+                    }
                   }
                 }
               } else {
@@ -475,6 +508,17 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
               item = atomicAdd(params.tile_counter, 1);
               if (item >= num_tiles) {
                 item = kItemDone;
+                // No tile left: help with the communication program's remaining ops (the final
+                // reductions and copies), so they run on every SM instead of the comm CTAs only.
+                if (params.hooks.n_ops > 0 && !ops_left_empty) {
+                  const int op = atomicAdd(params.hooks.op_counter, 1);
+                  if (op < params.hooks.n_ops) {
+                    item = kItemOp0 - op;
+                    ++ops_issued;
+                  } else {
+                    ops_left_empty = true;
+                  }
+                }
               } else if (params.arrival_queue) {
                 // Arrival-ordered: the i-th item is the i-th tile made ready (bounded wait).
                 device::wait_ge<true>(params.arrival_wait, params.arrival_count, uint64_t(item) + 1, -1, item);

@@ -246,6 +246,7 @@ Status resolve(FusedState* st) {
   MK_CHECK(upload(st, route, const_cast<float***>(&h.route)));
   h.shard_rows = p.shard_rows;
   h.route_store = p.deterministic ? 1 : 0;
+  h.peek_ops = p.kind == FusedKind::kAgGemm ? 0 : 1;
   h.epoch = st->epoch;
   OpTag tag = p.kind == FusedKind::kAgGemm ? OpTag::kAgGemm : p.kind == FusedKind::kGemmRs ? OpTag::kGemmRs : OpTag::kGemmAr;
   h.wait = st->comm->wait_ctx(tag, Role::kComm);

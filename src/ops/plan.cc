@@ -426,7 +426,10 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
   p.kind = kind;
   p.shape = shape;
   p.layout = layout;
-  p.deterministic = deterministic && kind != FusedKind::kAgGemm;
+  // With one rank per node every element of a reducer's buffer has one writer: the partials
+  // are stored, never reduce-added (no atomics, no zeroing) — the deterministic layout with one
+  // slot.
+  p.deterministic = (deterministic || layout.local() == 1) && kind != FusedKind::kAgGemm;
   p.shard_rows = M / W;
   p.tiles_m = int((M + kPlanTileM - 1) / kPlanTileM);
   p.tiles_n = int((N + kPlanTileN - 1) / kPlanTileN);

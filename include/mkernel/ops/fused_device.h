@@ -74,7 +74,9 @@ struct FusedHooks {
   float* const* route;       // [world] fp32 destinations of the epilogue (see plan.h) or null
   int64_t shard_rows;
   int32_t route_store;       // deterministic: store instead of add
-  int32_t pad;
+  // Communication CTAs may compute a tile while the next op is not ready. Only when no tile
+  // waits for an op (RS/AR): else (AG) every such CTA could block on rows that op would send.
+  int32_t peek_ops;
   EpochState* epoch;         // read at the start, advanced by the last CTA
   WaitCtx wait;
   RingView ring;             // valid when the plan has network puts

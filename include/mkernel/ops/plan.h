@@ -180,7 +180,10 @@ constexpr int kPlanTileN = 256;
 
 // Builds every rank's plan. kInvalidArgument for shapes it cannot split: M % W != 0 (uneven
 // shards are rejected), M, N, K <= 0, N or K not a multiple of 8, a layout whose nodes differ in
-// size. Deterministic: RS/AR partials are stored per source rank and summed in rank order.
+// size. Deterministic: RS/AR partials are stored per source rank and summed in a fixed order
+// (within a node by local index, then across nodes in node order): reproducible bit for bit for
+// a given layout. With one rank per node the plan is always deterministic (one writer per
+// element; Plan::deterministic is then true).
 Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout,
                   bool deterministic, Plan* out);
 
