@@ -8,7 +8,7 @@ RESULT=${OUT:-/tmp/mk-out}
 OUT=/tmp/mk-fused
 rm -rf "$OUT" && mkdir -p "$OUT" "$RESULT"
 trap 'tar -C "$OUT" -czf "$RESULT/fused_logs.tgz" .' EXIT
-steps=${MK_FUSED_STEPS:-"build gemm gemmbench fused dead bench"}
+steps=${MK_FUSED_STEPS:-"build gemm gemmbench fused dead bench runsh"}
 has() { [[ " $steps " == *" $1 "* ]]; }
 source .devcarry/env.sh
 source .devcarry/extra-env.sh
@@ -37,11 +37,15 @@ if has dead; then
   echo "test_gpu_fused_dead rc=$?"; grep -E "rank [0-9]: |\[  (PASSED|FAILED) " "$OUT/fused_dead.log" | head -6
 fi
 if has bench && [[ -x build/mkernel ]] && build/mkernel help 2>/dev/null | grep -q bench; then
-  for np in ${MK_BENCH_NPS:-1 2}; do
+  for np in ${MK_BENCH_NPS:-1 2 4}; do
     pct=$(( 100 / np ))
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 200 mpirun --allow-run-as-root -np $np --bind-to none build/mkernel bench all --json "$RESULT/bench_np$np.json" > "$OUT/bench_np$np.log" 2>&1
     echo "bench np$np rc=$?"; grep -vE "^vm:" "$OUT/bench_np$np.log" | tail -12
   done
 fi
 echo quit | nvidia-cuda-mps-control
+if has runsh; then
+  MK_SKIP_INSTALL=1 timeout 300 bash scripts/run.sh > "$OUT/run.log" 2>&1
+  echo "scripts/run.sh rc=$?"; grep -E "selfcheck:|== |^(ag_gemm|gemm_rs|gemm_ar) |FAILED" "$OUT/run.log" | head -16
+fi
 echo "total $(( $(date +%s) - t0 )) s"

@@ -151,22 +151,34 @@ struct Builder {
     const int64_t rowb = K * 2;
     rp.ops.push_back(entry_op(me));
     net_entry_ops(rp, me);
-    // 1. My shard into every gathered A of my node (mine included), chunk by chunk.
+    // 1. My shard into my own gathered A first (it waits for nobody: my first tiles start at
+    //    once), then into my node's peers' (each waits for that peer's entry), chunk by chunk.
     for (int c : shard_chunks[me]) {
       const Chunk& ch = p.chunks[c];
       CommOp op;
       op.kind = CommKind::kCopy;
       op.srcs = {ref(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
-      for (int q : local_all(me)) {
-        op.dsts.push_back(ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
-        if (q != me) op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
-        op.signals.push_back(add_one(Region::kRowReady, q, ch.tile_row));
-      }
-      op.signals.push_back(set_epoch(Region::kLocal, me, c));
+      op.dsts = {ref(Buf::kAFull, me, uint64_t(ch.row0) * rowb)};
+      op.signals = {add_one(Region::kRowReady, me, ch.tile_row), set_epoch(Region::kLocal, me, c)};
       op.bytes = uint64_t(ch.rows) * rowb;
-      op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " to the node";
+      op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " into my gathered A";
       rp.ops.push_back(op);
     }
+    if (local > 1)
+      for (int c : shard_chunks[me]) {
+        const Chunk& ch = p.chunks[c];
+        CommOp op;
+        op.kind = CommKind::kCopy;
+        op.srcs = {ref(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
+        for (int q : local_peers(me)) {
+          op.dsts.push_back(ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
+          op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
+          op.signals.push_back(add_one(Region::kRowReady, q, ch.tile_row));
+        }
+        op.bytes = uint64_t(ch.rows) * rowb;
+        op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " to the node's peers";
+        rp.ops.push_back(op);
+      }
     // 2. My shard to my twin on every other node, once per node.
     for (int q : remote_twins(me))
       for (int c : shard_chunks[me]) {
