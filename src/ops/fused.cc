@@ -378,6 +378,22 @@ Status FusedGemm::run(const FusedArgs& a, cudaStream_t stream) {
 Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
   FusedState* st = st_.get();
   MK_CHECK(can_implement(a));
+  if (st->comm->world() == 1) {
+    // One rank: there is nothing to communicate; the plain GEMM writes C (AG also keeps the
+    // "gathered" A, which is A itself).
+    gemm::Arguments g;
+    g.A = a.A;
+    g.B = a.B;
+    g.C = a.C;
+    g.M = st->shape.M, g.N = st->shape.N, g.K = st->shape.K;
+    gemm::RunConfig cfg;
+    cfg.max_ctas = st->opt.max_ctas;
+    MK_CHECK(gemm::run(g, stream, cfg));
+    if (st->kind == FusedKind::kAgGemm)
+      MK_CUDA_CHECK(cudaMemcpyAsync(st->bufs[int(Buf::kAFull)]->local(), a.A, st->plan.buf_bytes[int(Buf::kAFull)],
+                                    cudaMemcpyDeviceToDevice, stream));
+    return OkStatus();
+  }
   gemm::Arguments g;
   g.M = st->shape.M;
   g.N = st->shape.N;
