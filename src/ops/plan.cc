@@ -146,6 +146,27 @@ struct Builder {
     }
   }
 
+  // Chunk c of twin s's rows arrived here over the network (flag kNetIn[net_index]): forward it
+  // into the node peers' copies of `buf` and count it in `ready`'s tile-row on every rank of
+  // the node (a signal-only op when this rank is alone on its node).
+  CommOp forward_op(int me, int s, int c, Buf buf, uint64_t row_bytes, uint32_t net_index, Region ready,
+                    const char* what) const {
+    const Chunk& ch = p.chunks[c];
+    CommOp op;
+    op.waits.push_back(wait_on(Region::kNetIn, me, net_index, 1, s));
+    op.srcs = {ref(buf, me, uint64_t(ch.row0) * row_bytes)};
+    for (int q : local_peers(me)) {
+      op.dsts.push_back(ref(buf, q, uint64_t(ch.row0) * row_bytes));
+      op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
+    }
+    for (int q : local_all(me)) op.signals.push_back(add_one(ready, q, ch.tile_row));
+    op.kind = op.dsts.empty() ? CommKind::kSignal : CommKind::kCopy;
+    if (op.dsts.empty()) op.srcs.clear();
+    op.bytes = op.dsts.empty() ? 0 : uint64_t(ch.rows) * row_bytes;
+    op.what = what + std::to_string(c) + " of shard " + std::to_string(s) + " forwarded in the node";
+    return op;
+  }
+
   void build_ag(int me) {
     RankPlan& rp = p.ranks[me];
     const int64_t rowb = K * 2;
@@ -198,22 +219,8 @@ struct Builder {
       }
     // 3. Shards of my twins arrive over the network: forward them inside the node.
     for (int s : remote_twins(me))
-      for (int c : shard_chunks[s]) {
-        const Chunk& ch = p.chunks[c];
-        CommOp op;
-        op.waits.push_back(wait_on(Region::kNetIn, me, c, 1, s));
-        op.srcs = {ref(Buf::kAFull, me, uint64_t(ch.row0) * rowb)};
-        for (int q : local_peers(me)) {
-          op.dsts.push_back(ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
-          op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
-        }
-        for (int q : local_all(me)) op.signals.push_back(add_one(Region::kRowReady, q, ch.tile_row));
-        op.kind = op.dsts.empty() ? CommKind::kSignal : CommKind::kCopy;
-        if (op.dsts.empty()) op.srcs.clear();
-        op.bytes = op.dsts.empty() ? 0 : uint64_t(ch.rows) * rowb;
-        op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(s) + " forwarded in the node";
-        rp.ops.push_back(op);
-      }
+      for (int c : shard_chunks[s])
+        rp.ops.push_back(forward_op(me, s, c, Buf::kAFull, rowb, c, Region::kRowReady, "AG chunk "));
     finish_puts(rp, me, {});
     // Tiles wait for every chunk of their tile-row.
     rp.rows.resize(p.tiles_m);
@@ -358,22 +365,9 @@ struct Builder {
           rp.ops.push_back(put);
         }
       for (int s : remote_twins(me))
-        for (int c : shard_chunks[s]) {
-          const Chunk& ch = p.chunks[c];
-          CommOp op;
-          op.waits.push_back(wait_on(Region::kNetIn, me, uint32_t(p.chunks.size() * nodes + c), 1, s));
-          op.srcs = {ref(Buf::kCws, me, uint64_t(ch.row0) * row2)};
-          for (int q : local_peers(me)) {
-            op.dsts.push_back(ref(Buf::kCws, q, uint64_t(ch.row0) * row2));
-            op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
-          }
-          for (int q : local_all(me)) op.signals.push_back(add_one(Region::kOutRow, q, ch.tile_row));
-          op.kind = op.dsts.empty() ? CommKind::kSignal : CommKind::kCopy;
-          if (op.dsts.empty()) op.srcs.clear();
-          op.bytes = op.dsts.empty() ? 0 : uint64_t(ch.rows) * row2;
-          op.what = "final chunk " + std::to_string(c) + " of shard " + std::to_string(s) + " forwarded in the node";
-          rp.ops.push_back(op);
-        }
+        for (int c : shard_chunks[s])
+          rp.ops.push_back(forward_op(me, s, c, Buf::kCws, row2, uint32_t(p.chunks.size() * nodes + c),
+                                      Region::kOutRow, "final chunk "));
       // 4. The all-reduced rows into the caller's C, tile-row by tile-row as they complete.
       for (int tm = 0; tm < p.tiles_m; ++tm) {
         const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
