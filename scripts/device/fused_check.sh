@@ -27,9 +27,14 @@ nvidia-cuda-mps-control -d
 if has fused; then
   for t in np1 np2 np4 2nodes_shm_np4 2nodes_tcp_np4; do
     pct=25; [[ $t == np1 ]] && pct=100; [[ $t == np2 ]] && pct=50
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 280 ctest --test-dir build -V -R "^test_gpu_fused_${t}\$" > "$OUT/fused_$t.log" 2>&1
+    MK_TRACE_OUT="$OUT/trace_$t" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 280 ctest --test-dir build -V -R "^test_gpu_fused_${t}\$" > "$OUT/fused_$t.log" 2>&1
     echo "test_gpu_fused_$t rc=$? ($(( $(date +%s) - t0 )) s)"
     grep -E "\[  (PASSED|FAILED) |FAILED  \]|Failure|Expected|Which is|wrong|timed out|error" "$OUT/fused_$t.log" | head -12
+  done
+fi
+if has fused; then  # timelines of the traced fused calls (rank 0): PNGs come back
+  for j in "$OUT"/trace_np4.*.0.json "$OUT"/trace_2nodes_tcp_np4.*.0.json; do
+    [[ -f $j ]] && python3 tools/trace_png.py "$j" "$RESULT/$(basename "${j%.json}").png" && echo "timeline: $(basename "${j%.json}").png"
   done
 fi
 if has dead; then

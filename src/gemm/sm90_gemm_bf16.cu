@@ -633,8 +633,16 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
         if (item == kItemDone) break;
         if (item == kItemComm) continue;
         if (item <= kItemOp0) {
+          uint64_t t0 = 0;
+          if constexpr (kTrace) t0 = timer_ns();
           run_comm_op(params, kItemOp0 - item, mma_tid, epoch);
-          if (mma_tid == 0) atomicAdd_block(&smem.ops_done, 1);
+          if (mma_tid == 0) {
+            if constexpr (kTrace) {
+              const int op = kItemOp0 - item;
+              trace_item(params, params.hooks.ops[op].kind == ops::kDevNetPut ? Role::kNetSend : Role::kComm, op, t0);
+            }
+            atomicAdd_block(&smem.ops_done, 1);
+          }
           continue;
         }
         do_tile(item);
@@ -742,6 +750,7 @@ Status persistent_ctas(int* out) {
   MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90::persistent_gemm<false, false>, sm90::kThreads, smem));
   MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "gemm: the kernel cannot be resident on this device");
   *out = sms * per_sm;
@@ -819,7 +828,13 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
                "gemm: a fused launch needs a tile counter, and role counts when it has communication ops");
     if (f->hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(f->hooks.op_counter, 0, sizeof(int), stream));
     MK_CUDA_CHECK(cudaMemsetAsync(f->tile_counter, 0, sizeof(int), stream));
-    persistent_gemm<false, true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+    if (a.trace) {
+      // Traced fused call: compute tiles, TMA loads and communication ops on one timeline.
+      p.trace = *a.trace;
+      persistent_gemm<true, true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+    } else {
+      persistent_gemm<false, true><<<grid, kThreads, sizeof(SharedStorage), stream>>>(p);
+    }
   } else if (a.role_counts || a.arrival_queue) {
     MK_REQUIRE(a.tile_counter && !a.trace && !a.tile_order, Code::kInvalidArgument,
                "gemm: role counts and arrival order need a tile_counter, and do not combine with "
@@ -855,7 +870,7 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
 Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) { return launch(a, nullptr, stream, cfg); }
 
 Status run_fused(const Arguments& a, const FusedLaunch& f, cudaStream_t stream, const RunConfig& cfg) {
-  MK_REQUIRE(a.epilogue == Epilogue::kStore && !a.role_counts && !a.arrival_queue && !a.trace && !a.tile_order,
+  MK_REQUIRE(a.epilogue == Epilogue::kStore && !a.role_counts && !a.arrival_queue && !a.tile_order,
              Code::kInvalidArgument, "gemm: a fused launch takes its schedule from the FusedLaunch");
   return launch(a, &f, stream, cfg);
 }

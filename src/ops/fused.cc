@@ -399,6 +399,7 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
   g.N = st->shape.N;
   g.K = st->shape.K;
   g.B = a.B;
+  g.trace = a.trace;
   gemm::FusedLaunch f;
   f.hooks = st->hooks;
   f.role_counts = st->d_role;

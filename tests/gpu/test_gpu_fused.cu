@@ -15,6 +15,8 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/tunables.h"
+#include "mkernel/device/diag.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/ops/fused.h"
 #include "tests/gpu/mpi_fixture.h"
@@ -252,6 +254,52 @@ TEST_F(Fused, GraphReplays) {
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
+  }
+}
+
+// The traced fused kernel: every tile computed once, every communication op run once, on one
+// timeline with sane stamps; the result is still exact. MK_TRACE_OUT=prefix writes each rank's
+// timeline as prefix.<rank>.json (Chrome/Perfetto; tools/trace_png.py draws it).
+TEST_F(Fused, TraceRecordsTilesAndOps) {
+  if (comm->world() < 2) GTEST_SKIP() << "one rank runs the plain GEMM (nothing to communicate)";
+  for (FusedKind kind : {FusedKind::kGemmRs, FusedKind::kAgGemm}) {
+    const ops::PlanShape shape{int64_t(comm->world()) * 512, 2048, 1024};
+    Case c{comm, kind, shape, false};
+    MK_ASSERT_OK(c.init());
+    TraceRecorder rec;
+    const auto& plan = c.op->plan();
+    const int tiles = plan.tiles_m * plan.tiles_n;
+    const int n_ops = int(plan.ranks[comm->rank()].ops.size());
+    MK_ASSERT_OK(TraceRecorder::create(uint32_t(4 * tiles + n_ops + 64), &rec));
+    cudaStream_t st = comm->stream();
+    MK_ASSERT_OK(c.prepare(0, st));
+    ops::FusedArgs a = c.args();
+    a.trace = rec.device();
+    MK_ASSERT_OK(c.op->run(a, st));
+    MK_ASSERT_OK(comm->sync(st));
+    unsigned long long bad = 0, first = 0;
+    MK_ASSERT_OK(c.check(st, &bad, &first));
+    ASSERT_EQ(bad, 0ull) << "traced " << ops::fused_kind_name(kind);
+    std::vector<TraceEvent> ev;
+    uint64_t dropped = 0;
+    MK_ASSERT_OK(rec.fetch(&ev, &dropped));
+    EXPECT_EQ(dropped, 0u);
+    std::vector<int> computed(tiles, 0), loaded(tiles, 0), ran(n_ops, 0);
+    for (const auto& e : ev) {
+      EXPECT_LE(e.t0_ns, e.t1_ns);
+      if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
+      else if (e.role == uint32_t(Role::kLoad)) ++loaded.at(e.item);
+      else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
+      else ADD_FAILURE() << "unexpected role " << e.role;
+    }
+    for (int t = 0; t < tiles; ++t) EXPECT_EQ(computed[t], 1) << "tile " << t;
+    for (int t = 0; t < tiles; ++t) EXPECT_EQ(loaded[t], 1) << "tile " << t;
+    for (int o = 0; o < n_ops; ++o) EXPECT_EQ(ran[o], 1) << "op " << o << ": " << plan.ranks[comm->rank()].ops[o].what;
+    if (const char* out = getenv("MK_TRACE_OUT")) {
+      const std::string path = std::string(out) + "." + ops::fused_kind_name(kind) + "." +
+                               std::to_string(comm->rank()) + ".json";
+      MK_ASSERT_OK(write_chrome_trace(ev, path));
+    }
   }
 }
 

@@ -47,6 +47,9 @@ struct FusedArgs {
   const void* B = nullptr;  // [N, K] (AG: N_loc rows; RS/AR: K_loc columns)
   void* C = nullptr;        // AG: [M, N_loc]; RS: [M/W, N]; AR: [M, N]
   gemm::DType a_type = gemm::DType::kBF16, b_type = gemm::DType::kBF16, c_type = gemm::DType::kBF16;
+  // Non-null (W > 1): the traced kernel records per CTA every tile ("load", "compute") and every
+  // communication op ("comm", or "net-send" for a put through the proxy; item = op index).
+  const TraceBuffer* trace = nullptr;
 };
 
 struct FusedState;
