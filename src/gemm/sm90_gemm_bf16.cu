@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
@@ -743,10 +745,21 @@ Status persistent_ctas(int* out) {
 #if MK_WITH_CUTLASS
   int dev = 0, sms = 0, per_sm = 0;
   MK_CUDA_CHECK(cudaGetDevice(&dev));
+  // Every launch asks: the attributes, loads and the occupancy query run once per device.
+  static std::mutex mu;
+  static std::map<int, int> known;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = known.find(dev);
+    if (it != known.end()) {
+      *out = it->second;
+      return OkStatus();
+    }
+  }
   // Under MPS this is the share of SMs this client may use, not the chip's count.
   MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int smem = int(sizeof(sm90::SharedStorage));
-  // Both variants have the same resources; loading both here keeps later launches load-free.
+  // All variants have the same resources; loading them here keeps later launches load-free.
   MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   MK_CUDA_CHECK(cudaFuncSetAttribute(sm90::persistent_gemm<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -754,6 +767,8 @@ Status persistent_ctas(int* out) {
   MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90::persistent_gemm<false, false>, sm90::kThreads, smem));
   MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "gemm: the kernel cannot be resident on this device");
   *out = sms * per_sm;
+  std::lock_guard<std::mutex> g(mu);
+  known[dev] = *out;
   return OkStatus();
 #else
   *out = 0;

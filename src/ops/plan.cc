@@ -146,6 +146,24 @@ struct Builder {
     }
   }
 
+  // My chunk c of `buf` (final once kLocal[c] is set) to my twin q on another node, once q
+  // entered the call, raising q's kNetIn[net_index]; its source is free at kSrcFree[c].
+  CommOp twin_put(int me, int q, int c, Buf buf, uint64_t row_bytes, uint32_t net_index, const char* what) {
+    const Chunk& ch = p.chunks[c];
+    CommOp op;
+    op.kind = CommKind::kNetPut;
+    op.waits = {wait_on(Region::kLocal, me, c, 1, me), wait_on(Region::kEntryNet, me, q, 1, q)};
+    op.srcs = {ref(buf, me, uint64_t(ch.row0) * row_bytes)};
+    op.dsts = {ref(buf, q, uint64_t(ch.row0) * row_bytes)};
+    op.bytes = uint64_t(ch.rows) * row_bytes;
+    op.peer = q;
+    op.remote_flag = flag(Region::kNetIn, q, net_index);
+    op.local_flag = flag(Region::kSrcFree, me, c);
+    ++srcfree[c];
+    op.what = what + std::to_string(c) + " to rank " + std::to_string(q) + " (network)";
+    return op;
+  }
+
   // Chunk c of twin s's rows arrived here over the network (flag kNetIn[net_index]): forward it
   // into the node peers' copies of `buf` and count it in `ready`'s tile-row on every rank of
   // the node (a signal-only op when this rank is alone on its node).
@@ -202,21 +220,7 @@ struct Builder {
       }
     // 2. My shard to my twin on every other node, once per node.
     for (int q : remote_twins(me))
-      for (int c : shard_chunks[me]) {
-        const Chunk& ch = p.chunks[c];
-        CommOp op;
-        op.kind = CommKind::kNetPut;
-        op.waits = {wait_on(Region::kLocal, me, c, 1, me), wait_on(Region::kEntryNet, me, q, 1, q)};
-        op.srcs = {ref(Buf::kAFull, me, uint64_t(ch.row0) * rowb)};
-        op.dsts = {ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb)};
-        op.bytes = uint64_t(ch.rows) * rowb;
-        op.peer = q;
-        op.remote_flag = flag(Region::kNetIn, q, c);
-        op.local_flag = flag(Region::kSrcFree, me, c);
-        ++srcfree[c];
-        op.what = "AG chunk " + std::to_string(c) + " to rank " + std::to_string(q) + " (network)";
-        rp.ops.push_back(op);
-      }
+      for (int c : shard_chunks[me]) rp.ops.push_back(twin_put(me, q, c, Buf::kAFull, rowb, c, "AG chunk "));
     // 3. Shards of my twins arrive over the network: forward them inside the node.
     for (int s : remote_twins(me))
       for (int c : shard_chunks[s])
@@ -349,21 +353,8 @@ struct Builder {
     if (allreduce) {
       // 3. My final chunks to my twins; theirs forwarded inside my node.
       for (int q : remote_twins(me))
-        for (int c : shard_chunks[me]) {
-          const Chunk& ch = p.chunks[c];
-          CommOp put;
-          put.kind = CommKind::kNetPut;
-          put.waits = {wait_on(Region::kLocal, me, c, 1, me), wait_on(Region::kEntryNet, me, q, 1, q)};
-          put.srcs = {ref(Buf::kCws, me, uint64_t(ch.row0) * row2)};
-          put.dsts = {ref(Buf::kCws, q, uint64_t(ch.row0) * row2)};
-          put.bytes = uint64_t(ch.rows) * row2;
-          put.peer = q;
-          put.remote_flag = flag(Region::kNetIn, q, uint32_t(p.chunks.size() * nodes + c));
-          put.local_flag = flag(Region::kSrcFree, me, c);
-          ++srcfree[c];
-          put.what = "final chunk " + std::to_string(c) + " to rank " + std::to_string(q) + " (network)";
-          rp.ops.push_back(put);
-        }
+        for (int c : shard_chunks[me])
+          rp.ops.push_back(twin_put(me, q, c, Buf::kCws, row2, uint32_t(p.chunks.size() * nodes + c), "final chunk "));
       for (int s : remote_twins(me))
         for (int c : shard_chunks[s])
           rp.ops.push_back(forward_op(me, s, c, Buf::kCws, row2, uint32_t(p.chunks.size() * nodes + c),

@@ -155,22 +155,31 @@ std::vector<uint16_t> run_gemm(const gemm::Arguments& args, size_t elems) {
 }
 
 // The caller-given scheduler: reversed and shuffled tile orders give the same C, bit for bit.
+// Small random integers in bf16 (exact products, exact fp32 sums) copied to the device, and the
+// Arguments of C = A·Bᵀ over them (C packed [M, N]).
+struct IntProblem {
+  DevBuf dA, dB, dC;
+  gemm::Arguments args;
+  IntProblem(std::mt19937_64& rng, int64_t M, int64_t N, int64_t K) : dA(M * K * 2), dB(N * K * 2), dC(M * N * 2) {
+    std::vector<__nv_bfloat16> A(M * K), B(N * K);
+    small_ints(rng, A);
+    small_ints(rng, B);
+    cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+    args.A = dA.p;
+    args.B = dB.p;
+    args.C = dC.p;
+    args.M = M;
+    args.N = N;
+    args.K = K;
+  }
+};
+
 TEST(Gemm, CallerGivenTileOrder) {
   std::mt19937_64 rng(test_seed() + 2);
   const int64_t M = 1000, N = 1032, K = 520;
-  std::vector<__nv_bfloat16> A(M * K), B(N * K);
-  small_ints(rng, A);
-  small_ints(rng, B);
-  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2);
-  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
-  gemm::Arguments args;
-  args.A = dA.p;
-  args.B = dB.p;
-  args.C = dC.p;
-  args.M = M;
-  args.N = N;
-  args.K = K;
+  IntProblem prob(rng, M, N, K);
+  gemm::Arguments args = prob.args;
   const std::vector<uint16_t> base = run_gemm(args, M * N);
   const gemm::TileCount tc = gemm::tile_count(M, N);
   std::vector<int> order(tc.total());
@@ -210,25 +219,15 @@ __global__ void snapshot_on_flag(const uint64_t* flags, uint64_t value, const ui
 TEST(Gemm, TileFlagsFollowTheirData) {
   std::mt19937_64 rng(test_seed() + 3);
   const int64_t M = 2048, N = 2048, K = 1024;
-  std::vector<__nv_bfloat16> A(M * K), B(N * K);
-  small_ints(rng, A);
-  small_ints(rng, B);
-  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2), dSnap(M * N * 2), dT(sizeof(int));
-  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
-  gemm::Arguments args;
-  args.A = dA.p;
-  args.B = dB.p;
-  args.C = dC.p;
-  args.M = M;
-  args.N = N;
-  args.K = K;
+  IntProblem prob(rng, M, N, K);
+  DevBuf dSnap(M * N * 2), dT(sizeof(int));
+  gemm::Arguments args = prob.args;
   const std::vector<uint16_t> ref = run_gemm(args, M * N);  // no flags
   const gemm::TileCount tc = gemm::tile_count(M, N);
   DevBuf dFlags(tc.total() * 8);
   for (uint64_t epoch = 1; epoch <= 3; ++epoch) {  // flags are never reset: values grow
     if (epoch == 1) cudaMemset(dFlags.p, 0, tc.total() * 8);
-    cudaMemset(dC.p, 0xff, M * N * 2);
+    cudaMemset(prob.dC.p, 0xff, M * N * 2);
     cudaMemset(dSnap.p, 0xff, M * N * 2);
     cudaMemset(dT.p, 0, sizeof(int));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -236,7 +235,7 @@ TEST(Gemm, TileFlagsFollowTheirData) {
     cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
     cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking);
     // The watcher first (4 CTAs), then the GEMM on the SMs left: both must be resident.
-    snapshot_on_flag<<<4, 256, 0, s2>>>(static_cast<uint64_t*>(dFlags.p), epoch, static_cast<uint16_t*>(dC.p),
+    snapshot_on_flag<<<4, 256, 0, s2>>>(static_cast<uint64_t*>(dFlags.p), epoch, static_cast<uint16_t*>(prob.dC.p),
                                         static_cast<uint16_t*>(dSnap.p), tc.m, tc.total(), M, N,
                                         static_cast<int*>(dT.p));
     int resident = 0;
@@ -255,7 +254,7 @@ TEST(Gemm, TileFlagsFollowTheirData) {
     EXPECT_EQ(timeouts, 0);
     std::vector<uint16_t> C(M * N), snap(M * N);
     std::vector<uint64_t> flags(tc.total());
-    cudaMemcpy(C.data(), dC.p, M * N * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(C.data(), prob.dC.p, M * N * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(snap.data(), dSnap.p, M * N * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(flags.data(), dFlags.p, flags.size() * 8, cudaMemcpyDeviceToHost);
     EXPECT_TRUE(C == ref) << "epoch " << epoch;
@@ -337,19 +336,8 @@ TEST(Gemm, ReduceAddEpilogues) {
 TEST(Gemm, TraceRecordsEveryTile) {
   std::mt19937_64 rng(test_seed() + 5);
   const int64_t M = 4096, N = 4096, K = 4096;
-  std::vector<__nv_bfloat16> A(M * K), B(N * K);
-  small_ints(rng, A);
-  small_ints(rng, B);
-  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2);
-  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
-  gemm::Arguments args;
-  args.A = dA.p;
-  args.B = dB.p;
-  args.C = dC.p;
-  args.M = M;
-  args.N = N;
-  args.K = K;
+  IntProblem prob(rng, M, N, K);
+  gemm::Arguments args = prob.args;
   const std::vector<uint16_t> plain = run_gemm(args, M * N);
   TraceRecorder rec;
   MK_ASSERT_OK(TraceRecorder::create(8192, &rec));
@@ -395,20 +383,10 @@ TEST(Gemm, TraceRecordsEveryTile) {
 TEST(Gemm, RoleCountsAtRunTime) {
   std::mt19937_64 rng(test_seed() + 6);
   const int64_t M = 2048, N = 2048, K = 1024;
-  std::vector<__nv_bfloat16> A(M * K), B(N * K);
-  small_ints(rng, A);
-  small_ints(rng, B);
-  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2), dRoles(sizeof(int)), dCounter(sizeof(int)),
+  IntProblem prob(rng, M, N, K);
+  DevBuf dRoles(sizeof(int)), dCounter(sizeof(int)),
       dComm(sizeof(unsigned));
-  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
-  gemm::Arguments args;
-  args.A = dA.p;
-  args.B = dB.p;
-  args.C = dC.p;
-  args.M = M;
-  args.N = N;
-  args.K = K;
+  gemm::Arguments args = prob.args;
   const std::vector<uint16_t> plain = run_gemm(args, M * N);
   args.role_counts = static_cast<const int*>(dRoles.p);
   args.tile_counter = static_cast<int*>(dCounter.p);
@@ -441,22 +419,12 @@ __global__ void feed_arrivals(const int* order, int n, int* queue, uint64_t* cou
 TEST(Gemm, ArrivalOrderedScheduler) {
   std::mt19937_64 rng(test_seed() + 8);
   const int64_t M = 2048, N = 2048, K = 1024;
-  std::vector<__nv_bfloat16> A(M * K), B(N * K);
-  small_ints(rng, A);
-  small_ints(rng, B);
+  IntProblem prob(rng, M, N, K);
   const gemm::TileCount tc = gemm::tile_count(M, N);
-  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(M * N * 2), dCounter(sizeof(int)),
+  DevBuf dCounter(sizeof(int)),
       dOrder(tc.total() * sizeof(int)), dQueue(tc.total() * sizeof(int)), dCount(sizeof(uint64_t)),
       dDiagClaim(sizeof(uint32_t));
-  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
-  gemm::Arguments args;
-  args.A = dA.p;
-  args.B = dB.p;
-  args.C = dC.p;
-  args.M = M;
-  args.N = N;
-  args.K = K;
+  gemm::Arguments args = prob.args;
   const std::vector<uint16_t> plain = run_gemm(args, M * N);
   std::vector<int> order(tc.total());
   for (int i = 0; i < tc.total(); ++i) order[i] = i;
@@ -464,7 +432,7 @@ TEST(Gemm, ArrivalOrderedScheduler) {
   cudaMemcpy(dOrder.p, order.data(), order.size() * sizeof(int), cudaMemcpyHostToDevice);
   cudaMemset(dQueue.p, 0xff, tc.total() * sizeof(int));
   cudaMemset(dCount.p, 0, sizeof(uint64_t));
-  cudaMemset(dC.p, 0xff, M * N * 2);
+  cudaMemset(prob.dC.p, 0xff, M * N * 2);
   cudaMemset(dDiagClaim.p, 0, sizeof(uint32_t));
   args.tile_counter = static_cast<int*>(dCounter.p);
   args.arrival_queue = static_cast<const int*>(dQueue.p);
@@ -492,7 +460,7 @@ TEST(Gemm, ArrivalOrderedScheduler) {
   cudaStreamDestroy(s1);
   cudaStreamDestroy(s2);
   std::vector<uint16_t> C(M * N);
-  cudaMemcpy(C.data(), dC.p, M * N * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(C.data(), prob.dC.p, M * N * 2, cudaMemcpyDeviceToHost);
   EXPECT_TRUE(C == plain);
 }
 
