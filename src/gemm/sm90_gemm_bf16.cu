@@ -19,6 +19,7 @@
 #include "mkernel/device/command_ring.cuh"
 #include "mkernel/device/epoch.cuh"
 #include "mkernel/device/signal.cuh"
+#include "src/ops/comm_exec.cuh"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cutlass.h"
@@ -233,31 +234,16 @@ __device__ __forceinline__ void signal_tile_after_reduce(const Params& p, int mm
 
 constexpr uint32_t kHookBarrier = 2;  // consumer named barrier for the hooks and comm ops
 
-// Waits [w0, w0 + n) of the hook pool, by one thread (acquire at system scope).
-// kProducer: called from the producer warp (40 registers), whose waits inline their cold path.
+// The hooks' waits, signals and ops (src/ops/comm_exec.cuh) on this kernel's Params.
 template <bool kProducer = false>
 __device__ __forceinline__ void hook_waits(const Params& p, uint32_t w0, uint32_t n, uint64_t epoch) {
-  for (uint32_t i = 0; i < n; ++i) {
-    const ops::DevWait& w = p.hooks.waits[w0 + i];
-    if (w.mul) device::wait_ge<kProducer>(p.hooks.wait, w.flag, w.mul * epoch, w.peer, w.index);
-  }
+  ops::hook_waits<kProducer>(p.hooks, w0, n, epoch);
 }
 __device__ __forceinline__ void hook_signals(const Params& p, uint32_t s0, uint32_t n, uint64_t epoch) {
-  for (uint32_t i = 0; i < n; ++i) {
-    const ops::DevSignal& g = p.hooks.signals[s0 + i];
-    if (g.add) device::signal_add(g.flag, g.value);
-    else device::signal_set(g.flag, g.value * epoch);
-  }
+  ops::hook_signals(p.hooks, s0, n, epoch);
 }
-
-// Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
 __device__ __forceinline__ bool op_ready(const Params& p, int idx, uint64_t epoch) {
-  const ops::DevOp& op = p.hooks.ops[idx];
-  for (uint32_t i = 0; i < op.nwait; ++i) {
-    const ops::DevWait& w = p.hooks.waits[op.wait0 + i];
-    if (device::ld_relaxed_sys(w.flag) < w.mul * epoch) return false;
-  }
-  return true;
+  return ops::op_ready(p.hooks, idx, epoch);
 }
 
 // Routed fp32 epilogue: element (m, n) of shard s = m / shard_rows goes to
@@ -303,88 +289,6 @@ __device__ __forceinline__ void route_tile(const Params& p, const Accum& accum, 
         if (n1 < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n1), "f"(accum(i + 1)) : "memory");
       }
     }
-  }
-}
-
-// One op of the communication program, run by the 256 consumer threads of a communication CTA.
-__device__ __noinline__ void run_comm_op(const Params& p, int index, int tid, uint64_t epoch) {
-  const ops::DevOp& op = p.hooks.ops[index];
-  if (tid == 0) hook_waits(p, op.wait0, op.nwait, epoch);
-  cutlass::arch::NamedBarrier::sync(kMmaThreads, kHookBarrier);
-  // Resolve the op's pointers (at most 16; a caller buffer's entry is relative to hooks.user).
-  void* ptr[16];
-  const uint32_t np = min(op.nsrc + op.ndst, 16u);
-  for (uint32_t k = 0; k < np; ++k) {
-    const uint64_t v = p.hooks.ptrs[op.ptr0 + k];
-    ptr[k] = (v & ops::kUserPtrBit)
-                 ? static_cast<void*>(static_cast<char*>(p.hooks.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1)))
-                 : reinterpret_cast<void*>(v);
-  }
-  switch (op.kind) {
-    case ops::kDevCopy: {
-      const int4* src = static_cast<const int4*>(ptr[0]);
-      const uint64_t n = op.bytes / 16;
-      constexpr int kU = 4;
-      uint64_t j = tid;
-      for (; j + (kU - 1) * kMmaThreads < n; j += kU * kMmaThreads) {
-        int4 v[kU];
-        CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < kU; ++u) v[u] = src[j + u * kMmaThreads];
-        for (uint32_t d = 0; d < op.ndst; ++d) {
-          int4* dst = static_cast<int4*>(ptr[op.nsrc + d]);
-          CUTLASS_PRAGMA_UNROLL
-          for (int u = 0; u < kU; ++u) dst[j + u * kMmaThreads] = v[u];
-        }
-      }
-      for (; j < n; j += kMmaThreads) {
-        const int4 v = src[j];
-        for (uint32_t d = 0; d < op.ndst; ++d) static_cast<int4*>(ptr[op.nsrc + d])[j] = v;
-      }
-      break;
-    }
-    case ops::kDevZero: {
-      const uint64_t n = op.bytes / 16;
-      const int4 z = make_int4(0, 0, 0, 0);
-      for (uint32_t d = 0; d < op.ndst; ++d)
-        for (uint64_t j = tid; j < n; j += kMmaThreads) static_cast<int4*>(ptr[op.nsrc + d])[j] = z;
-      break;
-    }
-    case ops::kDevReduce: {
-      const uint64_t n = op.elems / 4;
-      for (uint64_t j = tid; j < n; j += kMmaThreads) {
-        float4 acc = static_cast<const float4*>(ptr[0])[j];
-        for (uint32_t k = 1; k < op.nsrc; ++k) {
-          const float4 v = static_cast<const float4*>(ptr[k])[j];
-          acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
-        }
-        for (uint32_t k = 0; k < op.nsrc; ++k)
-          if (op.zero_mask & (1u << k)) static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (op.dst_f32) {
-          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<float4*>(ptr[op.nsrc + d])[j] = acc;
-        } else {
-          __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-          uint2 packed;
-          packed.x = *reinterpret_cast<uint32_t*>(&lo);
-          packed.y = *reinterpret_cast<uint32_t*>(&hi);
-          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<uint2*>(ptr[op.nsrc + d])[j] = packed;
-        }
-      }
-      break;
-    }
-    case ops::kDevNetPut:
-      // Its waits (taken above) made the source final; the proxy reads it after the push.
-      if (tid == 0) {
-        __threadfence_system();
-        device::ring_push(p.hooks.ring, p.hooks.wait, op.cmd);
-      }
-      break;
-    default:
-      break;
-  }
-  if (op.nsig) {
-    __threadfence_system();
-    cutlass::arch::NamedBarrier::sync(kMmaThreads, kHookBarrier);
-    if (tid == 0) hook_signals(p, op.sig0, op.nsig, epoch);
   }
 }
 
@@ -637,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
         if (item <= kItemOp0) {
           uint64_t t0 = 0;
           if constexpr (kTrace) t0 = timer_ns();
-          run_comm_op(params, kItemOp0 - item, mma_tid, epoch);
+          ops::run_comm_op<kMmaThreads, kHookBarrier>(params.hooks, kItemOp0 - item, mma_tid, epoch);
           if (mma_tid == 0) {
             if constexpr (kTrace) {
               const int op = kItemOp0 - item;

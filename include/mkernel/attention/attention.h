@@ -1,0 +1,75 @@
+// mkernel — the Hopper (sm_90a) attention forward: softmax(Q·Kᵀ·scale [+ causal mask])·V in bf16
+// with fp32 accumulation, returning O and the log-sum-exp of every query row, plus the exact
+// merge of partial results (O, LSE) computed against disjoint key sets.
+//
+// Layout: Q [B, Sq, H, D], K and V [B, Skv, Hkv, D], O [B, Sq, H, D] as bf16 with the head
+// dimension contiguous and any 16-byte aligned strides for batch, sequence and head (so both
+// "bshd" and torch's "bhsd" memory layouts work). LSE is fp32 [B, H, Sq], natural log.
+// Grouped-query attention: query head h reads key/value head h / (H / Hkv).
+// Causal masking compares global positions: key j is visible to query i iff
+// kv_pos0 + j <= q_pos0 + i (top-left aligned when both offsets are 0, like torch's is_causal).
+// A query row that sees no key gets O = 0 and LSE = -inf.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mkernel/common/status.h"
+
+namespace mk {
+namespace attention {
+
+struct Strides {  // in elements; the head dimension is contiguous
+  int64_t b = 0, s = 0, h = 0;
+  // [B, S, H, D] contiguous
+  static Strides bshd(int64_t S, int64_t H, int64_t D) { return Strides{S * H * D, H * D, D}; }
+  // [B, H, S, D] contiguous (torch's SDPA layout)
+  static Strides bhsd(int64_t S, int64_t H, int64_t D) { return Strides{S * H * D, D, S * D}; }
+};
+
+struct ForwardArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;  // [B, H, Sq] fp32, or null
+  Strides q_stride, k_stride, v_stride, o_stride;
+  int B = 0, H = 0, Hkv = 0, Sq = 0, Skv = 0, D = 0;  // D: 64 or 128
+  float scale = 0.f;                                   // 0: 1 / sqrt(D)
+  bool causal = false;
+  int64_t q_pos0 = 0, kv_pos0 = 0;                     // global positions of row 0 (causal)
+};
+
+struct RunConfig {
+  int max_ctas = 0;  // 0: one CTA per SM this context may use
+};
+
+// kInvalidArgument with the reason for bad shapes, strides, alignment or aliasing;
+// kNotSupported without the sm_90a kernel.
+Status can_implement(const ForwardArgs& a);
+Status forward(const ForwardArgs& a, cudaStream_t stream, const RunConfig& cfg = RunConfig{});
+
+// Merge of partial attention results over disjoint key sets, in place and exact in fp32:
+//   lse = log(exp(lse_acc) + exp(lse_part)),
+//   O_acc = O_acc * exp(lse_acc - lse) + O_part * exp(lse_part - lse).
+// O_acc fp32 [B, S, H, D] contiguous, lse_acc fp32 [B, H, S]; O_part bf16 with strides,
+// lse_part fp32 [B, H, S]. Start from O_acc = 0 and lse_acc = -inf (merge_init).
+struct MergeArgs {
+  float* o_acc = nullptr;
+  float* lse_acc = nullptr;
+  const void* o_part = nullptr;
+  Strides part_stride;
+  const float* lse_part = nullptr;
+  int B = 0, H = 0, S = 0, D = 0;
+};
+Status merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, cudaStream_t stream);
+Status merge(const MergeArgs& a, cudaStream_t stream);
+// O (bf16, strides) = O_acc rounded.
+Status merge_finish(const float* o_acc, void* o, Strides o_stride, int B, int H, int S, int D, cudaStream_t stream);
+
+// FLOPs of one forward (2 GEMMs; causal counts the visible half, as FlashAttention reports).
+double forward_flops(int B, int H, int Sq, int Skv, int D, bool causal);
+
+}  // namespace attention
+}  // namespace mk

@@ -1,0 +1,85 @@
+"""The sm_90a attention forward and the merge of partial results, on torch tensors.
+
+Tensors are logically (B, S, H, D) with the head dimension contiguous; any batch, sequence and
+head strides (multiples of 8 elements) work, e.g. q.transpose(1, 2) of a (B, H, S, D) tensor.
+"""
+import ctypes
+import os
+
+import torch
+
+_lib = None
+
+
+class MkError(RuntimeError):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+def lib():
+    global _lib
+    if _lib is None:
+        path = os.environ.get("MK_CAPI")
+        if not path:
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            path = os.path.join(root, "build", "libmkernel_capi.so")
+        _lib = ctypes.CDLL(path)
+        _lib.mk_last_error.restype = ctypes.c_char_p
+        _lib.mk_attention_forward.argtypes = [ctypes.c_void_p] * 5 + [ctypes.POINTER(ctypes.c_int64)] + \
+            [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        _lib.mk_attention_merge_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+        _lib.mk_attention_merge.argtypes = [ctypes.c_void_p] * 3 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p] + \
+            [ctypes.c_int] * 4 + [ctypes.c_void_p]
+        _lib.mk_attention_merge_finish.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + \
+            [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    return _lib
+
+
+def _check(rc):
+    if rc != 0:
+        raise MkError(rc, lib().mk_last_error().decode())
+
+
+def _strides(t):
+    return [t.stride(0), t.stride(1), t.stride(2)]
+
+
+def _stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def attention_forward(q, k, v, causal=False, scale=0.0, out=None, lse=None, q_pos0=0, kv_pos0=0):
+    """O, LSE = attention(q, k, v); q (B, Sq, H, D), k/v (B, Skv, Hkv, D), bf16. LSE is (B, H, Sq) fp32."""
+    B, Sq, H, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    st = (ctypes.c_int64 * 12)(*(_strides(q) + _strides(k) + _strides(v) + _strides(out)))
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")):
+        if t.dtype != torch.bfloat16 or t.stride(3) != 1:
+            raise MkError(1, f"attention: {name} must be bf16 with a contiguous head dimension")
+    _check(lib().mk_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), st,
+                                      B, H, Hkv, Sq, Skv, D, float(scale), int(causal), int(q_pos0), int(kv_pos0),
+                                      _stream()))
+    return out, lse
+
+
+def attention_merge(parts, out=None):
+    """Merges [(O_i, LSE_i)] computed over disjoint key sets: returns (O bf16, LSE) of the union."""
+    o0, _ = parts[0]
+    B, S, H, D = o0.shape
+    acc = torch.empty((B, S, H, D), dtype=torch.float32, device=o0.device)
+    lse_acc = torch.empty((B, H, S), dtype=torch.float32, device=o0.device)
+    _check(lib().mk_attention_merge_init(acc.data_ptr(), lse_acc.data_ptr(), B, H, S, D, _stream()))
+    for o, lse in parts:
+        st = (ctypes.c_int64 * 3)(*_strides(o))
+        _check(lib().mk_attention_merge(acc.data_ptr(), lse_acc.data_ptr(), o.data_ptr(), st,
+                                        lse.contiguous().data_ptr(), B, H, S, D, _stream()))
+    if out is None:
+        out = torch.empty_like(o0)
+    st = (ctypes.c_int64 * 3)(*_strides(out))
+    _check(lib().mk_attention_merge_finish(acc.data_ptr(), out.data_ptr(), st, B, H, S, D, _stream()))
+    return out, lse_acc

@@ -1,0 +1,76 @@
+// mkernel — the persistent attention kernel as operators launch it (library-internal).
+//
+// Work is a list of *pairs*: (a segment of this rank's query rows, a segment of key rows) with a
+// mask. A pair's work items are (batch, head, 128-row query tile); the kernel walks items pair by
+// pair. Several pairs may cover the same query segment (one per key block of a ring): their
+// partial results are merged in the pair's `ordinal` order through an fp32 accumulator, and the
+// pair with ordinal == total - 1 writes the bf16 O and the LSE.
+#pragma once
+
+#include <cstdint>
+
+#include "mkernel/attention/attention.h"
+#include "mkernel/ops/fused_device.h"
+
+namespace mk {
+namespace attention {
+
+struct FmhaPair {
+  int32_t q_row0 = 0, q_len = 0;   // local query rows [q_row0, q_row0 + q_len)
+  int64_t q_pos0 = 0;              // global position of row q_row0
+  int32_t kv_src = 0;              // 0: the local K/V tensors; 1: the slot tensors
+  int32_t kv_slot = 0;             // slot (kv_src 1)
+  int32_t kv_row0 = 0, kv_len = 0; // key rows of the slot (or of the local K/V)
+  int64_t kv_pos0 = 0;
+  int32_t causal = 0;
+  int32_t ordinal = 0, total = 1;  // merge order among the pairs of this query segment
+  int32_t seq_base = 0;            // first sequence counter of the query segment
+  int32_t wait = 0;                // wait for the key rows' arrival flags (kv_src 1)
+  int32_t item0 = 0;               // first work item (prefix sum over pairs)
+  int32_t pad = 0;
+};
+static_assert(sizeof(FmhaPair) == 72, "FmhaPair layout");
+
+// Where the key rows of the slot tensors come from and how the kernel learns they arrived.
+struct FmhaSlots {
+  const void* k = nullptr;   // [slots][B][S_slot][Hkv][D] bf16, contiguous
+  const void* v = nullptr;
+  int slots = 0, rows = 0;   // S_slot
+  // Arrival flags (ring): flags[(slot * B + b) * chunks + c] >= wait_mul * epoch once rows
+  // [c * chunk_rows, (c + 1) * chunk_rows) of batch b of the slot are in place (K and V).
+  const uint64_t* flags = nullptr;
+  int chunks = 0, chunk_rows = 0;
+  uint64_t wait_mul = 0;
+};
+
+struct FmhaLaunch {
+  const FmhaPair* pairs = nullptr;  // device array; null: the single pair below
+  int n_pairs = 0;
+  FmhaPair single;
+  int n_items = 0;
+  FmhaSlots slots;
+  // Merging (pairs with total > 1): fp32 [B][H][Sq][D] and [B][H][Sq]; sequence counters
+  // (2 per item of a query segment) zeroed by the launch.
+  float* o_acc = nullptr;
+  float* lse_acc = nullptr;
+  uint64_t* seq = nullptr;
+  int n_seq = 0;
+  // Communication program (ring): run by the first comm_ctas CTAs; epoch read at the start and
+  // advanced by the last CTA.
+  ops::FusedHooks hooks{};
+  int comm_ctas = 0;
+  bool trace = false;
+};
+
+// Items of one pair: B * H * ceil(q_len / 128).
+int pair_items(const FmhaPair& p, int B, int H);
+constexpr int kTileM = 128;
+
+// Launches the kernel (checks what can_implement checks for the tensors it is given).
+Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, const RunConfig& cfg);
+
+// CTAs of the persistent grid on this device (one per SM visible to this context).
+Status fmha_ctas(int* out);
+
+}  // namespace attention
+}  // namespace mk

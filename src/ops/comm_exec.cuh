@@ -1,0 +1,132 @@
+// mkernel — the device side of a communication program (ops/fused_device.h): bounded waits,
+// signals, and the copy / reduce / zero / network-put ops that communication CTAs run. Shared by
+// the persistent GEMM and the persistent attention kernel. Include only from CUDA sources built
+// with the CUTLASS headers.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cutlass.h"
+#include "mkernel/device/command_ring.cuh"
+#include "mkernel/device/signal.cuh"
+#include "mkernel/ops/fused_device.h"
+
+namespace mk {
+namespace ops {
+
+// Waits [w0, w0 + n) of the hook pool, by one thread (acquire at system scope).
+// kProducer: called from the producer warp (40 registers), whose waits inline their cold path.
+template <bool kProducer = false>
+__device__ __forceinline__ void hook_waits(const FusedHooks& h, uint32_t w0, uint32_t n, uint64_t epoch) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const DevWait& w = h.waits[w0 + i];
+    if (w.mul) device::wait_ge<kProducer>(h.wait, w.flag, w.mul * epoch, w.peer, w.index);
+  }
+}
+__device__ __forceinline__ void hook_signals(const FusedHooks& h, uint32_t s0, uint32_t n, uint64_t epoch) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const DevSignal& g = h.signals[s0 + i];
+    if (g.add) device::signal_add(g.flag, g.value);
+    else device::signal_set(g.flag, g.value * epoch);
+  }
+}
+
+// Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
+__device__ __forceinline__ bool op_ready(const FusedHooks& h, int idx, uint64_t epoch) {
+  const DevOp& op = h.ops[idx];
+  for (uint32_t i = 0; i < op.nwait; ++i) {
+    const DevWait& w = h.waits[op.wait0 + i];
+    if (device::ld_relaxed_sys(w.flag) < w.mul * epoch) return false;
+  }
+  return true;
+}
+
+// One op of the communication program, run by kThreads threads (tid 0..kThreads-1) of a CTA that
+// meet on named barrier kBarrier.
+template <int kThreads, uint32_t kBarrier>
+__device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid, uint64_t epoch) {
+  const DevOp& op = h.ops[index];
+  if (tid == 0) hook_waits(h, op.wait0, op.nwait, epoch);
+  cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
+  // Resolve the op's pointers (at most 16; a caller buffer's entry is relative to hooks.user).
+  void* ptr[16];
+  const uint32_t np = min(op.nsrc + op.ndst, 16u);
+  for (uint32_t k = 0; k < np; ++k) {
+    const uint64_t v = h.ptrs[op.ptr0 + k];
+    ptr[k] = (v & kUserPtrBit)
+                 ? static_cast<void*>(static_cast<char*>(h.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1)))
+                 : reinterpret_cast<void*>(v);
+  }
+  switch (op.kind) {
+    case kDevCopy: {
+      const int4* src = static_cast<const int4*>(ptr[0]);
+      const uint64_t n = op.bytes / 16;
+      constexpr int kU = 4;
+      uint64_t j = tid;
+      for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
+        int4 v[kU];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kU; ++u) v[u] = src[j + u * kThreads];
+        for (uint32_t d = 0; d < op.ndst; ++d) {
+          int4* dst = static_cast<int4*>(ptr[op.nsrc + d]);
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < kU; ++u) dst[j + u * kThreads] = v[u];
+        }
+      }
+      for (; j < n; j += kThreads) {
+        const int4 v = src[j];
+        for (uint32_t d = 0; d < op.ndst; ++d) static_cast<int4*>(ptr[op.nsrc + d])[j] = v;
+      }
+      break;
+    }
+    case kDevZero: {
+      const uint64_t n = op.bytes / 16;
+      const int4 z = make_int4(0, 0, 0, 0);
+      for (uint32_t d = 0; d < op.ndst; ++d)
+        for (uint64_t j = tid; j < n; j += kThreads) static_cast<int4*>(ptr[op.nsrc + d])[j] = z;
+      break;
+    }
+    case kDevReduce: {
+      const uint64_t n = op.elems / 4;
+      for (uint64_t j = tid; j < n; j += kThreads) {
+        float4 acc = static_cast<const float4*>(ptr[0])[j];
+        for (uint32_t k = 1; k < op.nsrc; ++k) {
+          const float4 v = static_cast<const float4*>(ptr[k])[j];
+          acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        for (uint32_t k = 0; k < op.nsrc; ++k)
+          if (op.zero_mask & (1u << k)) static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (op.dst_f32) {
+          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<float4*>(ptr[op.nsrc + d])[j] = acc;
+        } else {
+          __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+          uint2 packed;
+          packed.x = *reinterpret_cast<uint32_t*>(&lo);
+          packed.y = *reinterpret_cast<uint32_t*>(&hi);
+          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<uint2*>(ptr[op.nsrc + d])[j] = packed;
+        }
+      }
+      break;
+    }
+    case kDevNetPut:
+      // Its waits (taken above) made the source final; the proxy reads it after the push.
+      if (tid == 0) {
+        __threadfence_system();
+        device::ring_push(h.ring, h.wait, op.cmd);
+      }
+      break;
+    default:
+      break;
+  }
+  if (op.nsig) {
+    __threadfence_system();
+    cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
+    if (tid == 0) hook_signals(h, op.sig0, op.nsig, epoch);
+  }
+}
+
+}  // namespace ops
+}  // namespace mk
