@@ -1,0 +1,89 @@
+// mkernel — ring attention: sequence-parallel attention over W ranks in one persistent kernel
+// per call.
+//
+// Each rank holds a shard of the sequence (ops/ring_plan.h: contiguous, or zigzag so that causal
+// work is balanced): Q, K, V and O of its tokens, [B, S/W, heads, D] bf16 contiguous, its chunks
+// in token order (zigzag: chunk r, then chunk 2W - 1 - r). K/V blocks travel around a node-major
+// ring: at step t a rank computes against the block it holds and forwards that block to the next
+// rank. Inside the kernel, communication CTAs forward blocks in chunks — peer stores into the
+// next GPU's slot on the node, puts through the proxy (libfabric) when the next rank is on another
+// node, so each block crosses each node boundary once — and raise per-chunk arrival flags; compute
+// CTAs start on the local block at once and wait (bounded) for a chunk's flag before loading it.
+// Partial results of the steps are merged exactly (fp32 O and LSE, in step order).
+//
+// Usage (collective: every rank, same shape):
+//   std::unique_ptr<RingAttention> op;
+//   MK_CHECK(RingAttention::create(comm, {B, H, Hkv, D, S, SeqLayout::kZigzag, true}, {}, &op));
+//   MK_CHECK(op->run({q, k, v, o, lse}, stream));   // CUDA-graph capturable
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "mkernel/common/status.h"
+#include "mkernel/ops/ring_plan.h"
+
+namespace mk {
+
+class Communicator;
+
+namespace ops {
+
+struct RingAttentionShape {
+  int B = 1, H = 1, Hkv = 1, D = 128;
+  int64_t S = 0;  // the whole sequence; each rank holds S / W tokens
+  SeqLayout layout = SeqLayout::kContiguous;
+  bool causal = false;
+};
+
+struct RingAttentionOptions {
+  int comm_ctas = -1;        // -1: tunable ring_comm_ctas (>= 1 when W > 1)
+  int chunk_tokens = 0;      // tokens per forwarded chunk (arrival flag granularity); 0: ~2 MiB chunks
+  int max_ctas = 0;          // persistent grid; 0: one CTA per SM this context may use
+  float scale = 0.f;         // 0: 1 / sqrt(D)
+  std::string staging;       // network staging "auto" | "always" | "never"; "": tunable net_staging
+};
+
+struct RingAttentionArgs {
+  const void* q = nullptr;   // [B, S/W, H, D] bf16, this rank's tokens
+  const void* k = nullptr;   // [B, S/W, Hkv, D]
+  const void* v = nullptr;
+  void* o = nullptr;         // [B, S/W, H, D]
+  float* lse = nullptr;      // [B, H, S/W] fp32 (natural log), or null
+};
+
+struct RingState;
+
+class RingAttention {
+ public:
+  // Collective: checks that every rank asked for the same shape (a mismatch is the same error on
+  // every rank), builds the ring plan, allocates the K/V slots, the merge workspace and the
+  // signal pad, and starts the network backend and proxy when ranks span several nodes.
+  static Status create(Communicator* comm, const RingAttentionShape& shape, const RingAttentionOptions& opt,
+                       std::unique_ptr<RingAttention>* out);
+  ~RingAttention();
+  RingAttention(const RingAttention&) = delete;
+  RingAttention& operator=(const RingAttention&) = delete;
+  Status destroy();  // collective, idempotent
+
+  Status can_implement(const RingAttentionArgs& a) const;  // local checks
+  Status run(const RingAttentionArgs& a, cudaStream_t stream);      // agrees on can_implement, enqueues
+  Status enqueue(const RingAttentionArgs& a, cudaStream_t stream);  // no agreement (after a checked run)
+
+  const RingPlan& plan() const;
+  int comm_ctas() const;
+  int64_t local_tokens() const;
+  // This rank's K/V slots after a call: [W][B][S/W][Hkv][D] (slot r holds rank r's block once
+  // it passed through here). For tests.
+  const void* k_slots() const;
+  const void* v_slots() const;
+
+ private:
+  RingAttention() = default;
+  std::unique_ptr<RingState> st_;
+};
+
+}  // namespace ops
+}  // namespace mk
