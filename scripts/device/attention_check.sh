@@ -35,7 +35,7 @@ if has ring; then
   for t in np1 np2 np4 2nodes_shm_np4 2nodes_tcp_np4; do
     pct=25; [[ $t == np1 ]] && pct=100; [[ $t == np2 ]] && pct=50
     [[ -n $(ctest --test-dir build -N -R "^test_gpu_ring_${t}\$" | grep "Test #") ]] || continue
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 280 ctest --test-dir build -V -R "^test_gpu_ring_${t}\$" > "$OUT/ring_$t.log" 2>&1
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout ${MK_RING_TIMEOUT:-150} ctest --test-dir build -V -R "^test_gpu_ring_${t}\$" > "$OUT/ring_$t.log" 2>&1
     echo "test_gpu_ring_$t rc=$? ($(( $(date +%s) - t0 )) s)"
     grep -E "\[  (PASSED|FAILED) |FAILED  \]|Failure|Expected|Which is|wrong|timed out|error" "$OUT/ring_$t.log" | head -12
   done
