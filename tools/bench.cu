@@ -1,6 +1,7 @@
 // `mkernel bench <op>`: the fused GEMM collectives against cuBLAS + NCCL on the local GPUs.
 //
 //   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K] [--reps R] [--json FILE]
+//   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--json FILE]
 //
 // Under mpirun one rank per process (else one rank). Per operator and shape: a correctness
 // check of the fused result against the unfused GEMM on the same GPU (small integers, exact),
@@ -23,7 +24,9 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/mkernel.h"
+#include "mkernel/attention/attention.h"
 #include "mkernel/ops/fused.h"
+#include "mkernel/ops/ring_attention.h"
 #include "tools/cli.h"
 #if MK_HAVE_NCCL
 #include "mkernel/ops/baseline.h"
@@ -254,12 +257,164 @@ std::string row_json(const Row& r) {
   return b;
 }
 
+
+// ---- ring attention ----
+
+// Rank r's K (which 0) or V (which 1) block: approximately normal values from a hash.
+__global__ void fill_block(__nv_bfloat16* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix(seed ^ uint64_t(i));
+    const float v = (float(h & 0xffff) + float((h >> 16) & 0xffff) + float((h >> 32) & 0xffff) + float(h >> 48)) / 65536.f - 2.f;
+    p[i] = __float2bfloat16(v);
+  }
+}
+__global__ void count_far(const __nv_bfloat16* got, const __nv_bfloat16* want, int64_t n, unsigned long long* bad) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(got[i]), w = __bfloat162float(want[i]);
+    if (!(fabsf(g - w) <= 2e-3f + 1.6e-2f * fabsf(w))) atomicAdd(bad, 1ull);
+  }
+}
+
+struct RingRow {
+  int64_t S_l = 0;
+  int W = 0, B = 1, H = 32, Hkv = 32, D = 128;
+  bool causal = true, zigzag = true, correct = false, comparable = false;
+  unsigned long long bad = 0;
+  double fused = 0, compute = 0, allgather = 0, sendrecv = 0, coll = 0, flops = 0;
+};
+
+Status bench_ring_one(Communicator* comm, RingRow* r, int reps) {
+  const int W = comm->world(), me = comm->rank();
+  cudaStream_t st = comm->stream();
+  ops::RingAttentionShape sh{r->B, r->H, r->Hkv, r->D, r->S_l * W,
+                             r->zigzag ? ops::SeqLayout::kZigzag : ops::SeqLayout::kContiguous, r->causal};
+  std::unique_ptr<ops::RingAttention> op;
+  MK_CHECK(ops::RingAttention::create(comm, sh, {}, &op));
+  const size_t qe = size_t(r->B) * r->S_l * r->H * r->D, ke = op->block_elems();
+  Buf q(qe * 2), o(qe * 2), o_ref(qe * 2), k_all(ke * W * 2), v_all(ke * W * 2), kb0(ke * 2), kb1(ke * 2), vb0(ke * 2),
+      vb1(ke * 2);
+  fill_block<<<264, 256, 0, st>>>(q.bf(), int64_t(qe), 0x9000 + me);
+  for (int s = 0; s < W; ++s) {
+    fill_block<<<264, 256, 0, st>>>(k_all.bf() + size_t(s) * ke, int64_t(ke), 0x1000 + s);
+    fill_block<<<264, 256, 0, st>>>(v_all.bf() + size_t(s) * ke, int64_t(ke), 0x2000 + s);
+  }
+  ops::RingAttentionArgs a{q.p, k_all.bf() + size_t(me) * ke, v_all.bf() + size_t(me) * ke, o.p, nullptr};
+  // Correctness: the fused ring against the same kernel over the blocks gathered here.
+  MK_CUDA_CHECK(cudaMemsetAsync(o.p, 0xff, qe * 2, st));
+  MK_CHECK(op->run(a, st));
+  ops::RingAttentionArgs ar = a;
+  ar.o = o_ref.p;
+  MK_CHECK(op->enqueue_compute(ar, -1, k_all.p, v_all.p, st));
+  unsigned long long* d_bad = nullptr;
+  MK_CUDA_CHECK(cudaMalloc(&d_bad, sizeof(*d_bad)));
+  MK_CUDA_CHECK(cudaMemsetAsync(d_bad, 0, sizeof(*d_bad), st));
+  count_far<<<264, 256, 0, st>>>(o.bf(), o_ref.bf(), int64_t(qe), d_bad);
+  MK_CUDA_CHECK(cudaMemcpyAsync(&r->bad, d_bad, sizeof(r->bad), cudaMemcpyDeviceToHost, st));
+  MK_CHECK(comm->sync(st));
+  cudaFree(d_bad);
+  std::vector<unsigned long long> bads(W);
+  MK_CHECK(comm->bootstrap().allgather(&r->bad, bads.data(), sizeof(r->bad)));
+  r->bad = 0;
+  for (auto b : bads) r->bad += b;
+  r->correct = r->bad == 0;
+  r->flops = attention::forward_flops(r->B, r->H, int(r->S_l), int(r->S_l * W), r->D, r->causal) / W * 1.0;
+  // per rank: its queries against the whole sequence (causal: the visible half on average)
+  const int warm = 3;
+  Timing t;
+  MK_CHECK(time_it(comm, st, warm, reps, [&] { return op->enqueue(a, st); }, &t));
+  r->fused = t.median_ms;
+  MK_CHECK(time_it(comm, st, warm, reps, [&] { return op->enqueue_compute(a, -1, k_all.p, v_all.p, st); }, &t));
+  r->compute = t.median_ms;
+#if MK_HAVE_NCCL
+  if (r->comparable) {
+    std::unique_ptr<ops::baseline::Baselines> bl;
+    MK_CHECK(ops::baseline::Baselines::create(comm->bootstrap(), comm->device(), &bl));
+    MK_CHECK(time_it(comm, st, warm, reps, [&] { return bl->ring_attn_allgather(*op, a, k_all.p, v_all.p, st); }, &t));
+    r->allgather = t.median_ms;
+    void* kb[2] = {kb0.p, kb1.p};
+    void* vb[2] = {vb0.p, vb1.p};
+    MK_CHECK(time_it(comm, st, warm, reps, [&] { return bl->ring_attn_sendrecv(*op, a, kb, vb, st); }, &t));
+    r->sendrecv = t.median_ms;
+    MK_CHECK(time_it(comm, st, warm, reps, [&] {
+      MK_CHECK(bl->collective(ops::baseline::Baselines::Coll::kAllGather, a.k, k_all.p, ke * W, st));
+      return bl->collective(ops::baseline::Baselines::Coll::kAllGather, a.v, v_all.p, ke * W, st); }, &t));
+    r->coll = t.median_ms;
+  }
+#endif
+  return op->destroy();
+}
+
+std::string ring_json(const RingRow& r) {
+  char b[768];
+  const double eff = r.coll > 0 && r.compute > 0 ? (r.compute + r.coll - r.fused) / std::min(r.compute, r.coll) : 0;
+  snprintf(b, sizeof b,
+           "{\"op\": \"ring_attention\", \"B\": %d, \"H\": %d, \"Hkv\": %d, \"D\": %d, \"seq_per_rank\": %lld, "
+           "\"world\": %d, \"causal\": %s, \"layout\": \"%s\", \"correct\": %s, \"mismatches\": %llu, "
+           "\"comparable\": %s, \"fused_ms\": %.4f, \"compute_only_ms\": %.4f, \"allgather_then_attention_ms\": %.4f, "
+           "\"sendrecv_ring_ms\": %.4f, \"nccl_allgather_kv_ms\": %.4f, \"fused_tflops_per_rank\": %.1f, "
+           "\"speedup_vs_allgather\": %.3f, \"speedup_vs_sendrecv\": %.3f, \"overlap_efficiency\": %.3f}",
+           r.B, r.H, r.Hkv, r.D, (long long)r.S_l, r.W, r.causal ? "true" : "false", r.zigzag ? "zigzag" : "contiguous",
+           r.correct ? "true" : "false", r.bad, r.comparable ? "true" : "false", r.fused, r.compute, r.allgather,
+           r.sendrecv, r.coll, r.flops / (r.fused * 1e-3) / 1e12, r.allgather > 0 ? r.allgather / r.fused : 0.0,
+           r.sendrecv > 0 ? r.sendrecv / r.fused : 0.0, eff);
+  return b;
+}
+
+int bench_ring(Communicator* comm, const std::vector<int64_t>& seqs, int reps, bool comparable, bool causal,
+               const std::string& json) {
+  const int W = comm->world(), me = comm->rank();
+  if (me == 0) {
+    printf("ring_attention: B1 H32 D128 bf16, %s, zigzag; %s\n", causal ? "causal" : "non-causal",
+           comparable ? "one GPU per rank: vs NCCL all-gather + attention and a per-step NCCL send/recv ring"
+                      : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable");
+    printf("%8s %3s  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s\n", "S/rank", "W", "check", "fused_ms", "TFLOP/s",
+           "comp_ms", "ag_ms", "ring_ms", "nccl_ms", "vs_ag", "vs_ring", "overlap");
+  }
+  std::vector<RingRow> rows;
+  int rc = 0;
+  for (int64_t S_l : seqs) {
+    RingRow r;
+    r.S_l = S_l, r.W = W, r.causal = causal, r.comparable = comparable;
+    Status s = bench_ring_one(comm, &r, reps);
+    if (!s.ok()) {
+      if (me == 0) fprintf(stderr, "bench ring_attention S/rank %lld: %s\n", (long long)S_l, s.to_string().c_str());
+      rc = 1;
+      continue;
+    }
+    if (!r.correct) rc = 1;
+    rows.push_back(r);
+    if (me == 0) {
+      const double eff = r.coll > 0 ? (r.compute + r.coll - r.fused) / std::min(r.compute, r.coll) : 0;
+      printf("%8lld %3d  %-6s %9.3f %8.1f %9.3f %9.3f %9.3f %9.3f %7.2f %7.2f %7.2f%s\n", (long long)S_l, W,
+             r.correct ? "ok" : "WRONG", r.fused, r.flops / (r.fused * 1e-3) / 1e12, r.compute, r.allgather,
+             r.sendrecv, r.coll, r.allgather > 0 ? r.allgather / r.fused : 0, r.sendrecv > 0 ? r.sendrecv / r.fused : 0,
+             eff, comparable ? "" : "  (not comparable)");
+      fflush(stdout);
+    }
+  }
+  if (me == 0 && !json.empty()) {
+    FILE* f = fopen(json.c_str(), "w");
+    if (f) {
+      fprintf(f, "{\"world\": %d, \"nodes\": %d, \"comparable\": %s, \"results\": [\n", W, comm->topology().num_nodes,
+              comparable ? "true" : "false");
+      for (size_t i = 0; i < rows.size(); ++i) fprintf(f, "  %s%s\n", ring_json(rows[i]).c_str(), i + 1 < rows.size() ? "," : "");
+      fprintf(f, "]}\n");
+      fclose(f);
+    } else {
+      rc = 1;
+    }
+  }
+  return rc;
+}
+
 }  // namespace
 
 int bench(const std::vector<std::string>& args) {
   std::string which, json;
   int64_t m = 0, n = 0, k = 0;
   int reps = 20;
+  std::vector<int64_t> seqs;
+  bool causal = true;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto next = [&]() -> std::string { return i + 1 < args.size() ? args[++i] : std::string(); };
@@ -268,6 +423,8 @@ int bench(const std::vector<std::string>& args) {
     else if (a == "--k") k = std::stoll(next());
     else if (a == "--reps") reps = std::max(3, std::stoi(next()));
     else if (a == "--json") json = next();
+    else if (a == "--seq") seqs.push_back(std::stoll(next()));
+    else if (a == "--non-causal") causal = false;
     else if (a == "--dtype") {
       if (next() != "bf16") {
         fprintf(stderr, "bench: only --dtype bf16 is implemented\n");
@@ -284,8 +441,8 @@ int bench(const std::vector<std::string>& args) {
   else if (which == "gemm_rs") kinds = {FusedKind::kGemmRs};
   else if (which == "gemm_ar") kinds = {FusedKind::kGemmAr};
   else if (which == "all" || which.empty()) kinds = {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr};
-  else {
-    fprintf(stderr, "bench: unknown operator '%s' (ag_gemm, gemm_rs, gemm_ar, all)\n", which.c_str());
+  else if (which != "ring_attention") {
+    fprintf(stderr, "bench: unknown operator '%s' (ag_gemm, gemm_rs, gemm_ar, ring_attention, all)\n", which.c_str());
     return 2;
   }
   std::unique_ptr<Bootstrap> bs;
@@ -315,6 +472,16 @@ int bench(const std::vector<std::string>& args) {
 #if !MK_HAVE_NCCL
   comparable = false;
 #endif
+  if (which == "ring_attention") {
+    if (seqs.empty()) seqs = {4096, 8192};
+    int rc = bench_ring(comm.get(), seqs, reps, comparable, causal, json);
+    Status d = comm->destroy();
+    if (!d.ok()) {
+      fprintf(stderr, "bench: %s\n", d.to_string().c_str());
+      rc = 1;
+    }
+    return rc;
+  }
   if (me == 0) {
     printf("mkernel bench: %d rank(s), %d node(s); %s\n", W, comm->topology().num_nodes,
            comparable ? "one GPU per rank: fused vs cuBLAS + NCCL"

@@ -55,6 +55,7 @@ struct FmhaLaunch {
   float* lse_acc = nullptr;
   uint64_t* seq = nullptr;
   int n_seq = 0;
+  bool reset_seq = true;  // false: continue the merge of an earlier launch (stream-ordered)
   // Communication program (ring): run by the first comm_ctas CTAs; epoch read at the start and
   // advanced by the last CTA.
   ops::FusedHooks hooks{};

@@ -602,7 +602,7 @@ Status launch(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, in
   p.hooks = l.hooks;
   p.comm_ctas = l.comm_ctas;
   p.wait = l.hooks.wait;
-  if (l.seq && l.n_seq) MK_CUDA_CHECK(cudaMemsetAsync(l.seq, 0, size_t(l.n_seq) * 8, stream));
+  if (l.seq && l.n_seq && l.reset_seq) MK_CUDA_CHECK(cudaMemsetAsync(l.seq, 0, size_t(l.n_seq) * 8, stream));
   if (l.hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.hooks.op_counter, 0, sizeof(int), stream));
   const int smem = int(sizeof(typename C::Shared));
   auto kernel = fmha_kernel<kD>;

@@ -378,6 +378,62 @@ Status Baselines::collective(Coll c, const void* send, void* recv, size_t recv_e
   return make_status(Code::kInvalidArgument, "collective: unknown kind %d", int(c));
 }
 
+Status Baselines::ring_attn_allgather(RingAttention& op, const RingAttentionArgs& a, void* k_all, void* v_all,
+                                      cudaStream_t stream) {
+  Impl& m = *impl_;
+  MK_CHECK(check_device(m, "ring_attn_allgather"));
+  MK_REQUIRE(k_all && v_all, Code::kInvalidArgument, "ring_attn_allgather: null gather buffers");
+  MK_REQUIRE(op.plan().world == m.world, Code::kInvalidArgument, "ring_attn_allgather: the operator has %d ranks, NCCL %d",
+             op.plan().world, m.world);
+  const size_t blk = op.block_elems();
+  MK_NCCL_CHECK(ncclGroupStart());
+  MK_NCCL_CHECK(ncclAllGather(a.k, k_all, blk, ncclBfloat16, m.comm, stream));
+  MK_NCCL_CHECK(ncclAllGather(a.v, v_all, blk, ncclBfloat16, m.comm, stream));
+  MK_NCCL_CHECK(ncclGroupEnd());
+  return op.enqueue_compute(a, -1, k_all, v_all, stream);
+}
+
+Status Baselines::ring_attn_sendrecv(RingAttention& op, const RingAttentionArgs& a, void* const kbuf[2],
+                                     void* const vbuf[2], cudaStream_t stream) {
+  Impl& m = *impl_;
+  MK_CHECK(check_device(m, "ring_attn_sendrecv"));
+  MK_REQUIRE(kbuf[0] && kbuf[1] && vbuf[0] && vbuf[1], Code::kInvalidArgument, "ring_attn_sendrecv: null buffers");
+  const int W = m.world, me = m.rank;
+  const RingPlan& p = op.plan();
+  MK_REQUIRE(p.world == W, Code::kInvalidArgument, "ring_attn_sendrecv: the operator has %d ranks, NCCL %d", p.world, W);
+  const size_t blk = op.block_elems();
+  // Both streams start after what `stream` holds.
+  MK_CUDA_CHECK(cudaEventRecord(m.fork, stream));
+  MK_CUDA_CHECK(cudaStreamWaitEvent(m.comm_stream, m.fork, 0));
+  const void* cur_k = a.k;
+  const void* cur_v = a.v;
+  for (int t = 0; t < W; ++t) {
+    const RingStep& s = p.steps[me][t];
+    void* nk = kbuf[t % 2];
+    void* nv = vbuf[t % 2];
+    if (s.send_to >= 0) {
+      // The receive buffer was last read by step t - 1's attention.
+      MK_CUDA_CHECK(cudaStreamWaitEvent(m.comm_stream, m.compute_done, 0));
+      MK_NCCL_CHECK(ncclGroupStart());
+      MK_NCCL_CHECK(ncclSend(cur_k, blk, ncclBfloat16, s.send_to, m.comm, m.comm_stream));
+      MK_NCCL_CHECK(ncclSend(cur_v, blk, ncclBfloat16, s.send_to, m.comm, m.comm_stream));
+      MK_NCCL_CHECK(ncclRecv(nk, blk, ncclBfloat16, s.recv_from, m.comm, m.comm_stream));
+      MK_NCCL_CHECK(ncclRecv(nv, blk, ncclBfloat16, s.recv_from, m.comm, m.comm_stream));
+      MK_NCCL_CHECK(ncclGroupEnd());
+    }
+    MK_CHECK(op.enqueue_compute(a, t, cur_k, cur_v, stream));
+    MK_CUDA_CHECK(cudaEventRecord(m.compute_done, stream));
+    if (s.send_to >= 0) {
+      // The next step computes on what arrived.
+      MK_CUDA_CHECK(cudaEventRecord(m.comm_done, m.comm_stream));
+      MK_CUDA_CHECK(cudaStreamWaitEvent(stream, m.comm_done, 0));
+      cur_k = nk;
+      cur_v = nv;
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace baseline
 }  // namespace ops
 }  // namespace mk

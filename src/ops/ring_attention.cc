@@ -46,6 +46,9 @@ struct RingState {
   // kernel inputs
   std::vector<void*> dev_allocs;
   attention::FmhaLaunch launch;
+  // Compute-only launches (enqueue_compute): every pair from gathered slots, and per step.
+  attention::FmhaLaunch gathered;
+  std::vector<attention::FmhaLaunch> per_step;
   bool destroyed = false;
 };
 
@@ -158,6 +161,36 @@ Status build_program(RingState* st) {
   attention::FmhaLaunch& l = st->launch;
   l = attention::FmhaLaunch{};
   MK_CHECK(upload(st, pairs, const_cast<attention::FmhaPair**>(&l.pairs)));
+  // Compute-only variants: no waits, K/V from slots the caller filled.
+  {
+    std::vector<attention::FmhaPair> g = pairs;
+    for (auto& f : g) {
+      f.kv_src = 1;
+      f.wait = 0;
+    }
+    st->gathered = attention::FmhaLaunch{};
+    MK_CHECK(upload(st, g, const_cast<attention::FmhaPair**>(&st->gathered.pairs)));
+    st->gathered.n_pairs = int(g.size());
+    st->gathered.n_items = items;
+    st->per_step.assign(W, attention::FmhaLaunch{});
+    size_t i = 0;
+    for (int t = 0; t < W; ++t) {
+      std::vector<attention::FmhaPair> ps;
+      int it = 0;
+      for (size_t n = 0; n < p.steps[me][t].pairs.size(); ++n, ++i) {
+        attention::FmhaPair f = g[i];
+        f.kv_slot = 0;
+        f.item0 = it;
+        it += attention::pair_items(f, s.B, s.H);
+        ps.push_back(f);
+      }
+      attention::FmhaLaunch& sl = st->per_step[t];
+      MK_CHECK(upload(st, ps, const_cast<attention::FmhaPair**>(&sl.pairs)));
+      sl.n_pairs = int(ps.size());
+      sl.n_items = it;
+      sl.reset_seq = t == 0;
+    }
+  }
   l.n_pairs = int(pairs.size());
   l.n_items = items;
   l.slots.k = st->k_slots->local();
@@ -168,7 +201,7 @@ Status build_program(RingState* st) {
   l.slots.chunks = pieces;
   l.slots.chunk_rows = st->chunk_tokens;
   l.slots.wait_mul = 2;  // K and V of a piece
-  if (W > 1) {
+  if (*std::max_element(total.begin(), total.end()) > 1) {  // some query chunk merges several pairs
     void* a = nullptr;
     MK_CHECK(dev_alloc(st, size_t(s.B) * s.H * S_l * s.D * 4, &a));
     l.o_acc = static_cast<float*>(a);
@@ -177,6 +210,14 @@ Status build_program(RingState* st) {
     l.n_seq = nq * seq_per_chunk;
     MK_CHECK(dev_alloc(st, size_t(l.n_seq) * 8, &a));
     l.seq = static_cast<uint64_t*>(a);
+  }
+  for (attention::FmhaLaunch* v : {&st->gathered}) {
+    v->o_acc = l.o_acc, v->lse_acc = l.lse_acc, v->seq = l.seq, v->n_seq = l.n_seq;
+    v->hooks.wait = c->wait_ctx(OpTag::kRingAttention, Role::kCompute);
+  }
+  for (auto& v : st->per_step) {
+    v.o_acc = l.o_acc, v.lse_acc = l.lse_acc, v.seq = l.seq, v.n_seq = l.n_seq;
+    v.hooks.wait = c->wait_ctx(OpTag::kRingAttention, Role::kCompute);
   }
 
   // ---- the communication program ----
@@ -295,6 +336,17 @@ Status build_program(RingState* st) {
             ops.push_back(op);
           }
         }
+    }
+    // A call ends only once every block meant for this rank is in its slot (also those no
+    // query needs and the last one, which is not forwarded): no write of this call can land
+    // during the next one.
+    {
+      DevOp op{};
+      op.kind = kDevSignal;
+      for (int t = 1; t < W; ++t)
+        for (int b = 0; b < s.B; ++b)
+          for (int pc = 0; pc < pieces; ++pc) MK_CHECK(add_wait(op, flag_arrived(p.steps[me][t].kv_rank, b, pc), 2, prev));
+      ops.push_back(op);
     }
     if (net_puts) {
       // A call never ends while the proxy still reads this call's sources.
@@ -420,6 +472,9 @@ Status RingAttention::destroy() {
 const RingPlan& RingAttention::plan() const { return st_->plan; }
 int RingAttention::comm_ctas() const { return st_->launch.comm_ctas; }
 int64_t RingAttention::local_tokens() const { return st_->S_l; }
+size_t RingAttention::block_elems() const {
+  return size_t(st_->shape.B) * st_->S_l * st_->shape.Hkv * st_->shape.D;
+}
 const void* RingAttention::k_slots() const { return st_->k_slots->local(); }
 const void* RingAttention::v_slots() const { return st_->v_slots->local(); }
 
@@ -445,9 +500,8 @@ Status RingAttention::run(const RingAttentionArgs& a, cudaStream_t stream) {
   return enqueue(a, stream);
 }
 
-Status RingAttention::enqueue(const RingAttentionArgs& a, cudaStream_t stream) {
-  RingState* st = st_.get();
-  MK_CHECK(can_implement(a));
+namespace {
+attention::ForwardArgs forward_args(const RingState* st, const RingAttentionArgs& a) {
   const RingAttentionShape& s = st->shape;
   attention::ForwardArgs f;
   f.q = a.q, f.k = a.k, f.v = a.v, f.o = a.o, f.lse = a.lse;
@@ -456,6 +510,31 @@ Status RingAttention::enqueue(const RingAttentionArgs& a, cudaStream_t stream) {
   f.q_stride = f.o_stride = attention::Strides::bshd(st->S_l, s.H, s.D);
   f.k_stride = f.v_stride = attention::Strides::bshd(st->S_l, s.Hkv, s.D);
   f.scale = st->opt.scale;
+  return f;
+}
+}  // namespace
+
+Status RingAttention::enqueue_compute(const RingAttentionArgs& a, int step, const void* k_src, const void* v_src,
+                                      cudaStream_t stream) {
+  RingState* st = st_.get();
+  MK_CHECK(can_implement(a));
+  MK_REQUIRE(k_src && v_src, Code::kInvalidArgument, "ring_attention: null K/V source");
+  MK_REQUIRE(step < st->plan.world, Code::kInvalidArgument, "ring_attention: step %d of %d", step, st->plan.world);
+  attention::FmhaLaunch l = step < 0 ? st->gathered : st->per_step[step];
+  l.slots = st->launch.slots;
+  l.slots.k = k_src;
+  l.slots.v = v_src;
+  l.slots.flags = nullptr;
+  if (step >= 0) l.slots.slots = 1;
+  attention::RunConfig cfg;
+  cfg.max_ctas = st->opt.max_ctas;
+  return attention::run_fmha(forward_args(st, a), l, stream, cfg);
+}
+
+Status RingAttention::enqueue(const RingAttentionArgs& a, cudaStream_t stream) {
+  RingState* st = st_.get();
+  MK_CHECK(can_implement(a));
+  attention::ForwardArgs f = forward_args(st, a);
   attention::FmhaLaunch l = st->launch;
   l.hooks.user[0] = const_cast<void*>(a.k);
   l.hooks.user[1] = const_cast<void*>(a.v);

@@ -18,6 +18,7 @@
 #include <memory>
 
 #include "mkernel/common/status.h"
+#include "mkernel/ops/ring_attention.h"
 #include "mkernel/runtime/bootstrap.h"
 
 namespace mk {
@@ -75,6 +76,18 @@ class Baselines {
   // kAllGather sends recv_elems / W; kReduceScatter sends W * recv_elems; kAllReduce sends
   // recv_elems (send == recv is in place).
   Status collective(Coll c, const void* send, void* recv, size_t recv_elems, cudaStream_t stream);
+
+  // Ring attention, unfused (op: the operator of the same shape, whose kernel computes):
+  // all-gather: ncclAllGather of K and V into k_all / v_all ([W][B][S/W][Hkv][D] each), then
+  //   attention over every block in one launch.
+  Status ring_attn_allgather(RingAttention& op, const RingAttentionArgs& a, void* k_all, void* v_all,
+                             cudaStream_t stream);
+  // Per-step ring (the ring-flash-attention scheme): at step t the comm stream sends the held
+  //   block to the next rank and receives the next block (ncclSend / ncclRecv) while the
+  //   compute stream runs step t's attention; blocks alternate between two buffers of
+  //   [B][S/W][Hkv][D] each (kbuf[0..1], vbuf[0..1]).
+  Status ring_attn_sendrecv(RingAttention& op, const RingAttentionArgs& a, void* const kbuf[2], void* const vbuf[2],
+                            cudaStream_t stream);
 
  private:
   struct Impl;
