@@ -55,7 +55,10 @@ struct FmhaLaunch {
   float* lse_acc = nullptr;
   uint64_t* seq = nullptr;
   int n_seq = 0;
-  bool reset_seq = true;  // false: continue the merge of an earlier launch (stream-ordered)
+  bool reset_seq = true;
+  // Non-null: dynamic schedule (items from this device counter, zeroed by the launch; one
+  // counter per concurrently running launch).
+  int* item_counter = nullptr;  // false: continue the merge of an earlier launch (stream-ordered)
   // Communication program (ring): run by the first comm_ctas CTAs; epoch read at the start and
   // advanced by the last CTA.
   ops::FusedHooks hooks{};
@@ -69,6 +72,9 @@ constexpr int kTileM = 128;
 
 // Launches the kernel (checks what can_implement checks for the tensors it is given).
 Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, const RunConfig& cfg);
+
+// Whether launches take items from a counter (tunable attention_dynamic_schedule).
+bool dynamic_schedule();
 
 // CTAs of the persistent grid on this device (one per SM visible to this context).
 Status fmha_ctas(int* out);

@@ -16,6 +16,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "mkernel/common/tunables.h"
 #include "src/attention/fmha_internal.h"
 
 #if MK_WITH_CUTLASS
@@ -73,6 +74,9 @@ struct Cfg {
   using SmemVt = decltype(composition(SmemK{}, make_ordered_layout(Shape<HD, BN, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using PipeKV = cutlass::PipelineTmaAsync<kStages>;
   using PipeQ = cutlass::PipelineTmaAsync<1>;
+  // Dynamic schedule: the producer takes items from a global counter and hands them to the
+  // consumers through a two-slot ring.
+  using PipeSched = cutlass::PipelineAsync<2>;
   struct Shared {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemK>> k;
@@ -80,6 +84,8 @@ struct Cfg {
     alignas(16) typename PipeQ::SharedStorage pipe_q;
     alignas(16) typename PipeKV::SharedStorage pipe_k;
     alignas(16) typename PipeKV::SharedStorage pipe_v;
+    alignas(16) typename PipeSched::SharedStorage pipe_s;
+    int sched[2];
   };
   // Q: (seq, d, head, batch); K/V: (seq, d, head, batch, slot).
   using GmemQ = Layout<Shape<int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
@@ -111,6 +117,7 @@ struct Params {
   uint64_t* seq;
   ops::FusedHooks hooks;
   int comm_ctas;
+  int* item_counter;  // non-null: dynamic schedule (zeroed by the launch)
   WaitCtx wait;  // arrival waits (also used for the merge order)
 };
 
@@ -226,6 +233,13 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_kernel(__grid_constant__ con
   typename C::PipeQ pipe_q(sh.pipe_q, pq, Shape<_1, _1, _1>{});
   typename C::PipeKV pipe_k(sh.pipe_k, pk, Shape<_1, _1, _1>{});
   typename C::PipeKV pipe_v(sh.pipe_v, pk, Shape<_1, _1, _1>{});
+  typename C::PipeSched::Params ps;
+  if (wg == 0 && warp_in_wg == 0) ps.role = C::PipeSched::ThreadCategory::Producer;
+  if (wg >= 1) ps.role = C::PipeSched::ThreadCategory::Consumer;
+  ps.producer_arv_count = 1;
+  ps.consumer_arv_count = kMmaThreads;
+  typename C::PipeSched pipe_s(sh.pipe_s, ps);
+  const bool dynamic = p.item_counter != nullptr;
   __syncthreads();
 
   Tensor sQ = make_tensor(make_smem_ptr(sh.q.data()), typename C::SmemQ{});
@@ -240,7 +254,18 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_kernel(__grid_constant__ con
     auto sv = cutlass::make_producer_start_state<typename C::PipeKV>();
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.Sq, kD, p.H, p.B));
     Tensor sV = make_tensor(make_smem_ptr(sh.v.data()), typename C::SmemK{});
-    for (int item = cta; item < p.n_items; item += ncta) {
+    auto ss = cutlass::make_producer_start_state<typename C::PipeSched>();
+    // Dynamic: items in counter order, published to the consumers (the end too).
+    auto take = [&](int prev) {
+      if (!dynamic) return prev < 0 ? cta : prev + ncta;
+      pipe_s.producer_acquire(ss);
+      const int item = atomicAdd(p.item_counter, 1);
+      sh.sched[ss.index()] = item;
+      pipe_s.producer_commit(ss);
+      ++ss;
+      return item;
+    };
+    for (int item = take(-1); item < p.n_items; item = take(item)) {
       const ItemInfo it = item_info(p, item);
       const FmhaPair& pr = *it.pair;
       const int nkv = kv_tiles_of(pr, it.qt, kBlockN);
@@ -329,7 +354,16 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_kernel(__grid_constant__ con
   auto cv = cutlass::PipelineState<C::kStages>();
   const float sl2 = p.scale_log2;
 
-  for (int item = cta; item < p.n_items; item += ncta) {
+  auto cs = cutlass::PipelineState<2>();
+  auto take = [&](int prev) {
+    if (!dynamic) return prev < 0 ? cta : prev + ncta;
+    pipe_s.consumer_wait(cs);
+    const int item = sh.sched[cs.index()];
+    pipe_s.consumer_release(cs);
+    ++cs;
+    return item;
+  };
+  for (int item = take(-1); item < p.n_items; item = take(item)) {
     const ItemInfo it = item_info(p, item);
     const FmhaPair& pr = *it.pair;
     const int nkv = kv_tiles_of(pr, it.qt, kBlockN);
@@ -601,7 +635,9 @@ Status launch(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, in
   p.seq = l.seq;
   p.hooks = l.hooks;
   p.comm_ctas = l.comm_ctas;
+  p.item_counter = l.item_counter;
   p.wait = l.hooks.wait;
+  if (l.item_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.item_counter, 0, sizeof(int), stream));
   if (l.seq && l.n_seq && l.reset_seq) MK_CUDA_CHECK(cudaMemsetAsync(l.seq, 0, size_t(l.n_seq) * 8, stream));
   if (l.hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.hooks.op_counter, 0, sizeof(int), stream));
   const int smem = int(sizeof(typename C::Shared));
@@ -663,6 +699,8 @@ __global__ void merge_finish_kernel(const float* acc, __nv_bfloat16* o, Strides 
 namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 }  // namespace
+
+bool dynamic_schedule() { return tunables::int_or_default("attention_dynamic_schedule") != 0; }
 
 Status fmha_ctas(int* out) {
   static std::mutex mu;
@@ -742,7 +780,15 @@ Status forward(const ForwardArgs& a, cudaStream_t stream, const RunConfig& cfg) 
   l.single.causal = a.causal ? 1 : 0;
   l.n_pairs = 1;
   l.n_items = pair_items(l.single, a.B, a.H);
-  return run_fmha(a, l, stream, cfg);
+  if (!dynamic_schedule()) return run_fmha(a, l, stream, cfg);
+  // The dynamic schedule's counter lives for one launch (stream-ordered allocation: safe for
+  // concurrent calls on other streams and inside graph capture).
+  MK_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&l.item_counter), sizeof(int), stream));
+  Status s = run_fmha(a, l, stream, cfg);
+  cudaError_t e = cudaFreeAsync(l.item_counter, stream);
+  MK_CHECK(s);
+  MK_CUDA_CHECK(e);
+  return OkStatus();
 }
 
 Status merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, cudaStream_t stream) {

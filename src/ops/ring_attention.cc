@@ -372,6 +372,14 @@ Status build_program(RingState* st) {
   h.wait = c->wait_ctx(OpTag::kRingAttention, Role::kComm);
   if (st->proxy) h.ring = st->proxy->ring().view(h.wait.abort);
   l.comm_ctas = ops.empty() ? 0 : st->comm_ctas;
+  if (attention::dynamic_schedule()) {
+    // One counter per operator: its calls are stream-ordered.
+    void* ctr = nullptr;
+    MK_CHECK(dev_alloc(st, sizeof(int), &ctr));
+    l.item_counter = static_cast<int*>(ctr);
+    st->gathered.item_counter = l.item_counter;
+    for (auto& v : st->per_step) v.item_counter = l.item_counter;
+  }
   return OkStatus();
 }
 
