@@ -12,7 +12,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <utility>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
@@ -719,6 +721,27 @@ Status fmha_ctas(int* out) {
   return OkStatus();
 }
 
+// The dynamic schedule's item counter of a stream: launches on one stream are ordered, so they
+// can share it; launches on different streams get different counters. Kept for the process's
+// lifetime (a few bytes per stream ever used).
+Status stream_counter(cudaStream_t stream, int** out) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, int*> counters;
+  int dev = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> g(mu);
+  int*& c = counters[{dev, stream}];
+  if (!c) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    MK_CUDA_CHECK(cudaStreamIsCapturing(stream, &cs));
+    MK_REQUIRE(cs == cudaStreamCaptureStatusNone, Code::kInvalidArgument,
+               "attention: the first call on a stream cannot be inside graph capture (run it once before capturing)");
+    MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&c), sizeof(int)));
+  }
+  *out = c;
+  return OkStatus();
+}
+
 Status can_implement(const ForwardArgs& a) {
   MK_REQUIRE(a.q && a.k && a.v && a.o, Code::kInvalidArgument, "attention: null Q, K, V or O");
   MK_REQUIRE(a.D == 64 || a.D == 128, Code::kInvalidArgument, "attention: head dimension %d (64 or 128)", a.D);
@@ -780,15 +803,8 @@ Status forward(const ForwardArgs& a, cudaStream_t stream, const RunConfig& cfg) 
   l.single.causal = a.causal ? 1 : 0;
   l.n_pairs = 1;
   l.n_items = pair_items(l.single, a.B, a.H);
-  if (!dynamic_schedule()) return run_fmha(a, l, stream, cfg);
-  // The dynamic schedule's counter lives for one launch (stream-ordered allocation: safe for
-  // concurrent calls on other streams and inside graph capture).
-  MK_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&l.item_counter), sizeof(int), stream));
-  Status s = run_fmha(a, l, stream, cfg);
-  cudaError_t e = cudaFreeAsync(l.item_counter, stream);
-  MK_CHECK(s);
-  MK_CUDA_CHECK(e);
-  return OkStatus();
+  if (dynamic_schedule()) MK_CHECK(stream_counter(stream, &l.item_counter));
+  return run_fmha(a, l, stream, cfg);
 }
 
 Status merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, cudaStream_t stream) {
