@@ -6,6 +6,7 @@ tensors (mkernel through strided views). Per repetition the two are timed in tur
 events after ~1 s of warm-up; the median of --reps is reported, with TFLOP/s (causal counts the
 visible half) and ratio = SDPA time / mkernel time.
   python3 bench/bench_attention.py [--reps 30] [--json out.json] [--seqs 4096,8192] [--d 128]
+                                   [--variants auto,0]   (auto: the defaults; 0 / 1: static / dynamic schedule)
 """
 import argparse
 import json
@@ -30,6 +31,18 @@ def timed(fn):
     return a.elapsed_time(b)
 
 
+VARIANT_ENV = ("MK_ATTENTION_DYNAMIC_SCHEDULE",)
+
+
+def set_variant(spec):
+    """spec: 'auto' (the library's defaults) or 'DYN' (attention_dynamic_schedule: 0 static, 1 dynamic)."""
+    for k in VARIANT_ENV:
+        os.environ.pop(k, None)
+    if spec != "auto":
+        for k, v in zip(VARIANT_ENV, spec.split(":")):
+            os.environ[k] = v
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
@@ -38,12 +51,16 @@ def main():
     ap.add_argument("--b", type=int, default=1)
     ap.add_argument("--h", type=int, default=32)
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--variants", default="auto",
+                    help="kernel variants timed side by side: auto or DYN (0 static, 1 dynamic schedule), comma-separated")
     args = ap.parse_args()
     B, H, D = args.b, args.h, args.d
+    variants = args.variants.split(",")
     rows = []
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; B{B} H{H} D{D} bf16; median of {args.reps}")
-    print(f"{'S':>6} {'causal':>6} {'mkernel ms':>10} {'TFLOP/s':>8} {'flash ms':>8} {'TFLOP/s':>8} {'ratio':>6}"
-          f" {'default ms':>10} {'TFLOP/s':>8} {'ratio':>6}")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; B{B} H{H} D{D} bf16; median of {args.reps}; "
+          f"ratio = SDPA time / mkernel time")
+    print(f"{'S':>6} {'causal':>6} {'variant':>9} {'mkernel ms':>10} {'TFLOP/s':>8} {'flash ms':>8} {'TFLOP/s':>8}"
+          f" {'ratio':>6} {'default ms':>10} {'TFLOP/s':>8} {'ratio':>6}")
     for S in [int(s) for s in args.seqs.split(",")]:
         for causal in (False, True):
             q, k, v = (torch.randn((B, H, S, D), device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -61,31 +78,44 @@ def main():
             def ref_default():  # whichever backend torch picks (cuDNN on Hopper when available)
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            # Same answer (bf16 tolerance) before timing.
-            ours()
+            # Same answer (bf16 tolerance) before timing, for every variant.
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 r = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            diff = (o.float() - r.float()).abs().max().item()
+            diffs = {}
+            for var in variants:
+                set_variant(var)
+                o.fill_(float("nan"))
+                ours()
+                diffs[var] = (o.float() - r.float()).abs().max().item()
             t_end = time.time() + 1.0
             while time.time() < t_end:
-                ours()
+                for var in variants:
+                    set_variant(var)
+                    ours()
                 ref()
+                ref_default()
             torch.cuda.synchronize()
-            tm, ts, td = [], [], []
+            tm = {var: [] for var in variants}
+            ts, td = [], []
             for _ in range(args.reps):
-                tm.append(timed(ours))
+                for var in variants:
+                    set_variant(var)
+                    tm[var].append(timed(ours))
                 ts.append(timed(ref))
                 td.append(timed(ref_default))
-            mm, ms, md = statistics.median(tm), statistics.median(ts), statistics.median(td)
+            set_variant("auto")
+            ms, md = statistics.median(ts), statistics.median(td)
             flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
-            row = dict(B=B, H=H, S=S, D=D, causal=causal, mkernel_ms=mm, sdpa_ms=ms,
-                       mkernel_tflops=flops / mm / 1e9, sdpa_tflops=flops / ms / 1e9, ratio=ms / mm,
-                       max_abs_diff_vs_sdpa=diff, sdpa_default_ms=md, sdpa_default_tflops=flops / md / 1e9,
-                       ratio_vs_default=md / mm)
-            rows.append(row)
-            print(f"{S:>6} {str(causal):>6} {mm:>10.3f} {row['mkernel_tflops']:>8.1f} {ms:>8.3f} "
-                  f"{row['sdpa_tflops']:>8.1f} {row['ratio']:>6.3f} {md:>10.3f} {row['sdpa_default_tflops']:>8.1f}"
-                  f" {row['ratio_vs_default']:>6.3f}   (max |diff| {diff:.2e})", flush=True)
+            for var in variants:
+                mm = statistics.median(tm[var])
+                row = dict(B=B, H=H, S=S, D=D, causal=causal, variant=var, mkernel_ms=mm, sdpa_ms=ms,
+                           mkernel_tflops=flops / mm / 1e9, sdpa_tflops=flops / ms / 1e9, ratio=ms / mm,
+                           max_abs_diff_vs_sdpa=diffs[var], sdpa_default_ms=md, sdpa_default_tflops=flops / md / 1e9,
+                           ratio_vs_default=md / mm)
+                rows.append(row)
+                print(f"{S:>6} {str(causal):>6} {var:>9} {mm:>10.3f} {row['mkernel_tflops']:>8.1f} {ms:>8.3f} "
+                      f"{row['sdpa_tflops']:>8.1f} {row['ratio']:>6.3f} {md:>10.3f} {row['sdpa_default_tflops']:>8.1f}"
+                      f" {row['ratio_vs_default']:>6.3f}   (max |diff| {diffs[var]:.2e})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps, rows=rows), f,

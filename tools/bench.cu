@@ -1,7 +1,7 @@
 // `mkernel bench <op>`: the fused GEMM collectives against cuBLAS + NCCL on the local GPUs.
 //
 //   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K] [--reps R] [--json FILE]
-//   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--json FILE]
+//   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--json FILE] [--trace PREFIX]
 //
 // Under mpirun one rank per process (else one rank). Per operator and shape: a correctness
 // check of the fused result against the unfused GEMM on the same GPU (small integers, exact),
@@ -22,6 +22,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/attention/attention.h"
@@ -283,7 +284,7 @@ struct RingRow {
   double fused = 0, compute = 0, allgather = 0, sendrecv = 0, coll = 0, flops = 0;
 };
 
-Status bench_ring_one(Communicator* comm, RingRow* r, int reps) {
+Status bench_ring_one(Communicator* comm, RingRow* r, int reps, const std::string& trace) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
   ops::RingAttentionShape sh{r->B, r->H, r->Hkv, r->D, r->S_l * W,
@@ -325,6 +326,23 @@ Status bench_ring_one(Communicator* comm, RingRow* r, int reps) {
   r->fused = t.median_ms;
   MK_CHECK(time_it(comm, st, warm, reps, [&] { return op->enqueue_compute(a, -1, k_all.p, v_all.p, st); }, &t));
   r->compute = t.median_ms;
+  if (!trace.empty()) {
+    // One traced fused call: the per-CTA timeline of this rank (tools/trace_png.py draws it).
+    TraceRecorder rec;
+    MK_CHECK(TraceRecorder::create(uint32_t(64 * (op->work_items() + op->comm_ops()) + 4096), &rec));
+    ops::RingAttentionArgs at = a;
+    at.trace = rec.device();
+    MK_CHECK(comm->bootstrap().barrier());
+    MK_CHECK(op->enqueue(at, st));
+    MK_CHECK(comm->sync(st));
+    std::vector<TraceEvent> ev;
+    uint64_t dropped = 0;
+    MK_CHECK(rec.fetch(&ev, &dropped));
+    const std::string path = trace + ".s" + std::to_string(r->S_l) + ".w" + std::to_string(W) + ".rank" +
+                             std::to_string(me) + ".json";
+    MK_CHECK(write_chrome_trace(ev, path));
+    if (me == 0) printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
+  }
 #if MK_HAVE_NCCL
   if (r->comparable) {
     std::unique_ptr<ops::baseline::Baselines> bl;
@@ -361,7 +379,7 @@ std::string ring_json(const RingRow& r) {
 }
 
 int bench_ring(Communicator* comm, const std::vector<int64_t>& seqs, int reps, bool comparable, bool causal,
-               const std::string& json) {
+               const std::string& json, const std::string& trace) {
   const int W = comm->world(), me = comm->rank();
   if (me == 0) {
     printf("ring_attention: B1 H32 D128 bf16, %s, zigzag; %s\n", causal ? "causal" : "non-causal",
@@ -375,7 +393,7 @@ int bench_ring(Communicator* comm, const std::vector<int64_t>& seqs, int reps, b
   for (int64_t S_l : seqs) {
     RingRow r;
     r.S_l = S_l, r.W = W, r.causal = causal, r.comparable = comparable;
-    Status s = bench_ring_one(comm, &r, reps);
+    Status s = bench_ring_one(comm, &r, reps, trace);
     if (!s.ok()) {
       if (me == 0) fprintf(stderr, "bench ring_attention S/rank %lld: %s\n", (long long)S_l, s.to_string().c_str());
       rc = 1;
@@ -410,7 +428,7 @@ int bench_ring(Communicator* comm, const std::vector<int64_t>& seqs, int reps, b
 }  // namespace
 
 int bench(const std::vector<std::string>& args) {
-  std::string which, json;
+  std::string which, json, trace;
   int64_t m = 0, n = 0, k = 0;
   int reps = 20;
   std::vector<int64_t> seqs;
@@ -425,6 +443,7 @@ int bench(const std::vector<std::string>& args) {
     else if (a == "--json") json = next();
     else if (a == "--seq") seqs.push_back(std::stoll(next()));
     else if (a == "--non-causal") causal = false;
+    else if (a == "--trace") trace = next();
     else if (a == "--dtype") {
       if (next() != "bf16") {
         fprintf(stderr, "bench: only --dtype bf16 is implemented\n");
@@ -474,7 +493,7 @@ int bench(const std::vector<std::string>& args) {
 #endif
   if (which == "ring_attention") {
     if (seqs.empty()) seqs = {4096, 8192};
-    int rc = bench_ring(comm.get(), seqs, reps, comparable, causal, json);
+    int rc = bench_ring(comm.get(), seqs, reps, comparable, causal, json, trace);
     Status d = comm->destroy();
     if (!d.ok()) {
       fprintf(stderr, "bench: %s\n", d.to_string().c_str());

@@ -21,7 +21,7 @@ void usage() {
       "                       fused ag_gemm / gemm_rs / gemm_ar against cuBLAS + NCCL on the\n"
       "                       local GPUs (under mpirun one rank per process): correctness, ms,\n"
       "                       TFLOP/s, speedups, overlap efficiency\n"
-      "  bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--json FILE]\n"
+      "  bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--json FILE] [--trace PREFIX]\n"
       "                       ring attention (B1 H32 D128, zigzag) against NCCL all-gather +\n"
       "                       attention and a per-step NCCL send/recv ring\n"
       "  version              print the version\n"

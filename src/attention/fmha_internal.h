@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "mkernel/attention/attention.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/ops/fused_device.h"
 
 namespace mk {
@@ -63,7 +64,8 @@ struct FmhaLaunch {
   // advanced by the last CTA.
   ops::FusedHooks hooks{};
   int comm_ctas = 0;
-  bool trace = false;
+  // Non-null: the traced kernel variant records into this buffer (device/trace.h).
+  const TraceBuffer* trace = nullptr;
 };
 
 // Items of one pair: B * H * ceil(q_len / 128).
@@ -75,6 +77,12 @@ Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, 
 
 // Whether launches take items from a counter (tunable attention_dynamic_schedule).
 bool dynamic_schedule();
+
+// The instantiation units (sm90_fmha_d64.cu, sm90_fmha_d128.cu), built with the CUTLASS headers.
+namespace sm90 {
+Status launch_d64(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, int grid);
+Status launch_d128(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, int grid);
+}  // namespace sm90
 
 // CTAs of the persistent grid on this device (one per SM visible to this context).
 Status fmha_ctas(int* out);

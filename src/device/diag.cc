@@ -15,6 +15,7 @@ const char* role_name(Role r) {
     case Role::kController: return "controller";
     case Role::kTest: return "test";
     case Role::kLoad: return "load";
+    case Role::kWait: return "wait";
   }
   return "unknown";
 }

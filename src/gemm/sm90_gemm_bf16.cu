@@ -11,6 +11,7 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
+#include "mkernel/device/trace.cuh"
 #include "mkernel/ops/fused_device.h"
 #include "src/gemm/gemm_internal.h"
 
@@ -123,20 +124,9 @@ struct Params {
   ops::FusedHooks hooks;
 };
 
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t s;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-  return s;
-}
-__device__ __forceinline__ uint64_t timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ uint64_t timer_ns() { return device::trace_now_ns(); }
 __device__ __forceinline__ void trace_item(const Params& p, Role role, int item, uint64_t t0) {
-  const unsigned int i = atomicAdd(p.trace.count, 1u);
-  if (i < p.trace.capacity)
-    p.trace.events[i] = TraceEvent{t0, timer_ns(), sm_id(), blockIdx.x, uint32_t(role), item};
+  device::trace_record(p.trace, role, item, t0);
 }
 
 // Static persistent schedule: CTA b takes tiles b, b + grid, ... Tiles are numbered in groups

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cute/arch/util.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "mkernel/device/command_ring.cuh"
@@ -126,6 +127,86 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
     cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
     if (tid == 0) hook_signals(h, op.sig0, op.nsig, epoch);
   }
+}
+
+// Shared-memory stages for bulk copies (the copy engine of the SM: cp.async.bulk), owned by the
+// one thread that issues them. Many bytes in flight per CTA: a few KiB of plain loads per CTA
+// leave a peer copy latency-bound (about 14 GB/s per CTA seen on the H200, docs/attention.md).
+struct BulkStages {
+  char* smem;          // stages * stage_bytes, 128-byte aligned
+  uint64_t* bars;      // one mbarrier per stage
+  int stages;          // >= 2
+  uint32_t stage_bytes;  // multiple of 16, < 2^20
+  uint32_t phases;     // parity of each stage's next completion (bit s)
+};
+
+// Initializes the stages' mbarriers (one thread; the CTA syncs before any use).
+__device__ __forceinline__ void bulk_stages_init(BulkStages& b) {
+  for (int s = 0; s < b.stages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&b.bars[s], 1);
+  cutlass::arch::fence_barrier_init();
+  b.phases = 0;
+}
+
+// dst[0, bytes) = src[0, bytes) through the stages, by the calling thread alone; both 16-byte
+// aligned, bytes a multiple of 16. @post the writes are complete and ordered before the
+// caller's later generic-proxy release (proxy fence).
+__device__ __forceinline__ void bulk_copy(BulkStages& b, const char* src, char* dst, uint64_t bytes) {
+  const uint64_t sb = b.stage_bytes;
+  const uint64_t n = (bytes + sb - 1) / sb;
+  auto len = [&](uint64_t c) { return uint32_t(min(sb, bytes - c * sb)); };
+  auto load = [&](uint64_t c) {
+    const int s = int(c % uint64_t(b.stages));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&b.bars[s], len(c));
+    const uint32_t bar = cute::cast_smem_ptr_to_uint(&b.bars[s]);
+    const uint32_t dsm = cute::cast_smem_ptr_to_uint(b.smem + s * sb);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dsm), "l"(src + c * sb), "r"(len(c)), "r"(bar) : "memory");
+  };
+  const uint64_t first = min(n, uint64_t(b.stages));
+  for (uint64_t c = 0; c < first; ++c) load(c);
+  for (uint64_t c = 0; c < n; ++c) {
+    const int s = int(c % uint64_t(b.stages));
+    cutlass::arch::ClusterTransactionBarrier::wait(&b.bars[s], (b.phases >> s) & 1u);
+    b.phases ^= 1u << s;
+    const uint32_t ssm = cute::cast_smem_ptr_to_uint(b.smem + s * sb);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + c * sb), "r"(ssm),
+                 "r"(len(c)) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    // Refill the stage the previous store read from, once that store has read it.
+    if (c >= 1 && c - 1 + b.stages < n) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      load(c - 1 + b.stages);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// run_comm_op for a CTA with bulk stages: a one-source, one-destination copy goes through
+// bulk_copy (thread 0); every other op runs as in run_comm_op.
+template <int kThreads, uint32_t kBarrier>
+__device__ __noinline__ void run_comm_op_staged(const FusedHooks& h, int index, int tid, uint64_t epoch,
+                                                BulkStages& b) {
+  const DevOp& op = h.ops[index];
+  if (op.kind != kDevCopy || op.nsrc != 1 || op.ndst != 1 || (op.bytes & 15u)) {
+    run_comm_op<kThreads, kBarrier>(h, index, tid, epoch);
+    return;
+  }
+  if (tid == 0) {
+    hook_waits(h, op.wait0, op.nwait, epoch);
+    auto resolve = [&](uint64_t v) {
+      return (v & kUserPtrBit) ? static_cast<char*>(h.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1))
+                               : reinterpret_cast<char*>(v);
+    };
+    // Sources and destinations are 16-byte aligned: the operators' rows are, and user buffers
+    // are checked by can_implement.
+    bulk_copy(b, resolve(h.ptrs[op.ptr0]), resolve(h.ptrs[op.ptr0 + 1]), op.bytes);
+    if (op.nsig) {
+      __threadfence_system();
+      hook_signals(h, op.sig0, op.nsig, epoch);
+    }
+  }
+  cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
 }
 
 }  // namespace ops

@@ -480,6 +480,8 @@ Status RingAttention::destroy() {
 const RingPlan& RingAttention::plan() const { return st_->plan; }
 int RingAttention::comm_ctas() const { return st_->launch.comm_ctas; }
 int64_t RingAttention::local_tokens() const { return st_->S_l; }
+int RingAttention::work_items() const { return st_->launch.n_items; }
+int RingAttention::comm_ops() const { return st_->launch.hooks.n_ops; }
 size_t RingAttention::block_elems() const {
   return size_t(st_->shape.B) * st_->S_l * st_->shape.Hkv * st_->shape.D;
 }
@@ -546,6 +548,7 @@ Status RingAttention::enqueue(const RingAttentionArgs& a, cudaStream_t stream) {
   attention::FmhaLaunch l = st->launch;
   l.hooks.user[0] = const_cast<void*>(a.k);
   l.hooks.user[1] = const_cast<void*>(a.v);
+  l.trace = a.trace;
   attention::RunConfig cfg;
   cfg.max_ctas = st->opt.max_ctas;
   return attention::run_fmha(f, l, stream, cfg);

@@ -111,12 +111,25 @@ def main():
     if "--quick" in sys.argv:  # a first look: one small case per head dimension
         case(1, 8, 8, 1000, 128, False, "bshd")
         case(1, 8, 8, 1000, 64, True, "bhsd")
+        case(1, 8, 8, 1000, 128, True, "bhsd")
         return 1 if failures else 0
     for B, H, S, D, causal in itertools.product((1, 2), (8, 32), (1000, 4096, 8192), (64, 128), (False, True)):
         for Hkv in sorted({8, H}):
             layout = "bhsd" if n % 2 else "bshd"
             case(B, H, Hkv, S, D, causal, layout)
             n += 1
+    # The static schedule (the grid above ran the default, dynamic one) on tails, GQA, causal
+    # and offsets.
+    for spec in ("0",):
+        os.environ["MK_ATTENTION_DYNAMIC_SCHEDULE"] = spec
+        print(f"# attention_dynamic_schedule = {spec}")
+        case(2, 8, 2, 1000, 128, False, "bshd")
+        case(1, 32, 8, 4096, 128, True, "bhsd")
+        case(1, 8, 8, 2000, 64, True, "bshd")
+        case(2, 8, 2, 777, 128, True, "bhsd", Skv=1500, q_pos0=1500, kv_pos0=800)
+        case(1, 8, 8, 300, 128, False, "bshd", Skv=1000)
+        n += 5
+    os.environ.pop("MK_ATTENTION_DYNAMIC_SCHEDULE", None)
     # Sequence lengths that differ, and causal offsets (the ring's blocks).
     case(1, 8, 8, 300, 128, False, "bshd", Skv=1000)
     case(1, 8, 8, 300, 64, True, "bshd", Skv=1000, q_pos0=700)

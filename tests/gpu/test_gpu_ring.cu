@@ -17,7 +17,10 @@
 #include "mkernel/attention/attention.h"
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "mkernel/device/diag.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/ops/ring_attention.h"
+#include "tests/common/test_util.h"
 #include "tests/gpu/mpi_fixture.h"
 
 namespace mk {
@@ -98,7 +101,10 @@ struct Dev {
 };
 
 // Runs `calls` calls of the ring on fresh data and checks each against the full-sequence kernel.
-void check_ring(const RingAttentionShape& s, int calls, bool graph = false) {
+// trace_name non-null: every call runs the traced kernel, and its timeline must show every work
+// item computed once and every communication op run once (MK_TRACE_OUT=prefix writes the last
+// call's as prefix.<trace_name>.<rank>.json).
+void check_ring(const RingAttentionShape& s, int calls, bool graph = false, const char* trace_name = nullptr) {
   Communicator* comm = shared_comm();
   ASSERT_NE(comm, nullptr);
   const int W = comm->world(), me = comm->rank();
@@ -153,6 +159,13 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false) {
     cudaMemsetAsync(lsel, 0xff, size_t(s.B) * s.H * S_l * 4, stream);  // NaN
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     RingAttentionArgs a{ql, kl, vl, ol, lsel};
+    TraceRecorder rec;
+    if (trace_name) {
+      const int n_items = op->work_items(), n_ops = op->comm_ops();
+      ASSERT_GT(n_items, 0);
+      MK_ASSERT_OK(TraceRecorder::create(uint32_t(64 * (n_items + n_ops) + 4096), &rec));
+      a.trace = rec.device();
+    }
     if (graph && call > 0) {
       if (!exec) {
         cudaGraph_t g;
@@ -189,6 +202,31 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false) {
     EXPECT_EQ(h[0], 0ull) << "rank " << me << " call " << call << ": O elements off";
     EXPECT_EQ(h[1], 0ull) << "rank " << me << " call " << call << ": LSE elements off";
     EXPECT_EQ(h[2], 0ull) << "rank " << me << " call " << call << ": slot elements differ from the owners' K";
+    if (trace_name) {
+      std::vector<TraceEvent> ev;
+      uint64_t dropped = 0;
+      MK_ASSERT_OK(rec.fetch(&ev, &dropped));
+      EXPECT_EQ(dropped, 0u);
+      std::vector<int> computed(op->work_items(), 0), ran(op->comm_ops(), 0);
+      int waits = 0;
+      for (const auto& e : ev) {
+        EXPECT_LE(e.t0_ns, e.t1_ns);
+        if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
+        else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
+        else if (e.role == uint32_t(Role::kWait)) ++waits;
+        else ADD_FAILURE() << "unexpected role " << e.role;
+      }
+      for (size_t i = 0; i < computed.size(); ++i) EXPECT_EQ(computed[i], 1) << "rank " << me << " item " << i;
+      for (size_t i = 0; i < ran.size(); ++i) EXPECT_EQ(ran[i], 1) << "rank " << me << " op " << i;
+      if (me == 0)
+        printf("trace %s: %zu items, %zu ops, %d waits > 5 us on rank 0\n", trace_name, computed.size(), ran.size(),
+               waits);
+      const char* out = getenv("MK_TRACE_OUT");
+      if (out && call + 1 == calls) {
+        const std::string path = std::string(out) + "." + trace_name + "." + std::to_string(me) + ".json";
+        MK_ASSERT_OK(write_chrome_trace(ev, path));
+      }
+    }
     ASSERT_TRUE(comm->bootstrap().barrier().ok());
   }
   if (exec) cudaGraphExecDestroy(exec);
@@ -209,6 +247,10 @@ TEST(Ring, ContiguousCausalD64) {
 }
 TEST(Ring, ZigzagFullGraphReplays) {
   check_ring(RingAttentionShape{2, 8, 8, 64, int64_t(shared_comm()->world()) * 1000, SeqLayout::kZigzag, false}, 6, true);
+}
+TEST(Ring, TracedZigzagCausal) {
+  check_ring(RingAttentionShape{1, 16, 16, 128, int64_t(shared_comm()->world()) * 4096, SeqLayout::kZigzag, true}, 2,
+             false, "ring_zigzag_causal");
 }
 TEST(Ring, BadInputSameErrorEverywhere) {
   Communicator* comm = shared_comm();

@@ -19,6 +19,7 @@ enum class Role : uint32_t {
   kController = 5,
   kTest = 6,
   kLoad = 7,       // the TMA producer of a GEMM
+  kWait = 8,       // a producer waiting for data from a peer (ring attention arrivals)
 };
 const char* role_name(Role r);
 

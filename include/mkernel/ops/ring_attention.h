@@ -23,6 +23,7 @@
 #include <string>
 
 #include "mkernel/common/status.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/ops/ring_plan.h"
 
 namespace mk {
@@ -52,6 +53,11 @@ struct RingAttentionArgs {
   const void* v = nullptr;
   void* o = nullptr;         // [B, S/W, H, D]
   float* lse = nullptr;      // [B, H, S/W] fp32 (natural log), or null
+  // Non-null: the traced kernel records per CTA every work item ("compute", item = index in
+  // the launch's item list), every wait of the producer for a ring block that lasted > 5 us
+  // ("wait"), and every communication op ("comm", or "net-send" for proxy puts; item = op
+  // index). Export with write_chrome_trace (device/trace.h).
+  const TraceBuffer* trace = nullptr;
 };
 
 struct RingState;
@@ -84,6 +90,8 @@ class RingAttention {
   const RingPlan& plan() const;
   int comm_ctas() const;
   int64_t local_tokens() const;
+  int work_items() const;  // items of a call's launch (B * H * 128-row query tiles, per pair)
+  int comm_ops() const;    // ops of this rank's communication program
   size_t block_elems() const;  // elements of one rank's K (or V) block: B * S/W * Hkv * D
   // This rank's K/V slots after a call: [W][B][S/W][Hkv][D] (slot r holds rank r's block once
   // it passed through here). For tests.
