@@ -6,7 +6,7 @@ tensors (mkernel through strided views). Per repetition the two are timed in tur
 events after ~1 s of warm-up; the median of --reps is reported, with TFLOP/s (causal counts the
 visible half) and ratio = SDPA time / mkernel time.
   python3 bench/bench_attention.py [--reps 30] [--json out.json] [--seqs 4096,8192] [--d 128]
-                                   [--variants auto,0]   (auto: the defaults; 0 / 1: static / dynamic schedule)
+                                   [--variants auto,1]   (auto: the defaults; 0 / 1: static / dynamic schedule)
 """
 import argparse
 import json

@@ -75,8 +75,11 @@ constexpr int kTileM = 128;
 // Launches the kernel (checks what can_implement checks for the tensors it is given).
 Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, const RunConfig& cfg);
 
-// Whether launches take items from a counter (tunable attention_dynamic_schedule).
-bool dynamic_schedule();
+// Whether launches take items from a counter (tunable attention_dynamic_schedule: 1 always,
+// 0 never, -1 (default) for the ring's launches only). `ring`: a launch with several pairs and
+// arrival waits. On the H200 the static schedule was 2-4 % faster for single attention calls
+// at S = 4096 and even at 8192 (docs/attention.md).
+bool dynamic_schedule(bool ring);
 
 // The instantiation units (sm90_fmha_d64.cu, sm90_fmha_d128.cu), built with the CUTLASS headers.
 namespace sm90 {

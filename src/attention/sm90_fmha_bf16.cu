@@ -82,7 +82,10 @@ namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 }  // namespace
 
-bool dynamic_schedule() { return tunables::int_or_default("attention_dynamic_schedule") != 0; }
+bool dynamic_schedule(bool ring) {
+  const int64_t v = tunables::int_or_default("attention_dynamic_schedule");
+  return v < 0 ? ring : v != 0;
+}
 
 Status fmha_ctas(int* out) {
   static std::mutex mu;
@@ -183,7 +186,7 @@ Status forward(const ForwardArgs& a, cudaStream_t stream, const RunConfig& cfg) 
   l.single.causal = a.causal ? 1 : 0;
   l.n_pairs = 1;
   l.n_items = pair_items(l.single, a.B, a.H);
-  if (dynamic_schedule()) MK_CHECK(stream_counter(stream, &l.item_counter));
+  if (dynamic_schedule(false)) MK_CHECK(stream_counter(stream, &l.item_counter));
   return run_fmha(a, l, stream, cfg);
 }
 

@@ -372,7 +372,7 @@ Status build_program(RingState* st) {
   h.wait = c->wait_ctx(OpTag::kRingAttention, Role::kComm);
   if (st->proxy) h.ring = st->proxy->ring().view(h.wait.abort);
   l.comm_ctas = ops.empty() ? 0 : st->comm_ctas;
-  if (attention::dynamic_schedule()) {
+  if (attention::dynamic_schedule(true)) {
     // One counter per operator: its calls are stream-ordered.
     void* ctr = nullptr;
     MK_CHECK(dev_alloc(st, sizeof(int), &ctr));
