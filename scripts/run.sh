@@ -18,16 +18,19 @@ if command -v mpirun >/dev/null 2>&1; then
   mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$np" "$build/mkernel" selfcheck
 fi
 # The fused operators' benchmark: a short default sweep of ag_gemm, gemm_rs and gemm_ar
-# (correctness check, then fused vs cuBLAS + NCCL). Needs a GPU; one rank per GPU under mpirun.
+# (correctness check, then fused vs cuBLAS + NCCL), then ring attention (S/rank 4096 and 8192,
+# vs NCCL all-gather + attention and a send/recv ring). Needs a GPU; one rank per GPU under mpirun.
 if nvidia-smi -L >/dev/null 2>&1; then
   echo
   ngpu=$(nvidia-smi -L | wc -l)
   if (( ngpu > 1 )) && command -v mpirun >/dev/null 2>&1; then
     echo "== bench: fused operators, $ngpu ranks (one per GPU)"
     mpirun --allow-run-as-root --bind-to none -np "$ngpu" "$build/mkernel" bench all --reps 10
+    mpirun --allow-run-as-root --bind-to none -np "$ngpu" "$build/mkernel" bench ring_attention --reps 10
   else
     echo "== bench: fused operators, one rank"
     "$build/mkernel" bench all --reps 10
+    "$build/mkernel" bench ring_attention --reps 10
   fi
 else
   echo
