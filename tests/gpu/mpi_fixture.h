@@ -3,7 +3,9 @@
 
 #include <mpi.h>
 
+#include <cstdio>
 #include <memory>
+#include <string>
 
 #include "mkernel/mkernel.h"
 #include "mkernel/runtime/bootstrap_mpi.h"
@@ -28,6 +30,16 @@ inline std::unique_ptr<Communicator>& shared_comm_slot() {
   return comm;
 }
 inline Communicator* shared_comm() { return shared_comm_slot().get(); }
+
+// After enqueueing a call whose peer `silent` stopped taking part: the sync must fail with a
+// bounded-wait timeout that names that rank and the operator.
+inline void expect_silent_rank_named(Communicator* comm, const std::string& op_name, int silent) {
+  Status s = comm->sync(comm->stream());
+  EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+  EXPECT_NE(s.message().find("rank " + std::to_string(silent)), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find(op_name), std::string::npos) << s.to_string();
+  printf("rank %d: %s\n", comm->rank(), s.to_string().c_str());
+}
 
 // Tears the communicator down (collectively) before main() finalizes MPI.
 class CommEnvironment : public ::testing::Environment {
