@@ -31,16 +31,12 @@ def timed(fn):
     return a.elapsed_time(b)
 
 
-VARIANT_ENV = ("MK_ATTENTION_DYNAMIC_SCHEDULE",)
-
-
 def set_variant(spec):
-    """spec: 'auto' (the library's defaults) or 'DYN' (attention_dynamic_schedule: 0 static, 1 dynamic)."""
-    for k in VARIANT_ENV:
-        os.environ.pop(k, None)
-    if spec != "auto":
-        for k, v in zip(VARIANT_ENV, spec.split(":")):
-            os.environ[k] = v
+    """spec: 'auto' (the library's defaults) or the attention_dynamic_schedule value (0 static, 1 dynamic)."""
+    if spec == "auto":
+        os.environ.pop("MK_ATTENTION_DYNAMIC_SCHEDULE", None)
+    else:
+        os.environ["MK_ATTENTION_DYNAMIC_SCHEDULE"] = spec
 
 
 def main():

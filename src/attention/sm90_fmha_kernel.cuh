@@ -143,8 +143,8 @@ struct ItemInfo {
   int b, h, qt;  // batch, head, query tile within the pair's segment
 };
 
-template <class P>
-__device__ __forceinline__ ItemInfo item_info(const P& p, int item) {
+template <int kD>
+__device__ __forceinline__ ItemInfo item_info(const Params<kD>& p, int item) {
   const FmhaPair* pr = &p.single;
   if (p.pairs) {
     int lo = 0;
@@ -502,10 +502,10 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_kernel(__grid_constant__ con
       to_p();
       for (--j; j >= 0; --j) {
         pipe_k.consumer_wait(ck);
-          qk(ck.index());
+        qk(ck.index());
         pipe_v.consumer_wait(cv);
         pv(cv.index());
-          warpgroup_wait<1>();  // S ready; P·V still running
+        warpgroup_wait<1>();  // S ready; P·V still running
         pipe_k.consumer_release(ck);
         ++ck;
         mask(j);

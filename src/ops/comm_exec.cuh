@@ -35,6 +35,12 @@ __device__ __forceinline__ void hook_signals(const FusedHooks& h, uint32_t s0, u
   }
 }
 
+// An op's pointer entry: absolute, or (kUserPtrBit) an offset into caller buffer h.user[k].
+__device__ __forceinline__ char* op_ptr(const FusedHooks& h, uint64_t v) {
+  return (v & kUserPtrBit) ? static_cast<char*>(h.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1))
+                           : reinterpret_cast<char*>(v);
+}
+
 // Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
 __device__ __forceinline__ bool op_ready(const FusedHooks& h, int idx, uint64_t epoch) {
   const DevOp& op = h.ops[idx];
@@ -55,12 +61,7 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
   // Resolve the op's pointers (at most 16; a caller buffer's entry is relative to hooks.user).
   void* ptr[16];
   const uint32_t np = min(op.nsrc + op.ndst, 16u);
-  for (uint32_t k = 0; k < np; ++k) {
-    const uint64_t v = h.ptrs[op.ptr0 + k];
-    ptr[k] = (v & kUserPtrBit)
-                 ? static_cast<void*>(static_cast<char*>(h.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1)))
-                 : reinterpret_cast<void*>(v);
-  }
+  for (uint32_t k = 0; k < np; ++k) ptr[k] = op_ptr(h, h.ptrs[op.ptr0 + k]);
   switch (op.kind) {
     case kDevCopy: {
       const int4* src = static_cast<const int4*>(ptr[0]);
@@ -194,13 +195,9 @@ __device__ __noinline__ void run_comm_op_staged(const FusedHooks& h, int index, 
   }
   if (tid == 0) {
     hook_waits(h, op.wait0, op.nwait, epoch);
-    auto resolve = [&](uint64_t v) {
-      return (v & kUserPtrBit) ? static_cast<char*>(h.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1))
-                               : reinterpret_cast<char*>(v);
-    };
     // Sources and destinations are 16-byte aligned: the operators' rows are, and user buffers
     // are checked by can_implement.
-    bulk_copy(b, resolve(h.ptrs[op.ptr0]), resolve(h.ptrs[op.ptr0 + 1]), op.bytes);
+    bulk_copy(b, op_ptr(h, h.ptrs[op.ptr0]), op_ptr(h, h.ptrs[op.ptr0 + 1]), op.bytes);
     if (op.nsig) {
       __threadfence_system();
       hook_signals(h, op.sig0, op.nsig, epoch);

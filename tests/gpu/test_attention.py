@@ -120,15 +120,14 @@ def main():
             n += 1
     # The dynamic schedule (the grid above ran the default, static one for single calls) on
     # tails, GQA, causal and offsets.
-    for spec in ("1",):
-        os.environ["MK_ATTENTION_DYNAMIC_SCHEDULE"] = spec
-        print(f"# attention_dynamic_schedule = {spec}")
-        case(2, 8, 2, 1000, 128, False, "bshd")
-        case(1, 32, 8, 4096, 128, True, "bhsd")
-        case(1, 8, 8, 2000, 64, True, "bshd")
-        case(2, 8, 2, 777, 128, True, "bhsd", Skv=1500, q_pos0=1500, kv_pos0=800)
-        case(1, 8, 8, 300, 128, False, "bshd", Skv=1000)
-        n += 5
+    os.environ["MK_ATTENTION_DYNAMIC_SCHEDULE"] = "1"
+    print("# attention_dynamic_schedule = 1")
+    case(2, 8, 2, 1000, 128, False, "bshd")
+    case(1, 32, 8, 4096, 128, True, "bhsd")
+    case(1, 8, 8, 2000, 64, True, "bshd")
+    case(2, 8, 2, 777, 128, True, "bhsd", Skv=1500, q_pos0=1500, kv_pos0=800)
+    case(1, 8, 8, 300, 128, False, "bshd", Skv=1000)
+    n += 5
     os.environ.pop("MK_ATTENTION_DYNAMIC_SCHEDULE", None)
     # Sequence lengths that differ, and causal offsets (the ring's blocks).
     case(1, 8, 8, 300, 128, False, "bshd", Skv=1000)
