@@ -1,4 +1,5 @@
 // mkernel — command line entry: `mkernel doctor`, `mkernel selfcheck`, `mkernel bench`.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -7,6 +8,86 @@
 
 #include "mkernel/mkernel.h"
 #include "tools/cli.h"
+
+namespace mk {
+namespace cli {
+
+std::string ArgReader::next() {
+  const std::string& a = args_[i_++];
+  has_inline_ = false;
+  inline_.clear();
+  opt_ = a;
+  const size_t eq = a.find('=');
+  if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
+    opt_ = a.substr(0, eq);
+    inline_ = a.substr(eq + 1);
+    has_inline_ = true;
+  }
+  return opt_;
+}
+
+bool ArgReader::fail(const std::string& msg) {
+  if (err_.empty()) err_ = msg;
+  return false;
+}
+
+bool ArgReader::value(std::string* v) {
+  if (has_inline_) {
+    has_inline_ = false;
+    if (inline_.empty()) return fail(opt_ + ": missing value (" + opt_ + "= is empty)");
+    *v = inline_;
+    return true;
+  }
+  if (done()) return fail(opt_ + ": missing value at the end of the line");
+  const std::string& a = args_[i_];
+  if (a.empty()) return fail(opt_ + ": missing value (empty argument)");
+  if (a.rfind("--", 0) == 0) return fail(opt_ + ": missing value (next is the option '" + a + "')");
+  *v = a;
+  ++i_;
+  return true;
+}
+
+bool ArgReader::int_value(int64_t lo, int64_t hi, int64_t* out) {
+  std::string v;
+  if (!value(&v)) return false;
+  const std::string range = "(" + std::to_string(lo) + ".." + std::to_string(hi) + ")";
+  const char* s = v.c_str();
+  // strtoll accepts leading blanks and a '+'; an option value is digits with an optional '-'.
+  const char* d = s[0] == '-' ? s + 1 : s;
+  if (*d < '0' || *d > '9') return fail(opt_ + " '" + v + "': not an integer");
+  errno = 0;
+  char* end = nullptr;
+  const long long x = strtoll(s, &end, 10);
+  if (*end != '\0') return fail(opt_ + " '" + v + "': not an integer (trailing '" + std::string(end) + "')");
+  if (errno == ERANGE) return fail(opt_ + " '" + v + "': out of range " + range);
+  if (x < 0 && lo >= 0) return fail(opt_ + " '" + v + "': must not be negative " + range);
+  if (x == 0 && lo > 0) return fail(opt_ + " '" + v + "': must be at least " + std::to_string(lo) + " " + range);
+  if (x < lo || x > hi) return fail(opt_ + " '" + v + "': out of range " + range);
+  *out = x;
+  return true;
+}
+
+bool ArgReader::int_value(int lo, int hi, int* out) {
+  int64_t x = 0;
+  if (!int_value(int64_t(lo), int64_t(hi), &x)) return false;
+  *out = int(x);
+  return true;
+}
+
+bool ArgReader::no_value() {
+  if (!has_inline_) return true;
+  return fail(opt_ + " takes no value (got '" + opt_ + "=" + inline_ + "')");
+}
+
+int launch_rank() {
+  const char* vars[] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"};
+  for (const char* v : vars)
+    if (const char* s = getenv(v)) return atoi(s);
+  return -1;
+}
+
+}  // namespace cli
+}  // namespace mk
 
 namespace {
 void usage() {
@@ -17,13 +98,17 @@ void usage() {
       "  selfcheck [--ranks N] [--timeout-ms T]\n"
       "                       bootstrap, topology, symmetric memory and signals on the local\n"
       "                       GPUs; under mpirun one rank per process, else N threads\n"
-      "  bench <op|all> [--m M --n N --k K] [--reps R] [--json FILE]\n"
+      "  bench <ag_gemm|gemm_rs|gemm_ar|all> [--m M] [--n N] [--k K] [--reps R] [--warmup U] [--json FILE]\n"
       "                       fused ag_gemm / gemm_rs / gemm_ar against cuBLAS + NCCL on the\n"
-      "                       local GPUs (under mpirun one rank per process): correctness, ms,\n"
-      "                       TFLOP/s, speedups, overlap efficiency\n"
-      "  bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--json FILE] [--trace PREFIX]\n"
+      "                       local GPUs (under mpirun one rank per process): a bit-exact check\n"
+      "                       (\"check: ... ok\"), ms, TFLOP/s, speedups and, where ranks\n"
+      "                       communicate (W > 1), the overlap efficiency. Without --m/--n/--k a\n"
+      "                       default sweep; a dimension left out is 4096\n"
+      "  bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]\n"
+      "                       [--trace PREFIX]\n"
       "                       ring attention (B1 H32 D128, zigzag) against NCCL all-gather +\n"
       "                       attention and a per-step NCCL send/recv ring\n"
+      "                       (defaults: --reps 20 --warmup 3; options also as --name=value)\n"
       "  version              print the version\n"
       "Tunables: see `mkernel doctor`; set MK_<NAME> in the environment.\n");
 }
@@ -36,6 +121,11 @@ int main(int argc, char** argv) {
   }
   std::string cmd = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
+  for (const std::string& a : args)
+    if (a == "--help" || a == "-h") {
+      usage();
+      return 0;
+    }
   if (cmd == "doctor") return mk::cli::doctor(args);
   if (cmd == "selfcheck") {
     // Ranks as threads share one CUDA context and wait on each other's kernels: give every

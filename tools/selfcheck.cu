@@ -82,42 +82,84 @@ Status check_bootstrap(Bootstrap& bs, double* barrier_us) {
   return OkStatus();
 }
 
+// Synchronizes the stream and checks the communicator's health: a device wait that gave up lets
+// its kernel finish, and only comm.check() (its decoded record) says so. When both fail, the
+// record comes first: it names the culprit, the CUDA error is what followed.
+Status synced(Communicator& comm) {
+  const Status s = comm.sync(comm.stream());
+  const Status c = comm.check();
+  if (c.ok()) return s;
+  if (s.ok()) return c;
+  if (s.message().find(c.message()) != std::string::npos) return s;
+  return Status(c.code(), c.message() + " (then: " + s.to_string() + ")");
+}
+
+// Every rank passes the outcome of a step it ran on its own and gets the same result (the first
+// failing rank's error), so all ranks leave by the same path and no rank waits in a collective
+// for one that left. A failing rank prints its own whole message (agree() carries ~250 chars).
+Status agreed(Communicator& comm, const Status& mine, const char* what) {
+  if (!mine.ok()) SAY("rank %d: %s: %s\n", comm.rank(), what, mine.to_string().c_str());
+  return agree(comm.bootstrap(), mine, what);
+}
+
 Status check_gpu(Communicator& comm, int64_t timeout_ms) {
   const size_t n = (1u << 20) / 4 + 13;  // not a multiple of anything convenient
   SymmetricBuffer* buf = nullptr;
   MK_CHECK(comm.heap().alloc(n * 4, &buf));
-  fill_kernel<<<132, 256, 0, comm.stream()>>>(static_cast<uint32_t*>(buf->local()), n, comm.rank());
-  MK_CHECK(comm.sync(comm.stream()));
-  MK_CHECK(comm.bootstrap().barrier());
-  unsigned long long* bad = nullptr;
-  MK_CUDA_CHECK(cudaMalloc(&bad, sizeof(*bad)));
-  MK_CUDA_CHECK(cudaMemset(bad, 0, sizeof(*bad)));
-  check_kernel<<<132, 256, 0, comm.stream()>>>(buf->view(), n, bad);
-  MK_CHECK(comm.sync(comm.stream()));
-  unsigned long long h = 0;
-  MK_CUDA_CHECK(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
-  cudaFree(bad);
-  int mapped = static_cast<int>(comm.topology().mapped_ranks().size());
-  MK_REQUIRE(h == 0, Code::kInternal, "rank %d read %llu wrong words from its %d mapped ranks",
-             comm.rank(), h, mapped);
+  Status s = [&]() -> Status {
+    fill_kernel<<<132, 256, 0, comm.stream()>>>(static_cast<uint32_t*>(buf->local()), n, comm.rank());
+    MK_CUDA_CHECK(cudaGetLastError());
+    return synced(comm);
+  }();
+  // Every rank's copy is written before any rank reads it.
+  MK_CHECK(agreed(comm, s, "selfcheck: filling symmetric memory"));
+  const int mapped = static_cast<int>(comm.topology().mapped_ranks().size());
+  s = [&]() -> Status {
+    unsigned long long* bad = nullptr;
+    MK_CUDA_CHECK(cudaMalloc(&bad, sizeof(*bad)));
+    unsigned long long h = 0;
+    Status r = [&]() -> Status {
+      MK_CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), comm.stream()));
+      check_kernel<<<132, 256, 0, comm.stream()>>>(buf->view(), n, bad);
+      MK_CUDA_CHECK(cudaGetLastError());
+      MK_CHECK(synced(comm));
+      MK_CUDA_CHECK(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
+      return OkStatus();
+    }();
+    cudaFree(bad);
+    MK_CHECK(r);
+    MK_REQUIRE(h == 0, Code::kInternal, "rank %d read %llu wrong words from its %d mapped ranks", comm.rank(), h,
+               mapped);
+    return OkStatus();
+  }();
+  MK_CHECK(agreed(comm, s, "selfcheck: reading the mapped ranks' copies"));
   SAY("rank %d: symmetric memory (%s): read %d mapped ranks' copies (%zu words each): ok\n",
       comm.rank(), symmetric_mode_name(buf->mode()), mapped, n);
 
   SymmetricBuffer* flags = nullptr;
   MK_CHECK(comm.alloc_signals(comm.world(), &flags));
   const int iters = 200;
-  cudaEvent_t e0, e1;
-  MK_CUDA_CHECK(cudaEventCreate(&e0));
-  MK_CUDA_CHECK(cudaEventCreate(&e1));
-  MK_CUDA_CHECK(cudaEventRecord(e0, comm.stream()));
-  exchange_kernel<<<1, 1, 0, comm.stream()>>>(flags->signal_view(),
-                                              comm.wait_ctx(OpTag::kSelfCheck, Role::kTest, timeout_ms), iters);
-  MK_CUDA_CHECK(cudaEventRecord(e1, comm.stream()));
-  MK_CHECK(comm.sync(comm.stream()));
   float ms = 0;
-  MK_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  s = [&]() -> Status {
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    Status r = [&]() -> Status {
+      MK_CUDA_CHECK(cudaEventCreate(&e0));
+      MK_CUDA_CHECK(cudaEventCreate(&e1));
+      MK_CUDA_CHECK(cudaEventRecord(e0, comm.stream()));
+      exchange_kernel<<<1, 1, 0, comm.stream()>>>(flags->signal_view(),
+                                                  comm.wait_ctx(OpTag::kSelfCheck, Role::kTest, timeout_ms), iters);
+      MK_CUDA_CHECK(cudaGetLastError());
+      MK_CUDA_CHECK(cudaEventRecord(e1, comm.stream()));
+      // A flag that never came: the wait gives up, the kernel finishes, check() names the peer.
+      MK_CHECK(synced(comm));
+      MK_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      return OkStatus();
+    }();
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    return r;
+  }();
+  MK_CHECK(agreed(comm, s, "selfcheck: signal exchange"));
   SAY("rank %d: signals: %d rounds of flag exchange with %d mapped peer(s): ok, %.2f us per round\n",
       comm.rank(), iters, mapped - 1, ms * 1000.0 / iters);
   MK_CHECK(comm.heap().free(flags));
@@ -151,6 +193,9 @@ int run_rank(std::unique_ptr<Bootstrap> bs, int64_t timeout_ms, bool* skipped_gp
   s = check_gpu(*comm, timeout_ms);
   if (!s.ok()) {
     SAY("rank %d: GPU checks: FAILED: %s\n", R, s.to_string().c_str());
+    // The failure was agreed: every rank tears down here, together.
+    Status d = comm->destroy();
+    if (!d.ok()) SAY("rank %d: teardown: FAILED: %s\n", R, d.to_string().c_str());
     return 1;
   }
   s = comm->destroy();
@@ -166,13 +211,18 @@ int run_rank(std::unique_ptr<Bootstrap> bs, int64_t timeout_ms, bool* skipped_gp
 int selfcheck(const std::vector<std::string>& args) {
   int ranks = 0;
   int64_t timeout_ms = 5000;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--ranks" && i + 1 < args.size()) ranks = std::stoi(args[++i]);
-    else if (args[i] == "--timeout-ms" && i + 1 < args.size()) timeout_ms = std::stoll(args[++i]);
-    else {
-      fprintf(stderr, "selfcheck: unknown option %s\n", args[i].c_str());
-      return 2;
-    }
+  // Arguments first, before any collective or GPU work (every rank gets the same argv).
+  ArgReader ar(args);
+  bool ok = true;
+  while (ok && !ar.done()) {
+    const std::string a = ar.next();
+    if (a == "--ranks") ok = ar.int_value(1, 1024, &ranks);
+    else if (a == "--timeout-ms") ok = ar.int_value(int64_t(1), int64_t(24) * 3600 * 1000, &timeout_ms);
+    else ok = ar.fail("unknown option '" + a + "'");
+  }
+  if (!ok) {
+    if (launch_rank() <= 0) fprintf(stderr, "mkernel selfcheck: %s\n", ar.error().c_str());
+    return 2;
   }
   bool skipped = false;
   if (launched_by_mpi() && have_mpi()) {
