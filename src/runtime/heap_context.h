@@ -1,6 +1,7 @@
 // What the symmetric heap borrows from its communicator (private).
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "mkernel/runtime/bootstrap.h"
@@ -15,6 +16,9 @@ struct HeapContext {
   const Topology* topo = nullptr;
   IpcServer* ipc = nullptr;  // null when no peer is reached through IPC
   IpcSecret secret{};
+  // [world] each rank's IPC socket name, exchanged through the bootstrap; "" for a rank that
+  // runs no IPC server. ipc_fetch_fd connects to these names only.
+  std::vector<std::string> ipc_names;
   int device = -1;           // -1: no GPU
   SymmetricMode requested = SymmetricMode::kAuto;
   std::vector<int> process_devices;  // devices of the same-process ranks of this node (incl. own)

@@ -9,7 +9,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "mkernel/common/check.h"
@@ -71,6 +73,18 @@ bool send_reply(int conn, Code code, int fd) {
   return k == static_cast<ssize_t>(sizeof(rep));
 }
 
+// n bytes from getrandom(2) (blocking until the pool is initialized, as at boot).
+Status random_fill(uint8_t* buf, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t k = getrandom(buf + got, n - got, 0);
+    if (k < 0 && errno == EINTR) continue;
+    MK_SYS_CHECK(k);
+    got += static_cast<size_t>(k);
+  }
+  return OkStatus();
+}
+
 std::string hex(const uint8_t* p, size_t n) {
   static const char* d = "0123456789abcdef";
   std::string s;
@@ -88,46 +102,95 @@ sockaddr_un ipc_abstract_addr(const std::string& name, socklen_t* len) {
   memset(&a, 0, sizeof(a));
   a.sun_family = AF_UNIX;
   // Abstract namespace: sun_path[0] = '\0', the name follows, no terminator.
-  memcpy(a.sun_path + 1, name.data(), name.size());
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  const size_t n = std::min(name.size(), kIpcMaxNameLength);
+  memcpy(a.sun_path + 1, name.data(), n);
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
   return a;
 }
 
 Status make_ipc_secret(IpcSecret* out) {
-  uint8_t buf[48];
-  size_t got = 0;
-  while (got < sizeof(buf)) {
-    ssize_t k = getrandom(buf + got, sizeof(buf) - got, 0);
-    if (k < 0 && errno == EINTR) continue;
-    MK_SYS_CHECK(k);
-    got += static_cast<size_t>(k);
-  }
-  memcpy(out->job_id.data(), buf, 16);
-  memcpy(out->token.data(), buf + 16, 32);
+  MK_CHECK(random_fill(out->token.data(), out->token.size()));
   return OkStatus();
 }
 
-std::string ipc_socket_name(const IpcSecret& s, int rank) {
-  return "mkernel-" + hex(s.job_id.data(), s.job_id.size()) + "-" + std::to_string(rank);
+Status draw_ipc_socket_name(std::string* out) {
+  uint8_t r[kIpcNameRandomBytes];
+  MK_CHECK(random_fill(r, sizeof(r)));
+  *out = kIpcNamePrefix + hex(r, sizeof(r));
+  return OkStatus();
+}
+
+bool is_ipc_socket_name(const std::string& name) {
+  const size_t p = sizeof(kIpcNamePrefix) - 1;
+  if (name.size() != kIpcNameLength || name.compare(0, p, kIpcNamePrefix) != 0) return false;
+  for (size_t i = p; i < name.size(); ++i)
+    if (!((name[i] >= '0' && name[i] <= '9') || (name[i] >= 'a' && name[i] <= 'f'))) return false;
+  return true;
+}
+
+IpcNameRecord ipc_name_record(const std::string& name) {
+  IpcNameRecord r;
+  memset(&r, 0, sizeof(r));
+  memcpy(r.name, name.data(), std::min(name.size(), sizeof(r.name) - 1));
+  return r;
+}
+
+Status ipc_name_from_record(const IpcNameRecord& rec, int rank, std::string* out) {
+  out->clear();
+  const char* end = static_cast<const char*>(memchr(rec.name, '\0', sizeof(rec.name)));
+  MK_REQUIRE(end, Code::kInvalidArgument, "rank %d's IPC socket name is not terminated", rank);
+  for (const char* p = end; p < rec.name + sizeof(rec.name); ++p)
+    MK_REQUIRE(*p == '\0', Code::kInvalidArgument,
+               "rank %d's IPC socket name record has bytes after its terminator", rank);
+  std::string name(rec.name, end);
+  MK_REQUIRE(name.empty() || is_ipc_socket_name(name), Code::kInvalidArgument,
+             "rank %d's IPC socket name is malformed (%zu characters, expected %s + %zu hex "
+             "digits)",
+             rank, name.size(), kIpcNamePrefix, 2 * kIpcNameRandomBytes);
+  *out = std::move(name);
+  return OkStatus();
 }
 
 Status IpcServer::create(const IpcSecret& secret, int rank, std::unique_ptr<IpcServer>* out) {
+  return create(secret, rank, draw_ipc_socket_name, out);
+}
+
+Status IpcServer::create(const IpcSecret& secret, int rank, const NameSource& draw,
+                         std::unique_ptr<IpcServer>* out) {
   std::unique_ptr<IpcServer> s(new IpcServer());
   s->secret_ = secret;
   s->rank_ = rank;
-  s->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  MK_SYS_CHECK(s->listen_fd_);
-  socklen_t len;
-  std::string name = ipc_socket_name(secret, rank);
-  sockaddr_un a = ipc_abstract_addr(name, &len);
-  if (bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&a), len) < 0)
-    return make_status(Code::kSystemError, "rank %d: cannot bind IPC socket @%s: %s", rank,
-                       name.c_str(), strerror(errno));
+  std::string tried;
+  for (int attempt = 0;; ++attempt) {
+    std::string name;
+    MK_CHECK(draw(&name));
+    MK_REQUIRE(!name.empty() && name.size() <= kIpcMaxNameLength, Code::kInvalidArgument,
+               "rank %d: IPC socket name of %zu characters (1 to %zu)", rank, name.size(),
+               kIpcMaxNameLength);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    MK_SYS_CHECK(fd);
+    socklen_t len;
+    sockaddr_un a = ipc_abstract_addr(name, &len);
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), len) == 0) {
+      s->listen_fd_ = fd;
+      s->name_ = name;
+      break;
+    }
+    const int err = errno;
+    close(fd);
+    tried += (tried.empty() ? "@" : ", @") + name;
+    // Only a name someone else holds is worth another draw; anything else would fail again.
+    if (err != EADDRINUSE || attempt + 1 >= kIpcBindAttempts)
+      return make_status(Code::kSystemError, "rank %d: cannot bind an IPC socket (tried %s): %s",
+                         rank, tried.c_str(), strerror(err));
+    MK_WARN(kSubsysMem, "rank %d: IPC socket name @%s is already in use; drawing another", rank,
+            name.c_str());
+  }
   MK_SYS_CHECK(listen(s->listen_fd_, 128));
   s->wake_fd_ = eventfd(0, EFD_CLOEXEC);
   MK_SYS_CHECK(s->wake_fd_);
   s->thread_ = std::thread([p = s.get()] { p->loop(); });
-  MK_INFO(kSubsysMem, "rank %d: IPC server listening on @%s", rank, name.c_str());
+  MK_INFO(kSubsysMem, "rank %d: IPC server listening on @%s", rank, s->name_.c_str());
   *out = std::move(s);
   return OkStatus();
 }
@@ -150,7 +213,10 @@ void IpcServer::shutdown() {
 
 Status IpcServer::publish(uint64_t id, int fd) {
   int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-  MK_SYS_CHECK(d);
+  if (d < 0)
+    return make_status(Code::kSystemError,
+                       "rank %d: IPC server: cannot keep a copy of allocation %llu's descriptor: %s",
+                       rank_, static_cast<unsigned long long>(id), strerror(errno));
   std::lock_guard<std::mutex> g(mu_);
   auto it = fds_.find(id);
   if (it != fds_.end()) close(it->second);
@@ -236,9 +302,14 @@ void IpcServer::serve(int conn) {
             static_cast<unsigned long long>(req.id));
 }
 
-Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
-                    int64_t timeout_ms, int* fd_out) {
+Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, const std::string& peer_name,
+                    uint64_t id, int64_t timeout_ms, int* fd_out) {
   *fd_out = -1;
+  MK_REQUIRE(!peer_name.empty(), Code::kInvalidArgument,
+             "rank %d: rank %d has no IPC socket name (it runs no IPC server)", my_rank, peer);
+  MK_REQUIRE(peer_name.size() <= kIpcMaxNameLength, Code::kInvalidArgument,
+             "rank %d: rank %d's IPC socket name has %zu characters (at most %zu)", my_rank, peer,
+             peer_name.size(), kIpcMaxNameLength);
   if (timeout_ms <= 0) timeout_ms = tunables::int_or_default("ipc_timeout_ms");
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   MK_SYS_CHECK(s);
@@ -248,11 +319,10 @@ Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, uint64_t id,
   } closer{s};
   set_timeouts(s, timeout_ms);
   socklen_t len;
-  std::string name = ipc_socket_name(secret, peer);
-  sockaddr_un a = ipc_abstract_addr(name, &len);
+  sockaddr_un a = ipc_abstract_addr(peer_name, &len);
   if (connect(s, reinterpret_cast<sockaddr*>(&a), len) < 0)
     return make_status(Code::kSystemError, "rank %d: cannot reach rank %d's IPC socket @%s: %s",
-                       my_rank, peer, name.c_str(), strerror(errno));
+                       my_rank, peer, peer_name.c_str(), strerror(errno));
   ucred cred;
   socklen_t clen = sizeof(cred);
   MK_SYS_CHECK(getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &clen));

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -41,8 +43,9 @@ struct AllocRequest {
   int32_t mode;      // requested SymmetricMode
   int32_t has_gpu;
   int32_t vmm_ok;    // device supports VMM with POSIX-FD export
-  int32_t pad;
+  int32_t vmm_lack;  // VmmLack: why not, when vmm_ok == 0
 };
+static_assert(sizeof(AllocRequest) == 24, "AllocRequest travels through the bootstrap");
 
 // What each rank publishes per allocation once its own copy exists.
 struct Exchange {
@@ -53,17 +56,50 @@ struct Exchange {
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-Status vmm_supported(int device, bool* ok) {
-  *ok = false;
+// Why a rank cannot take part in VMM peer mapping (0: it can).
+enum VmmLack : int32_t {
+  kVmmAvailable = 0,
+  kVmmNoDriverApi = 1,   // the driver's VMM entry points could not be loaded
+  kVmmQueryFailed = 2,   // cuDeviceGet / cuDeviceGetAttribute failed
+  kVmmUnsupported = 3,   // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0
+  kVmmNoPosixFd = 4,     // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0
+};
+
+const char* vmm_lack_text(int32_t why) {
+  switch (why) {
+    case kVmmNoDriverApi: return "the CUDA driver's VMM entry points could not be loaded";
+    case kVmmQueryFailed: return "querying the device's VMM attributes failed";
+    case kVmmUnsupported: return "the GPU does not support CUDA VMM";
+    case kVmmNoPosixFd: return "the GPU cannot export VMM memory as a POSIX file descriptor";
+  }
+  return "unknown reason";
+}
+
+int32_t vmm_lack(int device) {
   const CudaDriver* d = nullptr;
-  if (!cuda_driver(&d).ok()) return OkStatus();
+  if (!cuda_driver(&d).ok()) return kVmmNoDriverApi;
   CUdevice dev;
-  MK_CU_CHECK(d->cuDeviceGet(&dev, device));
   int vmm = 0, fd = 0;
-  MK_CU_CHECK(d->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev));
-  MK_CU_CHECK(d->cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev));
-  *ok = vmm && fd;
-  return OkStatus();
+  if (d->cuDeviceGet(&dev, device) != CUDA_SUCCESS ||
+      d->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) != CUDA_SUCCESS ||
+      d->cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev) != CUDA_SUCCESS)
+    return kVmmQueryFailed;
+  if (!vmm) return kVmmUnsupported;
+  if (!fd) return kVmmNoPosixFd;
+  return kVmmAvailable;
+}
+
+// "rank(s) 1, 3: <why>; rank(s) 2: <why>" for the ranks that lack VMM peer mapping.
+std::string vmm_lack_list(const std::vector<AllocRequest>& reqs) {
+  std::map<int32_t, std::vector<int>> by_why;
+  for (size_t r = 0; r < reqs.size(); ++r)
+    if (!reqs[r].vmm_ok) by_why[reqs[r].vmm_lack].push_back(static_cast<int>(r));
+  std::string out;
+  for (const auto& kv : by_why) {
+    if (!out.empty()) out += "; ";
+    out += "rank(s) " + detail::rank_list(kv.second) + ": " + vmm_lack_text(kv.first);
+  }
+  return out;
 }
 
 std::string size_list(const std::vector<AllocRequest>& reqs) {
@@ -79,6 +115,8 @@ std::string size_list(const std::vector<AllocRequest>& reqs) {
 }  // namespace
 
 SymmetricHeap::SymmetricHeap(HeapContext* ctx) : ctx_(ctx) {}
+
+SymmetricMode SymmetricHeap::requested_mode() const { return ctx_->requested; }
 
 SymmetricHeap::~SymmetricHeap() { (void)destroy(); }
 
@@ -103,10 +141,9 @@ Status SymmetricHeap::alloc(size_t bytes, SymmetricBuffer** out) {
   mine.mode = static_cast<int32_t>(ctx_->requested);
   mine.has_gpu = ctx_->device >= 0;
   if (mine.has_gpu) {
-    bool ok = false;
     MK_CUDA_CHECK(cudaSetDevice(ctx_->device));
-    Status s = vmm_supported(ctx_->device, &ok);
-    mine.vmm_ok = s.ok() && ok;
+    mine.vmm_lack = vmm_lack(ctx_->device);
+    mine.vmm_ok = mine.vmm_lack == kVmmAvailable;
   }
   std::vector<AllocRequest> reqs(world);
   MK_CHECK(bs.allgather(&mine, reqs.data(), sizeof(mine)));
@@ -134,15 +171,26 @@ Status SymmetricHeap::alloc(size_t bytes, SymmetricBuffer** out) {
     return make_status(Code::kNotSupported, "symmetric alloc: no GPU on rank(s) %s",
                        detail::rank_list(nogpu).c_str());
 
+  // The mode is chosen once, at the first allocation (the same on every rank: from gathered
+  // data). Every way auto ends up without VMM is a fallback: WARN, and kept in
+  // fallback_reason() for the communicator's users and `mkernel doctor`.
   if (mode_ == SymmetricMode::kAuto) {
     SymmetricMode want = static_cast<SymmetricMode>(reqs[0].mode);
-    if (want == SymmetricMode::kAuto) want = all_vmm ? SymmetricMode::kVmm : SymmetricMode::kIpc;
     if (want == SymmetricMode::kVmm && !all_vmm)
       return make_status(Code::kNotSupported,
-                         "symmetric alloc: symmem_mode=vmm but a GPU lacks VMM with POSIX-FD "
-                         "export; use symmem_mode=auto or ipc");
+                         "symmetric alloc: symmem_mode=vmm but VMM peer mapping is not available "
+                         "(%s); use symmem_mode=auto or ipc",
+                         vmm_lack_list(reqs).c_str());
+    if (want == SymmetricMode::kAuto && !all_vmm) {
+      want = SymmetricMode::kIpc;
+      fallback_reason_ = "VMM peer mapping is not available (" + vmm_lack_list(reqs) + ")";
+      MK_WARN(kSubsysMem, "symmetric heap: %s; falling back to cudaIpc", fallback_reason_.c_str());
+    } else if (want == SymmetricMode::kAuto) {
+      want = SymmetricMode::kVmm;
+    }
     mode_ = want;
-    MK_INFO(kSubsysMem, "symmetric heap: peer mapping through %s", symmetric_mode_name(mode_));
+    MK_INFO(kSubsysMem, "symmetric heap: peer mapping through %s (symmem_mode=%s)",
+            symmetric_mode_name(mode_), symmetric_mode_name(ctx_->requested));
   }
 
   auto b = std::make_unique<SymmetricBuffer>();
@@ -155,9 +203,11 @@ Status SymmetricHeap::alloc(size_t bytes, SymmetricBuffer** out) {
   if (!s.ok() && mode_ == SymmetricMode::kVmm &&
       static_cast<SymmetricMode>(reqs[0].mode) == SymmetricMode::kAuto &&
       s.code() != Code::kOutOfMemory && s.code() != Code::kTimeout) {
-    // VMM export/import can be refused (container policies, MPS setups): fall back once.
-    MK_WARN(kSubsysMem, "symmetric heap: VMM peer mapping failed (%s); falling back to cudaIpc",
-            s.message().c_str());
+    // VMM export/import can be refused (container policies, MPS setups): fall back once, for
+    // this and every later allocation (the error is agreed, so every rank falls back).
+    fallback_reason_ = "VMM peer mapping failed at allocation #" + std::to_string(b->id_) +
+                       " (" + s.message() + ")";
+    MK_WARN(kSubsysMem, "symmetric heap: %s; falling back to cudaIpc", fallback_reason_.c_str());
     mode_ = SymmetricMode::kIpc;
     b->id_ = next_id_++;
     s = alloc_mode(bytes, mode_, b.get(), &local_err);
@@ -299,7 +349,9 @@ Status SymmetricHeap::map_peers(SymmetricBuffer* b, Status* local_err) {
         case PeerPath::kIpc:
           if (b->mode_ == SymmetricMode::kVmm) {
             int fd = -1;
-            MK_CHECK(ipc_fetch_fd(ctx_->secret, rank, r, b->id_, tmo, &fd));
+            const std::string& name =
+                static_cast<size_t>(r) < ctx_->ipc_names.size() ? ctx_->ipc_names[r] : std::string();
+            MK_CHECK(ipc_fetch_fd(ctx_->secret, rank, r, name, b->id_, tmo, &fd));
             CUmemGenericAllocationHandle h;
             CUresult cr = d->cuMemImportFromShareableHandle(
                 &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),

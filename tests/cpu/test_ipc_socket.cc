@@ -1,5 +1,6 @@
-// CPU tests of the node-local fd exchange (src/runtime/ipc_socket.h): secrets, publishing a
-// memfd, fetching it back, and the refusals (wrong token, foreign uid, retracted id).
+// CPU tests of the node-local fd exchange (src/runtime/ipc_socket.h): secrets, random socket
+// names (unpredictable, exchanged, never computed), publishing a memfd, fetching it back, and
+// the refusals (wrong token, foreign uid, retracted id, squatters).
 #include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
@@ -11,6 +12,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <bitset>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -67,6 +70,48 @@ size_t count_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) 
   return d;
 }
 
+std::string to_hex(const uint8_t* p, size_t n) {
+  std::string s;
+  char b[3];
+  for (size_t i = 0; i < n; ++i) {
+    snprintf(b, sizeof(b), "%02x", p[i]);
+    s += b;
+  }
+  return s;
+}
+
+// The 128 random bits of a drawn name (its hex digits after the prefix).
+std::bitset<128> name_bits(const std::string& name) {
+  std::bitset<128> bits;
+  const size_t p = sizeof(kIpcNamePrefix) - 1;
+  for (size_t i = 0; i < 32; ++i) {
+    const char c = name[p + i];
+    const int v = c <= '9' ? c - '0' : c - 'a' + 10;
+    for (int k = 0; k < 4; ++k)
+      if (v & (1 << k)) bits.set(i * 4 + k);
+  }
+  return bits;
+}
+
+// A listening socket bound to `name` in the abstract namespace (a squatter); -1 if taken.
+int bind_listener(const std::string& name) {
+  int l = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (l < 0) return -1;
+  socklen_t len;
+  sockaddr_un a = ipc_abstract_addr(name, &len);
+  if (bind(l, reinterpret_cast<sockaddr*>(&a), len) != 0 || listen(l, 4) != 0) {
+    close(l);
+    return -1;
+  }
+  return l;
+}
+
+// True if a connection is waiting on listening socket l.
+bool has_pending_connection(int l) {
+  pollfd pf{l, POLLIN, 0};
+  return poll(&pf, 1, 0) == 1;
+}
+
 // Waits (bounded) until counter() reaches want: the server thread counts asynchronously.
 template <class F>
 uint64_t wait_for_count(F counter, uint64_t want, int ms = 2000) {
@@ -107,42 +152,156 @@ class IpcSocket : public ::testing::Test {
 };
 
 TEST(IpcSecretTest, SecretsAreRandomAndDistinct) {
-  std::set<std::string> ids, tokens;
+  std::set<std::string> tokens;
   for (int i = 0; i < 16; ++i) {
     IpcSecret s;
     memset(&s, 0, sizeof(s));
     MK_ASSERT_OK(make_ipc_secret(&s));
-    std::string id(s.job_id.begin(), s.job_id.end());
     std::string tok(s.token.begin(), s.token.end());
-    EXPECT_NE(id, std::string(16, '\0'));
     EXPECT_NE(tok, std::string(32, '\0'));
-    EXPECT_TRUE(ids.insert(id).second) << "job id repeated";
     EXPECT_TRUE(tokens.insert(tok).second) << "token repeated";
-    EXPECT_NE(id, tok.substr(0, 16));
   }
 }
 
-TEST(IpcSecretTest, SocketNameHasJobIdAndRank) {
-  IpcSecret s;
-  MK_ASSERT_OK(make_ipc_secret(&s));
-  std::string hex;
-  char b[3];
-  for (uint8_t x : s.job_id) {
-    snprintf(b, sizeof(b), "%02x", x);
-    hex += b;
+TEST(IpcNameTest, DrawnNamesAreWellFormedAndDistinct) {
+  std::set<std::string> names;
+  for (int i = 0; i < 256; ++i) {
+    std::string n;
+    MK_ASSERT_OK(draw_ipc_socket_name(&n));
+    EXPECT_EQ(n.size(), kIpcNameLength);
+    EXPECT_EQ(n.rfind(kIpcNamePrefix, 0), 0u) << n;
+    EXPECT_TRUE(is_ipc_socket_name(n)) << n;
+    EXPECT_TRUE(names.insert(n).second) << "name repeated: " << n;
   }
-  EXPECT_EQ(ipc_socket_name(s, 7), "mkernel-" + hex + "-7");
-  EXPECT_NE(ipc_socket_name(s, 7), ipc_socket_name(s, 8));
-  IpcSecret t;
-  MK_ASSERT_OK(make_ipc_secret(&t));
-  EXPECT_NE(ipc_socket_name(s, 0), ipc_socket_name(t, 0));
-  // The name must not reveal the token.
-  std::string tokhex;
-  for (uint8_t x : s.token) {
-    snprintf(b, sizeof(b), "%02x", x);
-    tokhex += b;
+  EXPECT_GE(kIpcNameRandomBytes * 8, 128u);
+  for (const char* bad : {"", "mkernel-", "mkernel-0123", "mkernel-0123456789abcdef0123456789ABCDEF",
+                          "mkernel-0123456789abcdef0123456789abcdeg",
+                          "mkernel-0123456789abcdef0123456789abcdef0",
+                          "xkernel-0123456789abcdef0123456789abcdef"})
+    EXPECT_FALSE(is_ipc_socket_name(bad)) << bad;
+  EXPECT_TRUE(is_ipc_socket_name("mkernel-0123456789abcdef0123456789abcdef"));
+}
+
+// Servers of the same job and the same rank still draw their own names.
+TEST_F(IpcSocket, NamesDifferPerServerEvenForSameSecretAndRank) {
+  std::vector<std::unique_ptr<IpcServer>> servers;
+  std::set<std::string> names{server_->name()};
+  EXPECT_TRUE(is_ipc_socket_name(server_->name())) << server_->name();
+  for (int i = 0; i < 8; ++i) {
+    std::unique_ptr<IpcServer> s;
+    MK_ASSERT_OK(IpcServer::create(secret_, rank_, &s));
+    EXPECT_TRUE(is_ipc_socket_name(s->name())) << s->name();
+    EXPECT_TRUE(names.insert(s->name()).second) << "name repeated: " << s->name();
+    servers.push_back(std::move(s));
   }
-  EXPECT_EQ(ipc_socket_name(s, 0).find(tokhex.substr(0, 8)), std::string::npos);
+  // Each name reaches its own server: an id published on one is unknown to the others.
+  auto bytes = random_bytes(99);
+  int fd = make_memfd(bytes);
+  ASSERT_GE(fd, 0);
+  MK_ASSERT_OK(servers[3]->publish(77, fd));
+  int got = -1;
+  MK_ASSERT_OK(ipc_fetch_fd(secret_, 0, rank_, servers[3]->name(), 77, kFetchTimeoutMs, &got));
+  EXPECT_EQ(count_diff(read_all(got), bytes), 0u);
+  close(got);
+  Status s = ipc_fetch_fd(secret_, 0, rank_, servers[4]->name(), 77, kFetchTimeoutMs, &got);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(got, -1);
+  close(fd);
+}
+
+// A name carries neither the job's token nor the rank: nothing a name reveals helps anyone.
+TEST(IpcNameTest, NameRevealsNeitherTokenNorRank) {
+  for (int i = 0; i < 8; ++i) {
+    IpcSecret secret;
+    MK_ASSERT_OK(make_ipc_secret(&secret));
+    const int rank = 10 * i + 7;
+    std::unique_ptr<IpcServer> s;
+    MK_ASSERT_OK(IpcServer::create(secret, rank, &s));
+    const std::string& name = s->name();
+    ASSERT_TRUE(is_ipc_socket_name(name)) << name;  // prefix + hex digits, nothing else
+    // No 4-byte window of the token, in hex, appears in the name.
+    const std::string tokhex = to_hex(secret.token.data(), secret.token.size());
+    for (size_t k = 0; k + 8 <= tokhex.size(); k += 2)
+      EXPECT_EQ(name.find(tokhex.substr(k, 8)), std::string::npos) << name << " vs token " << tokhex;
+    // Not the old "<prefix><id>-<rank>" form: no separator after the prefix, no rank suffix.
+    EXPECT_EQ(name.find('-', sizeof(kIpcNamePrefix) - 1), std::string::npos) << name;
+  }
+}
+
+// No name follows from another: consecutive servers (ranks r, r+1, same job) and repeated
+// draws share no structure. The random parts of two names differ in about 64 of 128 bits
+// (at most 16 or at least 112 has probability < 1e-18 per pair), consecutive differences
+// are not a constant step, and the bits are balanced.
+TEST(IpcNameTest, NoNameIsDerivableFromAnother) {
+  IpcSecret secret;
+  MK_ASSERT_OK(make_ipc_secret(&secret));
+  std::vector<std::unique_ptr<IpcServer>> servers;
+  std::vector<std::bitset<128>> bits;
+  for (int r = 0; r < 32; ++r) {
+    std::unique_ptr<IpcServer> s;
+    MK_ASSERT_OK(IpcServer::create(secret, r, &s));
+    bits.push_back(name_bits(s->name()));
+    servers.push_back(std::move(s));
+  }
+  for (int i = 0; i < 32; ++i) {
+    std::string n;
+    MK_ASSERT_OK(draw_ipc_socket_name(&n));
+    bits.push_back(name_bits(n));
+  }
+  size_t ones = 0;
+  std::set<std::string> steps;
+  for (size_t i = 0; i < bits.size(); ++i) {
+    ones += bits[i].count();
+    for (size_t j = i + 1; j < bits.size(); ++j) {
+      const size_t d = (bits[i] ^ bits[j]).count();
+      EXPECT_GT(d, 16u) << "names " << i << " and " << j << " differ in only " << d << " bits";
+      EXPECT_LT(d, 112u) << "names " << i << " and " << j << " are near complements";
+    }
+    if (i + 1 < bits.size()) steps.insert((bits[i] ^ bits[i + 1]).to_string());
+  }
+  EXPECT_EQ(steps.size(), bits.size() - 1) << "two consecutive pairs differ by the same step";
+  // 64 names x 128 bits: 4096 ones expected, sigma 45; allow 7 sigma.
+  EXPECT_GT(ones, 4096u - 320u);
+  EXPECT_LT(ones, 4096u + 320u);
+}
+
+TEST(IpcNameTest, RecordsRoundTripAndRejectMalformed) {
+  std::string n, back;
+  MK_ASSERT_OK(draw_ipc_socket_name(&n));
+  IpcNameRecord rec = ipc_name_record(n);
+  MK_ASSERT_OK(ipc_name_from_record(rec, 3, &back));
+  EXPECT_EQ(back, n);
+  for (size_t i = n.size(); i < sizeof(rec.name); ++i) EXPECT_EQ(rec.name[i], '\0');
+  // No server: an all-zero record, read back as "".
+  rec = ipc_name_record("");
+  back = "x";
+  MK_ASSERT_OK(ipc_name_from_record(rec, 3, &back));
+  EXPECT_EQ(back, "");
+
+  auto expect_bad = [](const IpcNameRecord& r, const char* what) {
+    std::string out = "x";
+    Status s = ipc_name_from_record(r, 5, &out);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << what << ": " << s.to_string();
+    EXPECT_NE(s.message().find("rank 5"), std::string::npos) << s.message();
+    EXPECT_EQ(out, "") << what;
+  };
+  IpcNameRecord bad = ipc_name_record(n);
+  memset(bad.name, 'a', sizeof(bad.name));
+  expect_bad(bad, "no terminator");
+  bad = ipc_name_record(n);
+  bad.name[sizeof(bad.name) - 1] = 'z';
+  expect_bad(bad, "bytes after the terminator");
+  bad = ipc_name_record(n);
+  bad.name[0] = 'x';
+  expect_bad(bad, "wrong prefix");
+  bad = ipc_name_record(n);
+  bad.name[kIpcNameLength - 1] = 'G';
+  expect_bad(bad, "not a hex digit");
+  bad = ipc_name_record(n);
+  bad.name[kIpcNameLength - 1] = '\0';
+  expect_bad(bad, "too short");
+  bad = ipc_name_record(n + "-3");
+  expect_bad(bad, "old-style rank suffix");
 }
 
 TEST_F(IpcSocket, PublishAndFetchReturnsSameFile) {
@@ -162,7 +321,7 @@ TEST_F(IpcSocket, PublishAndFetchReturnsSameFile) {
   for (int i = 0; i < 3; ++i) {
     SCOPED_TRACE("allocation " + std::to_string(i));
     int got = -1;
-    MK_ASSERT_OK(ipc_fetch_fd(secret_, rank_ + 1, rank_, ids[i], kFetchTimeoutMs, &got));
+    MK_ASSERT_OK(ipc_fetch_fd(secret_, rank_ + 1, rank_, server_->name(), ids[i], kFetchTimeoutMs, &got));
     ASSERT_GE(got, 0);
     if (i < 2) {
       EXPECT_NE(got, fds[i]);
@@ -198,13 +357,13 @@ TEST_F(IpcSocket, RepublishReplacesAndRetractRemoves) {
   MK_ASSERT_OK(server_->publish(id, fa));
   MK_ASSERT_OK(server_->publish(id, fb));  // replaces
   int got = -1;
-  MK_ASSERT_OK(ipc_fetch_fd(secret_, 0, rank_, id, kFetchTimeoutMs, &got));
+  MK_ASSERT_OK(ipc_fetch_fd(secret_, 0, rank_, server_->name(), id, kFetchTimeoutMs, &got));
   EXPECT_EQ(count_diff(read_all(got), second), 0u);
   close(got);
 
   server_->retract(id);
   got = 12345;
-  Status s = ipc_fetch_fd(secret_, 0, rank_, id, kFetchTimeoutMs, &got);
+  Status s = ipc_fetch_fd(secret_, 0, rank_, server_->name(), id, kFetchTimeoutMs, &got);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.code(), Code::kTimeout) << s.to_string();
   EXPECT_EQ(got, -1);
@@ -221,7 +380,7 @@ TEST_F(IpcSocket, UnknownIdIsAnError) {
   const uint64_t id = rng_();
   MK_ASSERT_OK(server_->publish(id, fd));
   int got = 777;
-  Status s = ipc_fetch_fd(secret_, 3, rank_, id + 1, kFetchTimeoutMs, &got);
+  Status s = ipc_fetch_fd(secret_, 3, rank_, server_->name(), id + 1, kFetchTimeoutMs, &got);
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
   EXPECT_EQ(got, -1);
@@ -242,7 +401,7 @@ TEST_F(IpcSocket, WrongTokenIsRefused) {
     const size_t pos = rng_() % wrong.token.size();
     wrong.token[pos] ^= static_cast<uint8_t>(1u << (rng_() % 8));  // one bit off
     int got = 555;
-    Status s = ipc_fetch_fd(wrong, 1, rank_, id, kFetchTimeoutMs, &got);
+    Status s = ipc_fetch_fd(wrong, 1, rank_, server_->name(), id, kFetchTimeoutMs, &got);
     EXPECT_EQ(s.code(), Code::kPermissionDenied) << s.to_string();
     EXPECT_EQ(got, -1);
     EXPECT_EQ(wait_for_count([&] { return server_->refused(); }, i + 1), static_cast<uint64_t>(i + 1));
@@ -250,24 +409,38 @@ TEST_F(IpcSocket, WrongTokenIsRefused) {
   EXPECT_EQ(server_->served(), 0u);
   // The right token still works afterwards.
   int got = -1;
-  MK_ASSERT_OK(ipc_fetch_fd(secret_, 1, rank_, id, kFetchTimeoutMs, &got));
+  MK_ASSERT_OK(ipc_fetch_fd(secret_, 1, rank_, server_->name(), id, kFetchTimeoutMs, &got));
   EXPECT_EQ(count_diff(read_all(got), bytes), 0u);
   close(got);
   close(fd);
 }
 
-TEST_F(IpcSocket, WrongJobIdCannotReachServer) {
-  IpcSecret other;
-  MK_ASSERT_OK(make_ipc_secret(&other));
-  other.token = secret_.token;  // right token, wrong job id: another socket name
+// The right token is no use without the name: a name nobody bound, or no name, reaches nothing.
+TEST_F(IpcSocket, WrongOrMissingNameCannotReachServer) {
+  auto bytes = random_bytes(64);
+  int fd = make_memfd(bytes);
+  ASSERT_GE(fd, 0);
+  MK_ASSERT_OK(server_->publish(1, fd));
+  std::string other;
+  MK_ASSERT_OK(draw_ipc_socket_name(&other));
+  ASSERT_NE(other, server_->name());
   int got = 1;
-  Status s = ipc_fetch_fd(other, 0, rank_, 1, kFetchTimeoutMs, &got);
-  EXPECT_FALSE(s.ok());
+  Status s = ipc_fetch_fd(secret_, 0, rank_, other, 1, kFetchTimeoutMs, &got);
+  EXPECT_EQ(s.code(), Code::kSystemError) << s.to_string();
   EXPECT_EQ(got, -1);
-  // And the right job id with a rank that has no server.
-  s = ipc_fetch_fd(secret_, 0, rank_ + 100000, 1, kFetchTimeoutMs, &got);
-  EXPECT_FALSE(s.ok());
-  EXPECT_NE(s.message().find(std::to_string(rank_ + 100000)), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("rank " + std::to_string(rank_)), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(other), std::string::npos) << s.message();
+  // A rank that runs no server has no name: a clear error, not a connect to "@".
+  got = 1;
+  s = ipc_fetch_fd(secret_, 0, rank_ + 1, "", 1, kFetchTimeoutMs, &got);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(got, -1);
+  EXPECT_NE(s.message().find("rank " + std::to_string(rank_ + 1)), std::string::npos) << s.message();
+  s = ipc_fetch_fd(secret_, 0, rank_, std::string(kIpcMaxNameLength + 1, 'a'), 1, kFetchTimeoutMs, &got);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(server_->served(), 0u);
+  EXPECT_EQ(server_->refused(), 0u);
+  close(fd);
 }
 
 // A client running under another uid presents the RIGHT secret and must get nothing.
@@ -286,7 +459,7 @@ TEST_F(IpcSocket, ForeignUidClientIsRefused) {
   if (pid == 0) {
     if (!drop_to_nobody()) _exit(3);
     int got = -1;
-    Status s = ipc_fetch_fd(secret_, 9, rank_, id, kFetchTimeoutMs, &got);
+    Status s = ipc_fetch_fd(secret_, 9, rank_, server_->name(), id, kFetchTimeoutMs, &got);
     if (s.ok() || got >= 0) _exit(1);
     _exit(s.code() == Code::kPermissionDenied ? 0 : 2);
   }
@@ -323,7 +496,7 @@ TEST_F(IpcSocket, ForeignUidIpcRequestGetsNoFd) {
     timeval tv{1, 0};
     setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     socklen_t len;
-    sockaddr_un a = ipc_abstract_addr(ipc_socket_name(secret_, rank_), &len);
+    sockaddr_un a = ipc_abstract_addr(server_->name(), &len);
     if (connect(s, reinterpret_cast<sockaddr*>(&a), len) != 0) _exit(5);
     IpcRequest req;
     memset(&req, 0, sizeof(req));
@@ -357,13 +530,16 @@ TEST_F(IpcSocket, ForeignUidIpcRequestGetsNoFd) {
   close(fd);
 }
 
-// A squatter on the name under another uid that would hand an fd to anyone: the client must
-// refuse it, and must not even send it the job token.
+// A squatter under another uid on a name the client will use (a name seen in /proc/net/unix
+// whose server has gone) that would hand an fd to anyone: the client must refuse it, and must
+// not even send it the job token.
 TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to switch a child process to uid 65534";
   IpcSecret secret;
   MK_ASSERT_OK(make_ipc_secret(&secret));
   const int rank = 3;
+  std::string name;
+  MK_ASSERT_OK(draw_ipc_socket_name(&name));
   int ready[2];
   ASSERT_EQ(pipe(ready), 0);
   fflush(nullptr);
@@ -374,7 +550,7 @@ TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
     if (!drop_to_nobody()) _exit(3);
     int l = socket(AF_UNIX, SOCK_STREAM, 0);
     socklen_t len;
-    sockaddr_un a = ipc_abstract_addr(ipc_socket_name(secret, rank), &len);
+    sockaddr_un a = ipc_abstract_addr(name, &len);
     if (l < 0 || bind(l, reinterpret_cast<sockaddr*>(&a), len) != 0 || listen(l, 4) != 0) _exit(4);
     int bait = memfd_create("bait", 0);
     char c = 1;
@@ -419,7 +595,7 @@ TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
   ASSERT_EQ(read(ready[0], &c, 1), 1) << "child could not bind the name";
   close(ready[0]);
   int got = -1;
-  Status s = ipc_fetch_fd(secret, 0, rank, 42, kFetchTimeoutMs, &got);
+  Status s = ipc_fetch_fd(secret, 0, rank, name, 42, kFetchTimeoutMs, &got);
   EXPECT_EQ(s.code(), Code::kPermissionDenied) << s.to_string();
   EXPECT_EQ(got, -1);
   if (got >= 0) close(got);
@@ -430,26 +606,127 @@ TEST(IpcSocketSquatter, ClientRefusesForeignUidServerAndKeepsToken) {
                                     "3-7: child setup failed";
 }
 
-TEST_F(IpcSocket, SecondServerOnSameNameFails) {
+// Someone who saw one rank's name binds every name the old scheme ("mkernel-<job id>-<rank>")
+// or a simple derivation would give the job's other ranks, before they start: the ranks bind
+// names of their own, the exchanged names reach the real servers, and no connection ever
+// reaches the squatter.
+TEST_F(IpcSocket, SquatterOnGuessedNamesGetsNothing) {
+  const std::string seen = server_->name();
+  const std::string id = seen.substr(sizeof(kIpcNamePrefix) - 1);
+  std::vector<std::string> guesses;
+  for (int r = 0; r < 8; ++r) {
+    guesses.push_back(kIpcNamePrefix + id + "-" + std::to_string(rank_ + r));  // old style
+    guesses.push_back(std::string(kIpcNamePrefix) + "-" + std::to_string(rank_ + r));
+  }
+  std::string next = seen;  // the seen name with its last digits stepped
+  for (int k = 1; k <= 8; ++k) {
+    next.back() = "0123456789abcdef"[(std::string("0123456789abcdef").find(seen.back()) + k) % 16];
+    guesses.push_back(next);
+  }
+  std::vector<int> squats;
+  for (const auto& g : guesses) {
+    int l = bind_listener(g);
+    ASSERT_GE(l, 0) << "could not squat " << g;
+    squats.push_back(l);
+  }
+  // The job's other ranks start now.
+  std::vector<std::unique_ptr<IpcServer>> ranks;
+  std::vector<int> fds;
+  std::vector<std::vector<uint8_t>> contents;
+  for (int r = 1; r < 8; ++r) {
+    std::unique_ptr<IpcServer> s;
+    MK_ASSERT_OK(IpcServer::create(secret_, rank_ + r, &s));
+    EXPECT_EQ(std::find(guesses.begin(), guesses.end(), s->name()), guesses.end()) << s->name();
+    contents.push_back(random_bytes(100 + r));
+    fds.push_back(make_memfd(contents.back()));
+    ASSERT_GE(fds.back(), 0);
+    MK_ASSERT_OK(s->publish(1000 + r, fds.back()));
+    ranks.push_back(std::move(s));
+  }
+  // Every fetch through an exchanged name gets that rank's own file.
+  for (int r = 1; r < 8; ++r) {
+    int got = -1;
+    MK_ASSERT_OK(ipc_fetch_fd(secret_, rank_, rank_ + r, ranks[r - 1]->name(), 1000 + r,
+                              kFetchTimeoutMs, &got));
+    EXPECT_EQ(count_diff(read_all(got), contents[r - 1]), 0u);
+    close(got);
+  }
+  for (size_t i = 0; i < squats.size(); ++i) {
+    EXPECT_FALSE(has_pending_connection(squats[i])) << "a connection reached " << guesses[i];
+    close(squats[i]);
+  }
+  for (int fd : fds) close(fd);
+}
+
+// A name that is taken (by anyone) is not fatal: the server draws another.
+TEST_F(IpcSocket, BindDrawsAnotherNameWhenTaken) {
+  int draws = 0;
+  const std::string taken = server_->name();
+  auto source = [&](std::string* out) -> Status {
+    if (draws++ == 0) {
+      *out = taken;
+      return OkStatus();
+    }
+    return draw_ipc_socket_name(out);
+  };
+  std::unique_ptr<IpcServer> second;
+  MK_ASSERT_OK(IpcServer::create(secret_, rank_, source, &second));
+  EXPECT_EQ(draws, 2);
+  EXPECT_NE(second->name(), taken);
+  EXPECT_TRUE(is_ipc_socket_name(second->name()));
+  // Both serve, each its own.
+  auto a = random_bytes(333), b = random_bytes(444);
+  int fa = make_memfd(a), fb = make_memfd(b);
+  ASSERT_GE(fa, 0);
+  ASSERT_GE(fb, 0);
+  MK_ASSERT_OK(server_->publish(5, fa));
+  MK_ASSERT_OK(second->publish(5, fb));
+  int got = -1;
+  MK_ASSERT_OK(ipc_fetch_fd(secret_, 0, rank_, server_->name(), 5, kFetchTimeoutMs, &got));
+  EXPECT_EQ(count_diff(read_all(got), a), 0u);
+  close(got);
+  MK_ASSERT_OK(ipc_fetch_fd(secret_, 0, rank_, second->name(), 5, kFetchTimeoutMs, &got));
+  EXPECT_EQ(count_diff(read_all(got), b), 0u);
+  close(got);
+  close(fa);
+  close(fb);
+}
+
+// Only a bounded number of draws: a source that only yields taken names fails, naming them.
+TEST_F(IpcSocket, BindGivesUpAfterBoundedDraws) {
+  int draws = 0;
+  auto source = [&](std::string* out) -> Status {
+    ++draws;
+    *out = server_->name();
+    return OkStatus();
+  };
   std::unique_ptr<IpcServer> dup;
-  Status s = IpcServer::create(secret_, rank_, &dup);
-  EXPECT_FALSE(s.ok());
+  Status s = IpcServer::create(secret_, rank_, source, &dup);
   EXPECT_EQ(s.code(), Code::kSystemError) << s.to_string();
   EXPECT_EQ(dup, nullptr);
-  EXPECT_NE(s.message().find(ipc_socket_name(secret_, rank_)), std::string::npos) << s.message();
+  EXPECT_EQ(draws, kIpcBindAttempts);
+  EXPECT_NE(s.message().find(server_->name()), std::string::npos) << s.message();
+  // A failing draw is passed through, and a name that cannot be an address is refused.
+  auto failing = [](std::string*) { return make_status(Code::kSystemError, "no entropy"); };
+  s = IpcServer::create(secret_, rank_, failing, &dup);
+  EXPECT_NE(s.message().find("no entropy"), std::string::npos) << s.to_string();
+  auto too_long = [](std::string* out) {
+    *out = std::string(kIpcMaxNameLength + 1, 'a');
+    return OkStatus();
+  };
+  s = IpcServer::create(secret_, rank_, too_long, &dup);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(dup, nullptr);
   // The first server is unaffected.
-  auto bytes = random_bytes(333);
+  auto bytes = random_bytes(50);
   int fd = make_memfd(bytes);
   ASSERT_GE(fd, 0);
-  MK_ASSERT_OK(server_->publish(5, fd));
+  MK_ASSERT_OK(server_->publish(6, fd));
   int got = -1;
-  MK_ASSERT_OK(ipc_fetch_fd(secret_, 0, rank_, 5, kFetchTimeoutMs, &got));
+  MK_ASSERT_OK(ipc_fetch_fd(secret_, 0, rank_, server_->name(), 6, kFetchTimeoutMs, &got));
   EXPECT_EQ(count_diff(read_all(got), bytes), 0u);
   close(got);
   close(fd);
-  // Another rank under the same secret is a different name and binds fine.
-  std::unique_ptr<IpcServer> other;
-  MK_EXPECT_OK(IpcServer::create(secret_, rank_ + 1, &other));
 }
 
 TEST_F(IpcSocket, ShutdownIsIdempotentAndStopsServing) {
@@ -461,13 +738,25 @@ TEST_F(IpcSocket, ShutdownIsIdempotentAndStopsServing) {
   server_->shutdown();
   int got = 4;
   auto t0 = std::chrono::steady_clock::now();
-  Status s = ipc_fetch_fd(secret_, 0, rank_, 8, kFetchTimeoutMs, &got);
+  Status s = ipc_fetch_fd(secret_, 0, rank_, server_->name(), 8, kFetchTimeoutMs, &got);
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(got, -1);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(kFetchTimeoutMs + 500));
-  // The name is free again once shut down.
+  // The name is free again once shut down: a server drawing it binds it at the first try.
+  const std::string old_name = server_->name();
+  int draws = 0;
   std::unique_ptr<IpcServer> again;
-  MK_EXPECT_OK(IpcServer::create(secret_, rank_, &again));
+  MK_EXPECT_OK(IpcServer::create(secret_, rank_,
+                                 [&](std::string* out) {
+                                   ++draws;
+                                   *out = old_name;
+                                   return OkStatus();
+                                 },
+                                 &again));
+  EXPECT_EQ(draws, 1);
+  if (again) {
+    EXPECT_EQ(again->name(), old_name);
+  }
   server_.reset();  // destructor after shutdown: still safe
   close(fd);
 }

@@ -2,7 +2,8 @@
 // mapped into the address space of every rank on its node.
 //
 // Intra-node mapping: CUDA VMM (cuMemCreate, exported as a POSIX file descriptor and handed
-// to peers over the job's private Unix-domain socket) or, as fallback, cudaIpc handles.
+// to peers over the job's private Unix-domain socket) or, as fallback, cudaIpc handles; a
+// fallback is never silent (WARN, fallback_reason(), `mkernel doctor`).
 // Ranks of one process share plain pointers. Ranks on other nodes are never mapped.
 //
 // alloc and free are collective (every rank, same order). Bad input — zero size, sizes that
@@ -12,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "mkernel/common/status.h"
@@ -74,7 +76,15 @@ class SymmetricHeap {
   // Frees every live buffer, newest first. Collective, idempotent.
   Status destroy();
 
+  // How peers' copies are mapped: kAuto until the first alloc chooses (the same on every
+  // rank), then kVmm or kIpc. A later alloc can still move kVmm to kIpc (see fallback_reason).
   SymmetricMode mode() const { return mode_; }
+  // What was asked for (tunable symmem_mode or CommConfig::symmem_mode): kAuto, kVmm or kIpc.
+  SymmetricMode requested_mode() const;
+  // Why symmem_mode=auto ended up on cudaIpc instead of VMM — VMM not available on some
+  // rank's GPU or driver (named), or VMM export/import refused at an allocation (its error) —
+  // or "" when it did not. Every fallback is also logged at WARN on every rank.
+  const std::string& fallback_reason() const { return fallback_reason_; }
   size_t live_buffers() const;
 
  private:
@@ -86,6 +96,7 @@ class SymmetricHeap {
 
   HeapContext* ctx_;
   SymmetricMode mode_ = SymmetricMode::kAuto;
+  std::string fallback_reason_;
   uint64_t next_id_ = 1;
   std::vector<std::unique_ptr<SymmetricBuffer>> buffers_;
   bool destroyed_ = false;
