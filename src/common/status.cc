@@ -1,6 +1,8 @@
 #include "mkernel/common/status.h"
 
 #include <cerrno>
+#include <chrono>
+#include <thread>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -8,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
 
 namespace mk {
@@ -71,4 +74,22 @@ Status errno_status(int err, const char* expr, const char* file, int line) {
 }
 
 }  // namespace detail
+
+Status sync_stream_bounded(cudaStream_t stream, int64_t timeout_ms, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return OkStatus();
+    if (e != cudaErrorNotReady) {
+      cudaGetLastError();
+      return make_status(e == cudaErrorMemoryAllocation ? Code::kOutOfMemory : Code::kCudaError,
+                         "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    if (std::chrono::steady_clock::now() > deadline)
+      return make_status(Code::kTimeout, "%s: the work on its stream did not finish within %lld ms",
+                         what, static_cast<long long>(timeout_ms));
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 }  // namespace mk

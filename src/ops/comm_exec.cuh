@@ -18,7 +18,8 @@
 namespace mk {
 namespace ops {
 
-// Waits [w0, w0 + n) of the hook pool, by one thread (acquire at system scope).
+// Waits [w0, w0 + n) of the hook pool, by one thread (acquire at system scope). A wait that
+// gives up (bound or abort) lets the rest go on without waiting: the kernel runs to its end.
 // kProducer: called from the producer warp (40 registers), whose waits inline their cold path.
 template <bool kProducer = false>
 __device__ __forceinline__ void hook_waits(const FusedHooks& h, uint32_t w0, uint32_t n, uint64_t epoch) {
@@ -27,7 +28,10 @@ __device__ __forceinline__ void hook_waits(const FusedHooks& h, uint32_t w0, uin
     if (w.mul) device::wait_ge<kProducer>(h.wait, w.flag, w.mul * epoch, w.peer, w.index);
   }
 }
+// Raises nothing once a wait of this rank failed (device::wait_failed): a flag never vouches
+// for data computed past a failed wait.
 __device__ __forceinline__ void hook_signals(const FusedHooks& h, uint32_t s0, uint32_t n, uint64_t epoch) {
+  if (n == 0 || device::wait_failed(h.wait)) return;
   for (uint32_t i = 0; i < n; ++i) {
     const DevSignal& g = h.signals[s0 + i];
     if (g.add) device::signal_add(g.flag, g.value);
@@ -51,6 +55,31 @@ __device__ __forceinline__ bool op_ready(const FusedHooks& h, int idx, uint64_t 
   return true;
 }
 
+// dsts[d][0, bytes) = src[0, bytes) for d < ndst, by kThreads threads; 16-byte aligned, bytes a
+// multiple of 16. Plain vector loads and stores: also for pinned host memory (staged network).
+template <int kThreads>
+__device__ __forceinline__ void copy_words(const void* src_, void* const* dsts, uint32_t ndst, uint64_t bytes,
+                                           int tid) {
+  const int4* src = static_cast<const int4*>(src_);
+  const uint64_t n = bytes / 16;
+  constexpr int kU = 4;
+  uint64_t j = tid;
+  for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
+    int4 v[kU];
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kU; ++u) v[u] = src[j + u * kThreads];
+    for (uint32_t d = 0; d < ndst; ++d) {
+      int4* dst = static_cast<int4*>(dsts[d]);
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < kU; ++u) dst[j + u * kThreads] = v[u];
+    }
+  }
+  for (; j < n; j += kThreads) {
+    const int4 v = src[j];
+    for (uint32_t d = 0; d < ndst; ++d) static_cast<int4*>(dsts[d])[j] = v;
+  }
+}
+
 // One op of the communication program, run by kThreads threads (tid 0..kThreads-1) of a CTA that
 // meet on named barrier kBarrier.
 template <int kThreads, uint32_t kBarrier>
@@ -63,27 +92,9 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
   const uint32_t np = min(op.nsrc + op.ndst, 16u);
   for (uint32_t k = 0; k < np; ++k) ptr[k] = op_ptr(h, h.ptrs[op.ptr0 + k]);
   switch (op.kind) {
-    case kDevCopy: {
-      const int4* src = static_cast<const int4*>(ptr[0]);
-      const uint64_t n = op.bytes / 16;
-      constexpr int kU = 4;
-      uint64_t j = tid;
-      for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
-        int4 v[kU];
-        CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < kU; ++u) v[u] = src[j + u * kThreads];
-        for (uint32_t d = 0; d < op.ndst; ++d) {
-          int4* dst = static_cast<int4*>(ptr[op.nsrc + d]);
-          CUTLASS_PRAGMA_UNROLL
-          for (int u = 0; u < kU; ++u) dst[j + u * kThreads] = v[u];
-        }
-      }
-      for (; j < n; j += kThreads) {
-        const int4 v = src[j];
-        for (uint32_t d = 0; d < op.ndst; ++d) static_cast<int4*>(ptr[op.nsrc + d])[j] = v;
-      }
+    case kDevCopy:
+      copy_words<kThreads>(ptr[0], ptr + op.nsrc, op.ndst, op.bytes, tid);
       break;
-    }
     case kDevZero: {
       const uint64_t n = op.bytes / 16;
       const int4 z = make_int4(0, 0, 0, 0);
@@ -115,6 +126,12 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
     }
     case kDevNetPut:
       // Its waits (taken above) made the source final; the proxy reads it after the push.
+      // Staged: the CTA first copies it into the host mirror the proxy sends from.
+      if (op.nsrc == 1 && op.ndst == 1) {
+        copy_words<kThreads>(ptr[0], ptr + 1, 1, op.bytes, tid);
+        __threadfence_system();
+        cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
+      }
       if (tid == 0) {
         __threadfence_system();
         device::ring_push(h.ring, h.wait, op.cmd);
@@ -189,7 +206,9 @@ template <int kThreads, uint32_t kBarrier>
 __device__ __noinline__ void run_comm_op_staged(const FusedHooks& h, int index, int tid, uint64_t epoch,
                                                 BulkStages& b) {
   const DevOp& op = h.ops[index];
-  if (op.kind != kDevCopy || op.nsrc != 1 || op.ndst != 1 || (op.bytes & 15u)) {
+  // Pinned host memory goes through plain loads and stores (the bulk-copy engine is kept to
+  // device memory).
+  if (op.kind != kDevCopy || op.nsrc != 1 || op.ndst != 1 || (op.bytes & 15u) || (op.flags & kDevOpHostMem)) {
     run_comm_op<kThreads, kBarrier>(h, index, tid, epoch);
     return;
   }

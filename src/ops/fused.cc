@@ -15,11 +15,14 @@
 #include "mkernel/proxy/proxy.h"
 #include "mkernel/runtime/communicator.h"
 #include "src/gemm/gemm_internal.h"
+#include "src/ops/net_session.h"
 
 namespace mk {
 namespace ops {
 
-struct FusedState {
+struct FusedState : CommAttachment {
+  FusedGemm* owner = nullptr;
+  void on_communicator_destroy() override;
   Communicator* comm = nullptr;
   FusedKind kind = FusedKind::kAgGemm;
   PlanShape shape;
@@ -29,12 +32,11 @@ struct FusedState {
   SymmetricBuffer* bufs[int(Buf::kCount)] = {};
   SymmetricBuffer* pad = nullptr;
   EpochState* epoch = nullptr;
-  // network (several nodes only)
-  std::unique_ptr<net::Backend> be;
-  std::unique_ptr<ProxyWindows> wins;
-  std::unique_ptr<CudaFlagSink> sink;
-  std::unique_ptr<Proxy> proxy;
+  // network (several nodes only): windows, the proxy's flag pad, host mirrors when staged
+  std::unique_ptr<NetSession> net;
+  void* host_bufs[int(Buf::kCount)] = {};
   uint32_t win_id[int(Buf::kCount)] = {};
+  bool attached = false;
   // resolved program (device memory)
   std::vector<void*> dev_allocs;
   FusedHooks hooks{};
@@ -90,41 +92,37 @@ PlanLayout layout_of(const Topology& t) {
   return l;
 }
 
+// Device workspaces, the signal pad and the epoch; with several nodes the network windows: the
+// buffers that cross nodes (direct) or their pinned host mirrors (staged).
 Status alloc_buffers(FusedState* st) {
   Communicator* c = st->comm;
+  const Plan& p = st->plan;
   for (int b = 0; b < int(Buf::kCount); ++b) {
-    const uint64_t bytes = st->plan.buf_bytes[b];
-    if (!bytes || b == int(Buf::kUserA) || b == int(Buf::kUserC)) continue;
+    const uint64_t bytes = p.buf_bytes[b];
+    if (!bytes || b == int(Buf::kUserA) || b == int(Buf::kUserC) || is_host_buf(Buf(b))) continue;
     MK_CHECK(c->heap().alloc(bytes, &st->bufs[b]));
-    MK_CUDA_CHECK(cudaMemset(st->bufs[b]->local(), 0, st->bufs[b]->mapped_size()));
+    MK_CUDA_CHECK(cudaMemsetAsync(st->bufs[b]->local(), 0, st->bufs[b]->mapped_size(), c->setup_stream()));
   }
   // Token: every rank's slot holds its rank (the payload of the network entry handshake).
-  if (SymmetricBuffer* tok = st->bufs[int(Buf::kToken)]) {
-    std::vector<uint64_t> v(c->world(), uint64_t(c->rank()));
-    MK_CUDA_CHECK(cudaMemcpy(tok->local(), v.data(), v.size() * 8, cudaMemcpyHostToDevice));
-  }
-  MK_CHECK(c->alloc_signals(st->plan.pad_flags, &st->pad));
+  std::vector<uint64_t> token(c->world(), uint64_t(c->rank()));
+  if (SymmetricBuffer* tok = st->bufs[int(Buf::kToken)])
+    MK_CUDA_CHECK(cudaMemcpyAsync(tok->local(), token.data(), token.size() * 8, cudaMemcpyHostToDevice,
+                                  c->setup_stream()));
+  MK_CHECK(c->alloc_signals(p.pad_flags, &st->pad));
   MK_CHECK(c->alloc_epoch(&st->epoch));
-  MK_CUDA_CHECK(cudaDeviceSynchronize());
-  return OkStatus();
-}
-
-Status start_network(FusedState* st) {
-  Communicator* c = st->comm;
-  MK_CHECK(net::create_backend(c->bootstrap(), c->topology(), net::BackendConfig{}, &st->be));
-  MK_CHECK(ProxyWindows::create(&c->bootstrap(), st->be.get(), st->opt.staging, StagingConfig{}, &st->wins));
+  MK_CHECK(sync_stream_bounded(c->setup_stream(), 60000, "fused: zeroing the workspaces"));
+  if (!st->net) return OkStatus();
   for (int b = 0; b < int(Buf::kCount); ++b) {
-    if (!st->bufs[b]) continue;
-    MK_CHECK(st->wins->add(st->bufs[b]->local(), st->bufs[b]->size(), net::MemKind::kCuda, &st->win_id[b]));
+    const uint64_t bytes = p.buf_bytes[b];
+    if (!bytes) continue;
+    if (is_host_buf(Buf(b))) {
+      MK_CHECK(st->net->add_host_window(bytes, &st->host_bufs[b], &st->win_id[b]));
+      if (Buf(b) == Buf::kTokenNet) memcpy(st->host_bufs[b], token.data(), token.size() * 8);
+    } else if (!p.net_staged && st->bufs[b]) {
+      MK_CHECK(st->net->add_gpu_window(st->bufs[b]->local(), st->bufs[b]->size(), &st->win_id[b]));
+    }
   }
-  st->sink = std::make_unique<CudaFlagSink>(static_cast<uint64_t*>(st->pad->local()), st->plan.pad_flags);
-  ProxyConfig pc;
-  pc.gpu_ring = true;
-  pc.near_gpu = c->device();
-  MK_CHECK(Proxy::create(st->wins.get(), st->sink.get(), pc, &st->proxy));
-  st->proxy->on_error([c](const Status& s) { c->abort(s); });
-  MK_CHECK(st->proxy->start());
-  return OkStatus();
+  return st->net->start();
 }
 
 // The rank's plan as device arrays (pointers on the node, flag addresses, proxy commands).
@@ -133,6 +131,13 @@ Status resolve(FusedState* st) {
   const int me = st->comm->rank();
   const RankPlan& rp = p.ranks[me];
   auto flag_addr = [&](const FlagRef& f, uint64_t** out) -> Status {
+    if (p.proxy_region(f.region)) {
+      // Raised by this rank's proxy with host stores, waited on by this rank only.
+      MK_REQUIRE(st->net && f.rank == me, Code::kInternal, "%s: proxy flag %s[%u] of rank %d used on rank %d",
+                 fused_kind_name(p.kind), region_name(f.region), f.index, f.rank, me);
+      *out = st->net->flags() + p.flag_index(f);
+      return OkStatus();
+    }
     void* base = st->pad->peer(f.rank);
     MK_REQUIRE(base, Code::kInternal, "%s: flag %s[%u] of rank %d is not mapped here", fused_kind_name(p.kind),
                region_name(f.region), f.index, f.rank);
@@ -143,6 +148,12 @@ Status resolve(FusedState* st) {
     if (r.buf == Buf::kUserA || r.buf == Buf::kUserC) {
       MK_REQUIRE(r.rank == me, Code::kInternal, "plan: a caller buffer of rank %d", r.rank);
       *out = user_ptr(r.buf == Buf::kUserA ? kUserPtrA : kUserPtrC, r.offset);
+      return OkStatus();
+    }
+    if (is_host_buf(r.buf)) {
+      MK_REQUIRE(r.rank == me && st->host_bufs[int(r.buf)], Code::kInternal, "plan: host mirror %s of rank %d",
+                 buf_name(r.buf), r.rank);
+      *out = reinterpret_cast<uint64_t>(static_cast<char*>(st->host_bufs[int(r.buf)]) + r.offset);
       return OkStatus();
     }
     SymmetricBuffer* b = st->bufs[int(r.buf)];
@@ -191,13 +202,31 @@ Status resolve(FusedState* st) {
     d.dst_f32 = op.dst_f32 ? 1 : 0;
     d.zero_mask = op.zero_src_mask;
     d.ptr0 = uint32_t(ptrs.size());
+    auto touches_host = [&](const CommOp& o) {
+      bool h = false;
+      for (const auto& r : o.srcs) h |= is_host_buf(r.buf);
+      for (const auto& r : o.dsts) h |= is_host_buf(r.buf);
+      return h;
+    };
+    if (touches_host(op)) d.flags |= kDevOpHostMem;
     if (op.kind == CommKind::kNetPut) {
-      MK_REQUIRE(st->proxy, Code::kInternal, "plan: a network put without a proxy");
+      MK_REQUIRE(st->net, Code::kInternal, "plan: a network put without a network session");
       const BufRef& s = op.srcs[0];
       const BufRef& t = op.dsts[0];
       d.cmd = make_put(op.peer, st->win_id[int(s.buf)], s.offset, st->win_id[int(t.buf)], t.offset, op.bytes,
                        p.flag_index(op.remote_flag),
                        op.local_flag.region == Region::kCount ? kNoFlag : p.flag_index(op.local_flag), i);
+      if (op.stage_src.buf != Buf::kCount) {
+        // Staged: the device copies the source into the host mirror, then pushes the put.
+        MK_REQUIRE(op.bytes % 16 == 0, Code::kInternal, "plan: staged put '%s' is not 16-byte sized",
+                   op.what.c_str());
+        d.nsrc = d.ndst = 1;
+        uint64_t a = 0;
+        MK_CHECK(buf_addr(op.stage_src, &a));
+        ptrs.push_back(a);
+        MK_CHECK(buf_addr(s, &a));
+        ptrs.push_back(a);
+      }
     } else {
       MK_REQUIRE(op.srcs.size() + op.dsts.size() <= 16, Code::kNotSupported,
                  "%s: op '%s' touches %zu buffers (at most 16: fewer nodes or ranks per node)",
@@ -250,7 +279,7 @@ Status resolve(FusedState* st) {
   h.epoch = st->epoch;
   OpTag tag = p.kind == FusedKind::kAgGemm ? OpTag::kAgGemm : p.kind == FusedKind::kGemmRs ? OpTag::kGemmRs : OpTag::kGemmAr;
   h.wait = st->comm->wait_ctx(tag, Role::kComm);
-  if (st->proxy) h.ring = st->proxy->ring().view(h.wait.abort);
+  if (st->net) h.ring = st->net->ring_view(h.wait.abort);
   std::vector<int> counters{st->comm_ctas, 0, 0};
   int* dc = nullptr;
   MK_CHECK(upload(st, counters, &dc));
@@ -275,6 +304,7 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   std::unique_ptr<FusedGemm> op(new FusedGemm());
   op->st_ = std::make_unique<FusedState>();
   FusedState* st = op->st_.get();
+  st->owner = op.get();
   st->comm = comm;
   st->kind = kind;
   st->shape = shape;
@@ -282,6 +312,9 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   // Same inputs on every rank: the plan (or its error) is the same everywhere.
   MK_CHECK(build_plan(kind, shape, layout_of(comm->topology()), opt.deterministic, &st->plan));
   MK_REQUIRE(comm->has_gpu(), Code::kNotSupported, "%s: this rank has no GPU", name);
+  MK_REQUIRE(!comm->destroyed(), Code::kInvalidArgument, "%s: the communicator was destroyed", name);
+  comm->attach(st);
+  st->attached = true;
   int64_t cc = opt.comm_ctas;
   if (cc < 0) cc = tunables::int_or_default("fused_comm_ctas");
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
@@ -292,10 +325,15 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
                      "%s: %d communication CTAs leave none of the %d co-resident CTAs to compute", name,
                      st->comm_ctas, resident);
   MK_CHECK(agree(comm->bootstrap(), rs, std::string(name) + " create"));
-  MK_CHECK(alloc_buffers(st));
-  if (st->plan.layout.nodes() > 1) MK_CHECK(agree(comm->bootstrap(), start_network(st), std::string(name) + " network"));
+  if (st->plan.layout.nodes() > 1) {
+    // The network decides how data crosses nodes (GPU memory registered, or staged through
+    // pinned host mirrors); the plan follows.
+    MK_CHECK(NetSession::create(comm, opt.staging, st->plan.pad_flags, &st->net));
+    MK_CHECK(build_plan(kind, shape, layout_of(comm->topology()), opt.deterministic, &st->plan, st->net->staged()));
+    MK_REQUIRE(st->net->flag_count() == st->plan.pad_flags, Code::kInternal, "fused: flag pad size changed");
+  }
+  MK_CHECK(agree(comm->bootstrap(), alloc_buffers(st), std::string(name) + " workspaces"));
   MK_CHECK(agree(comm->bootstrap(), resolve(st), std::string(name) + " plan"));
-  MK_CUDA_CHECK(cudaDeviceSynchronize());
   MK_CHECK(comm->bootstrap().barrier());
   MK_TRACE(kSubsysInit, "%s", describe(st->plan, comm->rank()).c_str());
   *out = std::move(op);
@@ -309,6 +347,11 @@ FusedGemm::~FusedGemm() {
   }
 }
 
+void FusedState::on_communicator_destroy() {
+  Status s = owner->destroy();
+  if (!s.ok()) MK_WARN(kSubsysInit, "fused: destroy: %s", s.to_string().c_str());
+}
+
 Status FusedGemm::destroy() {
   FusedState* st = st_.get();
   if (!st || st->destroyed) return OkStatus();
@@ -317,18 +360,14 @@ Status FusedGemm::destroy() {
   auto keep = [&](Status s) {
     if (first.ok() && !s.ok()) first = s;
   };
-  if (st->proxy) {
-    keep(st->proxy->flush());
-    keep(st->comm->bootstrap().barrier());
-    keep(st->proxy->stop());
-  }
-  if (st->wins) keep(st->wins->destroy());
-  if (st->be) keep(st->be->finalize());
+  if (st->net) keep(st->net->destroy());
   for (void* p : st->dev_allocs) cudaFree(p);
   st->dev_allocs.clear();
   for (int b = int(Buf::kCount) - 1; b >= 0; --b)
     if (st->bufs[b]) keep(st->comm->heap().free(st->bufs[b]));
   if (st->pad) keep(st->comm->heap().free(st->pad));
+  if (st->attached) st->comm->detach(st);
+  st->attached = false;
   return first;
 }
 
@@ -349,7 +388,8 @@ Status FusedGemm::set_comm_ctas(int n, cudaStream_t stream) {
 
 Status FusedGemm::can_implement(const FusedArgs& a) const {
   const FusedState* st = st_.get();
-  MK_REQUIRE(st && !st->destroyed, Code::kInvalidArgument, "fused: the operator was destroyed");
+  MK_REQUIRE(st && !st->destroyed, Code::kInvalidArgument,
+             "fused: the operator was destroyed (or its communicator was destroyed first)");
   const char* name = fused_kind_name(st->kind);
   const int W = st->comm->world();
   const PlanShape& s = st->shape;
@@ -378,6 +418,9 @@ Status FusedGemm::run(const FusedArgs& a, cudaStream_t stream) {
 Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
   FusedState* st = st_.get();
   MK_CHECK(can_implement(a));
+  // A failed communicator (a device wait gave up, the network failed) runs nothing more: its
+  // flags and epochs are no longer consistent across ranks. Destroy it and create a new one.
+  MK_CHECK(st->comm->check());
   if (st->comm->world() == 1) {
     // One rank: there is nothing to communicate; the plain GEMM writes C (AG also keeps the
     // "gathered" A, which is A itself).

@@ -20,9 +20,21 @@ const char* fused_kind_name(FusedKind k) {
   return "?";
 }
 const char* buf_name(Buf b) {
-  static const char* n[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token", "?"};
+  static const char* n[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token",
+                            "a_full_net", "accum_net", "recv_net", "c_ws_net", "token_net", "?"};
   return n[std::min(int(b), int(Buf::kCount))];
 }
+Buf net_mirror(Buf b) {
+  switch (b) {
+    case Buf::kAFull: return Buf::kAFullNet;
+    case Buf::kAccum: return Buf::kAccumNet;
+    case Buf::kRecv: return Buf::kRecvNet;
+    case Buf::kCws: return Buf::kCwsNet;
+    case Buf::kToken: return Buf::kTokenNet;
+    default: return Buf::kCount;
+  }
+}
+bool is_host_buf(Buf b) { return b >= Buf::kAFullNet && b < Buf::kCount; }
 const char* region_name(Region r) {
   static const char* n[] = {"entry", "entry_net", "row_ready", "row_count", "out_row", "net_in", "local", "src_free", "?"};
   return n[std::min(int(r), int(Region::kCount))];
@@ -136,14 +148,23 @@ struct Builder {
     for (int q : remote_twins(me)) {
       CommOp op;
       op.kind = CommKind::kNetPut;
-      op.srcs = {ref(Buf::kToken, me, 8ull * me)};
-      op.dsts = {ref(Buf::kToken, q, 8ull * me)};
+      const Buf tok = p.net_staged ? Buf::kTokenNet : Buf::kToken;
+      op.srcs = {ref(tok, me, 8ull * me)};
+      op.dsts = {ref(tok, q, 8ull * me)};
       op.bytes = 8;
       op.peer = q;
       op.remote_flag = flag(Region::kEntryNet, q, me);
       op.what = "entry signal to rank " + std::to_string(q) + " (network)";
       rp.ops.push_back(op);
     }
+  }
+
+  // Staged plans: a put moves host mirrors; the device first copies its source into the mirror.
+  void stage(CommOp& put) const {
+    if (!p.net_staged) return;
+    put.stage_src = put.srcs[0];
+    put.srcs[0].buf = net_mirror(put.srcs[0].buf);
+    put.dsts[0].buf = net_mirror(put.dsts[0].buf);
   }
 
   // My chunk c of `buf` (final once kLocal[c] is set) to my twin q on another node, once q
@@ -155,6 +176,7 @@ struct Builder {
     op.waits = {wait_on(Region::kLocal, me, c, 1, me), wait_on(Region::kEntryNet, me, q, 1, q)};
     op.srcs = {ref(buf, me, uint64_t(ch.row0) * row_bytes)};
     op.dsts = {ref(buf, q, uint64_t(ch.row0) * row_bytes)};
+    stage(op);
     op.bytes = uint64_t(ch.rows) * row_bytes;
     op.peer = q;
     op.remote_flag = flag(Region::kNetIn, q, net_index);
@@ -173,6 +195,11 @@ struct Builder {
     CommOp op;
     op.waits.push_back(wait_on(Region::kNetIn, me, net_index, 1, s));
     op.srcs = {ref(buf, me, uint64_t(ch.row0) * row_bytes)};
+    if (p.net_staged) {
+      // The rows landed in the host mirror: into my own copy first, then the node's peers'.
+      op.dsts.push_back(op.srcs[0]);
+      op.srcs[0].buf = net_mirror(buf);
+    }
     for (int q : local_peers(me)) {
       op.dsts.push_back(ref(buf, q, uint64_t(ch.row0) * row_bytes));
       op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
@@ -302,6 +329,7 @@ struct Builder {
         put.waits = {ready, wait_on(Region::kEntryNet, me, s, 1, s)};
         put.srcs = {ref(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
         put.dsts = {ref(Buf::kRecv, s, recv_off(s, n, ch.row0))};
+        stage(put);
         put.bytes = bytes;
         put.peer = s;
         put.remote_flag = flag(Region::kNetIn, s, uint32_t(c * nodes + n));
@@ -333,7 +361,8 @@ struct Builder {
           }
         } else {
           op.waits.push_back(wait_on(Region::kNetIn, me, uint32_t(c * nodes + nn), 1, L.node_ranks[nn][l]));
-          op.srcs.push_back(ref(Buf::kRecv, me, recv_off(me, nn, ch.row0)));
+          // Staged: the other nodes' partials are read where they landed, in the host mirror.
+          op.srcs.push_back(ref(p.net_staged ? Buf::kRecvNet : Buf::kRecv, me, recv_off(me, nn, ch.row0)));
         }
       }
       op.elems = uint64_t(ch.rows) * N;
@@ -389,7 +418,7 @@ struct Builder {
 }  // namespace
 
 Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout, bool deterministic,
-                  Plan* out) {
+                  Plan* out, bool net_staged) {
   const int W = layout.world;
   MK_REQUIRE(W >= 1 && int(layout.node_of.size()) == W && int(layout.local_of.size()) == W &&
                  layout.nodes() >= 1,
@@ -427,6 +456,7 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
   // are stored, never reduce-added (no atomics, no zeroing) — the deterministic layout with one
   // slot.
   p.deterministic = (deterministic || layout.local() == 1) && kind != FusedKind::kAgGemm;
+  p.net_staged = net_staged && layout.nodes() > 1;
   p.shard_rows = M / W;
   p.tiles_m = int((M + kPlanTileM - 1) / kPlanTileM);
   p.tiles_n = int((N + kPlanTileN - 1) / kPlanTileN);
@@ -455,6 +485,14 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
     bb[int(Buf::kAccum)] = uint64_t(slots) * nodes * b.Ms * N * 4;
     if (nodes > 1) bb[int(Buf::kRecv)] = uint64_t(nodes) * b.Ms * N * 4;
     if (kind == FusedKind::kGemmAr) bb[int(Buf::kCws)] = uint64_t(M) * N * 2;
+  }
+  if (p.net_staged) {
+    // Host mirrors of what crosses nodes; the device buffers that only the network wrote are
+    // then not needed (kRecv: partials are read from the mirror; kToken: the mirror is sent).
+    for (Buf b : {Buf::kAFull, Buf::kAccum, Buf::kRecv, Buf::kCws, Buf::kToken})
+      bb[int(net_mirror(b))] = bb[int(b)];
+    bb[int(Buf::kRecv)] = 0;
+    bb[int(Buf::kToken)] = 0;
   }
   auto& rs = p.region_size;
   rs[int(Region::kEntry)] = W;

@@ -17,11 +17,15 @@
 #include "mkernel/proxy/proxy.h"
 #include "mkernel/runtime/communicator.h"
 #include "src/attention/fmha_internal.h"
+#include "src/ops/net_session.h"
 
 namespace mk {
 namespace ops {
 
-struct RingState {
+struct RingState : CommAttachment {
+  RingAttention* owner = nullptr;
+  void on_communicator_destroy() override;
+  bool attached = false;
   Communicator* comm = nullptr;
   RingAttentionShape shape;
   RingAttentionOptions opt;
@@ -37,11 +41,10 @@ struct RingState {
   SymmetricBuffer* pad = nullptr;
   EpochState* epoch = nullptr;
   uint32_t flag_entry = 0, flag_srcfree = 0, n_flags = 0;
-  // network (several nodes only)
-  std::unique_ptr<net::Backend> be;
-  std::unique_ptr<ProxyWindows> wins;
-  std::unique_ptr<CudaFlagSink> sink;
-  std::unique_ptr<Proxy> proxy;
+  // network (several nodes only): windows over the slots (direct) or their pinned host
+  // mirrors (staged); the proxy's flags (same indices as the pad) in host memory
+  std::unique_ptr<NetSession> net;
+  void *k_net = nullptr, *v_net = nullptr, *token_net = nullptr;  // staged: host mirrors
   uint32_t win_k = 0, win_v = 0, win_token = 0;
   // kernel inputs
   std::vector<void*> dev_allocs;
@@ -99,19 +102,17 @@ Status check_shape(const RingAttentionShape& s, int W) {
 
 Status start_network(RingState* st) {
   Communicator* c = st->comm;
-  MK_CHECK(net::create_backend(c->bootstrap(), c->topology(), net::BackendConfig{}, &st->be));
-  MK_CHECK(ProxyWindows::create(&c->bootstrap(), st->be.get(), st->opt.staging, StagingConfig{}, &st->wins));
-  MK_CHECK(st->wins->add(st->k_slots->local(), st->k_slots->size(), net::MemKind::kCuda, &st->win_k));
-  MK_CHECK(st->wins->add(st->v_slots->local(), st->v_slots->size(), net::MemKind::kCuda, &st->win_v));
-  MK_CHECK(st->wins->add(st->token->local(), st->token->size(), net::MemKind::kCuda, &st->win_token));
-  st->sink = std::make_unique<CudaFlagSink>(static_cast<uint64_t*>(st->pad->local()), st->n_flags);
-  ProxyConfig pc;
-  pc.gpu_ring = true;
-  pc.near_gpu = c->device();
-  MK_CHECK(Proxy::create(st->wins.get(), st->sink.get(), pc, &st->proxy));
-  st->proxy->on_error([c](const Status& s) { c->abort(s); });
-  MK_CHECK(st->proxy->start());
-  return OkStatus();
+  MK_CHECK(NetSession::create(c, st->opt.staging, st->n_flags, &st->net));
+  if (st->net->staged()) {
+    MK_CHECK(st->net->add_host_window(st->k_slots->size(), &st->k_net, &st->win_k));
+    MK_CHECK(st->net->add_host_window(st->v_slots->size(), &st->v_net, &st->win_v));
+    MK_CHECK(st->net->add_host_window(st->token->size(), &st->token_net, &st->win_token));
+  } else {
+    MK_CHECK(st->net->add_gpu_window(st->k_slots->local(), st->k_slots->size(), &st->win_k));
+    MK_CHECK(st->net->add_gpu_window(st->v_slots->local(), st->v_slots->size(), &st->win_v));
+    MK_CHECK(st->net->add_gpu_window(st->token->local(), st->token->size(), &st->win_token));
+  }
+  return st->net->start();
 }
 
 // The kernel's pairs and this rank's communication program.
@@ -231,9 +232,15 @@ Status build_program(RingState* st) {
     *out = static_cast<uint64_t*>(base) + index;
     return OkStatus();
   };
-  auto add_wait = [&](DevOp& op, uint32_t index, uint64_t mul, int peer) -> Status {
+  // Waits on a flag of this rank: in the device pad, or (net) in the pad the proxy raises.
+  auto add_wait = [&](DevOp& op, uint32_t index, uint64_t mul, int peer, bool net = false) -> Status {
     DevWait w{};
-    MK_CHECK(flag_ptr(me, index, const_cast<uint64_t**>(&w.flag)));
+    if (net) {
+      MK_REQUIRE(st->net, Code::kInternal, "ring_attention: a network flag without a network session");
+      w.flag = st->net->flags() + index;
+    } else {
+      MK_CHECK(flag_ptr(me, index, const_cast<uint64_t**>(&w.flag)));
+    }
     w.mul = mul;
     w.peer = peer;
     w.index = int32_t(index);
@@ -266,11 +273,46 @@ Status build_program(RingState* st) {
     const bool prev_remote = topo.node_of[prev] != topo.node_of[me];
     // Entry: tell the previous rank that this rank's slots are free for this call (its call
     // started, so its previous call ended: stream order).
+    // A block that came from a remote previous rank landed in the slot (direct) or in its host
+    // mirror (staged), and the proxy raised its flag in the network pad: into the slot (staged)
+    // and raise the device flag the compute CTAs and the forwarding wait on.
+    auto relay = [&](int blk, int b, int pc) -> Status {
+      const int64_t r0 = int64_t(pc) * st->chunk_tokens;
+      const int64_t rows = std::min<int64_t>(st->chunk_tokens, S_l - r0);
+      const uint64_t bytes = uint64_t(rows * row_bytes);
+      const uint64_t slot_off = uint64_t(blk) * slot_bytes + uint64_t((int64_t(b) * S_l + r0) * row_bytes);
+      const uint32_t arrived = flag_arrived(blk, b, pc);
+      if (!st->net->staged()) {
+        DevOp op{};
+        op.kind = kDevSignal;
+        MK_CHECK(add_wait(op, arrived, 2, prev, true));
+        MK_CHECK(add_signal(op, me, arrived));
+        MK_CHECK(add_signal(op, me, arrived));
+        ops.push_back(op);
+        return OkStatus();
+      }
+      for (int kv = 0; kv < 2; ++kv) {
+        DevOp op{};
+        op.kind = kDevCopy;
+        op.flags = kDevOpHostMem;
+        op.bytes = bytes;
+        op.nsrc = op.ndst = 1;
+        op.ptr0 = uint32_t(ptrs.size());
+        ptrs.push_back(reinterpret_cast<uint64_t>(static_cast<char*>(kv ? st->v_net : st->k_net) + slot_off));
+        uint64_t d = 0;
+        MK_CHECK(peer_ptr(kv ? st->v_slots : st->k_slots, me, slot_off, &d));
+        ptrs.push_back(d);
+        MK_CHECK(add_wait(op, arrived, 2, prev, true));
+        MK_CHECK(add_signal(op, me, arrived));
+        ops.push_back(op);
+      }
+      return OkStatus();
+    };
     {
       DevOp op{};
       if (prev_remote) {
         op.kind = kDevNetPut;
-        MK_REQUIRE(st->proxy, Code::kInternal, "ring_attention: a network put without a proxy");
+        MK_REQUIRE(st->net, Code::kInternal, "ring_attention: a network put without a network session");
         op.cmd = make_put(prev, st->win_token, uint64_t(me) * 8, st->win_token, uint64_t(me) * 8, 8, st->flag_entry,
                           st->flag_srcfree, 0);
         ++net_puts;
@@ -290,6 +332,7 @@ Status build_program(RingState* st) {
           const uint64_t slot_off = uint64_t(blk) * slot_bytes + uint64_t((int64_t(b) * S_l + r0) * row_bytes);
           const uint64_t user_off = uint64_t((int64_t(b) * S_l + r0) * row_bytes);
           const uint32_t arrived = flag_arrived(blk, b, pc);
+          if (t >= 1 && prev_remote) MK_CHECK(relay(blk, b, pc));
           if (t == 0 && next_remote) {
             // The own block goes out over the network from a registered buffer: stage it in the
             // own slot first.
@@ -309,13 +352,24 @@ Status build_program(RingState* st) {
           }
           for (int kv = 0; kv < 2; ++kv) {
             DevOp op{};
-            MK_CHECK(add_wait(op, st->flag_entry, 1, next));
+            MK_CHECK(add_wait(op, st->flag_entry, 1, next, next_remote));
             if (t > 0 || next_remote) MK_CHECK(add_wait(op, arrived, 2, t > 0 ? prev : me));
             if (next_remote) {
               op.kind = kDevNetPut;
               op.cmd = make_put(next, kv ? st->win_v : st->win_k, slot_off, kv ? st->win_v : st->win_k, slot_off,
                                 bytes, arrived, st->flag_srcfree, uint64_t(t));
               ++net_puts;
+              if (st->net->staged()) {
+                // The slot's bytes go out from its host mirror: the CTA copies them there first.
+                op.flags = kDevOpHostMem;
+                op.bytes = bytes;
+                op.nsrc = op.ndst = 1;
+                op.ptr0 = uint32_t(ptrs.size());
+                uint64_t sp = 0;
+                MK_CHECK(peer_ptr(kv ? st->v_slots : st->k_slots, me, slot_off, &sp));
+                ptrs.push_back(sp);
+                ptrs.push_back(reinterpret_cast<uint64_t>(static_cast<char*>(kv ? st->v_net : st->k_net) + slot_off));
+              }
             } else {
               op.kind = kDevCopy;
               op.bytes = bytes;
@@ -337,6 +391,9 @@ Status build_program(RingState* st) {
           }
         }
     }
+    if (prev_remote)
+      for (int b = 0; b < s.B; ++b)
+        for (int pc = 0; pc < pieces; ++pc) MK_CHECK(relay(p.steps[me][W - 1].kv_rank, b, pc));
     // A call ends only once every block meant for this rank is in its slot (also those no
     // query needs and the last one, which is not forwarded): no write of this call can land
     // during the next one.
@@ -352,7 +409,7 @@ Status build_program(RingState* st) {
       // A call never ends while the proxy still reads this call's sources.
       DevOp op{};
       op.kind = kDevSignal;
-      MK_CHECK(add_wait(op, st->flag_srcfree, uint64_t(net_puts), me));
+      MK_CHECK(add_wait(op, st->flag_srcfree, uint64_t(net_puts), me, true));
       ops.push_back(op);
     }
   }
@@ -370,7 +427,7 @@ Status build_program(RingState* st) {
     h.epoch = st->epoch;
   }
   h.wait = c->wait_ctx(OpTag::kRingAttention, Role::kComm);
-  if (st->proxy) h.ring = st->proxy->ring().view(h.wait.abort);
+  if (st->net) h.ring = st->net->ring_view(h.wait.abort);
   l.comm_ctas = ops.empty() ? 0 : st->comm_ctas;
   if (attention::dynamic_schedule(true)) {
     // One counter per operator: its calls are stream-ordered.
@@ -404,11 +461,15 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   std::unique_ptr<RingAttention> op(new RingAttention());
   op->st_ = std::make_unique<RingState>();
   RingState* st = op->st_.get();
+  st->owner = op.get();
   st->comm = comm;
   st->shape = shape;
   st->opt = opt;
   MK_CHECK(build_ring_plan(layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan));
   MK_REQUIRE(comm->has_gpu(), Code::kNotSupported, "ring_attention: this rank has no GPU");
+  MK_REQUIRE(!comm->destroyed(), Code::kInvalidArgument, "ring_attention: the communicator was destroyed");
+  comm->attach(st);
+  st->attached = true;
   st->S_l = shape.S / W;
   st->chunk_len = shape.layout == SeqLayout::kZigzag ? st->S_l / 2 : st->S_l;
   const int64_t row_bytes = int64_t(shape.Hkv) * shape.D * 2;
@@ -436,12 +497,11 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   st->n_flags = st->flag_srcfree + 1;
   MK_CHECK(comm->alloc_signals(st->n_flags, &st->pad));
   MK_CHECK(comm->alloc_epoch(&st->epoch));
-  MK_CUDA_CHECK(cudaMemset(st->token->local(), 0, st->token->mapped_size()));
-  MK_CUDA_CHECK(cudaDeviceSynchronize());
+  MK_CUDA_CHECK(cudaMemsetAsync(st->token->local(), 0, st->token->mapped_size(), comm->setup_stream()));
+  MK_CHECK(sync_stream_bounded(comm->setup_stream(), 60000, "ring_attention: zeroing the token"));
   if (comm->topology().node_ranks.size() > 1)
     MK_CHECK(agree(comm->bootstrap(), start_network(st), "ring_attention network"));
   MK_CHECK(agree(comm->bootstrap(), build_program(st), "ring_attention plan"));
-  MK_CUDA_CHECK(cudaDeviceSynchronize());
   MK_CHECK(comm->bootstrap().barrier());
   *out = std::move(op);
   return OkStatus();
@@ -462,19 +522,20 @@ Status RingAttention::destroy() {
   auto keep = [&](Status s) {
     if (first.ok() && !s.ok()) first = s;
   };
-  if (st->proxy) {
-    keep(st->proxy->flush());
-    keep(st->comm->bootstrap().barrier());
-    keep(st->proxy->stop());
-  }
-  if (st->wins) keep(st->wins->destroy());
-  if (st->be) keep(st->be->finalize());
+  if (st->net) keep(st->net->destroy());
   for (void* p : st->dev_allocs) cudaFree(p);
   st->dev_allocs.clear();
   for (SymmetricBuffer* b : {st->token, st->v_slots, st->k_slots})
     if (b) keep(st->comm->heap().free(b));
   if (st->pad) keep(st->comm->heap().free(st->pad));
+  if (st->attached) st->comm->detach(st);
+  st->attached = false;
   return first;
+}
+
+void RingState::on_communicator_destroy() {
+  Status s = owner->destroy();
+  if (!s.ok()) MK_WARN(kSubsysInit, "ring_attention: destroy: %s", s.to_string().c_str());
 }
 
 const RingPlan& RingAttention::plan() const { return st_->plan; }
@@ -490,7 +551,8 @@ const void* RingAttention::v_slots() const { return st_->v_slots->local(); }
 
 Status RingAttention::can_implement(const RingAttentionArgs& a) const {
   const RingState* st = st_.get();
-  MK_REQUIRE(st && !st->destroyed, Code::kInvalidArgument, "ring_attention: the operator was destroyed");
+  MK_REQUIRE(st && !st->destroyed, Code::kInvalidArgument,
+             "ring_attention: the operator was destroyed (or its communicator was destroyed first)");
   MK_REQUIRE(a.q && a.k && a.v && a.o, Code::kInvalidArgument, "ring_attention: null Q, K, V or O");
   MK_REQUIRE(aligned16(a.q) && aligned16(a.k) && aligned16(a.v) && aligned16(a.o), Code::kInvalidArgument,
              "ring_attention: Q, K, V and O must be 16-byte aligned");
@@ -544,6 +606,8 @@ Status RingAttention::enqueue_compute(const RingAttentionArgs& a, int step, cons
 Status RingAttention::enqueue(const RingAttentionArgs& a, cudaStream_t stream) {
   RingState* st = st_.get();
   MK_CHECK(can_implement(a));
+  // A failed communicator runs nothing more (see FusedGemm::enqueue).
+  MK_CHECK(st->comm->check());
   attention::ForwardArgs f = forward_args(st, a);
   attention::FmhaLaunch l = st->launch;
   l.hooks.user[0] = const_cast<void*>(a.k);

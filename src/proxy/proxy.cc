@@ -107,7 +107,15 @@ Status Proxy::create(ProxyWindows* windows, FlagSink* flags, const ProxyConfig& 
   p->arrival_buf_.reserve(256);
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) == cudaSuccess && ndev > 0) {
-    MK_CUDA_CHECK(cudaStreamCreateWithFlags(&p->stream_, cudaStreamNonBlocking));
+    int cur = 0;
+    MK_CUDA_CHECK(cudaGetDevice(&cur));
+    p->device_ = cfg.device >= 0 ? cfg.device : cur;
+    MK_REQUIRE(p->device_ < ndev, Code::kInvalidArgument, "proxy: device %d of %d", p->device_, ndev);
+    // The stream belongs to the rank's device, whichever device this thread has current.
+    MK_CUDA_CHECK(cudaSetDevice(p->device_));
+    cudaError_t e = cudaStreamCreateWithFlags(&p->stream_, cudaStreamNonBlocking);
+    cudaSetDevice(cur);
+    MK_CUDA_CHECK(e);
   } else {
     cudaGetLastError();
   }
@@ -144,6 +152,7 @@ Status CudaFlagSink::raise(uint32_t index, uint64_t value, cudaStream_t stream) 
 Status Proxy::copy(void* dst, const void* src, uint64_t bytes, bool device, int* ticket) {
   *ticket = -1;
   if (bytes == 0) return OkStatus();
+  if (cfg_.copier) return cfg_.copier->start(dst, src, bytes, device, ticket);
   if (!device || !stream_) {
     memcpy(dst, src, bytes);
     return OkStatus();
@@ -163,11 +172,33 @@ Status Proxy::copy(void* dst, const void* src, uint64_t bytes, bool device, int*
 
 bool Proxy::copy_done(int ticket) {
   if (ticket < 0) return true;
+  if (cfg_.copier) {
+    bool done = false;
+    Status s = cfg_.copier->poll(ticket, &done);
+    if (!s.ok()) {
+      fail(Status(s.code(), "rank " + std::to_string(rank_) + ": staging copy failed: " + s.message()));
+      return false;
+    }
+    return done;
+  }
   cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(events_[ticket]));
   if (e == cudaErrorNotReady) return false;
-  if (e != cudaSuccess) fail(make_status(Code::kCudaError, "rank %d: staging copy failed: %s", rank_, cudaGetErrorString(e)));
+  if (e != cudaSuccess) {
+    // Not done, ever: the proxy fails (posts nothing more) and the event is not reused.
+    cudaGetLastError();
+    fail(make_status(Code::kCudaError, "rank %d: staging copy failed: %s", rank_, cudaGetErrorString(e)));
+    return false;
+  }
   free_events_.push_back(ticket);
   return true;
+}
+
+Status Proxy::flush_gpu_writes() {
+  const CudaDriver* d = nullptr;
+  MK_CHECK(cuda_driver(&d));
+  MK_CU_CHECK(d->cuFlushGPUDirectRDMAWrites(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                                            CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER));
+  return OkStatus();
 }
 
 Status Proxy::start() {
@@ -175,6 +206,17 @@ Status Proxy::start() {
   stop_.store(false);
   running_.store(true);
   thread_ = std::thread([this] {
+    if (device_ >= 0) {
+      cudaError_t e = cudaSetDevice(device_);
+      int now = -1;
+      if (e == cudaSuccess) e = cudaGetDevice(&now);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        fail(make_status(Code::kCudaError, "rank %d: proxy thread: cudaSetDevice(%d): %s", rank_, device_,
+                         cudaGetErrorString(e)));
+      }
+      thread_device_.store(now);
+    }
     if (cfg_.near_gpu >= 0) bind_near_gpu(cfg_.near_gpu);
     loop();
   });
@@ -381,7 +423,18 @@ bool Proxy::poll() {
     free_ops_.push_back(id);
     --inflight_;
   }
+  // Direct puts into GPU memory (GPUDirect RDMA): the NIC's writes are made visible to the
+  // GPU before any flag that vouches for them rises.
+  bool flushed = false;
   for (const net::Arrival& a : arrival_buf_) {
+    if (!(a.imm & kImmStaged) && a.imm != kImmNoFlag && wins_->direct_gpu() && !flushed) {
+      Status f = flush_gpu_writes();
+      if (!f.ok()) {
+        fail(f);
+        break;
+      }
+      flushed = true;
+    }
     Status r = (a.imm & kImmStaged) ? on_staged_arrival(a.imm) : raise_arrival(a.imm);
     if (!r.ok()) fail(r);
   }
@@ -441,6 +494,9 @@ bool Proxy::stage_out() {
   staged_queue_.erase(staged_queue_.begin(), staged_queue_.begin() + started_ops);
   // Post chunks whose copy into the outbox finished.
   for (uint32_t cid = 0; cid < out_.size(); ++cid) {
+    // A failed copy (or any failure) stops posting at once, also for chunks whose copies
+    // finished: nothing is sent after the first error.
+    if (failed_.load(std::memory_order_relaxed)) return true;
     OutChunk& ch = out_[cid];
     if (ch.posted || std::find(out_free_ids_.begin(), out_free_ids_.end(), cid) != out_free_ids_.end())
       continue;
@@ -505,6 +561,7 @@ bool Proxy::stage_in() {
   bool any = false;
   const StagingConfig& sc = wins_->staging_config();
   for (size_t i = 0; i < in_.size();) {
+    if (failed_.load(std::memory_order_relaxed)) return true;
     InChunk& in = in_[i];
     if (!copy_done(in.copy)) {
       ++i;

@@ -114,6 +114,7 @@ Status ProxyWindows::add(void* base, uint64_t bytes, net::MemKind kind, uint32_t
     MK_CHECK(ensure_staging());
   } else {
     MK_CHECK(be_->register_window(base, bytes, kind, &w.backend_id));
+    direct_gpu_ |= kind == net::MemKind::kCuda;
   }
   *id = static_cast<uint32_t>(wins_.size());
   wins_.push_back(w);

@@ -27,6 +27,12 @@ Status Communicator::create(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg
 }
 
 namespace {
+// Setup and teardown syncs of the library's own streams: bounded by the signal timeout (the
+// work on them is a few memsets, or kernels whose waits are bounded by it).
+int64_t setup_timeout_ms() {
+  return std::max<int64_t>(2 * tunables::int_or_default("signal_timeout_ms"), 10000);
+}
+
 Status parse_mode(const std::string& s, SymmetricMode* m) {
   if (s == "auto") *m = SymmetricMode::kAuto;
   else if (s == "vmm") *m = SymmetricMode::kVmm;
@@ -90,21 +96,27 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   MK_CHECK(agree(*bs_, ts, "communicator: topology"));
   MK_INFO(kSubsysTopo, "%s", topo_.describe().c_str());
 
-  // 4. the job's IPC secret (rank 0 draws it) and this rank's socket
+  // 4. the job's IPC secret (rank 0 draws it) and this rank's socket, under a name the rank
+  //    draws at random when it binds; the names travel through the bootstrap, so no rank's
+  //    name can be computed from anything another local user sees.
   heap_ctx_ = std::make_unique<HeapContext>();
   Status ss = (rank == 0) ? make_ipc_secret(&heap_ctx_->secret) : OkStatus();
   MK_CHECK(agree(*bs_, ss, "communicator: drawing the job secret"));
-  uint8_t secret[48];
-  memcpy(secret, heap_ctx_->secret.job_id.data(), 16);
-  memcpy(secret + 16, heap_ctx_->secret.token.data(), 32);
-  MK_CHECK(bs_->broadcast(secret, sizeof(secret), 0));
-  memcpy(heap_ctx_->secret.job_id.data(), secret, 16);
-  memcpy(heap_ctx_->secret.token.data(), secret + 16, 32);
-  memset(secret, 0, sizeof(secret));
+  MK_CHECK(bs_->broadcast(heap_ctx_->secret.token.data(), heap_ctx_->secret.token.size(), 0));
   bool any_ipc = false;
   for (int r = 0; r < world; ++r) any_ipc |= topo_.path[r] == PeerPath::kIpc;
   Status is = (any_ipc && device_ >= 0) ? IpcServer::create(heap_ctx_->secret, rank, &ipc_) : OkStatus();
   MK_CHECK(agree(*bs_, is, "communicator: starting the IPC socket"));
+  {
+    IpcNameRecord mine = ipc_name_record(ipc_ ? ipc_->name() : std::string());
+    std::vector<IpcNameRecord> recs(world);
+    MK_CHECK(bs_->allgather(&mine, recs.data(), sizeof(mine)));
+    heap_ctx_->ipc_names.assign(world, std::string());
+    Status ns;
+    for (int r = 0; r < world && ns.ok(); ++r)
+      ns = ipc_name_from_record(recs[r], r, &heap_ctx_->ipc_names[r]);
+    MK_CHECK(agree(*bs_, ns, "communicator: exchanging IPC socket names"));
+  }
 
   // 5. heap, streams, diagnostic record
   std::string mode = cfg.symmem_mode.empty() ? tunables::string_or_default("symmem_mode")
@@ -138,6 +150,8 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
     gs = [&]() -> Status {
       MK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       MK_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+      MK_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
+      heap_ctx_->own_streams = {stream_, comm_stream_, setup_stream_};
       MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&diag_), sizeof(DiagRecord),
                                   cudaHostAllocMapped | cudaHostAllocPortable));
       memset(diag_, 0, sizeof(DiagRecord));
@@ -147,8 +161,8 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
                                   cudaHostAllocMapped | cudaHostAllocPortable));
       *abort_word_ = 0;
       MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&diag_claim_), sizeof(uint32_t)));
-      MK_CUDA_CHECK(cudaMemset(diag_claim_, 0, sizeof(uint32_t)));
-      MK_CUDA_CHECK(cudaDeviceSynchronize());
+      MK_CUDA_CHECK(cudaMemsetAsync(diag_claim_, 0, sizeof(uint32_t), setup_stream_));
+      MK_CHECK(sync_stream_bounded(setup_stream_, setup_timeout_ms(), "communicator: zeroing the claim word"));
       return OkStatus();
     }();
   }
@@ -158,8 +172,32 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   return OkStatus();
 }
 
+void Communicator::attach(CommAttachment* a) {
+  std::lock_guard<std::mutex> g(attach_mu_);
+  attached_.push_back(a);
+}
+
+void Communicator::detach(CommAttachment* a) {
+  std::lock_guard<std::mutex> g(attach_mu_);
+  attached_.erase(std::remove(attached_.begin(), attached_.end(), a), attached_.end());
+}
+
 Status Communicator::destroy() {
   if (destroyed_) return OkStatus();
+  // Operators still alive go first (newest first; each detaches itself): they hold symmetric
+  // buffers, proxies and streams of this communicator.
+  for (;;) {
+    CommAttachment* a = nullptr;
+    {
+      std::lock_guard<std::mutex> g(attach_mu_);
+      if (attached_.empty()) break;
+      a = attached_.back();
+    }
+    MK_WARN(kSubsysInit, "rank %d: communicator destroyed while an operator is alive: destroying the operator first",
+            topo_.rank);
+    a->on_communicator_destroy();
+    detach(a);  // in case the operator did not
+  }
   destroyed_ = true;
   Status first;
   if (heap_) first = heap_->destroy();
@@ -170,11 +208,12 @@ Status Communicator::destroy() {
     device_allocs_.clear();
     if (stream_) cudaStreamDestroy(stream_);
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
+    if (setup_stream_) cudaStreamDestroy(setup_stream_);
     if (diag_claim_) cudaFree(diag_claim_);
     if (diag_) cudaFreeHost(diag_);
     if (abort_word_) cudaFreeHost(abort_word_);
     abort_word_ = nullptr;
-    stream_ = comm_stream_ = nullptr;
+    stream_ = comm_stream_ = setup_stream_ = nullptr;
     diag_claim_ = nullptr;
     diag_ = nullptr;
     cudaGetLastError();  // a sticky error from a trapped kernel must not leak into the caller
@@ -187,9 +226,8 @@ Status Communicator::alloc_signals(uint32_t count, SymmetricBuffer** out) {
   SymmetricBuffer* b = nullptr;
   MK_CHECK(heap_->alloc(static_cast<size_t>(count) * sizeof(uint64_t), &b));
   Status s = [&]() -> Status {
-    MK_CUDA_CHECK(cudaMemset(b->local(), 0, b->mapped_size()));
-    MK_CUDA_CHECK(cudaDeviceSynchronize());
-    return OkStatus();
+    MK_CUDA_CHECK(cudaMemsetAsync(b->local(), 0, b->mapped_size(), setup_stream_));
+    return sync_stream_bounded(setup_stream_, setup_timeout_ms(), "alloc_signals: zeroing the pad");
   }();
   // Every pad is zero before any rank may signal into it.
   MK_CHECK(agree(*bs_, s, "alloc_signals"));
@@ -202,8 +240,8 @@ Status Communicator::alloc_epoch(EpochState** out) {
   void* p = nullptr;
   MK_CUDA_CHECK(cudaMalloc(&p, sizeof(EpochState)));
   device_allocs_.push_back(p);
-  MK_CUDA_CHECK(cudaMemset(p, 0, sizeof(EpochState)));
-  MK_CUDA_CHECK(cudaDeviceSynchronize());
+  MK_CUDA_CHECK(cudaMemsetAsync(p, 0, sizeof(EpochState), setup_stream_));
+  MK_CHECK(sync_stream_bounded(setup_stream_, setup_timeout_ms(), "alloc_epoch"));
   *out = static_cast<EpochState*>(p);
   return OkStatus();
 }
@@ -258,5 +296,17 @@ Status Communicator::check_device(cudaError_t err) const {
 }
 
 Status Communicator::sync(cudaStream_t s) const { return check_device(cudaStreamSynchronize(s)); }
+
+Status Communicator::check() const {
+  if (wait_timed_out()) return check_device(cudaSuccess);
+  Status why = abort_status();
+  if (!why.ok())
+    return Status(why.code(), "rank " + std::to_string(topo_.rank) + ": the communicator failed: " + why.message());
+  // A wait gave up and set the abort word, and its record is on its way (the claim was lost to
+  // a wait that is still writing it): failed all the same.
+  if (abort_word_ && __atomic_load_n(abort_word_, __ATOMIC_ACQUIRE) != 0)
+    return make_status(Code::kTimeout, "rank %d: a device wait of this communicator gave up", topo_.rank);
+  return OkStatus();
+}
 
 }  // namespace mk

@@ -58,6 +58,7 @@ Status cuda_driver(const CudaDriver** out) {
     MK_RESOLVE(cuDeviceGet)
     MK_RESOLVE(cuGetErrorString)
     MK_RESOLVE(cuStreamWriteValue64)
+    MK_RESOLVE(cuFlushGPUDirectRDMAWrites)
 #undef MK_RESOLVE
     if (!missing.empty())
       g_status = make_status(Code::kNotSupported, "CUDA driver lacks entry points: %s",

@@ -24,6 +24,7 @@ struct CudaDriver {
   MK_DRIVER_FN(cuDeviceGet)
   MK_DRIVER_FN(cuGetErrorString)
   MK_DRIVER_FN(cuStreamWriteValue64)
+  MK_DRIVER_FN(cuFlushGPUDirectRDMAWrites)
 #undef MK_DRIVER_FN
 };
 

@@ -1,6 +1,8 @@
 // What the symmetric heap borrows from its communicator (private).
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <string>
 #include <vector>
 
@@ -22,6 +24,7 @@ struct HeapContext {
   int device = -1;           // -1: no GPU
   SymmetricMode requested = SymmetricMode::kAuto;
   std::vector<int> process_devices;  // devices of the same-process ranks of this node (incl. own)
+  std::vector<cudaStream_t> own_streams;  // the communicator's streams: synced (bounded) before a free
 };
 
 }  // namespace mk

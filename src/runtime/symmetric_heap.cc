@@ -435,15 +435,21 @@ void SymmetricHeap::release_local(SymmetricBuffer* b) {
 
 Status SymmetricHeap::free(SymmetricBuffer* b) {
   if (!b || b->freed_) return OkStatus();
-  // Own work on the buffer is done; the barrier says every rank's is. A dead context (a
-  // trapped kernel) is reported, but the barriers are still met so no peer waits in vain.
+  // Own work on the buffer is done (the communicator's streams, bounded; the caller's own
+  // streams are the caller's to have finished, as with cudaFree's users); the barrier says
+  // every rank's is. A CUDA error is reported, but the barriers are still met so no peer waits
+  // in vain.
   Status sync = OkStatus();
   cudaError_t e = cudaSetDevice(ctx_->device);
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
-    sync = make_status(Code::kCudaError, "symmetric free: device sync failed: %s",
+    sync = make_status(Code::kCudaError, "symmetric free: cudaSetDevice(%d): %s", ctx_->device,
                        cudaGetErrorString(e));
     cudaGetLastError();
+  }
+  const int64_t bound = std::max<int64_t>(2 * tunables::int_or_default("signal_timeout_ms"), 10000);
+  for (cudaStream_t st : ctx_->own_streams) {
+    if (!sync.ok()) break;
+    sync = sync_stream_bounded(st, bound, "symmetric free");
   }
   Status s1 = ctx_->bs->barrier();
   release_peers(b);

@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <thread>
+
+#include <chrono>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
@@ -70,7 +73,15 @@ struct ProxyRig {
     ProxyConfig pc;
     pc.gpu_ring = true;
     pc.near_gpu = comm->device();
-    MK_CHECK(Proxy::create(wins.get(), sink.get(), pc, &proxy));
+    pc.device = comm->device();
+    // Created from a thread whose current device is another one (where there is another): the
+    // proxy's stream, events and thread must still belong to the rank's device.
+    int ndev = 1;
+    MK_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+    MK_CUDA_CHECK(cudaSetDevice((comm->device() + 1) % ndev));
+    Status cs = Proxy::create(wins.get(), sink.get(), pc, &proxy);
+    MK_CUDA_CHECK(cudaSetDevice(comm->device()));
+    MK_CHECK(cs);
     proxy->on_error([c = comm](const Status& s) { c->abort(s); });
     MK_CHECK(proxy->start());
     return comm->bootstrap().barrier();
@@ -107,6 +118,8 @@ TEST_F(GpuProxy, PutsFromDeviceMemoryLandAndRaiseFlags) {
   const uint64_t seed = test_seed();
   ProxyRig rig{comm};
   MK_ASSERT_OK(rig.init(bytes));
+  for (int i = 0; i < 1000 && rig.proxy->thread_device() < 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(rig.proxy->thread_device(), comm->device()) << "the proxy thread runs on another device";
   // Tagged source, poisoned destination.
   fill_tagged<<<264, 256, 0, comm->stream()>>>(static_cast<uint32_t*>(rig.src), bytes / 4, seed, me, peer, 7);
   fill_u32<<<264, 256, 0, comm->stream()>>>(static_cast<uint32_t*>(rig.dst), bytes / 4, 0xDEADBEEFu);

@@ -15,3 +15,10 @@
       return mk_s_;                                                                \
     }                                                                              \
   } while (0)
+
+namespace mk {
+// Waits until every piece of work on `stream` is done, polling (never blocking in the driver)
+// for at most timeout_ms; kTimeout names `what` when it takes longer, a CUDA error is returned
+// as a Status. For the library's own setup and teardown streams: never a device-wide sync.
+Status sync_stream_bounded(cudaStream_t stream, int64_t timeout_ms, const char* what);
+}  // namespace mk

@@ -52,6 +52,7 @@ struct LocalDone {
 
 struct BackendCaps {
   bool cuda_windows = false;     // GPU memory can be registered (FI_HMEM); else stage on host
+  std::string cuda_windows_note; // why not, when cuda_windows is false ("" if not asked for)
   uint32_t imm_bytes = 4;        // remote completion data size the provider carries (>= 4)
   uint64_t max_put_bytes = 0;    // largest single put
   uint64_t inject_bytes = 0;     // puts up to this size complete locally at once

@@ -38,16 +38,21 @@ MK_HOST_DEVICE inline uint64_t user_ptr(int which, uint64_t offset) {
 
 enum DevOpKind : uint32_t { kDevCopy = 0, kDevReduce = 1, kDevNetPut = 2, kDevSignal = 3, kDevZero = 4 };
 
+// DevOp::flags
+constexpr uint32_t kDevOpHostMem = 1;  // touches pinned host memory: plain loads and stores only
+
 struct alignas(64) DevOp {
   uint32_t kind;
-  uint32_t nsrc, ndst;
+  uint32_t nsrc, ndst;  // kDevNetPut: 1 and 1 when staged (copy ptrs[ptr0] -> ptrs[ptr0 + 1] first)
   uint32_t dst_f32;
   uint32_t zero_mask;   // kDevReduce: sources zeroed after reading
   uint32_t wait0, nwait;
   uint32_t sig0, nsig;
   uint32_t ptr0;        // ptrs[ptr0 .. ptr0 + nsrc) sources, then ndst destinations
-  uint64_t bytes;       // copy / zero (a multiple of 16)
+  uint64_t bytes;       // copy / zero / staged put (a multiple of 16)
   uint64_t elems;       // reduce (a multiple of 4)
+  uint32_t flags;       // kDevOpHostMem
+  uint32_t pad;
   Command cmd;          // kDevNetPut: pushed as is
 };
 static_assert(sizeof(DevOp) == 128, "DevOp layout");

@@ -61,9 +61,21 @@ enum class Buf : uint8_t {
   kCws = 4,    // AR: the all-reduced C [M, N] bf16
   kUserC = 5,  // the caller's C (RS: [M/W, N]; AR: [M, N]) bf16
   kToken = 6,  // 8 bytes per rank [world]: the payload of entry handshakes across nodes
-  kCount = 7,
+  // Staged network (Plan::net_staged): pinned host mirrors of the buffers that cross nodes,
+  // registered with the network backend as host memory (which every provider can do). Same
+  // size and offsets as the buffer they mirror; only their own rank's device code touches them
+  // (copying in before a put, reading after an arrival), peers reach them through the proxy.
+  kAFullNet = 7,   // mirror of kAFull (AG): own shard's rows out, twins' rows in
+  kAccumNet = 8,   // mirror of kAccum (RS/AR): node-reduced partials out
+  kRecvNet = 9,    // mirror of kRecv (RS/AR): other nodes' partials in (kRecv is then unused)
+  kCwsNet = 10,    // mirror of kCws (AR): final rows out and in
+  kTokenNet = 11,  // the entry token in host memory (kToken is then unused)
+  kCount = 12,
 };
 const char* buf_name(Buf b);
+// The host mirror of b in a staged plan (kCount if b has none); whether b is a host mirror.
+Buf net_mirror(Buf b);
+bool is_host_buf(Buf b);
 
 struct BufRef {
   Buf buf = Buf::kCount;
@@ -110,7 +122,9 @@ enum class CommKind : uint8_t {
   kReduce = 1,  // elems fp32 values: dst[i] = sum of srcs in list order (bf16, or fp32 if dst_f32);
                 // then sources in zero_src_mask are zeroed
   kNetPut = 2,  // through the proxy: srcs[0] (own rank) -> dsts[0] (on `peer`), raising
-                // remote_flag there on arrival and local_flag here on local completion
+                // remote_flag there on arrival and local_flag here on local completion. With
+                // stage_src set (staged plans), the device first copies `bytes` from stage_src
+                // (own device buffer) into srcs[0] (its host mirror), then hands the put over.
   kSignal = 3,  // signals only
   kZero = 4,    // zero bytes at every dsts[i]
 };
@@ -128,6 +142,7 @@ struct CommOp {
   int peer = -1;            // kNetPut destination rank
   FlagRef remote_flag;      // kNetPut
   FlagRef local_flag;       // kNetPut (region kCount: none)
+  BufRef stage_src;         // kNetPut in a staged plan: the device buffer copied into srcs[0] first
   std::string what;         // for logs and test failures: "AG chunk 3 of shard 1 -> rank 2"
 };
 
@@ -160,6 +175,10 @@ struct Plan {
   PlanShape shape;
   PlanLayout layout;
   bool deterministic = false;
+  // Network traffic through pinned host mirrors (kAFullNet, ...) that the device copies into
+  // before a put and reads after an arrival: the proxy then moves host memory only, needs no
+  // GPU registration (FI_HMEM) and makes no CUDA call. Only with several nodes.
+  bool net_staged = false;
   int64_t shard_rows = 0;             // Ms
   int tiles_m = 0, tiles_n = 0;
   std::vector<Chunk> chunks;          // in shard order
@@ -183,9 +202,10 @@ constexpr int kPlanTileN = 256;
 // size. Deterministic: RS/AR partials are stored per source rank and summed in a fixed order
 // (within a node by local index, then across nodes in node order): reproducible bit for bit for
 // a given layout. With one rank per node the plan is always deterministic (one writer per
-// element; Plan::deterministic is then true).
+// element; Plan::deterministic is then true). net_staged: see Plan::net_staged (ignored on
+// one node).
 Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout,
-                  bool deterministic, Plan* out);
+                  bool deterministic, Plan* out, bool net_staged = false);
 
 // One line per op, for logs and debugging.
 std::string describe(const Plan& p, int rank);

@@ -56,12 +56,32 @@ class HostFlagSink final : public FlagSink {
   uint32_t count_;
 };
 
+// How a staging proxy copies between a window and its staging slots. The default uses the
+// CUDA runtime for GPU memory (an asynchronous copy on the proxy's stream, an event per copy)
+// and memcpy for host memory. Called from the proxy thread only.
+class StagingCopier {
+ public:
+  virtual ~StagingCopier() = default;
+  // Starts a copy. *ticket >= 0: asynchronous, poll it; -1: already done.
+  virtual Status start(void* dst, const void* src, uint64_t bytes, bool device, int* ticket) = 0;
+  // *done = true once the copy finished (the ticket is then free); an error means it failed
+  // (the proxy then fails: the chunk is never sent and its flag never raised).
+  virtual Status poll(int ticket, bool* done) = 0;
+};
+
 struct ProxyConfig {
   uint64_t ring_slots = 0;    // 0: tunable proxy_ring_slots
   uint32_t max_inflight = 0;  // 0: tunable proxy_max_inflight
   int64_t timeout_ms = -1;    // -1: tunable net_timeout_ms
   bool gpu_ring = false;      // the ring serves GPU producers (pinned memory, device head)
   int near_gpu = -1;          // bind the proxy thread to the CPUs near this CUDA device
+  // The rank's CUDA device. The proxy thread makes it current before anything else, so the
+  // stream and events of its own staging copies, and GPUDirect flushes, belong to that device
+  // whatever device the creating thread had current. -1: the creating thread's device.
+  int device = -1;
+  // Staging copies through this copier instead of the default (tests inject failures); the
+  // caller keeps it alive while the proxy lives.
+  StagingCopier* copier = nullptr;
 };
 
 struct ProxyStats {
@@ -112,6 +132,8 @@ class Proxy {
   // Non-zero once failed: CPU producers pass it to CommandRing::push as the abort word.
   const std::atomic<uint64_t>& failed_word() const { return failed_; }
   ProxyStats stats() const;
+  // The CUDA device the proxy thread made current (-1: none, or not started yet).
+  int thread_device() const { return thread_device_.load(); }
 
  private:
   struct Op {
@@ -145,7 +167,10 @@ class Proxy {
   Status on_staged_arrival(uint32_t imm);
   bool stage_in();              // finish inbox copies, raise flags, return credits
   Status copy(void* dst, const void* src, uint64_t bytes, bool device, int* ticket);
+  // True once the copy finished successfully. A failed copy fails the proxy and is never
+  // reported done (its data must not be sent or its flag raised).
   bool copy_done(int ticket);
+  Status flush_gpu_writes();    // before raising a flag for a direct put into GPU memory
   bool busy() const;
   void fail(const Status& s);
   Status raise_local(uint32_t flag);
@@ -155,6 +180,7 @@ class Proxy {
   net::Backend* be_ = nullptr;
   int rank_ = 0, world_ = 1;
   cudaStream_t stream_ = nullptr;   // staging copies and GPU flag writes (when a GPU exists)
+  int device_ = -1;                 // CUDA device of stream_ and of the proxy thread
   std::vector<void*> events_;       // copy tickets: cudaEvent_t, reused
   std::vector<int> free_events_;
   // staging state (proxy thread)
@@ -191,6 +217,7 @@ class Proxy {
   std::atomic<bool> running_{false};
   std::atomic<uint64_t> failed_{0};
   std::atomic<uint64_t> idle_epoch_{0};  // bumps each loop pass with nothing in flight
+  std::atomic<int> thread_device_{-1};
   mutable std::mutex mu_;
   Status error_;
   std::atomic<uint64_t> commands_{0}, puts_{0}, bytes_{0}, arrivals_{0}, nops_{0}, eagain_{0},

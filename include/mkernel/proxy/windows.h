@@ -83,6 +83,10 @@ class ProxyWindows {
   int world() const { return world_; }
   net::Backend* backend() const { return be_; }
 
+  // Whether a window of GPU memory is registered directly (GPUDirect RDMA): arrivals then
+  // need a flush before their flags rise.
+  bool direct_gpu() const { return direct_gpu_; }
+
   // Staging (valid once a staged window exists).
   bool staging() const { return staging_ready_; }
   const StagingConfig& staging_config() const { return sc_; }
@@ -105,6 +109,7 @@ class ProxyWindows {
   bool gpu_ = false;
   std::vector<Window> wins_;
   bool staging_ready_ = false;
+  bool direct_gpu_ = false;
   uint8_t* inbox_ = nullptr;       // world * inbox_slots * slot_bytes (pinned when a GPU exists)
   uint8_t* outbox_ = nullptr;      // outbox_slots * slot_bytes
   uint8_t* credit_ = nullptr;      // 64 bytes: zero-byte credit puts land here

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "mkernel/common/status.h"
 #include "mkernel/device/diag.h"
@@ -27,6 +28,17 @@ struct CommConfig {
 struct HeapContext;
 class IpcServer;
 
+// An operator that lives on a communicator (FusedGemm, RingAttention, ...). It attaches at
+// creation and detaches when destroyed; a communicator destroyed first destroys the operators
+// still attached (newest first, collectively like its own destroy), after which their calls
+// return an error instead of touching freed state.
+class CommAttachment {
+ public:
+  virtual ~CommAttachment() = default;
+  // Called once, from Communicator::destroy, while the communicator is still whole.
+  virtual void on_communicator_destroy() = 0;
+};
+
 class Communicator {
  public:
   // Collective over `bs`. Without a GPU (and !cfg.require_gpu) the communicator still has
@@ -37,9 +49,15 @@ class Communicator {
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  // Collective, idempotent: frees symmetric memory (newest first), stops the IPC server,
-  // destroys streams. The destructor calls it.
+  // Collective, idempotent: destroys the operators still attached (newest first), frees
+  // symmetric memory (newest first), stops the IPC server, destroys streams. The destructor
+  // calls it. Safe after a failure (a device wait that gave up, an abort): nothing waits longer
+  // than its bound.
   Status destroy();
+  bool destroyed() const { return destroyed_; }
+
+  void attach(CommAttachment* a);
+  void detach(CommAttachment* a);
 
   int rank() const { return topo_.rank; }
   int world() const { return topo_.world; }
@@ -50,6 +68,8 @@ class Communicator {
   SymmetricHeap& heap() { return *heap_; }
   cudaStream_t stream() const { return stream_; }       // compute work
   cudaStream_t comm_stream() const { return comm_stream_; }
+  // The library's own stream for zeroing and uploads at creation (synced with bounds).
+  cudaStream_t setup_stream() const { return setup_stream_; }
 
   // A pad of `count` zeroed 64-bit flags in symmetric memory (collective).
   Status alloc_signals(uint32_t count, SymmetricBuffer** out);
@@ -59,15 +79,23 @@ class Communicator {
   // The context kernels pass to bounded waits: rank, op, role, and the timeout
   // (tunable signal_timeout_ms unless timeout_ms >= 0).
   WaitCtx wait_ctx(OpTag op, Role role, int64_t timeout_ms = -1) const;
-  // Turns the outcome of a launch or synchronization into a Status. When a device wait
-  // timed out, the Status (kTimeout) names rank, op, role, peer, flag, expected and seen.
+  // Turns the outcome of a launch or synchronization into a Status. When a device wait gave
+  // up, the Status names rank, op, role, peer, flag, expected and seen (kTimeout when its bound
+  // expired; the abort's code and cause when the communicator was aborted).
   Status check_device(cudaError_t err) const;
   // cudaStreamSynchronize(s) + check_device.
   Status sync(cudaStream_t s) const;
+  // Host-only health check, no CUDA call (safe while calls are in flight, cheap enough per
+  // call): OK, or what failed this communicator — a device wait that gave up (its decoded
+  // record) or abort()'s cause. Once it fails it stays failed: operators refuse new calls;
+  // destroy the communicator and create a new one. Use it after synchronizing a stream that
+  // ran the library's kernels: a wait that gave up does not fail the launch itself.
+  Status check() const;
+  bool failed() const { return !check().ok(); }
   // True once a device wait has written the diagnostic record.
   bool wait_timed_out() const;
   // Marks the communicator failed (first cause wins): every bounded device wait of its
-  // kernels stops at its next check and reports; check_device then names `why`. Called by
+  // kernels gives up at its next check and reports; check_device then names `why`. Called by
   // whoever watches the network (the proxy's owner). Thread-safe.
   void abort(const Status& why);
   Status abort_status() const;
@@ -83,12 +111,15 @@ class Communicator {
   std::unique_ptr<HeapContext> heap_ctx_;
   std::unique_ptr<SymmetricHeap> heap_;
   cudaStream_t stream_ = nullptr, comm_stream_ = nullptr;
+  cudaStream_t setup_stream_ = nullptr;  // the library's own zeroing and uploads
   DiagRecord* diag_ = nullptr;      // pinned, mapped
   uint32_t* diag_claim_ = nullptr;  // device
   uint64_t* abort_word_ = nullptr;  // pinned, mapped: non-zero once abort() was called
   mutable std::mutex abort_mu_;
   Status abort_status_;
   std::vector<void*> device_allocs_;
+  std::mutex attach_mu_;
+  std::vector<CommAttachment*> attached_;
   bool destroyed_ = false;
 };
 

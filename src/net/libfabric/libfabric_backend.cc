@@ -255,6 +255,7 @@ class LibfabricBackend final : public Backend {
   const char* name() const override { return name_.c_str(); }
   BackendCaps caps() const override { return caps_; }
   Status register_window(void* base, size_t bytes, MemKind kind, WindowId* id) override;
+  void probe_gpu_registration();
   Status deregister_window(WindowId id) override;
   uint64_t window_size(WindowId id, int rank) const override;
   Status put(int peer, WindowId src, uint64_t src_off, WindowId dst, uint64_t dst_off,
@@ -342,6 +343,7 @@ class LibfabricBackend final : public Backend {
   uint64_t mr_mode_ = 0;
   bool rx_cq_data_ = false;
   bool hmem_ = false;
+  std::string hmem_note_;  // why GPU windows are not offered although FI_HMEM was asked for
   size_t inject_size_ = 0;
   uint64_t next_key_ = 1;
 
@@ -448,6 +450,7 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
     chosen = pick_info(usable_infos(hl.head, prov, true), prov, one_host, host_local);
     hmem_ = chosen != nullptr;
   }
+  if (want_hmem && !hmem_) hmem_note_ = "the provider does not offer FI_HMEM here";
   int qret = 0;
   if (!chosen) {
     qret = query_provider(prov, false, &pl.head);
@@ -534,7 +537,9 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
   for (int i = 0; i < kRecvPool; ++i) post_recv(&recv_ctx_[i]);
   MK_CHECK(post_error_);
 
+  if (hmem_) probe_gpu_registration();
   caps_.cuda_windows = hmem_;
+  caps_.cuda_windows_note = hmem_note_;
   caps_.imm_bytes = static_cast<uint32_t>(std::min<size_t>(info_->domain_attr->cq_data_size, 8));
   caps_.max_put_bytes = info_->ep_attr->max_msg_size;
   caps_.inject_bytes = inject_size_;
@@ -547,6 +552,28 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
           inject_size_, info_->ep_attr->max_msg_size, info_->tx_attr ? info_->tx_attr->size : 0,
           info_->rx_attr ? info_->rx_attr->size : 0, hmem_ ? "yes" : "no");
   return OkStatus();
+}
+
+// A provider may claim FI_HMEM and still refuse GPU memory (shm without its CUDA IPC support
+// says -FI_ENOSYS at fi_mr_regattr): register a small GPU buffer once, locally, and offer GPU
+// windows only when that works. Users then stage through host memory (net_staging=auto).
+void LibfabricBackend::probe_gpu_registration() {
+  void* probe = nullptr;
+  if (cudaMalloc(&probe, 1 << 16) != cudaSuccess) {
+    cudaGetLastError();
+    hmem_ = false;
+    hmem_note_ = "cudaMalloc of the probe buffer failed";
+    return;
+  }
+  fid_mr* mr = nullptr;
+  Status s = reg(probe, 1 << 16, FI_WRITE | FI_REMOTE_WRITE, MemKind::kCuda, &mr);
+  if (mr) fi_close(&mr->fid);
+  cudaFree(probe);
+  if (!s.ok()) {
+    hmem_ = false;
+    hmem_note_ = "the provider offers FI_HMEM but cannot register GPU memory here (" + s.message() + ")";
+    MK_INFO(kSubsysNet, "%s: %s: GPU windows are staged through host memory", name_.c_str(), hmem_note_.c_str());
+  }
 }
 
 Status LibfabricBackend::exchange_addresses() {

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Packs what the GPU machine needs to run the GPU tests and the CLI without building there:
+# the test binaries, the mkernel CLI, the C ABI library and ctest's test files, from the build
+# folder (default build/, built here for sm_90a), into .devbin/bins.tar.xz (git-ignored; send it
+# with carry). One solid xz archive: the binaries share most of their bytes (the kernels), so
+# it stays small. On the GPU machine scripts/device/suite.sh unpacks it into /tmp/mkb and
+# rewrites ctest's paths; it builds there instead when the archive is absent.
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+build=${MK_BUILD_DIR:-build}
+out=.devbin
+grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
+rm -rf "$out" && mkdir -p "$out"
+files=(mkernel libmkernel_capi.so CTestTestfile.cmake tests/CTestTestfile.cmake tests/cpu/CTestTestfile.cmake
+       tests/gpu/CTestTestfile.cmake)
+for f in "$build"/tests/gpu/test_gpu_*; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
+for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done
+tar -C "$build" -cf - "${files[@]}" | xz -T2 -9e > "$out/bins.tar.xz"
+# Where this build came from: the suite rewrites these paths on the GPU machine.
+printf '%s\n%s\n%s\n%s\n' "$root/$build" "$root" "$(command -v python3)" "$(git rev-parse HEAD)" > "$out/origin.txt"
+echo "pack: $(du -h "$out/bins.tar.xz" | cut -f1) in $out/bins.tar.xz (${#files[@]} files)"

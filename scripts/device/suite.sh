@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Everything the one-GPU machine must show, in one call, with hard time limits per step:
+#   setup   binaries from .devbin (scripts/device/pack_binaries.sh, built here) or a build
+#           into /tmp/mkb (-j16; needs .devcarry from scripts/device/prepare.sh)
+#   unit    every ctest test labelled gpu (under MPS, ranks as processes on the one GPU)
+#   matrix  scripts/device/matrix_check.sh: every layout x provider x staging through the API
+#   smoke   scripts/device/cli_smoke.sh: the CLI commands users ran, verbatim
+#   san     scripts/device/sanitize_check.sh: compute-sanitizer memcheck/racecheck/synccheck
+#   attn    tests/gpu/test_attention.py (needs torch)
+# MK_SUITE_STEPS picks steps (default "setup unit matrix smoke"); logs come back packed as
+# $OUT/suite_logs.tgz; the last lines printed are the summary.
+set -uo pipefail
+RESULT=${OUT:-/tmp/mk-out}
+L=/tmp/mk-suite
+rm -rf "$L" && mkdir -p "$L" "$RESULT"
+trap 'tar -C "$L" -czf "$RESULT/suite_logs.tgz" . 2>/dev/null' EXIT
+steps=${MK_SUITE_STEPS:-"setup unit matrix smoke"}
+has() { [[ " $steps " == *" $1 "* ]]; }
+export MK_BUILD_DIR=/tmp/mkb B=/tmp/mkb
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+summary=()
+note() { summary+=("$1"); echo "$1"; }
+t0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - t0 )); }
+nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv,noheader | sed 's/^/gpu: /'
+
+if has setup; then
+  if [[ -f .devbin/bins.tar.xz ]]; then
+    rm -rf "$B" && mkdir -p "$B" && tar -C "$B" -xJf .devbin/bins.tar.xz
+    mapfile -t origin < .devbin/origin.txt
+    # ctest files name the paths of the machine that built them: point them here.
+    find "$B" -name CTestTestfile.cmake -print0 | xargs -0 sed -i -e "s#${origin[0]}#$B#g" -e "s#${origin[1]}#$PWD#g" \
+      -e "s#\"[^\"]*/python3[.0-9]*\"#\"$(command -v python3)\"#g"
+    if ldd "$B/tests/gpu/test_gpu_fused" | grep -q "not found"; then
+      note "setup: carried binaries lack libraries here: $(ldd "$B/tests/gpu/test_gpu_fused" | grep 'not found' | tr '\n' ' ')"
+    else
+      note "setup: carried binaries of ${origin[3]:0:12} ($(elapsed) s)"
+    fi
+  else
+    source .devcarry/env.sh && source .devcarry/extra-env.sh
+    cmake -S . -B "$B" -G Ninja > "$L/cmake.log" 2>&1 && ninja -C "$B" -j16 -k 0 > "$L/build.log" 2>&1
+    note "setup: build rc=$? ($(elapsed) s)"
+    grep -E "error" "$L/build.log" | head -5
+  fi
+fi
+
+started_mps=0
+if has unit || has matrix || has smoke || has san; then
+  if ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then nvidia-cuda-mps-control -d && started_mps=1; fi
+fi
+
+if has unit; then
+  # One test at a time; ranks of a test share the GPU under MPS at 100/np % each.
+  mapfile -t tests < <(ctest --test-dir "$B" -N -L gpu | sed -n 's/^ *Test *#[0-9]*: //p' | grep -v test_attention_py)
+  for t in "${tests[@]}"; do
+    [[ -n ${MK_UNIT_ONLY:-} && ! $t =~ ${MK_UNIT_ONLY} ]] && continue
+    np=$(sed -n 's/.*_np\([0-9]*\)$/\1/p' <<<"$t"); np=${np:-1}
+    s=$(date +%s)
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)) timeout 240 ctest --test-dir "$B" -R "^${t}\$" --output-on-failure \
+      > "$L/unit_$t.log" 2>&1
+    rc=$?
+    res=$(grep -oE "tests passed|tests failed|Not Run|\*\*\*Skipped|\*\*\*Timeout|\*\*\*Failed" "$L/unit_$t.log" | head -1)
+    if grep -q "100% tests passed" "$L/unit_$t.log"; then line="PASS"; else line="FAIL"; fi
+    grep -q "\*\*\*Skipped" "$L/unit_$t.log" && line="SKIP"
+    note "unit $line  $t  $(( $(date +%s) - s )) s  (rc $rc${res:+, $res})"
+    [[ $line == FAIL ]] && grep -E "Failure|Expected|Which is|wrong|error|timed out|gave up|FAILED" "$L/unit_$t.log" | head -6 | sed 's/^/      /'
+  done
+fi
+
+if has matrix; then
+  MK_MATRIX_LOGS="$L/matrix" timeout 420 bash scripts/device/matrix_check.sh 2>&1 | tee "$L/matrix.log" | grep -vE "^      "
+  note "$(tail -1 "$L/matrix.log")"
+fi
+
+if has smoke; then
+  MK_SMOKE_LOGS="$L/smoke" MK_SMOKE_MPS=0 timeout 300 bash scripts/device/cli_smoke.sh > "$L/smoke.log" 2>&1
+  note "smoke rc=$?: $(grep -E "^(PASS|FAIL)" "$L/smoke.log" | awk '{print $1}' | sort | uniq -c | tr '\n' ' ')"
+  grep -E "^FAIL" -A4 "$L/smoke.log" | head -30
+fi
+
+if has san && [[ -f scripts/device/sanitize_check.sh ]]; then
+  OUT="$L/san" timeout 480 bash scripts/device/sanitize_check.sh > "$L/san.log" 2>&1
+  note "sanitizers rc=$?"; tail -30 "$L/san.log"
+fi
+
+[[ $started_mps == 1 ]] && echo quit | nvidia-cuda-mps-control
+
+if has attn; then
+  MK_CAPI=$B/libmkernel_capi.so timeout 400 python3 tests/gpu/test_attention.py > "$L/attn.log" 2>&1
+  note "test_attention.py rc=$?: $(tail -1 "$L/attn.log")"
+fi
+
+echo "==== summary ($(elapsed) s)"
+printf '%s\n' "${summary[@]}" | grep -vE "^unit PASS"
+echo "unit: $(printf '%s\n' "${summary[@]}" | grep -c '^unit PASS') passed, $(printf '%s\n' "${summary[@]}" | grep -c '^unit FAIL') failed, $(printf '%s\n' "${summary[@]}" | grep -c '^unit SKIP') skipped"

@@ -1,0 +1,383 @@
+// The configuration matrix, as a user runs it: every operator through its public API in the
+// layout, provider and staging mode the launch gives (MK_RANKS_PER_NODE, MK_NET_PROVIDER,
+// MK_NET_STAGING: scripts/device/matrix_check.sh launches this binary in every layout), over
+// tile-aligned, odd and tiny shapes and several communication-CTA counts.
+//
+//  - Fused GEMMs: rank-tagged small integers in bf16, fresh per call; the reference is cuBLAS
+//    over the gathered (AG) or K-concatenated (RS/AR) inputs, which every rank rebuilds from the
+//    tags: every product and sum is exact in fp32, both round once to bf16, so the comparison is
+//    bit for bit, every element, with C poisoned (NaN) before each call.
+//  - Ring attention: the reference is a CPU fp64 attention over the whole sequence for this
+//    rank's queries; O within bf16 rounding, LSE within 1e-3, O poisoned first.
+//  - InFlight: while calls of every operator are in flight, the application thread makes the
+//    blocking CUDA calls that once starved the proxy (pageable copies, cudaMalloc/cudaFree, a
+//    first-use kernel launch on another stream, cudaStreamSynchronize of another stream); every
+//    call must complete and be right.
+#include <gtest/gtest.h>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/ops/fused.h"
+#include "mkernel/ops/ring_attention.h"
+#include "tests/gpu/mpi_fixture.h"
+
+namespace mk {
+namespace test {
+namespace {
+
+using ops::FusedGemm;
+using ops::FusedKind;
+
+// Element i of rank r's matrix `which` in call `call`: an integer in [-2, 2] (a pure function,
+// so every rank can rebuild every other rank's inputs).
+__host__ __device__ inline int tag_int(uint64_t seed, int rank, int which, uint64_t call, uint64_t i) {
+  uint64_t x = seed ^ (uint64_t(rank + 1) << 52) ^ (uint64_t(which) << 44) ^ (call << 36) ^ i;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return int(x % 5) - 2;
+}
+
+// dst[r * ld + c] = tag of rank's [., src_cols] matrix at (r + row0, c), for r < rows, c < cols.
+__global__ void fill_tags(__nv_bfloat16* dst, int64_t rows, int64_t cols, int64_t ld, uint64_t seed, int rank,
+                          int which, uint64_t call, int64_t src_cols, int64_t row0) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    dst[r * ld + c] = __float2bfloat16(float(tag_int(seed, rank, which, call, uint64_t(r + row0) * src_cols + c)));
+  }
+}
+__global__ void poison16(uint16_t* p, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = 0x7fc1;  // NaN in bf16
+}
+__global__ void count_diff(const uint16_t* got, const uint16_t* want, int64_t n, unsigned long long* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    if (got[i] != want[i]) {
+      atomicAdd(&out[0], 1ull);
+      atomicMin(&out[1], static_cast<unsigned long long>(i));
+    }
+}
+// A kernel launched for the first time while fused calls are in flight (module loading).
+template <int kTag>
+__global__ void first_use(int* p) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) *p = kTag;
+}
+
+struct Dev {
+  void* p = nullptr;
+  explicit Dev(size_t bytes) { cudaMalloc(&p, bytes ? bytes : 16); }
+  ~Dev() { cudaFree(p); }
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+const char* kind_label(FusedKind k, bool det) {
+  switch (k) {
+    case FusedKind::kAgGemm: return "ag_gemm";
+    case FusedKind::kGemmRs: return det ? "gemm_rs(det)" : "gemm_rs";
+    case FusedKind::kGemmAr: return det ? "gemm_ar(det)" : "gemm_ar";
+  }
+  return "?";
+}
+
+// The blocking CUDA calls an application makes while a call is in flight on `stream`.
+void blocking_calls(cudaStream_t stream, const void* dev_src, size_t bytes) {
+  std::vector<uint8_t> pageable(bytes);
+  // A pageable copy on the legacy stream, then one queued behind the call on its own stream.
+  EXPECT_EQ(cudaMemcpy(pageable.data(), dev_src, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  void* tmp = nullptr;
+  EXPECT_EQ(cudaMalloc(&tmp, 64 << 20), cudaSuccess);
+  EXPECT_EQ(cudaFree(tmp), cudaSuccess);
+  cudaStream_t other;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  int* flag = nullptr;
+  EXPECT_EQ(cudaMalloc(&flag, sizeof(int)), cudaSuccess);
+  first_use<__LINE__><<<1, 32, 0, other>>>(flag);
+  EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  EXPECT_EQ(cudaFree(flag), cudaSuccess);
+  EXPECT_EQ(cudaMemcpyAsync(pageable.data(), dev_src, bytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+}
+
+struct GemmCase {
+  FusedKind kind;
+  bool det;
+  const char* shape;
+  int64_t rows_per_rank, N, K;
+  int comm_ctas;
+};
+
+// C = A · Bᵀ (row-major A [M, K], B [N, K], C [M, N]) in bf16 with fp32 accumulation.
+Status cublas_ref(cublasHandle_t h, const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
+                  cudaStream_t st) {
+  const float one = 1.f, zero = 0.f;
+  MK_REQUIRE(cublasSetStream(h, st) == CUBLAS_STATUS_SUCCESS, Code::kInternal, "cublasSetStream");
+  cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, B, CUDA_R_16BF, int(K), A,
+                                  CUDA_R_16BF, int(K), &zero, C, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT);
+  MK_REQUIRE(s == CUBLAS_STATUS_SUCCESS, Code::kInternal, "cublasGemmEx: %d", int(s));
+  return OkStatus();
+}
+
+// Runs `calls` calls of one fused case, each checked bit for bit. in_flight: the blocking calls
+// happen while each call is in flight.
+void run_gemm_case(Communicator* comm, cublasHandle_t h, const GemmCase& c, uint64_t seed, int calls,
+                   bool in_flight) {
+  const int W = comm->world(), me = comm->rank();
+  const int64_t Ms = c.rows_per_rank, M = Ms * W, N = c.N, K = c.K;
+  SCOPED_TRACE(std::string(kind_label(c.kind, c.det)) + " " + c.shape + " M " + std::to_string(M) + " N " +
+               std::to_string(N) + " K " + std::to_string(K) + " comm_ctas " + std::to_string(c.comm_ctas));
+  ops::FusedOptions o;
+  o.deterministic = c.det;
+  o.comm_ctas = c.comm_ctas;
+  std::unique_ptr<FusedGemm> op;
+  MK_ASSERT_OK(FusedGemm::create(comm, c.kind, {M, N, K}, o, &op));
+  const bool ag = c.kind == FusedKind::kAgGemm;
+  const int64_t a_rows = ag ? Ms : M, c_rows = c.kind == FusedKind::kGemmRs ? Ms : M, ck = ag ? K : K * W;
+  Dev A(a_rows * K * 2), B(N * K * 2), C(c_rows * N * 2), A_ref(M * ck * 2), B_ref(N * ck * 2), C_ref(M * N * 2);
+  Dev bad(16);
+  cudaStream_t st = comm->stream();
+  for (int call = 1; call <= calls; ++call) {
+    const uint64_t e = uint64_t(call) + (in_flight ? 1000 : 0);
+    fill_tags<<<132, 256, 0, st>>>(A.as<__nv_bfloat16>(), a_rows, K, K, seed, me, 0, e, K, ag ? me * Ms : 0);
+    fill_tags<<<132, 256, 0, st>>>(B.as<__nv_bfloat16>(), N, K, K, seed, me, 1, e, K, 0);
+    if (ag) {
+      for (int r = 0; r < W; ++r)
+        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * Ms * K, Ms, K, K, seed, r, 0, e, K, r * Ms);
+      MK_ASSERT_OK(cublas_ref(h, A_ref.p, B.p, C_ref.p, M, N, K, st));
+    } else {
+      for (int r = 0; r < W; ++r) {
+        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * K, M, K, ck, seed, r, 0, e, K, 0);
+        fill_tags<<<132, 256, 0, st>>>(B_ref.as<__nv_bfloat16>() + r * K, N, K, ck, seed, r, 1, e, K, 0);
+      }
+      MK_ASSERT_OK(cublas_ref(h, A_ref.p, B_ref.p, C_ref.p, M, N, ck, st));
+    }
+    poison16<<<132, 256, 0, st>>>(C.as<uint16_t>(), c_rows * N);
+    ops::FusedArgs args;
+    args.A = A.p;
+    args.B = B.p;
+    args.C = C.p;
+    MK_ASSERT_OK(call == 1 ? op->run(args, st) : op->enqueue(args, st));
+    if (in_flight) blocking_calls(st, C_ref.p, size_t(M) * N * 2);
+    const Status s = comm->sync(st);
+    ASSERT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    unsigned long long init[2] = {0, ~0ull}, got[2];
+    ASSERT_EQ(cudaMemcpy(bad.p, init, sizeof(init), cudaMemcpyHostToDevice), cudaSuccess);
+    const uint16_t* want = C_ref.as<uint16_t>() + (c.kind == FusedKind::kGemmRs ? me * Ms * N : 0);
+    count_diff<<<132, 256, 0, st>>>(C.as<uint16_t>(), want, c_rows * N, bad.as<unsigned long long>());
+    ASSERT_EQ(cudaMemcpy(got, bad.p, sizeof(got), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(got[0], 0ull) << "rank " << me << " call " << call << ": " << got[0] << " of " << c_rows * N
+                            << " elements wrong, first at row " << (got[0] ? got[1] / N : 0) << " col "
+                            << (got[0] ? got[1] % N : 0);
+  }
+  MK_EXPECT_OK(comm->check());
+  MK_EXPECT_OK(op->destroy());
+}
+
+std::vector<GemmCase> gemm_cases() {
+  struct Shape {
+    const char* name;
+    int64_t rows_per_rank, N, K;
+  };
+  // Odd: M not a multiple of the 128-row tile, N and K multiples of 8 but not of 64. Tiny: one
+  // row per rank.
+  const Shape shapes[] = {{"aligned", 256, 512, 256}, {"odd", 136, 264, 72}, {"tiny", 1, 8, 8}};
+  const struct {
+    FusedKind k;
+    bool det;
+  } kinds[] = {{FusedKind::kAgGemm, false}, {FusedKind::kGemmRs, false}, {FusedKind::kGemmAr, false},
+               {FusedKind::kGemmRs, true}, {FusedKind::kGemmAr, true}};
+  const int ctas[] = {1, -1, 16};
+  std::vector<GemmCase> out;
+  // Every (operator, shape) pair; the CTA count rotates so that every (operator, count) and
+  // every (shape, count) pair occurs too.
+  for (int i = 0; i < 5; ++i)
+    for (int j = 0; j < 3; ++j)
+      out.push_back(GemmCase{kinds[i].k, kinds[i].det, shapes[j].name, shapes[j].rows_per_rank, shapes[j].N,
+                             shapes[j].K, ctas[(i + j) % 3]});
+  return out;
+}
+
+// ---- ring attention ----
+struct RingCase {
+  ops::SeqLayout layout;
+  bool causal;
+  int H, Hkv, D;
+  int64_t tokens_per_rank;
+  int comm_ctas;
+};
+
+// Inputs in eighths in [-1/2, 1/2] (exact in bf16), a function of (rank, which, call, index).
+float ring_value(uint64_t seed, int rank, int which, uint64_t call, uint64_t i) {
+  return float(tag_int(seed, rank, which + 8, call, i) * 2 + (tag_int(seed, rank, which + 16, call, i) & 1)) / 8.f;
+}
+
+void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int calls, bool in_flight) {
+  const int W = comm->world(), me = comm->rank();
+  const int B = 1;
+  const int64_t S_l = c.tokens_per_rank, S = S_l * W;
+  SCOPED_TRACE(std::string("ring_attention ") + (c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") +
+               (c.causal ? " causal" : "") + " S/rank " + std::to_string(S_l) + " H " + std::to_string(c.H) + "/" +
+               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(c.comm_ctas));
+  ops::RingAttentionOptions o;
+  o.comm_ctas = c.comm_ctas;
+  // Several forwarded pieces per block even at these sizes: arrival flags per piece are tested.
+  o.chunk_tokens = S_l > 64 ? 64 : 0;
+  std::unique_ptr<ops::RingAttention> op;
+  MK_ASSERT_OK(ops::RingAttention::create(comm, {B, c.H, c.Hkv, c.D, S, c.layout, c.causal}, o, &op));
+  const ops::RingPlan& plan = op->plan();
+  // Global position of each local token of every rank (chunks in token order).
+  std::vector<std::vector<int64_t>> pos(W);
+  for (int r = 0; r < W; ++r)
+    for (const auto& ch : plan.chunks[r])
+      for (int64_t t = 0; t < ch.tokens; ++t) pos[r].push_back(ch.token0 + t);
+  const size_t qn = size_t(S_l) * c.H * c.D, kn = size_t(S_l) * c.Hkv * c.D;
+  Dev q(qn * 2), k(kn * 2), v(kn * 2), o_d(qn * 2), lse(size_t(c.H) * S_l * 4);
+  cudaStream_t st = comm->stream();
+  const double scale = 1.0 / std::sqrt(double(c.D));
+  for (int call = 1; call <= calls; ++call) {
+    const uint64_t e = uint64_t(call) + (in_flight ? 1000 : 0);
+    // Every rank's Q/K/V on the host (the reference needs the whole sequence's K/V).
+    std::vector<std::vector<float>> hq(W), hk(W), hv(W);
+    for (int r = 0; r < W; ++r) {
+      hq[r].resize(qn), hk[r].resize(kn), hv[r].resize(kn);
+      for (size_t i = 0; i < qn; ++i) hq[r][i] = ring_value(seed, r, 0, e, i);
+      for (size_t i = 0; i < kn; ++i) hk[r][i] = ring_value(seed, r, 1, e, i), hv[r][i] = ring_value(seed, r, 2, e, i);
+    }
+    auto upload = [&](const std::vector<float>& h, void* d) {
+      std::vector<__nv_bfloat16> b(h.size());
+      for (size_t i = 0; i < h.size(); ++i) b[i] = __float2bfloat16(h[i]);
+      ASSERT_EQ(cudaMemcpy(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    };
+    upload(hq[me], q.p);
+    upload(hk[me], k.p);
+    upload(hv[me], v.p);
+    poison16<<<132, 256, 0, st>>>(o_d.as<uint16_t>(), int64_t(qn));
+    ops::RingAttentionArgs a;
+    a.q = q.p, a.k = k.p, a.v = v.p, a.o = o_d.p, a.lse = lse.as<float>();
+    MK_ASSERT_OK(call == 1 ? op->run(a, st) : op->enqueue(a, st));
+    if (in_flight) blocking_calls(st, q.p, qn * 2);
+    const Status s = comm->sync(st);
+    ASSERT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    std::vector<__nv_bfloat16> got(qn);
+    std::vector<float> got_lse(size_t(c.H) * S_l);
+    ASSERT_EQ(cudaMemcpy(got.data(), o_d.p, qn * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_lse.data(), lse.p, got_lse.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t bad = 0;
+    std::string first;
+    const int group = c.H / c.Hkv;
+    std::vector<double> sc, acc(c.D);
+    for (int64_t i = 0; i < S_l; ++i)
+      for (int h = 0; h < c.H; ++h) {
+        const float* qi = &hq[me][(size_t(i) * c.H + h) * c.D];
+        const int hk_i = h / group;
+        double mx = -INFINITY;
+        sc.clear();
+        for (int r = 0; r < W; ++r)
+          for (int64_t j = 0; j < S_l; ++j) {
+            if (c.causal && pos[r][j] > pos[me][i]) {
+              sc.push_back(-INFINITY);
+              continue;
+            }
+            const float* kj = &hk[r][(size_t(j) * c.Hkv + hk_i) * c.D];
+            double d = 0;
+            for (int x = 0; x < c.D; ++x) d += double(qi[x]) * kj[x];
+            sc.push_back(d * scale);
+            mx = std::max(mx, d * scale);
+          }
+        double sum = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        size_t n = 0;
+        for (int r = 0; r < W; ++r)
+          for (int64_t j = 0; j < S_l; ++j, ++n) {
+            if (sc[n] == -INFINITY) continue;
+            const double p = std::exp(sc[n] - mx);
+            sum += p;
+            const float* vj = &hv[r][(size_t(j) * c.Hkv + hk_i) * c.D];
+            for (int x = 0; x < c.D; ++x) acc[x] += p * vj[x];
+          }
+        for (int x = 0; x < c.D; ++x) {
+          const double want = acc[x] / sum;
+          const float o = __bfloat162float(got[(size_t(i) * c.H + h) * c.D + x]);
+          // bf16 output: half an ulp of rounding plus the kernel's fp32 arithmetic.
+          if (!(std::fabs(o - want) <= 1e-2 * std::fabs(want) + 2e-3) && bad++ == 0)
+            first = "O[token " + std::to_string(i) + "][head " + std::to_string(h) + "][" + std::to_string(x) +
+                    "] = " + std::to_string(o) + ", expected " + std::to_string(want);
+        }
+        const double want_lse = mx + std::log(sum);
+        const float l = got_lse[size_t(h) * S_l + i];
+        if (!(std::fabs(l - want_lse) <= 1e-3 * std::max(1.0, std::fabs(want_lse))) && bad++ == 0)
+          first = "LSE[head " + std::to_string(h) + "][token " + std::to_string(i) + "] = " + std::to_string(l) +
+                  ", expected " + std::to_string(want_lse);
+      }
+    EXPECT_EQ(bad, 0) << "rank " << me << " call " << call << ": " << bad << " wrong; first " << first;
+  }
+  MK_EXPECT_OK(comm->check());
+  MK_EXPECT_OK(op->destroy());
+}
+
+std::vector<RingCase> ring_cases() {
+  return {
+      {ops::SeqLayout::kContiguous, false, 4, 2, 128, 200, -1},  // GQA, tails (200 = 128 + 72)
+      {ops::SeqLayout::kZigzag, true, 2, 1, 64, 136, 1},         // odd chunks (68 tokens each)
+      {ops::SeqLayout::kZigzag, true, 2, 2, 64, 2, 16},          // tiny: one token per chunk
+  };
+}
+
+class Matrix : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    comm_ = shared_comm();
+    ASSERT_NE(comm_, nullptr);
+    ASSERT_EQ(cublasCreate(&h_), CUBLAS_STATUS_SUCCESS);
+    if (comm_->rank() == 0)
+      printf("matrix: %d ranks on %d node(s) of %d; provider %s, staging %s\n", comm_->world(),
+             comm_->topology().num_nodes, int(comm_->topology().node_ranks[0].size()),
+             getenv("MK_NET_PROVIDER") ? getenv("MK_NET_PROVIDER") : "auto",
+             getenv("MK_NET_STAGING") ? getenv("MK_NET_STAGING") : "auto");
+  }
+  void TearDown() override { cublasDestroy(h_); }
+  Communicator* comm_ = nullptr;
+  cublasHandle_t h_ = nullptr;
+};
+
+TEST_F(Matrix, FusedGemmEveryShapeAndCtaCount) {
+  const uint64_t seed = test_seed();
+  for (const GemmCase& c : gemm_cases()) {
+    run_gemm_case(comm_, h_, c, seed, 2, false);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(Matrix, RingAttentionEveryLayout) {
+  const uint64_t seed = test_seed();
+  for (const RingCase& c : ring_cases()) {
+    // Zigzag needs an even number of tokens per rank; the tiny case keeps one token per chunk.
+    run_ring_case(comm_, c, seed, 2, false);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(Matrix, InFlightBlockingCudaCalls) {
+  const uint64_t seed = test_seed() ^ 0x5eed;
+  for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {
+    run_gemm_case(comm_, h_, GemmCase{k, false, "aligned", 256, 512, 256, -1}, seed, 3, true);
+    if (HasFatalFailure()) return;
+  }
+  run_ring_case(comm_, RingCase{ops::SeqLayout::kZigzag, true, 2, 1, 128, 256, -1}, seed, 3, true);
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace mk
