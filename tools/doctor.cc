@@ -29,6 +29,7 @@
 
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/mkernel.h"
+#include "mkernel/net/backend.h"
 #include "tools/cli.h"
 
 namespace mk {
@@ -408,6 +409,46 @@ void report_fabric() {
 #endif
 }
 
+// How each provider would carry a fused operator's traffic between nodes with net_staging=auto:
+// directly from GPU memory (GPUDirect RDMA, when the provider registers GPU memory) or staged
+// through pinned host memory, and why. A one-rank backend per provider, on this rank's GPU.
+void report_staging(bool have_gpu) {
+  section("network staging (net_staging=auto, per provider)");
+#ifdef MK_HAVE_LIBFABRIC
+  std::vector<std::unique_ptr<Bootstrap>> one;
+  Status s = make_thread_world(1, &one);
+  RankInfo me = local_host_info(0);
+  if (s.ok() && have_gpu) s = fill_gpu_info(0, &me);
+  Topology topo;
+  if (s.ok()) s = build_topology(0, {me}, 0, nullptr, &topo);
+  if (!s.ok()) {
+    printf("not checked: %s\n", s.to_string().c_str());
+    return;
+  }
+  for (const std::string& prov : net::libfabric_providers()) {
+    net::BackendConfig cfg;
+    cfg.kind = "libfabric";
+    cfg.provider = prov;
+    std::unique_ptr<net::Backend> be;
+    Status bs = net::create_backend(*one[0], topo, cfg, &be);
+    if (!bs.ok()) {
+      printf("%-16s unusable here: %s\n", prov.c_str(), bs.message().c_str());
+      continue;
+    }
+    const net::BackendCaps c = be->caps();
+    if (c.cuda_windows)
+      printf("%-16s direct: GPU memory registered (GPUDirect RDMA; flushed before each arrival flag)\n",
+             prov.c_str());
+    else
+      printf("%-16s staged through pinned host memory: %s\n", prov.c_str(),
+             !have_gpu ? "no GPU here" : c.cuda_windows_note.empty() ? "no FI_HMEM" : c.cuda_windows_note.c_str());
+    (void)be->finalize();
+  }
+#else
+  printf("not built with libfabric\n");
+#endif
+}
+
 void report_tunables() {
   section("tunables (set MK_<NAME> or mk::tunables::set)");
   for (const TunableValue& v : tunables::snapshot())
@@ -424,6 +465,7 @@ int doctor(const std::vector<std::string>& args) {
   report_mps();
   report_symmem(have_gpu);
   report_fabric();
+  report_staging(have_gpu);
   report_tunables();
   return 0;
 }

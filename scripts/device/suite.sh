@@ -7,7 +7,8 @@
 #   smoke   scripts/device/cli_smoke.sh: the CLI commands users ran, verbatim
 #   san     scripts/device/sanitize_check.sh: compute-sanitizer memcheck/racecheck/synccheck
 #   attn    tests/gpu/test_attention.py (needs torch)
-# MK_SUITE_STEPS picks steps (default "setup unit matrix smoke"); logs come back packed as
+# MK_SUITE_STEPS picks steps, run in that order (default "setup unit matrix smoke"); MK_UNIT_ONLY
+# (regex) limits the unit tests; logs come back packed as
 # $OUT/suite_logs.tgz; the last lines printed are the summary.
 set -uo pipefail
 RESULT=${OUT:-/tmp/mk-out}
@@ -24,7 +25,7 @@ t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
 nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=csv,noheader | sed 's/^/gpu: /'
 
-if has setup; then
+step_setup() {
   if [[ -f .devbin/bins.tar.xz ]]; then
     rm -rf "$B" && mkdir -p "$B" && tar -C "$B" -xJf .devbin/bins.tar.xz
     mapfile -t origin < .devbin/origin.txt
@@ -42,14 +43,18 @@ if has setup; then
     note "setup: build rc=$? ($(elapsed) s)"
     grep -E "error" "$L/build.log" | head -5
   fi
-fi
+}
 
 started_mps=0
-if has unit || has matrix || has smoke || has san; then
-  if ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then nvidia-cuda-mps-control -d && started_mps=1; fi
-fi
+mps_on() {
+  if [[ $started_mps == 0 ]] && ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+    nvidia-cuda-mps-control -d && started_mps=1
+  fi
+}
+mps_off() { [[ $started_mps == 1 ]] && echo quit | nvidia-cuda-mps-control; started_mps=0; }
 
-if has unit; then
+step_unit() {
+  mps_on
   # One test at a time; ranks of a test share the GPU under MPS at 100/np % each.
   mapfile -t tests < <(ctest --test-dir "$B" -N -L gpu | sed -n 's/^ *Test *#[0-9]*: //p' | grep -v test_attention_py)
   for t in "${tests[@]}"; do
@@ -65,30 +70,38 @@ if has unit; then
     note "unit $line  $t  $(( $(date +%s) - s )) s  (rc $rc${res:+, $res})"
     [[ $line == FAIL ]] && grep -E "Failure|Expected|Which is|wrong|error|timed out|gave up|FAILED" "$L/unit_$t.log" | head -6 | sed 's/^/      /'
   done
-fi
+}
 
-if has matrix; then
+step_matrix() {
+  mps_on
   MK_MATRIX_LOGS="$L/matrix" timeout 420 bash scripts/device/matrix_check.sh 2>&1 | tee "$L/matrix.log" | grep -vE "^      "
   note "$(tail -1 "$L/matrix.log")"
-fi
+}
 
-if has smoke; then
+step_smoke() {
+  mps_on
   MK_SMOKE_LOGS="$L/smoke" MK_SMOKE_MPS=0 timeout 300 bash scripts/device/cli_smoke.sh > "$L/smoke.log" 2>&1
   note "smoke rc=$?: $(grep -E "^(PASS|FAIL)" "$L/smoke.log" | awk '{print $1}' | sort | uniq -c | tr '\n' ' ')"
   grep -E "^FAIL" -A4 "$L/smoke.log" | head -30
-fi
+}
 
-if has san && [[ -f scripts/device/sanitize_check.sh ]]; then
+step_san() {
+  mps_off  # the sanitizer script starts MPS itself where it needs it
   OUT="$L/san" timeout 480 bash scripts/device/sanitize_check.sh > "$L/san.log" 2>&1
   note "sanitizers rc=$?"; tail -30 "$L/san.log"
-fi
+}
 
-[[ $started_mps == 1 ]] && echo quit | nvidia-cuda-mps-control
-
-if has attn; then
+step_attn() {
+  mps_off
   MK_CAPI=$B/libmkernel_capi.so timeout 400 python3 tests/gpu/test_attention.py > "$L/attn.log" 2>&1
   note "test_attention.py rc=$?: $(tail -1 "$L/attn.log")"
-fi
+}
+
+# Steps run in the order given.
+for s in $steps; do
+  if declare -F "step_$s" >/dev/null; then "step_$s"; else note "unknown step $s"; fi
+done
+mps_off
 
 echo "==== summary ($(elapsed) s)"
 printf '%s\n' "${summary[@]}" | grep -vE "^unit PASS"

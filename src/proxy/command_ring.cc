@@ -25,8 +25,9 @@ Status CommandRing::create(uint64_t capacity, bool gpu, std::unique_ptr<CommandR
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&r->tail_), 64,
                                 cudaHostAllocMapped | cudaHostAllocPortable));
     MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&r->d_head_), sizeof(unsigned long long)));
-    MK_CUDA_CHECK(cudaMemset(r->d_head_, 0, sizeof(unsigned long long)));
-    MK_CUDA_CHECK(cudaDeviceSynchronize());
+    // A synchronous copy, not a device-wide sync: kernels in flight on other streams go on.
+    const unsigned long long zero = 0;
+    MK_CUDA_CHECK(cudaMemcpy(r->d_head_, &zero, sizeof(zero), cudaMemcpyHostToDevice));
   } else {
     r->slots_ = static_cast<Command*>(aligned_alloc(64, bytes));
     r->tail_ = static_cast<uint64_t*>(aligned_alloc(64, 64));

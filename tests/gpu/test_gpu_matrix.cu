@@ -3,10 +3,13 @@
 // MK_NET_STAGING: scripts/device/matrix_check.sh launches this binary in every layout), over
 // tile-aligned, odd and tiny shapes and several communication-CTA counts.
 //
-//  - Fused GEMMs: rank-tagged small integers in bf16, fresh per call; the reference is cuBLAS
-//    over the gathered (AG) or K-concatenated (RS/AR) inputs, which every rank rebuilds from the
-//    tags: every product and sum is exact in fp32, both round once to bf16, so the comparison is
-//    bit for bit, every element, with C poisoned (NaN) before each call.
+//  - Fused GEMMs: rank-tagged small integers in bf16, fresh per call; the reference is a plain
+//    CUDA kernel (one thread per element, fp32 sums; independent of mkernel's GEMM and of
+//    cuBLAS, whose heuristics returned zeros for some rows here when an MPS client had 16% of
+//    the SMs) over the gathered (AG) or K-concatenated (RS/AR) inputs, which every rank rebuilds
+//    from the tags: every product and sum is exact in fp32, both round once to bf16, so the
+//    comparison is bit for bit, every element, with C poisoned (NaN) before each call. A
+//    failure prints the first wrong element with the reference and an exact CPU value.
 //  - Ring attention: the reference is a CPU fp64 attention over the whole sequence for this
 //    rank's queries; O within bf16 rounding, LSE within 1e-3, O poisoned first.
 //  - InFlight: while calls of every operator are in flight, the application thread makes the
@@ -15,7 +18,6 @@
 //    call must complete and be right.
 #include <gtest/gtest.h>
 
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -118,22 +120,26 @@ struct GemmCase {
   int comm_ctas;
 };
 
-// C = A · Bᵀ (row-major A [M, K], B [N, K], C [M, N]) in bf16 with fp32 accumulation.
-Status cublas_ref(cublasHandle_t h, const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
-                  cudaStream_t st) {
-  const float one = 1.f, zero = 0.f;
-  MK_REQUIRE(cublasSetStream(h, st) == CUBLAS_STATUS_SUCCESS, Code::kInternal, "cublasSetStream");
-  cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, B, CUDA_R_16BF, int(K), A,
-                                  CUDA_R_16BF, int(K), &zero, C, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
-                                  CUBLAS_GEMM_DEFAULT);
-  MK_REQUIRE(s == CUBLAS_STATUS_SUCCESS, Code::kInternal, "cublasGemmEx: %d", int(s));
+// C = A · Bᵀ (row-major A [M, K], B [N, K], C [M, N]) in bf16, fp32 sums: the reference.
+__global__ void ref_gemm(const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C, int64_t M, int64_t N,
+                         int64_t K) {
+  const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, m = blockIdx.y;
+  if (n >= N || m >= M) return;
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc += __bfloat162float(A[m * K + k]) * __bfloat162float(B[n * K + k]);
+  C[m * N + n] = __float2bfloat16_rn(acc);
+}
+Status gemm_ref(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, cudaStream_t st) {
+  ref_gemm<<<dim3(unsigned((N + 127) / 128), unsigned(M)), 128, 0, st>>>(
+      static_cast<const __nv_bfloat16*>(A), static_cast<const __nv_bfloat16*>(B), static_cast<__nv_bfloat16*>(C), M,
+      N, K);
+  MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 }
 
 // Runs `calls` calls of one fused case, each checked bit for bit. in_flight: the blocking calls
 // happen while each call is in flight.
-void run_gemm_case(Communicator* comm, cublasHandle_t h, const GemmCase& c, uint64_t seed, int calls,
-                   bool in_flight) {
+void run_gemm_case(Communicator* comm, const GemmCase& c, uint64_t seed, int calls, bool in_flight) {
   const int W = comm->world(), me = comm->rank();
   const int64_t Ms = c.rows_per_rank, M = Ms * W, N = c.N, K = c.K;
   SCOPED_TRACE(std::string(kind_label(c.kind, c.det)) + " " + c.shape + " M " + std::to_string(M) + " N " +
@@ -155,13 +161,13 @@ void run_gemm_case(Communicator* comm, cublasHandle_t h, const GemmCase& c, uint
     if (ag) {
       for (int r = 0; r < W; ++r)
         fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * Ms * K, Ms, K, K, seed, r, 0, e, K, r * Ms);
-      MK_ASSERT_OK(cublas_ref(h, A_ref.p, B.p, C_ref.p, M, N, K, st));
+      MK_ASSERT_OK(gemm_ref(A_ref.p, B.p, C_ref.p, M, N, K, st));
     } else {
       for (int r = 0; r < W; ++r) {
         fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * K, M, K, ck, seed, r, 0, e, K, 0);
         fill_tags<<<132, 256, 0, st>>>(B_ref.as<__nv_bfloat16>() + r * K, N, K, ck, seed, r, 1, e, K, 0);
       }
-      MK_ASSERT_OK(cublas_ref(h, A_ref.p, B_ref.p, C_ref.p, M, N, ck, st));
+      MK_ASSERT_OK(gemm_ref(A_ref.p, B_ref.p, C_ref.p, M, N, ck, st));
     }
     poison16<<<132, 256, 0, st>>>(C.as<uint16_t>(), c_rows * N);
     ops::FusedArgs args;
@@ -177,9 +183,35 @@ void run_gemm_case(Communicator* comm, cublasHandle_t h, const GemmCase& c, uint
     const uint16_t* want = C_ref.as<uint16_t>() + (c.kind == FusedKind::kGemmRs ? me * Ms * N : 0);
     count_diff<<<132, 256, 0, st>>>(C.as<uint16_t>(), want, c_rows * N, bad.as<unsigned long long>());
     ASSERT_EQ(cudaMemcpy(got, bad.p, sizeof(got), cudaMemcpyDeviceToHost), cudaSuccess);
+    std::string detail;
+    if (got[0]) {
+      // The first wrong element: the fused value, cuBLAS's, and an exact CPU value from the tags,
+      // so a failure says which side is off.
+      const int64_t i = int64_t(got[1]), row = i / N, col = i % N, grow = row + (c.kind == FusedKind::kGemmRs ? me * Ms : 0);
+      uint16_t f = 0, r = 0;
+      cudaMemcpy(&f, C.as<uint16_t>() + i, 2, cudaMemcpyDeviceToHost);
+      cudaMemcpy(&r, want + i, 2, cudaMemcpyDeviceToHost);
+      double exact = 0;
+      if (ag) {
+        const int owner = int(grow / Ms);
+        for (int64_t k = 0; k < K; ++k)
+          exact += double(tag_int(seed, owner, 0, e, uint64_t(grow) * K + k)) * tag_int(seed, me, 1, e, uint64_t(col) * K + k);
+      } else {
+        for (int rr = 0; rr < W; ++rr)
+          for (int64_t k = 0; k < K; ++k)
+            exact += double(tag_int(seed, rr, 0, e, uint64_t(grow) * K + k)) * tag_int(seed, rr, 1, e, uint64_t(col) * K + k);
+      }
+      auto bf = [](uint16_t h) {
+        uint32_t u = uint32_t(h) << 16;
+        float x;
+        memcpy(&x, &u, 4);
+        return x;
+      };
+      detail = "; first at row " + std::to_string(grow) + " col " + std::to_string(col) + ": fused " +
+               std::to_string(bf(f)) + ", reference " + std::to_string(bf(r)) + ", exact " + std::to_string(exact);
+    }
     EXPECT_EQ(got[0], 0ull) << "rank " << me << " call " << call << ": " << got[0] << " of " << c_rows * N
-                            << " elements wrong, first at row " << (got[0] ? got[1] / N : 0) << " col "
-                            << (got[0] ? got[1] % N : 0);
+                            << " elements wrong" << detail;
   }
   MK_EXPECT_OK(comm->check());
   MK_EXPECT_OK(op->destroy());
@@ -340,22 +372,19 @@ class Matrix : public ::testing::Test {
   void SetUp() override {
     comm_ = shared_comm();
     ASSERT_NE(comm_, nullptr);
-    ASSERT_EQ(cublasCreate(&h_), CUBLAS_STATUS_SUCCESS);
     if (comm_->rank() == 0)
       printf("matrix: %d ranks on %d node(s) of %d; provider %s, staging %s\n", comm_->world(),
              comm_->topology().num_nodes, int(comm_->topology().node_ranks[0].size()),
              getenv("MK_NET_PROVIDER") ? getenv("MK_NET_PROVIDER") : "auto",
              getenv("MK_NET_STAGING") ? getenv("MK_NET_STAGING") : "auto");
   }
-  void TearDown() override { cublasDestroy(h_); }
   Communicator* comm_ = nullptr;
-  cublasHandle_t h_ = nullptr;
 };
 
 TEST_F(Matrix, FusedGemmEveryShapeAndCtaCount) {
   const uint64_t seed = test_seed();
   for (const GemmCase& c : gemm_cases()) {
-    run_gemm_case(comm_, h_, c, seed, 2, false);
+    run_gemm_case(comm_, c, seed, 2, false);
     if (HasFatalFailure()) return;
   }
 }
@@ -372,7 +401,7 @@ TEST_F(Matrix, RingAttentionEveryLayout) {
 TEST_F(Matrix, InFlightBlockingCudaCalls) {
   const uint64_t seed = test_seed() ^ 0x5eed;
   for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {
-    run_gemm_case(comm_, h_, GemmCase{k, false, "aligned", 256, 512, 256, -1}, seed, 3, true);
+    run_gemm_case(comm_, GemmCase{k, false, "aligned", 256, 512, 256, -1}, seed, 3, true);
     if (HasFatalFailure()) return;
   }
   run_ring_case(comm_, RingCase{ops::SeqLayout::kZigzag, true, 2, 1, 128, 256, -1}, seed, 3, true);

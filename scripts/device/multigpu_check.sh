@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Everything a multi-GPU machine must show, in one call (run it the day a machine with several
+# GPUs is lent; on one GPU it degrades to what one GPU can run, ranks sharing it under MPS,
+# and says that its times are not comparable):
+#   1. correctness: the configuration matrix (test_gpu_matrix) with one rank per GPU at
+#      W = 2, 4, 8 over real NVLink, and 2 emulated nodes x W/2 over tcp_rxm and shm;
+#   2. the fused operators against cuBLAS + NCCL (mkernel bench: speedups, overlap efficiency)
+#      on the Llama-70B TP8 shapes (AG+GEMM of the gate/up projection, GEMM+RS of the down
+#      projection, GEMM+AR of the attention output) at 4096 and 16384 tokens;
+#   3. ring attention against NCCL all-gather + attention and a send/recv ring, S/rank 4096-16384;
+#   4. the same benchmarks with 2 emulated nodes (the network path between them).
+# Binaries from MK_BUILD_DIR (default /tmp/mkb: scripts/device/suite.sh setup puts them there).
+# JSON results and logs go to $OUT (packed as multigpu_logs.tgz).
+set -uo pipefail
+B=${MK_BUILD_DIR:-/tmp/mkb}
+RESULT=${OUT:-/tmp/mk-out}
+L=/tmp/mk-multigpu
+rm -rf "$L" && mkdir -p "$L" "$RESULT"
+trap 'tar -C "$L" -czf "$RESULT/multigpu_logs.tgz" . 2>/dev/null' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+(( ngpu >= 1 )) || { echo "multigpu: no GPU"; exit 2; }
+nvidia-smi topo -m > "$L/topo.txt" 2>&1 || true
+shared=0
+if (( ngpu == 1 )); then
+  shared=1
+  echo "multigpu: one GPU: ranks share it under MPS (correctness only; times are not comparable)"
+  echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1 || nvidia-cuda-mps-control -d
+fi
+ws=(); for w in 2 4 8; do (( w <= ngpu || (shared && w <= 4) )) && ws+=($w); done
+fails=0
+run() {  # name np [env...] -- command...
+  local name=$1 np=$2; shift 2
+  local env=(); while [[ $1 != -- ]]; do env+=(-x "$1"); shift; done; shift
+  (( shared )) && env+=(-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)))
+  local t0=$(date +%s)
+  timeout 300 mpirun --allow-run-as-root --bind-to none --oversubscribe -np "$np" "${env[@]}" "$@" > "$L/$name.log" 2>&1
+  local rc=$?
+  (( rc == 0 )) || fails=$((fails + 1))
+  printf '%-4s %-40s %4ss\n' "$([[ $rc == 0 ]] && echo PASS || echo FAIL)" "$name" "$(( $(date +%s) - t0 ))"
+  (( rc == 0 )) || grep -E "Failure|wrong|error|FAILED|WRONG" "$L/$name.log" | head -5 | sed 's/^/      /'
+}
+
+# 1. correctness
+for w in "${ws[@]}"; do
+  run "matrix_w$w" "$w" -- "$B/tests/gpu/test_gpu_matrix"
+  if (( w >= 2 )); then
+    for p in tcp_rxm shm; do
+      run "matrix_2x$((w / 2))_$p" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=$p -- "$B/tests/gpu/test_gpu_matrix"
+    done
+  fi
+done
+
+# 2-4. benchmarks (Llama-70B: hidden 8192, intermediate 28672, TP = W)
+for w in "${ws[@]}"; do
+  for tok in 4096 16384; do
+    run "bench_ag_w${w}_t$tok" "$w" -- "$B/mkernel" bench ag_gemm --m $tok --n $((2 * 28672 / w)) --k 8192 \
+      --json "$RESULT/ag_w${w}_t$tok.json"
+    run "bench_rs_w${w}_t$tok" "$w" -- "$B/mkernel" bench gemm_rs --m $tok --n 8192 --k $((28672 / w)) \
+      --json "$RESULT/rs_w${w}_t$tok.json"
+    run "bench_ar_w${w}_t$tok" "$w" -- "$B/mkernel" bench gemm_ar --m $tok --n 8192 --k $((8192 / w)) \
+      --json "$RESULT/ar_w${w}_t$tok.json"
+  done
+  run "bench_ring_w$w" "$w" -- "$B/mkernel" bench ring_attention --seq 4096 --seq 8192 --seq 16384 \
+    --json "$RESULT/ring_w$w.json"
+  if (( w >= 4 )); then
+    run "bench_all_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- "$B/mkernel" bench all \
+      --json "$RESULT/all_2nodes_w$w.json"
+    run "bench_ring_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- "$B/mkernel" bench \
+      ring_attention --seq 8192 --json "$RESULT/ring_2nodes_w$w.json"
+  fi
+done
+(( shared )) && echo quit | nvidia-cuda-mps-control
+grep -hE "^(ag_gemm|gemm_rs|gemm_ar|ring)" "$L"/bench_*.log | sort | uniq > "$RESULT/bench_summary.txt"
+echo "multigpu: $fails failure(s); GPUs: $ngpu$([[ $shared == 1 ]] && echo ' (shared: times not comparable)')"
+(( fails == 0 ))
