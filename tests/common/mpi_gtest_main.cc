@@ -1,6 +1,9 @@
 // GoogleTest main for tests run under mpirun. Every rank runs every test; rank 0 prints the
 // full report, other ranks print only their failures (prefixed with their rank). Exit codes
-// are agreed: all ranks return 1 if any rank failed, 77 if there is no GPU for a GPU test.
+// are agreed, so every rank returns the same: 1 if any rank failed; 77 (ctest: skipped) if
+// there is no GPU for a GPU test on some rank, or if any rank skipped a test (GTEST_SKIP) and
+// none failed — never "passed" for a binary that did not run all its tests; else 0. The job's
+// seed (rank 0's) is printed at the start and after every failing test.
 #include <mpi.h>
 
 #include <cstdio>
@@ -40,19 +43,27 @@ int main(int argc, char** argv) {
   }
 #endif
   // One seed for the job, from rank 0, so ranks can generate each other's expected data.
-  const char* env_seed = getenv("MK_TEST_SEED");
-  unsigned long long seed = env_seed ? strtoull(env_seed, nullptr, 0) : mk::test::fresh_seed();
+  unsigned long long seed = mk::test::test_seed();  // MK_TEST_SEED, else fresh
   MPI_Bcast(&seed, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
-  setenv("MK_TEST_SEED", std::to_string(seed).c_str(), 1);
+  mk::test::set_test_seed(seed);
   if (rank == 0) printf("test seed: %llu (MK_TEST_SEED to replay), %d ranks\n", seed, size);
   auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (rank != 0) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new RankFailurePrinter(rank));
   }
-  int rc = RUN_ALL_TESTS() ? 1 : 0, any = 0;
-  MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (rank == 0 && any && !rc) printf("FAILED on another rank (see [rank N] lines)\n");
+  listeners.Append(mk::test::new_seed_reporter(size > 1 ? rank : -1));
+  const int rc = RUN_ALL_TESTS();
+  // This rank's verdict (each rank lists the tests it skipped), then the job's: failed (2) >
+  // skipped (1) > passed (0) on any rank.
+  const int mine = mk::test::exit_code(rc, size > 1 ? rank : -1);
+  int verdict = mine == 1 ? 2 : mine == mk::test::kSkipExitCode ? 1 : 0, job = 0;
+  MPI_Allreduce(&verdict, &job, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (rank == 0 && job == 2 && verdict != 2) printf("FAILED on another rank (see [rank N] lines)\n");
+  if (rank == 0 && job == 1 && verdict != 1)
+    printf("SKIPPED: another rank skipped tests (see its lines): the job reports skipped (exit %d)\n",
+           mk::test::kSkipExitCode);
+  fflush(stdout);
   MPI_Finalize();
-  return any;
+  return job == 2 ? 1 : job == 1 ? mk::test::kSkipExitCode : 0;
 }

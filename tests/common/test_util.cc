@@ -2,10 +2,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
 
 namespace mk {
@@ -16,12 +18,26 @@ uint64_t fresh_seed() {
   return t ^ (static_cast<uint64_t>(std::random_device{}()) * 0x9e3779b97f4a7c15ull);
 }
 
+namespace {
+std::atomic<uint64_t> g_seed{0};
+std::once_flag g_seed_once;
+void init_seed() {
+  std::call_once(g_seed_once, [] {
+    const char* s = getenv("MK_TEST_SEED");
+    g_seed.store(s && *s ? static_cast<uint64_t>(strtoull(s, nullptr, 0)) : fresh_seed());
+  });
+}
+}  // namespace
+
 uint64_t test_seed() {
-  static uint64_t seed = [] {
-    if (const char* s = getenv("MK_TEST_SEED")) return static_cast<uint64_t>(strtoull(s, nullptr, 0));
-    return fresh_seed();
-  }();
-  return seed;
+  init_seed();
+  return g_seed.load();
+}
+
+void set_test_seed(uint64_t seed) {
+  init_seed();  // a later test_seed() must not overwrite it
+  g_seed.store(seed);
+  setenv("MK_TEST_SEED", std::to_string(seed).c_str(), 1);
 }
 
 uint64_t mix(uint64_t a, uint64_t b) {
@@ -51,6 +67,58 @@ bool have_gpu() {
     return false;
   }
   return n > 0;
+}
+
+namespace {
+class SeedReporter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit SeedReporter(int rank) : rank_(rank) {}
+  void OnTestEnd(const ::testing::TestInfo& t) override {
+    if (!t.result()->Failed()) return;
+    const unsigned long long s = static_cast<unsigned long long>(test_seed());
+    const std::string who = rank_ >= 0 ? "[rank " + std::to_string(rank_) + "] " : "";
+    fprintf(stderr, "%s%s.%s failed with run seed %llu: MK_TEST_SEED=%llu replays it\n", who.c_str(),
+            t.test_suite_name(), t.name(), s, s);
+  }
+ private:
+  int rank_;
+};
+}  // namespace
+
+::testing::TestEventListener* new_seed_reporter(int rank) { return new SeedReporter(rank); }
+
+std::vector<std::string> skipped_tests() {
+  std::vector<std::string> out;
+  const ::testing::UnitTest& u = *::testing::UnitTest::GetInstance();
+  for (int i = 0; i < u.total_test_suite_count(); ++i) {
+    const ::testing::TestSuite& s = *u.GetTestSuite(i);
+    for (int j = 0; j < s.total_test_count(); ++j) {
+      const ::testing::TestInfo& t = *s.GetTestInfo(j);
+      if (!t.should_run() || !t.result()->Skipped()) continue;
+      std::string why;
+      for (int k = 0; k < t.result()->total_part_count(); ++k) {
+        const ::testing::TestPartResult& r = t.result()->GetTestPartResult(k);
+        if (r.skipped() && r.message() && *r.message()) why = r.message();
+      }
+      while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) why.pop_back();
+      if (why.rfind("Skipped\n", 0) == 0) why = why.substr(8);  // GTEST_SKIP()'s own prefix
+      out.push_back(std::string(s.name()) + "." + t.name() + (why.empty() ? "" : ": " + why));
+    }
+  }
+  return out;
+}
+
+int exit_code(int rc, int rank, bool quiet) {
+  if (rc != 0 || ::testing::UnitTest::GetInstance()->Failed()) return 1;
+  const std::vector<std::string> skipped = skipped_tests();
+  if (skipped.empty()) return 0;
+  const std::string who = rank >= 0 ? "[rank " + std::to_string(rank) + "] " : "";
+  printf("%sSKIPPED: %zu test(s) did not run here, so this binary reports skipped (exit %d), not passed%s\n",
+         who.c_str(), skipped.size(), kSkipExitCode, quiet ? "" : ":");
+  if (!quiet)
+    for (const auto& s : skipped) printf("%s  %s\n", who.c_str(), s.c_str());
+  fflush(stdout);
+  return kSkipExitCode;
 }
 
 }  // namespace test

@@ -25,9 +25,13 @@ namespace test {
     EXPECT_TRUE(mk_t_s_.ok()) << #expr << ": " << mk_t_s_.to_string(); \
   } while (0)
 
-// A fresh seed per run (printed, so a failure can be replayed with MK_TEST_SEED=...).
+// The run's seed: MK_TEST_SEED if set (decimal or 0x-hex), else fresh_seed() drawn once. The
+// mains print it at the start and after every failing test, so `MK_TEST_SEED=<n>` replays a run.
+// Thread-safe. Derive every random input of a test from it (mix(test_seed(), tag)).
 uint64_t test_seed();
-// A new random value (not cached); test_seed() reads MK_TEST_SEED or calls this once.
+// Sets the run's seed (the MPI main: rank 0's seed on every rank) and MK_TEST_SEED for children.
+void set_test_seed(uint64_t seed);
+// A new random value (not cached): std::random_device mixed with the clock.
 uint64_t fresh_seed();
 
 // Mixes two 64-bit values (seed derivation).
@@ -42,6 +46,17 @@ bool have_gpu();
 
 // Exit code that ctest (SKIP_RETURN_CODE) reports as "skipped".
 constexpr int kSkipExitCode = 77;
+
+// ---- For the gtest mains (tests/common/*_main.cc).
+// A listener that prints the run seed (and how to replay it) after every failing test;
+// rank >= 0 prefixes the line with the rank.
+::testing::TestEventListener* new_seed_reporter(int rank = -1);
+// "Suite.Test: reason" for every test that was skipped in this process (GTEST_SKIP).
+std::vector<std::string> skipped_tests();
+// The process's exit code after RUN_ALL_TESTS() returned `rc`: 1 if anything failed, else
+// kSkipExitCode if any test was skipped (ctest reports the binary as skipped, never as passed),
+// else 0. Prints the skipped tests (prefixed with `rank` when >= 0; `quiet`: only the count).
+int exit_code(int rc, int rank = -1, bool quiet = false);
 
 }  // namespace test
 }  // namespace mk

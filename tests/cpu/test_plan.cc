@@ -2,19 +2,32 @@
 // buffers under a seeded random interleaving of its communication slots (several comm CTAs
 // taking ops in list order), its GEMM tile slots and its proxy (puts delivered later, reading
 // their source at delivery), for three consecutive calls (epochs 1..3); a rank starts its next
-// call as soon as its own call ends, so ranks run ahead of each other. Inputs are small
-// integers in bf16, so every sum is exact and each rank's output is checked bit for bit the
-// moment its call ends. A schedule where nothing can move fails as a deadlock, with the blocked
-// op or tile and its wait for every rank. A static pass checks the flag accounting: every wait
-// is on a flag the plan raises exactly `mul` times per call (or sets once), on the waiter's node,
-// and proxy regions are raised only by the proxy.
+// call as soon as its own call ends, so ranks run ahead of each other, and each call draws how
+// fast each rank's comm CTAs, tiles and proxy move. Inputs are small integers in bf16, so every
+// sum is exact and each rank's output is checked bit for bit the moment its call ends. A schedule
+// where nothing can move fails as a deadlock, with the blocked op or tile and its wait for every
+// rank. A static pass checks the flag accounting: every wait is on a flag the plan raises exactly
+// `mul` times per call (or sets to exactly mul * e once), on the waiter's node, proxy regions are
+// raised only by the proxy, and no op waits for a flag that only a later op of its own list
+// raises (a deadlock with one comm CTA).
+//
+// Seeds: every run draws a fresh run seed (test_seed(): MK_TEST_SEED if set, else random; the
+// main prints it) and each configuration's replay seed is mixed from it and the configuration's
+// name, so `MK_TEST_SEED=<n>` replays a run exactly; failures print both seeds.
+//
+// Mutation tests: valid plans of every kind (1, 2 and 4 nodes, staged and direct, deterministic
+// or not) are broken one site at a time — a dropped wait, a changed wait count or signal value, a
+// dropped signal, two dependent ops swapped, a shortened copy/put/zero/reduce, a destination at
+// the wrong offset — and every mutant must be rejected by the static pass or the replay.
 #include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -62,8 +75,10 @@ struct Config {
   int64_t M = 0, N = 0, K = 0;
   bool det = false;
   int comm_slots = 1, tile_slots = 1;
-  uint64_t seed = 1;
+  int variant = 0;  // distinguishes configurations of equal shape in the sweep (part of the name)
+  uint64_t seed = 0;  // the replay's seed: set from the run seed (seeded()), not part of the name
   bool strided = false;  // node n holds ranks n, n + nodes, ... instead of a consecutive block
+  bool staged = false;   // network traffic through host mirrors (Plan::net_staged)
 };
 PlanLayout make_layout(const Config& c) {
   if (!c.strided) return PlanLayout::uniform(c.W, c.nodes);
@@ -82,9 +97,27 @@ std::string config_name(const Config& c) {
   if (c.det) s += "_det";
   return s + "_W" + std::to_string(c.W) + (c.strided ? "s" : "n") + std::to_string(c.nodes) + "_M" + std::to_string(c.M) + "_N" +
          std::to_string(c.N) + "_K" + std::to_string(c.K) + "_c" + std::to_string(c.comm_slots) + "_t" +
-         std::to_string(c.tile_slots) + "_s" + std::to_string(c.seed);
+         std::to_string(c.tile_slots) + "_v" + std::to_string(c.variant) + (c.staged ? "_staged" : "");
 }
 void PrintTo(const Config& c, std::ostream* os) { *os << config_name(c); }  // gtest's failure line
+
+// The configuration with its replay seed: a function of the run seed, the configuration's name
+// and `salt` (mutation tests try several seeds per site).
+uint64_t name_hash(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+  return h;
+}
+Config seeded(Config c, uint64_t salt = 0) {
+  c.seed = test::mix(test::mix(test::test_seed(), name_hash(config_name(c))), salt);
+  return c;
+}
+// For failure messages: how to replay.
+std::string seed_note(const Config& c) {
+  const std::string run = std::to_string(test::test_seed());
+  return " [" + config_name(c) + ": replay seed " + std::to_string(c.seed) + " from run seed " + run +
+         "; MK_TEST_SEED=" + run + " replays it]";
+}
 
 // ---- Static checks: tile orders, hook ranges and the flag accounting of every rank's plan.
 std::string check_static(const Plan& p) {
@@ -149,18 +182,38 @@ std::string check_static(const Plan& p) {
     if (it == raised.end()) return err = who + ": waits on " + f + " which nothing raises (deadlock)", false;
     const Raises& r = it->second;
     if (r.adds && r.sets) return err = who + ": " + f + " is both set and added", false;
-    if (r.sets && (r.sets != 1 || w.mul > r.set_value))
-      return err = who + ": " + f + " is set " + std::to_string(r.sets) + " times per call", false;
-    if (r.adds && r.adds != w.mul)
+    if (r.sets) {
+      if (r.sets != 1) return err = who + ": " + f + " is set " + std::to_string(r.sets) + " times per call", false;
+      // A flag set to v * e must be waited as >= v * e: a smaller mul would pass in a later call
+      // before that call's signal (v * e >= mul * e' for e' > e), a larger one never.
+      if (w.mul != r.set_value)
+        return err = who + ": " + f + " but the plan sets it to " + std::to_string(r.set_value) + "*e", false;
+    } else if (r.adds != w.mul) {
       return err = who + ": waits " + f + " but the plan adds " + std::to_string(r.adds) + " per call", false;
+    }
     return true;
   };
   for (int me = 0; me < W; ++me) {
     const RankPlan& rp = p.ranks[me];
+    // Flags this rank's own ops raise (device signals, and its puts' local completions), by the
+    // last op index that raises each: with one comm CTA the ops run strictly in list order, and a
+    // wait's count needs every raise of the call, so an op waiting for a raise by itself or a
+    // later op of its own list deadlocks.
+    std::map<std::pair<int, uint32_t>, size_t> last_raise;
+    for (size_t i = 0; i < rp.ops.size(); ++i) {
+      const CommOp& op = rp.ops[i];
+      for (const auto& s : op.signals) last_raise[key(s.flag)] = i;
+      if (op.kind == CommKind::kNetPut && op.local_flag.region != Region::kCount) last_raise[key(op.local_flag)] = i;
+    }
     for (size_t i = 0; i < rp.ops.size(); ++i)
-      for (const auto& w : rp.ops[i].waits)
-        if (!check_wait(me, w, "rank " + std::to_string(me) + " op " + std::to_string(i) + " (" + rp.ops[i].what + ")"))
-          return err;
+      for (const auto& w : rp.ops[i].waits) {
+        const std::string who = "rank " + std::to_string(me) + " op " + std::to_string(i) + " (" + rp.ops[i].what + ")";
+        if (!check_wait(me, w, who)) return err;
+        auto it = last_raise.find(key(w.flag));
+        if (it != last_raise.end() && it->second >= i)
+          return who + ": waits on " + flag_str(w.flag) + " which op " + std::to_string(it->second) + " (" +
+                 rp.ops[it->second].what + ") of its own list raises (deadlock with one comm CTA)";
+      }
     for (int tm = 0; tm < p.tiles_m; ++tm) {
       const RowHooks& h = rp.rows[tm];
       const std::string who = "rank " + std::to_string(me) + " tile-row " + std::to_string(tm);
@@ -203,6 +256,9 @@ class Replay {
     std::vector<uint16_t> ag_c;  // AG: the caller's C [M, N] (written by the GEMM directly)
     int epoch = 0;
     unsigned speed = 1;  // scheduling weight of this call: fast ranks run ahead into their next
+    // Weights of this rank's comm slots, tiles and proxy within the call (slow proxy, slow GEMM,
+    // ...), drawn per call, so that races between them show up under some seed.
+    unsigned w_comm = 1, w_tile = 1, w_net = 1;
     bool active = false;
     size_t next_op = 0, ops_done = 0, next_tile = 0, tiles_done = 0;
     std::vector<int> comm;      // op held by each comm slot; -1: free
@@ -231,6 +287,10 @@ class Replay {
     if (b.buf >= Buf::kCount || b.rank < 0 || b.rank >= W_) return fail("bad buffer " + ref_str(b)), nullptr;
     const bool user = b.buf == Buf::kUserA || b.buf == Buf::kUserC;
     if (user && (b.rank != me || net)) return fail("touches the caller's buffer " + ref_str(b)), nullptr;
+    if (is_host_buf(b.buf) && !net && b.rank != me)
+      return fail("device code touches another rank's host mirror " + ref_str(b)), nullptr;
+    if (net && p_.net_staged && !is_host_buf(b.buf))
+      return fail("the proxy touches device buffer " + ref_str(b) + " in a staged plan"), nullptr;
     if (!net && p_.layout.node_of[b.rank] != p_.layout.node_of[me])
       return fail("touches " + ref_str(b) + " on another node without the proxy"), nullptr;
     auto& v = ranks_[b.rank].mem[int(b.buf)];
@@ -319,6 +379,9 @@ void Replay::start_call(int me) {
   ++s.epoch;
   s.active = true;
   s.speed = 1u << (2 * (rng_() % 3));  // 1, 4 or 16
+  s.w_comm = 1u << (2 * (rng_() % 3));
+  s.w_tile = 1u << (2 * (rng_() % 3));
+  s.w_net = 1u << (2 * (rng_() % 3));
   s.next_op = s.ops_done = s.next_tile = s.tiles_done = 0;
   const CallData& d = call_data(s.epoch);
   if (ag_) {
@@ -412,6 +475,17 @@ bool Replay::exec_op(int me, int slot) {
       if (op.srcs.size() != 1 || op.dsts.size() != 1 || op.srcs[0].rank != me || op.dsts[0].rank != op.peer ||
           !op.signals.empty())
         return fail("malformed put");
+      if (op.stage_src.buf != Buf::kCount) {  // staged: the device fills the host mirror first
+        if (!p_.net_staged || op.stage_src.rank != me || is_host_buf(op.stage_src.buf) ||
+            net_mirror(op.stage_src.buf) != op.srcs[0].buf || op.stage_src.offset != op.srcs[0].offset)
+          return fail("malformed staged put");
+        const uint8_t* from = mem(me, op.stage_src, op.bytes, false);
+        uint8_t* to = mem(me, op.srcs[0], op.bytes, false);
+        if (!from || !to) return false;
+        memmove(to, from, op.bytes);
+      } else if (p_.net_staged) {
+        if (op.srcs[0].buf != Buf::kTokenNet) return fail("a put in a staged plan without staging");
+      }
       if (!mem(me, op.srcs[0], op.bytes, true) || !mem(me, op.dsts[0], op.bytes, true)) return false;
       s.in_flight.push_back(idx);
       break;
@@ -566,11 +640,16 @@ bool Replay::run() {
       }
     }
     if (units.empty()) return busy ? (ctx_ = "replay", fail(deadlock_report())) : true;
-    uint64_t total = 0;  // a random unit, weighted by its rank's speed
-    for (const Unit& x : units) total += ranks_[x.rank].speed;
+    uint64_t total = 0;  // a random unit, weighted by its rank's speed and its kind's weight
+    auto weight = [&](const Unit& x) -> uint64_t {
+      const RankState& r = ranks_[x.rank];
+      return uint64_t(r.speed) *
+             (x.kind == UnitKind::kComm ? r.w_comm : x.kind == UnitKind::kTile ? r.w_tile : r.w_net);
+    };
+    for (const Unit& x : units) total += weight(x);
     uint64_t pick = rng_() % total;
     size_t i = 0;
-    while (pick >= ranks_[units[i].rank].speed) pick -= ranks_[units[i++].rank].speed;
+    while (pick >= weight(units[i])) pick -= weight(units[i++]);
     const Unit u = units[i];
     RankState& s = ranks_[u.rank];
     bool ok = true;
@@ -600,9 +679,14 @@ std::vector<Config> sweep() {
       for (FusedKind k : kinds)
         for (bool det : {false, true}) {
           if (det && k == FusedKind::kAgGemm) continue;
-          auto add = [&](int64_t rows_per_rank, int64_t N, int64_t K, int cs, int ts, uint64_t seed,
+          auto add = [&](int64_t rows_per_rank, int64_t N, int64_t K, int cs, int ts, int variant,
                          bool strided = false) {
-            out.push_back(Config{k, W, nodes, rows_per_rank * W, N, K, det, cs, ts, seed, strided});
+            out.push_back(Config{k, W, nodes, rows_per_rank * W, N, K, det, cs, ts, variant, 0, strided});
+            // Several nodes: the staged network (host mirrors) too, same shapes.
+            if (nodes > 1) {
+              out.push_back(out.back());
+              out.back().staged = true;
+            }
           };
           add(48, 264, 16, 1, 1, 1);                // shards smaller than a tile, strict op order
           add(48, 264, 16, 8, 4, 2);                // many comm CTAs holding ops at once
@@ -618,12 +702,13 @@ std::vector<Config> sweep() {
 class PlanReplay : public ::testing::TestWithParam<Config> {};
 
 TEST_P(PlanReplay, ThreeCallsExact) {
-  const Config& c = GetParam();
+  const Config c = seeded(GetParam());
   Plan p;
-  MK_ASSERT_OK(build_plan(c.kind, PlanShape{c.M, c.N, c.K}, make_layout(c), c.det, &p));
-  ASSERT_EQ(check_static(p), "");
+  MK_ASSERT_OK(build_plan(c.kind, PlanShape{c.M, c.N, c.K}, make_layout(c), c.det, &p, c.staged));
+  ASSERT_EQ(p.net_staged, c.staged && c.nodes > 1);
+  ASSERT_EQ(check_static(p), "") << seed_note(c);
   Replay replay(p, c);
-  EXPECT_TRUE(replay.run()) << replay.error();
+  EXPECT_TRUE(replay.run()) << replay.error() << seed_note(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, PlanReplay, ::testing::ValuesIn(sweep()),
@@ -661,6 +746,395 @@ TEST(PlanDescribe, EveryRankHasALog) {
     }
   }
 }
+
+// ---- Mutation tests: every broken plan must be rejected.
+//
+// Each test takes valid plans (below), breaks them one site at a time and checks that the
+// mutant is rejected: by the static pass (flag accounting and op order), by the replay (a
+// wrong output, a deadlock, an access outside a buffer), or by both, as the class requires.
+// The replay is random, so a mutant that only shows under some interleavings (a missing wait
+// lets an op run early only if the scheduler happens to run it early) is replayed under fresh
+// seeds — and 1, 2, 4 or 8 comm slots, 1, 2 or 4 tile slots — until it fails, up to a bound;
+// the seeds derive from the run seed, so a run is reproducible. A mutant never caught fails the
+// test, named with its plan, rank, op and change.
+
+struct Mutant {
+  std::string what;
+  std::function<void(Plan&)> apply;
+};
+enum class Detect {
+  kStatic,        // check_static must reject it
+  kReplay,        // check_static or the replay (some seed within the bound) must reject it
+  kStaticAndOne,  // check_static must reject it, and so must the replay with one comm slot
+};
+
+std::vector<Config> mutation_bases() {
+  std::vector<Config> out;
+  auto add = [&](FusedKind k, int W, int nodes, bool det, bool staged, int64_t rows_per_rank) {
+    Config c;
+    c.kind = k, c.W = W, c.nodes = nodes, c.M = rows_per_rank * W, c.N = 264, c.K = 8;
+    c.det = det, c.staged = staged, c.comm_slots = 4, c.tile_slots = 2;
+    out.push_back(c);
+  };
+  // Shards smaller than a tile-row (48 rows) and straddling tile-rows (136 rows); one node, two
+  // nodes of two ranks and nodes of one rank; direct and staged network; both reductions.
+  add(FusedKind::kAgGemm, 2, 1, false, false, 136);
+  add(FusedKind::kAgGemm, 4, 2, false, false, 48);
+  add(FusedKind::kAgGemm, 4, 2, false, true, 48);
+  add(FusedKind::kAgGemm, 2, 2, false, true, 136);
+  add(FusedKind::kGemmRs, 2, 1, false, false, 136);
+  add(FusedKind::kGemmRs, 4, 2, false, false, 48);
+  add(FusedKind::kGemmRs, 4, 2, false, true, 48);
+  add(FusedKind::kGemmRs, 4, 2, true, true, 48);
+  add(FusedKind::kGemmRs, 2, 2, false, false, 136);
+  add(FusedKind::kGemmAr, 2, 1, true, false, 136);
+  add(FusedKind::kGemmAr, 4, 2, false, false, 48);
+  add(FusedKind::kGemmAr, 4, 2, false, true, 48);
+  add(FusedKind::kGemmAr, 4, 2, true, false, 48);
+  add(FusedKind::kGemmAr, 4, 4, false, true, 48);
+  return out;
+}
+
+std::string op_site(const Plan& p, int r, size_t i) {
+  const CommOp& op = p.ranks[r].ops[i];
+  return "rank " + std::to_string(r) + " op " + std::to_string(i) + " " + comm_kind_name(op.kind) + " (" + op.what + ")";
+}
+std::string wait_desc(const PlanWait& w) { return flag_str(w.flag) + " >= " + std::to_string(w.mul) + "*e"; }
+std::string signal_desc(const PlanSignal& s) {
+  return flag_str(s.flag) + (s.add ? " += " : " = ") + std::to_string(s.value) + (s.add ? "" : "*e");
+}
+// The entry handshake across nodes: an 8-byte put whose payload nobody reads (only its arrival
+// flag counts), so its bytes and offsets are not data.
+bool token_put(const CommOp& op) { return op.kind == CommKind::kNetPut && op.remote_flag.region == Region::kEntryNet; }
+
+// Hook ranges of one tile-row, by kind: (first, count) into the rank's pools.
+struct HookRange {
+  const char* name;
+  uint32_t RowHooks::*first;
+  uint32_t RowHooks::*count;
+};
+const HookRange kHookWaits[] = {{"load wait", &RowHooks::load_wait0, &RowHooks::load_waits},
+                                {"store wait", &RowHooks::store_wait0, &RowHooks::store_waits}};
+std::string hook_site(int r, int tm, const char* what, uint32_t i) {
+  return "rank " + std::to_string(r) + " tile-row " + std::to_string(tm) + " " + what + " " + std::to_string(i);
+}
+// Removes entry i of a tile-row's range (moves it past the end of the range).
+template <class T>
+void drop_hook(std::vector<T>& pool, RowHooks& h, uint32_t RowHooks::*first, uint32_t RowHooks::*count, uint32_t i) {
+  std::swap(pool[h.*first + i], pool[h.*first + h.*count - 1]);
+  --(h.*count);
+}
+
+// Waits whose dependency another chain of waits already orders, so that dropping one leaves a
+// correct plan (no interleaving can show it); the test drops every other wait.
+//  - Staged plans, waits for a put's local completion (kSrcFree): a staged put reads a host
+//    mirror that only this rank's next staged put into the same rows overwrites, and that put
+//    waits until the twin entered the next call (kEntryNet), which the twin does only once this
+//    call's data arrived — so the mirror is free before it is reused, wait or not. (On the direct
+//    path the source is a device buffer that the next call's copies, tile stores or zeroing
+//    rewrite without such a wait: those are dropped and caught.)
+//  - All-reduce, the reuse waits (kEntry, kEntryNet, kSrcFree: "the peer is done with the
+//    previous call's contents"): a rank ends call e only when its C holds every row, i.e. after
+//    every rank's final sum of call e, which came after every partial of call e was delivered and
+//    summed; and it writes into a peer's kCws or kRecv in call e + 1 only after a flag of call
+//    e + 1 that the peer's own tiles or puts raised (row counts count every local rank's tiles;
+//    a final sum needs the twins' partials). So each reuse is ordered twice. Except the zeroing
+//    of a sent partial (non-deterministic plans): nothing else orders it after the proxy read the
+//    partial, so its kSrcFree wait is dropped and caught. The same reuse waits are built by the
+//    same code for reduce-scatter, where nothing else orders them: dropped and caught there.
+bool implied_wait(const Plan& p, const PlanWait& w, const CommOp* op) {
+  const Region r = w.flag.region;
+  if (p.net_staged && r == Region::kSrcFree) return true;
+  const bool reuse = r == Region::kEntry || r == Region::kEntryNet || r == Region::kSrcFree;
+  return p.kind == FusedKind::kGemmAr && reuse && !(op && op->kind == CommKind::kZero);
+}
+
+// Sites where dropping the wait must show in the replay: every wait of every op and every
+// tile-row hook wait, except implied_wait() ones.
+std::vector<Mutant> drop_wait_mutants(const Plan& p) {
+  std::vector<Mutant> out;
+  for (int r = 0; r < p.layout.world; ++r) {
+    const RankPlan& rp = p.ranks[r];
+    for (size_t i = 0; i < rp.ops.size(); ++i)
+      for (size_t j = 0; j < rp.ops[i].waits.size(); ++j) {
+        if (implied_wait(p, rp.ops[i].waits[j], &rp.ops[i])) continue;
+        out.push_back({op_site(p, r, i) + ": drop wait " + wait_desc(rp.ops[i].waits[j]),
+                       [=](Plan& m) { auto& w = m.ranks[r].ops[i].waits; w.erase(w.begin() + j); }});
+      }
+    for (int tm = 0; tm < p.tiles_m; ++tm)
+      for (const HookRange& hr : kHookWaits)
+        for (uint32_t j = 0; j < rp.rows[tm].*hr.count; ++j) {
+          const PlanWait& w = rp.waits[rp.rows[tm].*hr.first + j];
+          if (implied_wait(p, w, nullptr)) continue;
+          out.push_back({hook_site(r, tm, hr.name, j) + ": drop " + wait_desc(w), [=](Plan& m) {
+                           RankPlan& q = m.ranks[r];
+                           drop_hook(q.waits, q.rows[tm], hr.first, hr.count, j);
+                         }});
+        }
+  }
+  return out;
+}
+
+// Flags some op or tile-row waits on, as (rank, pad index). A signal on any other flag guards
+// nothing (the single-node AG still marks its chunks ready for puts it does not have): changing
+// or dropping it changes nothing, so the signal mutants leave those alone.
+std::set<std::pair<int, uint32_t>> waited_flags(const Plan& p) {
+  std::set<std::pair<int, uint32_t>> out;
+  for (const RankPlan& rp : p.ranks) {
+    for (const CommOp& op : rp.ops)
+      for (const PlanWait& w : op.waits) out.insert({w.flag.rank, p.flag_index(w.flag)});
+    for (const PlanWait& w : rp.waits) out.insert({w.flag.rank, p.flag_index(w.flag)});
+  }
+  return out;
+}
+
+// Every wait's count one more and one less; every (waited) signal's value one more and one less.
+std::vector<Mutant> count_mutants(const Plan& p) {
+  const auto waited = waited_flags(p);
+  auto guards = [&](const PlanSignal& s) { return waited.count({s.flag.rank, p.flag_index(s.flag)}) > 0; };
+  std::vector<Mutant> out;
+  for (int r = 0; r < p.layout.world; ++r) {
+    const RankPlan& rp = p.ranks[r];
+    for (int d : {+1, -1}) {
+      const std::string by = d > 0 ? " + 1" : " - 1";
+      for (size_t i = 0; i < rp.ops.size(); ++i) {
+        for (size_t j = 0; j < rp.ops[i].waits.size(); ++j)
+          out.push_back({op_site(p, r, i) + ": wait count of " + wait_desc(rp.ops[i].waits[j]) + by,
+                         [=](Plan& m) { m.ranks[r].ops[i].waits[j].mul += d; }});
+        for (size_t j = 0; j < rp.ops[i].signals.size(); ++j)
+          if (guards(rp.ops[i].signals[j]))
+            out.push_back({op_site(p, r, i) + ": value of " + signal_desc(rp.ops[i].signals[j]) + by,
+                           [=](Plan& m) { m.ranks[r].ops[i].signals[j].value += d; }});
+      }
+      for (size_t j = 0; j < rp.waits.size(); ++j)
+        out.push_back({"rank " + std::to_string(r) + " hook wait " + std::to_string(j) + ": count of " +
+                           wait_desc(rp.waits[j]) + by,
+                       [=](Plan& m) { m.ranks[r].waits[j].mul += d; }});
+      for (size_t j = 0; j < rp.signals.size(); ++j)
+        if (guards(rp.signals[j]))
+          out.push_back({"rank " + std::to_string(r) + " hook signal " + std::to_string(j) + ": value of " +
+                             signal_desc(rp.signals[j]) + by,
+                         [=](Plan& m) { m.ranks[r].signals[j].value += d; }});
+    }
+  }
+  return out;
+}
+
+// Every (waited) signal of every op and tile-row dropped, and every put's local-completion flag.
+std::vector<Mutant> drop_signal_mutants(const Plan& p) {
+  const auto waited = waited_flags(p);
+  auto guards = [&](const PlanSignal& s) { return waited.count({s.flag.rank, p.flag_index(s.flag)}) > 0; };
+  std::vector<Mutant> out;
+  for (int r = 0; r < p.layout.world; ++r) {
+    const RankPlan& rp = p.ranks[r];
+    for (size_t i = 0; i < rp.ops.size(); ++i) {
+      for (size_t j = 0; j < rp.ops[i].signals.size(); ++j)
+        if (guards(rp.ops[i].signals[j]))
+          out.push_back({op_site(p, r, i) + ": drop signal " + signal_desc(rp.ops[i].signals[j]),
+                       [=](Plan& m) { auto& v = m.ranks[r].ops[i].signals; v.erase(v.begin() + j); }});
+      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != Region::kCount)
+        out.push_back({op_site(p, r, i) + ": drop local completion " + flag_str(rp.ops[i].local_flag),
+                       [=](Plan& m) { m.ranks[r].ops[i].local_flag = FlagRef{}; }});
+    }
+    for (int tm = 0; tm < p.tiles_m; ++tm)
+      for (uint32_t j = 0; j < rp.rows[tm].store_sigs; ++j)
+        if (guards(rp.signals[rp.rows[tm].store_sig0 + j]))
+          out.push_back({hook_site(r, tm, "store signal", j) + ": drop " +
+                           signal_desc(rp.signals[rp.rows[tm].store_sig0 + j]),
+                       [=](Plan& m) {
+                         RankPlan& q = m.ranks[r];
+                         drop_hook(q.signals, q.rows[tm], &RowHooks::store_sig0, &RowHooks::store_sigs, j);
+                       }});
+  }
+  return out;
+}
+
+// Two ops of one rank swapped where the later one waits for a flag the earlier one raises (a
+// signal, or a put's local completion): the copy of a chunk and the put that sends it, a node
+// sum and its put, a put and the op that waits for its source to be free, a forward and the copy
+// of the finished rows to C, ...
+std::vector<Mutant> swap_mutants(const Plan& p) {
+  std::vector<Mutant> out;
+  for (int r = 0; r < p.layout.world; ++r) {
+    const RankPlan& rp = p.ranks[r];
+    for (size_t i = 0; i < rp.ops.size(); ++i) {
+      std::vector<FlagRef> raised;
+      for (const auto& s : rp.ops[i].signals) raised.push_back(s.flag);
+      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != Region::kCount)
+        raised.push_back(rp.ops[i].local_flag);
+      for (size_t j = i + 1; j < rp.ops.size(); ++j) {
+        bool dep = false;
+        for (const auto& w : rp.ops[j].waits)
+          for (const auto& f : raised) dep |= p.flag_index(f) == p.flag_index(w.flag) && f.rank == w.flag.rank;
+        if (dep)
+          out.push_back({op_site(p, r, i) + " swapped with op " + std::to_string(j) + " (" + rp.ops[j].what +
+                             "), which waits for it",
+                         [=](Plan& m) { std::swap(m.ranks[r].ops[i], m.ranks[r].ops[j]); }});
+      }
+    }
+  }
+  return out;
+}
+
+// Copies, zeroes and puts two bytes short and half short; reduces one element and half short.
+std::vector<Mutant> shorten_mutants(const Plan& p) {
+  std::vector<Mutant> out;
+  for (int r = 0; r < p.layout.world; ++r) {
+    const RankPlan& rp = p.ranks[r];
+    for (size_t i = 0; i < rp.ops.size(); ++i) {
+      const CommOp& op = rp.ops[i];
+      const bool bytes = op.kind == CommKind::kCopy || op.kind == CommKind::kZero ||
+                         (op.kind == CommKind::kNetPut && !token_put(op));
+      if (bytes && op.bytes >= 4) {
+        out.push_back({op_site(p, r, i) + ": " + std::to_string(op.bytes) + " bytes - 2",
+                       [=](Plan& m) { m.ranks[r].ops[i].bytes -= 2; }});
+        out.push_back({op_site(p, r, i) + ": " + std::to_string(op.bytes) + " bytes / 2",
+                       [=](Plan& m) { m.ranks[r].ops[i].bytes /= 2; }});
+      }
+      if (op.kind == CommKind::kReduce && op.elems >= 2) {
+        out.push_back({op_site(p, r, i) + ": " + std::to_string(op.elems) + " elements - 1",
+                       [=](Plan& m) { m.ranks[r].ops[i].elems -= 1; }});
+        out.push_back({op_site(p, r, i) + ": " + std::to_string(op.elems) + " elements / 2",
+                       [=](Plan& m) { m.ranks[r].ops[i].elems /= 2; }});
+      }
+    }
+  }
+  return out;
+}
+
+// Every destination of every copy, zero, reduce and put, and every epilogue route, 16 bytes off
+// (forward where that stays inside the buffer, else back).
+std::vector<Mutant> offset_mutants(const Plan& p) {
+  std::vector<Mutant> out;
+  auto shift = [&p](const BufRef& b, uint64_t len) -> int64_t {
+    const uint64_t size = p.buf_bytes[int(b.buf)];
+    if (b.buf == Buf::kUserA || b.buf == Buf::kUserC || b.offset + len + 16 <= size) return 16;
+    return b.offset >= 16 ? -16 : 16;
+  };
+  for (int r = 0; r < p.layout.world; ++r) {
+    const RankPlan& rp = p.ranks[r];
+    for (size_t i = 0; i < rp.ops.size(); ++i) {
+      const CommOp& op = rp.ops[i];
+      if (op.kind == CommKind::kSignal || token_put(op)) continue;
+      const uint64_t len = op.kind == CommKind::kReduce ? op.elems * (op.dst_f32 ? 4 : 2) : op.bytes;
+      for (size_t j = 0; j < op.dsts.size(); ++j) {
+        const int64_t d = shift(op.dsts[j], len);
+        out.push_back({op_site(p, r, i) + ": destination " + ref_str(op.dsts[j]) + (d > 0 ? " + 16" : " - 16"),
+                       [=](Plan& m) { m.ranks[r].ops[i].dsts[j].offset += d; }});
+      }
+    }
+    for (size_t s = 0; s < rp.route.size(); ++s) {
+      const int64_t d = shift(rp.route[s], uint64_t(p.shard_rows) * p.shape.N * 4);
+      out.push_back({"rank " + std::to_string(r) + " epilogue route of shard " + std::to_string(s) + ": " +
+                         ref_str(rp.route[s]) + (d > 0 ? " + 16" : " - 16"),
+                     [=](Plan& m) { m.ranks[r].route[s].offset += d; }});
+    }
+  }
+  return out;
+}
+
+// The replay's bound per mutant. Measured over 200 seeds per site, the hardest sites (a dropped
+// entry wait that shows only when one rank runs a whole call ahead of a slow twin) fail under
+// about 1.5% of the seeds, most under far more; a site caught with probability p per seed
+// escapes 2000 seeds with probability (1 - p)^2000 (p = 1%: 2e-9). Mutants cost only the seeds
+// they need (on average about 4 per drop-wait site, 1 for the others).
+constexpr int kMaxSeedsPerMutant = 2000;
+
+class PlanMutation : public ::testing::TestWithParam<Config> {
+ protected:
+  void SetUp() override {
+    base_ = seeded(GetParam());
+    MK_ASSERT_OK(build_plan(base_.kind, PlanShape{base_.M, base_.N, base_.K}, make_layout(base_), base_.det, &plan_,
+                            base_.staged));
+    // The unmutated plan passes, under the slot counts the mutants are replayed with.
+    ASSERT_EQ(check_static(plan_), "") << seed_note(base_);
+    for (int k = 0; k < 4; ++k) {
+      Config c = attempt(base_, "unmutated", k);
+      Replay replay(plan_, c);
+      ASSERT_TRUE(replay.run()) << "unmutated plan: " << replay.error() << seed_note(c);
+    }
+  }
+  // Seed k of a mutant: its own replay seed and slot counts.
+  static Config attempt(const Config& base, const std::string& what, int k) {
+    Config c = seeded(base, test::mix(name_hash(what), uint64_t(k)));
+    static const int comm[] = {1, 2, 4, 8}, tile[] = {1, 2, 4};
+    c.comm_slots = comm[k % 4];
+    c.tile_slots = tile[(k / 4) % 3];
+    return c;
+  }
+  // Applies each mutant to a copy of the plan and expects it rejected as `detect` says.
+  // allow_none: the plan may have no site of this class (then there is nothing to break).
+  void expect_rejected(const char* cls, const std::vector<Mutant>& mutants, Detect detect, bool allow_none = false) {
+    if (mutants.empty() && allow_none) {
+      printf("%s on %s: no site\n", cls, config_name(base_).c_str());
+      return;
+    }
+    ASSERT_FALSE(mutants.empty()) << cls << ": no site in " << config_name(base_);
+    std::vector<std::string> missed;
+    int most = 0, by_static = 0;
+    std::string hardest;
+    for (const Mutant& mu : mutants) {
+      Plan m = plan_;
+      mu.apply(m);
+      const std::string why = check_static(m);
+      if (!why.empty()) ++by_static;
+      if (detect == Detect::kStatic) {
+        if (why.empty()) missed.push_back(mu.what + " (the static check passed it)");
+        continue;
+      }
+      if (detect == Detect::kStaticAndOne) {
+        if (why.empty()) missed.push_back(mu.what + " (the static check passed it)");
+        Config c = attempt(base_, mu.what, 0);  // comm_slots 1: ops strictly in list order
+        c.comm_slots = 1;
+        Replay replay(m, c);
+        if (replay.run()) missed.push_back(mu.what + " (the replay with one comm slot passed it)" + seed_note(c));
+        else if (replay.error().find("deadlock") == std::string::npos)
+          missed.push_back(mu.what + " (one comm slot failed other than by deadlock: " + replay.error() + ")");
+        continue;
+      }
+      if (!why.empty()) continue;
+      int k = 0;
+      for (; k < kMaxSeedsPerMutant; ++k) {
+        Replay replay(m, attempt(base_, mu.what, k));
+        if (!replay.run()) break;
+      }
+      if (k == kMaxSeedsPerMutant) {
+        missed.push_back(mu.what + " (passed the replay under " + std::to_string(k) + " seeds)");
+      } else if (k + 1 > most) {
+        most = k + 1;
+        hardest = mu.what;
+      }
+    }
+    printf("%s on %s: %zu mutants, %zu missed; %d rejected by the static check%s\n", cls, config_name(base_).c_str(),
+           mutants.size(), missed.size(), by_static,
+           most ? (", the replay needed up to " + std::to_string(most) + " seeds (" + hardest + ")").c_str() : "");
+    std::string list;
+    for (const auto& s : missed) list += "\n  " + s;
+    EXPECT_TRUE(missed.empty()) << missed.size() << " of " << mutants.size() << " " << cls
+                                << " mutants were not caught:" << list << "\n" << seed_note(base_);
+  }
+  Config base_;
+  Plan plan_;
+};
+
+TEST_P(PlanMutation, DroppedWaitIsCaught) { expect_rejected("drop-wait", drop_wait_mutants(plan_), Detect::kReplay); }
+TEST_P(PlanMutation, ChangedCountOrValueIsCaught) {
+  expect_rejected("count/value", count_mutants(plan_), Detect::kStatic);
+}
+TEST_P(PlanMutation, DroppedSignalIsCaught) {
+  expect_rejected("drop-signal", drop_signal_mutants(plan_), Detect::kStatic);
+}
+// On one node a rank's ops wait only for other ranks' ops and tiles (none for its own): no site.
+TEST_P(PlanMutation, SwappedDependentOpsAreCaught) {
+  expect_rejected("swap", swap_mutants(plan_), Detect::kStaticAndOne, /*allow_none=*/base_.nodes == 1);
+}
+TEST_P(PlanMutation, ShortenedCopyIsCaught) { expect_rejected("shorten", shorten_mutants(plan_), Detect::kReplay); }
+TEST_P(PlanMutation, WrongDestinationIsCaught) {
+  expect_rejected("offset", offset_mutants(plan_), Detect::kReplay);
+}
+
+INSTANTIATE_TEST_SUITE_P(Mutations, PlanMutation, ::testing::ValuesIn(mutation_bases()),
+                         [](const ::testing::TestParamInfo<Config>& i) { return config_name(i.param); });
 
 }  // namespace
 }  // namespace ops

@@ -1,11 +1,14 @@
 // The ring-attention schedule (ops/ring_plan.h): coverage of every visible (query, key) pair
-// exactly once, the ring's sends and receives, node crossings, and the zigzag balance.
+// exactly once, the ring's sends and receives, node crossings, and the zigzag balance. Sequence
+// lengths: fixed ones and lengths drawn from the run seed (MK_TEST_SEED replays them).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 #include <vector>
 
 #include "mkernel/ops/ring_plan.h"
+#include "tests/common/test_util.h"
 
 namespace mk {
 namespace ops {
@@ -36,17 +39,21 @@ void check_coverage(const RingPlan& p) {
 }
 
 TEST(RingPlan, CoversEveryVisiblePairOnce) {
+  std::mt19937_64 rng(test::mix(test::test_seed(), 0x41A6));
   for (int W : {1, 2, 3, 4, 6, 8}) {
     for (int nodes : {1, 2, 4}) {
       if (W % nodes) continue;
       for (SeqLayout lay : {SeqLayout::kContiguous, SeqLayout::kZigzag})
-        for (bool causal : {false, true}) {
-          RingPlan p;
-          ASSERT_TRUE(build_ring_plan(PlanLayout::uniform(W, nodes), int64_t(8) * W, lay, causal, &p).ok());
-          SCOPED_TRACE(testing::Message() << "W " << W << " nodes " << nodes << " zigzag " << int(lay) << " causal "
-                                          << causal);
-          check_coverage(p);
-        }
+        for (bool causal : {false, true})
+          // 8 tokens per rank, and an even number from 2 to 40 drawn from the run seed.
+          for (int64_t per_rank : {int64_t(8), int64_t(2 + 2 * (rng() % 20))}) {
+            RingPlan p;
+            ASSERT_TRUE(build_ring_plan(PlanLayout::uniform(W, nodes), per_rank * W, lay, causal, &p).ok());
+            SCOPED_TRACE(testing::Message() << "W " << W << " nodes " << nodes << " zigzag " << int(lay) << " causal "
+                                            << causal << " S " << per_rank * W << " (run seed " << test::test_seed()
+                                            << ")");
+            check_coverage(p);
+          }
     }
   }
 }
@@ -64,7 +71,9 @@ TEST(RingPlan, RingMovesBlocksOncePerNodeBoundary) {
         int crossings = 0;
         for (int r = 0; r < W; ++r) {
           const RingStep& st = p.steps[r][t];
-          if (t == 0) EXPECT_EQ(st.kv_rank, r);
+          if (t == 0) {
+            EXPECT_EQ(st.kv_rank, r);
+          }
           if (t + 1 < W) {
             EXPECT_EQ(p.steps[st.send_to][t + 1].kv_rank, st.kv_rank) << "W " << W << " step " << t;
             EXPECT_EQ(p.steps[st.recv_from][t].send_to, r);
@@ -73,7 +82,9 @@ TEST(RingPlan, RingMovesBlocksOncePerNodeBoundary) {
             EXPECT_EQ(st.send_to, -1);
           }
         }
-        if (t + 1 < W) EXPECT_EQ(crossings, nodes > 1 ? nodes : 0) << "W " << W << " nodes " << nodes;
+        if (t + 1 < W) {
+          EXPECT_EQ(crossings, nodes > 1 ? nodes : 0) << "W " << W << " nodes " << nodes;
+        }
       }
       for (int r = 0; r < W; ++r) {
         std::vector<int> got;

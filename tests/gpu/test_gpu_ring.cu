@@ -1,12 +1,15 @@
 // Ring attention (ops/ring_attention.h) on ranks as processes under MPS: W = 1, 2, 4 on one node
 // and 2 emulated nodes x 2 over libfabric (shm, tcp; host-staged).
 //
-// Data: every rank builds the whole sequence's Q, K, V from a hash of (call, tensor, batch, token,
-// head, d) — fresh per call, so a block from the wrong rank or the wrong call is wrong data — and
-// takes its shard (its chunks, in token order). Reference: the single-GPU attention kernel over
-// the full sequence on the same GPU; the ring's O (poisoned with NaN before each call) must match
-// the reference rows of this rank to bf16 rounding, its LSE to 1e-3, every element. The K/V slots
-// must hold every other rank's shard bit for bit after the call.
+// Data: every rank builds the whole sequence's Q, K, V from a hash of (run seed, call, tensor,
+// batch, token, head, d) — fresh per call and per run (MK_TEST_SEED replays a run), so a block
+// from the wrong rank or the wrong call is wrong data — and takes its shard (its chunks, in
+// token order). Reference: the single-GPU attention kernel over the full sequence on the same
+// GPU; the ring's O (poisoned with NaN before each call) must match the reference rows of this
+// rank to bf16 rounding, its LSE to 1e-3, every element. The K and V slots must hold every other
+// rank's K and V blocks bit for bit after the call. Graph replays: 200 calls back to back with
+// no host barrier, inputs advanced inside the graph, every call's slots checked inside the graph
+// and its O and LSE kept and checked afterwards.
 #include <gtest/gtest.h>
 
 #include <cuda_bf16.h>
@@ -32,8 +35,8 @@ using ops::RingAttentionArgs;
 using ops::RingAttentionShape;
 using ops::SeqLayout;
 
-__device__ inline float hval(uint64_t call, int which, uint64_t i) {
-  uint64_t x = (call << 56) ^ (uint64_t(which) << 52) ^ i ^ 0x9e3779b97f4a7c15ull;
+__device__ inline float hval(uint64_t seed, uint64_t call, int which, uint64_t i) {
+  uint64_t x = seed + call * 0xd1b54a32d192ed03ull + uint64_t(which) * 0x8cb92ba72f3d8dd7ull + i;
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdull;
   x ^= x >> 33;
@@ -42,10 +45,12 @@ __device__ inline float hval(uint64_t call, int which, uint64_t i) {
   return float(x % 20001) / 10000.f - 1.f;  // [-1, 1]
 }
 
-// Full tensor [B, S, heads, D] of tensor `which`.
-__global__ void fill_full(__nv_bfloat16* t, int64_t n, uint64_t call, int which, float amp) {
+// Full tensor [B, S, heads, D] of tensor `which` in call `call` (+ *call_at if set: graph replays).
+__global__ void fill_full(__nv_bfloat16* t, int64_t n, uint64_t seed, uint64_t call, int which, float amp,
+                          const uint64_t* call_at = nullptr) {
+  const uint64_t c = call + (call_at ? *call_at : 0);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    t[i] = __float2bfloat16(amp * hval(call, which, uint64_t(i)));
+    t[i] = __float2bfloat16(amp * hval(seed, c, which, uint64_t(i)));
 }
 // dst[b, r, :] = src[b, tok0 + r, :] for r < len (rows of `row` elements), into rows [dst_row0, ...).
 __global__ void take_rows(const __nv_bfloat16* src, __nv_bfloat16* dst, int B, int64_t S_src, int64_t S_dst,
@@ -85,6 +90,13 @@ __global__ void equal16(const uint16_t* a, const uint16_t* b, int64_t n, unsigne
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     if (a[i] != b[i]) atomicAdd(bad, 1ull);
 }
+// Graph replays: the call counter, and `bytes` of `src` kept in slot (*call_at - 1) of `hist`.
+__global__ void bump(uint64_t* counter) { ++*counter; }
+__global__ void keep(const uint8_t* src, uint8_t* hist, int64_t bytes, const uint64_t* call_at) {
+  uint8_t* dst = hist + (*call_at - 1) * bytes;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bytes; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
 
 struct Dev {
   std::vector<void*> p;
@@ -99,6 +111,27 @@ struct Dev {
     for (void* x : p) cudaFree(x);
   }
 };
+
+// Counts, into bad[0] (K) and bad[1] (V), the elements of this rank's slot r that differ from
+// rank r's block of the full K and V, for every other rank r (scratch: one block). On `stream`.
+void check_slots(const RingAttention& op, const RingAttentionShape& s, const __nv_bfloat16* k,
+                 const __nv_bfloat16* v, __nv_bfloat16* scratch, unsigned long long* bad, cudaStream_t stream) {
+  const auto& p = op.plan();
+  const int W = p.world, me = shared_comm()->rank();
+  const int64_t S = s.S, S_l = S / W, krow = int64_t(s.Hkv) * s.D, block = int64_t(s.B) * S_l * krow;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int r = 0; r < W; ++r) {
+      if (r == me) continue;
+      int64_t rr = 0;
+      for (const auto& c : p.chunks[r]) {
+        take_rows<<<256, 256, 0, stream>>>(kv ? v : k, scratch, s.B, S, S_l, c.token0, rr, c.tokens, krow);
+        rr += c.tokens;
+      }
+      const void* slots = kv ? op.v_slots() : op.k_slots();
+      equal16<<<256, 256, 0, stream>>>(static_cast<const uint16_t*>(slots) + size_t(r) * block,
+                                       reinterpret_cast<const uint16_t*>(scratch), block, bad + kv);
+    }
+}
 
 // Runs `calls` calls of the ring on fresh data and checks each against the full-sequence kernel.
 // trace_name non-null: every call runs the traced kernel, and its timeline must show every work
@@ -132,12 +165,13 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const auto& chunks = op->plan().chunks;
   const float qamp = 2.0f;
+  const uint64_t seed = test_seed();
   cudaGraphExec_t exec = nullptr;
   for (int call = 0; call < calls; ++call) {
     const uint64_t tag = uint64_t(call) + 1 + (s.causal ? 100 : 0) + (s.layout == SeqLayout::kZigzag ? 200 : 0);
-    fill_full<<<1024, 256, 0, stream>>>(q, int64_t(s.B) * S * qrow, tag, 0, qamp);
-    fill_full<<<1024, 256, 0, stream>>>(k, int64_t(s.B) * S * krow, tag, 1, 1.f);
-    fill_full<<<1024, 256, 0, stream>>>(v, int64_t(s.B) * S * krow, tag, 2, 1.f);
+    fill_full<<<1024, 256, 0, stream>>>(q, int64_t(s.B) * S * qrow, seed, tag, 0, qamp);
+    fill_full<<<1024, 256, 0, stream>>>(k, int64_t(s.B) * S * krow, seed, tag, 1, 1.f);
+    fill_full<<<1024, 256, 0, stream>>>(v, int64_t(s.B) * S * krow, seed, tag, 2, 1.f);
     // This rank's shard and the reference rows.
     attention::ForwardArgs f;
     f.q = q, f.k = k, f.v = v, f.o = o_full, f.lse = lse_full;
@@ -186,22 +220,14 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
     cudaMemset(bad, 0, 4 * sizeof(unsigned long long));
     close_bf16<<<1024, 256>>>(ol, o_want, int64_t(s.B) * S_l * qrow, 2e-3f, 1.6e-2f, bad);
     close_f32<<<1024, 256>>>(lsel, lse_want, int64_t(s.B) * s.H * S_l, 1e-3f, bad + 1);
-    // Every other rank's K block passed through this rank's slot r.
-    for (int r = 0; r < W; ++r) {
-      if (r == me) continue;
-      int64_t rr = 0;
-      for (const auto& c : chunks[r]) {
-        take_rows<<<256, 256>>>(k, kr, s.B, S, S_l, c.token0, rr, c.tokens, krow);
-        rr += c.tokens;
-      }
-      equal16<<<256, 256>>>(static_cast<const uint16_t*>(op->k_slots()) + size_t(r) * s.B * S_l * krow,
-                            reinterpret_cast<const uint16_t*>(kr), int64_t(s.B) * S_l * krow, bad + 2);
-    }
+    // Every other rank's K and V blocks passed through this rank's slots r.
+    check_slots(*op, s, k, v, kr, bad + 2, nullptr);
     unsigned long long h[4] = {};
     ASSERT_EQ(cudaMemcpy(h, bad, sizeof(h), cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(h[0], 0ull) << "rank " << me << " call " << call << ": O elements off";
     EXPECT_EQ(h[1], 0ull) << "rank " << me << " call " << call << ": LSE elements off";
-    EXPECT_EQ(h[2], 0ull) << "rank " << me << " call " << call << ": slot elements differ from the owners' K";
+    EXPECT_EQ(h[2], 0ull) << "rank " << me << " call " << call << ": K slot elements differ from the owners' K";
+    EXPECT_EQ(h[3], 0ull) << "rank " << me << " call " << call << ": V slot elements differ from the owners' V";
     if (trace_name) {
       std::vector<TraceEvent> ev;
       uint64_t dropped = 0;
@@ -252,6 +278,123 @@ TEST(Ring, TracedZigzagCausal) {
   check_ring(RingAttentionShape{1, 16, 16, 128, int64_t(shared_comm()->world()) * 4096, SeqLayout::kZigzag, true}, 2,
              false, "ring_zigzag_causal");
 }
+// The ring captured once in a CUDA graph — a kernel advancing the call counter, the fills of
+// this call's Q, K, V and of this rank's shard, the poisoned O and LSE, the ring call, a copy
+// of O and LSE into a history and the K/V slot checks — replayed kGraphReplays times back to
+// back on every rank with no host barrier in between. Afterwards: every replay ran, no slot
+// differed, and each replay's O and LSE match the single-GPU kernel over that call's sequence.
+constexpr int kGraphReplays = 200;
+
+TEST(Ring, GraphReplaysBackToBack) {
+  Communicator* comm = shared_comm();
+  ASSERT_NE(comm, nullptr);
+  const int W = comm->world(), me = comm->rank();
+  const RingAttentionShape s{1, 4, 2, 64, int64_t(W) * 256, SeqLayout::kZigzag, true};
+  std::unique_ptr<RingAttention> op;
+  MK_ASSERT_OK(RingAttention::create(comm, s, ops::RingAttentionOptions{}, &op));
+  const int64_t S = s.S, S_l = S / W;
+  const int64_t qrow = int64_t(s.H) * s.D, krow = int64_t(s.Hkv) * s.D;
+  const int64_t o_elems = int64_t(s.B) * S_l * qrow, lse_elems = int64_t(s.B) * s.H * S_l;
+  Dev d;
+  auto* q = d.get<__nv_bfloat16>(size_t(s.B) * S * qrow);
+  auto* k = d.get<__nv_bfloat16>(size_t(s.B) * S * krow);
+  auto* v = d.get<__nv_bfloat16>(size_t(s.B) * S * krow);
+  auto* ql = d.get<__nv_bfloat16>(size_t(s.B) * S_l * qrow);
+  auto* kl = d.get<__nv_bfloat16>(size_t(s.B) * S_l * krow);
+  auto* vl = d.get<__nv_bfloat16>(size_t(s.B) * S_l * krow);
+  auto* ol = d.get<__nv_bfloat16>(size_t(o_elems));
+  auto* lsel = d.get<float>(size_t(lse_elems));
+  auto* kr = d.get<__nv_bfloat16>(size_t(s.B) * S_l * krow);
+  auto* o_hist = d.get<__nv_bfloat16>(size_t(o_elems) * kGraphReplays);
+  auto* lse_hist = d.get<float>(size_t(lse_elems) * kGraphReplays);
+  auto* o_full = d.get<__nv_bfloat16>(size_t(s.B) * S * qrow);
+  auto* lse_full = d.get<float>(size_t(s.B) * s.H * S);
+  auto* o_want = d.get<__nv_bfloat16>(size_t(o_elems));
+  auto* lse_want = d.get<float>(size_t(lse_elems));
+  auto* bad = d.get<unsigned long long>(4);
+  auto* calls = d.get<uint64_t>(1);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const uint64_t seed = test_seed(), base = 1000;  // tags base + 1 .. base + kGraphReplays
+  const auto& chunks = op->plan().chunks;
+  // Call `base + *call_at` (call_at null: `base + call`): the full tensors and this rank's shard.
+  auto inputs = [&](uint64_t call, const uint64_t* call_at) {
+    fill_full<<<1024, 256, 0, stream>>>(q, int64_t(s.B) * S * qrow, seed, base + call, 0, 2.f, call_at);
+    fill_full<<<1024, 256, 0, stream>>>(k, int64_t(s.B) * S * krow, seed, base + call, 1, 1.f, call_at);
+    fill_full<<<1024, 256, 0, stream>>>(v, int64_t(s.B) * S * krow, seed, base + call, 2, 1.f, call_at);
+    int64_t row0 = 0;
+    for (const auto& c : chunks[me]) {
+      take_rows<<<256, 256, 0, stream>>>(q, ql, s.B, S, S_l, c.token0, row0, c.tokens, qrow);
+      take_rows<<<256, 256, 0, stream>>>(k, kl, s.B, S, S_l, c.token0, row0, c.tokens, krow);
+      take_rows<<<256, 256, 0, stream>>>(v, vl, s.B, S, S_l, c.token0, row0, c.tokens, krow);
+      row0 += c.tokens;
+    }
+    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(ol), o_elems);
+    cudaMemsetAsync(lsel, 0xff, size_t(lse_elems) * 4, stream);  // NaN
+  };
+  RingAttentionArgs a{ql, kl, vl, ol, lsel};
+  inputs(0, nullptr);
+  Status st = op->run(a, stream);  // a checked first call (agrees on the arguments)
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  st = comm->sync(stream);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_EQ(cudaMemsetAsync(calls, 0, sizeof(uint64_t), stream), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(bad, 0, 4 * sizeof(unsigned long long), stream), cudaSuccess);
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  bump<<<1, 1, 0, stream>>>(calls);
+  inputs(0, calls);
+  st = op->enqueue(a, stream);
+  keep<<<256, 256, 0, stream>>>(reinterpret_cast<const uint8_t*>(ol), reinterpret_cast<uint8_t*>(o_hist), o_elems * 2,
+                                calls);
+  keep<<<256, 256, 0, stream>>>(reinterpret_cast<const uint8_t*>(lsel), reinterpret_cast<uint8_t*>(lse_hist),
+                                lse_elems * 4, calls);
+  check_slots(*op, s, k, v, kr, bad, stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+  ASSERT_TRUE(comm->bootstrap().barrier().ok());  // the last barrier: every rank's graph is ready
+  for (int rep = 0; rep < kGraphReplays; ++rep) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  st = comm->sync(stream);
+  ASSERT_TRUE(st.ok()) << "rank " << me << " after " << kGraphReplays << " replays: " << st.to_string();
+  // Each replay's O and LSE against the single-GPU kernel over that call's whole sequence.
+  for (int call = 1; call <= kGraphReplays; ++call) {
+    inputs(uint64_t(call), nullptr);
+    attention::ForwardArgs f;
+    f.q = q, f.k = k, f.v = v, f.o = o_full, f.lse = lse_full;
+    f.B = s.B, f.H = s.H, f.Hkv = s.Hkv, f.Sq = f.Skv = int(S), f.D = s.D, f.causal = s.causal;
+    f.q_stride = f.o_stride = attention::Strides::bshd(S, s.H, s.D);
+    f.k_stride = f.v_stride = attention::Strides::bshd(S, s.Hkv, s.D);
+    st = attention::forward(f, stream);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    int64_t row0 = 0;
+    for (const auto& c : chunks[me]) {
+      take_rows<<<256, 256, 0, stream>>>(o_full, o_want, s.B, S, S_l, c.token0, row0, c.tokens, qrow);
+      take_lse<<<256, 256, 0, stream>>>(lse_full, lse_want, s.B * s.H, S, S_l, c.token0, row0, c.tokens);
+      row0 += c.tokens;
+    }
+    close_bf16<<<256, 256, 0, stream>>>(o_hist + size_t(call - 1) * o_elems, o_want, o_elems, 2e-3f, 1.6e-2f, bad + 2);
+    close_f32<<<256, 256, 0, stream>>>(lse_hist + size_t(call - 1) * lse_elems, lse_want, lse_elems, 1e-3f, bad + 3);
+  }
+  unsigned long long h[4] = {};
+  uint64_t ran = 0;
+  ASSERT_EQ(cudaMemcpyAsync(h, bad, sizeof(h), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(&ran, calls, sizeof(ran), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(ran, uint64_t(kGraphReplays)) << "rank " << me << ": replays that ran";
+  EXPECT_EQ(h[0], 0ull) << "rank " << me << ": K slot elements differing from the owners' K, over all replays";
+  EXPECT_EQ(h[1], 0ull) << "rank " << me << ": V slot elements differing from the owners' V, over all replays";
+  EXPECT_EQ(h[2], 0ull) << "rank " << me << ": O elements off, over all replays";
+  EXPECT_EQ(h[3], 0ull) << "rank " << me << ": LSE elements off, over all replays";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(stream);
+  ASSERT_TRUE(comm->bootstrap().barrier().ok());
+  st = op->destroy();
+  EXPECT_TRUE(st.ok()) << st.to_string();
+}
+
 TEST(Ring, BadInputSameErrorEverywhere) {
   Communicator* comm = shared_comm();
   ASSERT_NE(comm, nullptr);
