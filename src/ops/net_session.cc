@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "mkernel/common/check.h"
@@ -70,6 +71,11 @@ Status NetSession::create(Communicator* comm, const std::string& staging, uint32
   pc.gpu_ring = true;
   pc.near_gpu = comm->device();
   pc.device = comm->device();
+  // The host is the first responder: a put that stalls fails the proxy (naming the peer and
+  // the command) and aborts the communicator before the kernels' own bound expires, so the
+  // error says the network lost it rather than only which flag never rose.
+  const int64_t sig_ms = tunables::int_or_default("signal_timeout_ms");
+  pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::int_or_default("net_timeout_ms"), sig_ms * 3 / 4));
   MK_CHECK(agree(bs, Proxy::create(s->wins_.get(), s->sink_.get(), pc, &s->proxy_), "proxy"));
   *out = std::move(s);
   return OkStatus();

@@ -93,6 +93,14 @@ const char* kind_label(FusedKind k, bool det) {
   return "?";
 }
 
+// Whether every rank's call went well (MPI): ranks stop together after a failure instead of
+// drifting into different collectives.
+bool all_ok(bool mine) {
+  int ok = mine ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return ok != 0;
+}
+
 // The blocking CUDA calls an application makes while a call is in flight on `stream`.
 void blocking_calls(cudaStream_t stream, const void* dev_src, size_t bytes) {
   std::vector<uint8_t> pageable(bytes);
@@ -177,7 +185,8 @@ void run_gemm_case(Communicator* comm, const GemmCase& c, uint64_t seed, int cal
     MK_ASSERT_OK(call == 1 ? op->run(args, st) : op->enqueue(args, st));
     if (in_flight) blocking_calls(st, C_ref.p, size_t(M) * N * 2);
     const Status s = comm->sync(st);
-    ASSERT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    EXPECT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    ASSERT_TRUE(all_ok(s.ok())) << "a rank's call failed";
     unsigned long long init[2] = {0, ~0ull}, got[2];
     ASSERT_EQ(cudaMemcpy(bad.p, init, sizeof(init), cudaMemcpyHostToDevice), cudaSuccess);
     const uint16_t* want = C_ref.as<uint16_t>() + (c.kind == FusedKind::kGemmRs ? me * Ms * N : 0);
@@ -301,7 +310,8 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
     MK_ASSERT_OK(call == 1 ? op->run(a, st) : op->enqueue(a, st));
     if (in_flight) blocking_calls(st, q.p, qn * 2);
     const Status s = comm->sync(st);
-    ASSERT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    EXPECT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    ASSERT_TRUE(all_ok(s.ok())) << "a rank's call failed";
     std::vector<__nv_bfloat16> got(qn);
     std::vector<float> got_lse(size_t(c.H) * S_l);
     ASSERT_EQ(cudaMemcpy(got.data(), o_d.p, qn * 2, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -372,6 +382,8 @@ class Matrix : public ::testing::Test {
   void SetUp() override {
     comm_ = shared_comm();
     ASSERT_NE(comm_, nullptr);
+    // A failed communicator runs nothing more: the later tests fail at once, on every rank.
+    ASSERT_TRUE(all_ok(comm_->check().ok())) << "the communicator failed in an earlier test";
     if (comm_->rank() == 0)
       printf("matrix: %d ranks on %d node(s) of %d; provider %s, staging %s\n", comm_->world(),
              comm_->topology().num_nodes, int(comm_->topology().node_ranks[0].size()),
