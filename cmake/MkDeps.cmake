@@ -13,8 +13,13 @@ function(mk_env_default var)
 endfunction()
 
 # ---- CUTLASS (headers only) ----
+# MK_WITH_CUTLASS=OFF leaves the GEMM and attention kernels out (they report kNotSupported):
+# the sanitizer builds of the CPU tests use it to skip the long CUDA compiles.
+option(MK_WITH_CUTLASS "Build the CUTLASS-based GEMM and attention kernels when the headers are found" ON)
 mk_env_default(MK_CUTLASS_DIR)
-if(NOT MK_CUTLASS_DIR)
+if(NOT MK_WITH_CUTLASS)
+  set(MK_CUTLASS_DIR "")
+elseif(NOT MK_CUTLASS_DIR)
   find_package(Python3 COMPONENTS Interpreter QUIET)
   if(Python3_Interpreter_FOUND)
     execute_process(
@@ -38,6 +43,9 @@ if(MK_CUTLASS_DIR AND EXISTS "${MK_CUTLASS_DIR}/cute/tensor.hpp")
     target_include_directories(mk_cutlass SYSTEM INTERFACE "${MK_CUTLASS_UTIL_DIR}")
   endif()
   message(STATUS "mkernel: CUTLASS headers: ${MK_CUTLASS_DIR}")
+elseif(NOT MK_WITH_CUTLASS)
+  set(MK_HAVE_CUTLASS OFF)
+  message(STATUS "mkernel: CUTLASS headers: off (MK_WITH_CUTLASS=OFF)")
 else()
   set(MK_HAVE_CUTLASS OFF)
   message(STATUS "mkernel: CUTLASS headers: not found (scripts/setup.sh installs nvidia-cutlass==4.2.0.0)")

@@ -1,6 +1,7 @@
 // CPU tests of the in-process bootstraps: the thread world (make_thread_world) and the
 // key-value store bootstrap (make_store_bootstrap over an in-memory store), plus agree().
 // Each rank is a thread; every collective passes an explicit, short timeout.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -251,29 +252,87 @@ TEST(ThreadWorldErrors, SizeMismatch) {
   }
 }
 
-// Whatever the arrival order, every rank of a mismatched allgather returns an error, and at
-// least one of them is kMismatch.
+// Whatever the arrival order (all 24 orders of 4 ranks, spaced by sleeps), exactly one rank
+// of a mismatched allgather returns kMismatch naming both sizes and every other rank returns
+// kRemoteError naming that rank. The ranks arriving after the failure take the "already
+// failed" path, and the last of them frees the op: before the fix for issue 21 that path read
+// the freed op for its message (heap-use-after-free under ASan/TSan).
 TEST(ThreadWorldErrors, SizeMismatchAnyOrder) {
   const int W = 4;
-  for (int odd = 0; odd < W; ++odd) {
-    SCOPED_TRACE("odd rank " + std::to_string(odd));
+  std::vector<int> order = {0, 1, 2, 3};  // order[i] = the rank that arrives i-th
+  int perm = 0;
+  do {
+    const int odd = perm % W;  // the odd rank takes every identity as well as every position
+    std::string when;
+    for (int r : order) when += std::to_string(r);
+    SCOPED_TRACE("arrival order " + when + ", odd rank " + std::to_string(odd));
+    std::vector<int> pos(W);
+    for (int i = 0; i < W; ++i) pos[order[i]] = i;
     std::vector<std::unique_ptr<Bootstrap>> bs;
     MK_ASSERT_OK(make_thread_world(W, &bs));
     std::vector<Status> st(W);
     run_ranks(W, [&](int rank) {
-      if (rank != odd) std::this_thread::sleep_for(std::chrono::milliseconds(20 * (rank + 1)));
+      std::this_thread::sleep_for(std::chrono::milliseconds(15 * pos[rank]));
       size_t mine = rank == odd ? 40 : 24;
       std::vector<uint8_t> send = payload(2, rank, mine);
       std::vector<uint8_t> recv(mine * W, 0x5a);
       st[rank] = bs[rank]->allgather(send.data(), recv.data(), mine, kOpTimeoutMs);
     });
-    int mismatches = 0;
+    std::vector<int> mismatched;
     for (int r = 0; r < W; ++r) {
       EXPECT_FALSE(st[r].ok()) << "rank " << r;
-      mismatches += st[r].code() == Code::kMismatch;
+      if (st[r].code() == Code::kMismatch) mismatched.push_back(r);
     }
-    EXPECT_GE(mismatches, 1);
+    ASSERT_EQ(mismatched.size(), 1u) << "one rank detects the mismatch, the others are told";
+    const int m = mismatched[0];
+    EXPECT_NE(st[m].message().find("40"), std::string::npos) << st[m].message();
+    EXPECT_NE(st[m].message().find("24"), std::string::npos) << st[m].message();
+    for (int r = 0; r < W; ++r) {
+      if (r == m) continue;
+      EXPECT_EQ(st[r].code(), Code::kRemoteError) << "rank " << r << ": " << st[r].to_string();
+      EXPECT_NE(st[r].message().find("rank(s) " + std::to_string(m)), std::string::npos)
+          << "rank " << r << " does not name rank " << m << ": " << st[r].message();
+    }
+    ++perm;
+  } while (std::next_permutation(order.begin(), order.end()));
+  EXPECT_EQ(perm, 24);
+}
+
+// Deterministic form of the above: ranks 0 and 1 fail allgather #0 with a size mismatch and
+// leave; rank 2 arrives afterwards, is the last rank out, frees the op and must still name
+// rank 1 (issue 21: it read the freed op). The world then goes on: allgather #1 succeeds.
+TEST(ThreadWorldErrors, LastRankOutOfFailedOpNamesTheFailure) {
+  const int W = 3;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(W, &bs));
+  std::vector<Status> st(W);
+  run_ranks(2, [&](int rank) {
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    size_t mine = rank == 1 ? 9 : 8;
+    std::vector<uint8_t> send = payload(5, rank, mine);
+    std::vector<uint8_t> recv(mine * W, 0x5a);
+    st[rank] = bs[rank]->allgather(send.data(), recv.data(), mine, kOpTimeoutMs);
+  });
+  EXPECT_EQ(st[0].code(), Code::kRemoteError) << st[0].to_string();
+  EXPECT_EQ(st[1].code(), Code::kMismatch) << st[1].to_string();
+  {
+    std::vector<uint8_t> send = payload(5, 2, 8);
+    std::vector<uint8_t> recv(8 * W, 0x5a);
+    st[2] = bs[2]->allgather(send.data(), recv.data(), 8, kOpTimeoutMs);
   }
+  EXPECT_EQ(st[2].code(), Code::kRemoteError) << st[2].to_string();
+  EXPECT_NE(st[2].message().find("already failed on rank(s) 1"), std::string::npos)
+      << st[2].message();
+  const size_t n = 64;
+  run_ranks(W, [&](int rank) {
+    std::vector<uint8_t> send = payload(6, rank, n);
+    std::vector<uint8_t> recv = poisoned_recv(6, W, n);
+    Status s = bs[rank]->allgather(send.data(), recv.data(), n, kOpTimeoutMs);
+    EXPECT_TRUE(s.ok()) << "rank " << rank << ": " << s.to_string();
+    if (s.ok()) {
+      EXPECT_EQ(check_gathered(recv, 6, W, n), "") << "rank " << rank;
+    }
+  });
 }
 
 // W=4, rank 2 skips allgather #0. As bootstrap.h promises, every rank that did arrive returns
@@ -311,6 +370,14 @@ TEST(ThreadWorldErrors, MissingRankIsNamedByEveryWaiter) {
   auto t0 = Clock::now();
   Status late = bs[missing]->allgather(send.data(), recv.data(), n, kMissTimeoutMs);
   EXPECT_FALSE(late.ok()) << "the late rank's allgather succeeded although its peers gave up";
+  // The late rank is the last one out of the op (issue 21: its message read the freed op).
+  EXPECT_EQ(late.code(), Code::kRemoteError) << late.to_string();
+  const size_t at = late.message().find("rank(s) ");
+  ASSERT_NE(at, std::string::npos) << late.message();
+  const std::string named = late.message().substr(at);
+  for (int r : {0, 1, 3})
+    EXPECT_NE(named.find(std::to_string(r)), std::string::npos)
+        << "the late rank's error does not name rank " << r << ": " << late.message();
   EXPECT_LE(ms_since(t0), kMissTimeoutMs + 1000);
 }
 

@@ -46,22 +46,24 @@ class ThreadBootstrap final : public Bootstrap {
       op.data.resize(w_->size);
       op.arrived.assign(w_->size, false);
     }
+    // Every exit goes through depart(): its Status argument is built (reading op) before
+    // the op can be freed, so no path reads op after leaving it.
     if (!op.failed.empty()) {
-      leave(seq, op);
-      return make_status(Code::kRemoteError,
-                         "threads bootstrap allgather #%llu already failed on rank(s) %s",
-                         static_cast<unsigned long long>(seq),
-                         detail::rank_list(op.failed).c_str());
+      return depart(seq, op,
+                    make_status(Code::kRemoteError,
+                                "threads bootstrap allgather #%llu already failed on rank(s) %s",
+                                static_cast<unsigned long long>(seq),
+                                detail::rank_list(op.failed).c_str()));
     }
     if (op.bytes_set && op.bytes != bytes) {
-      size_t other = op.bytes;
       op.failed.push_back(rank_);
       op.mismatch = true;
       w_->cv.notify_all();
-      leave(seq, op);
-      return make_status(Code::kMismatch,
-                         "threads bootstrap allgather #%llu: rank %d passed %zu bytes, others %zu",
-                         static_cast<unsigned long long>(seq), rank_, bytes, other);
+      return depart(seq, op,
+                    make_status(Code::kMismatch,
+                                "threads bootstrap allgather #%llu: rank %d passed %zu bytes, "
+                                "others %zu",
+                                static_cast<unsigned long long>(seq), rank_, bytes, op.bytes));
     }
     op.bytes = bytes;
     op.bytes_set = true;
@@ -75,11 +77,11 @@ class ThreadBootstrap final : public Bootstrap {
       return op.count == w_->size || op.mismatch;
     });
     if (op.mismatch) {
-      std::vector<int> f = op.failed;
-      leave(seq, op);
-      return make_status(Code::kRemoteError,
-                         "threads bootstrap allgather #%llu failed on rank(s) %s",
-                         static_cast<unsigned long long>(seq), detail::rank_list(f).c_str());
+      return depart(seq, op,
+                    make_status(Code::kRemoteError,
+                                "threads bootstrap allgather #%llu failed on rank(s) %s",
+                                static_cast<unsigned long long>(seq),
+                                detail::rank_list(op.failed).c_str()));
     }
     if (!done) {
       std::vector<int> missing;
@@ -87,19 +89,20 @@ class ThreadBootstrap final : public Bootstrap {
         if (!op.arrived[r]) missing.push_back(r);
       op.failed.push_back(rank_);
       w_->cv.notify_all();
-      leave(seq, op);
-      return detail::missing_ranks_status("threads", "allgather", seq, missing, tmo);
+      return depart(seq, op,
+                    detail::missing_ranks_status("threads", "allgather", seq, missing, tmo));
     }
     for (int r = 0; r < w_->size; ++r)
       memcpy(static_cast<uint8_t*>(recv) + r * bytes, op.data[r].data(), bytes);
-    leave(seq, op);
-    return OkStatus();
+    return depart(seq, op, OkStatus());
   }
 
  private:
-  // @pre w_->mu held. The last rank out frees the op's storage.
-  void leave(uint64_t seq, ThreadWorld::Op& op) {
+  // @pre w_->mu held. @post op may be destroyed (the last rank out erases it): the caller
+  // builds its result, reading op, before the call and must not touch op afterwards.
+  Status depart(uint64_t seq, ThreadWorld::Op& op, Status result) {
     if (++op.departed == w_->size) w_->ops.erase(seq);
+    return result;
   }
 
   std::shared_ptr<ThreadWorld> w_;
