@@ -10,6 +10,8 @@
 #include <mutex>
 #include <random>
 
+#include "mkernel/common/check.h"
+
 namespace mk {
 namespace test {
 
@@ -119,6 +121,14 @@ int exit_code(int rc, int rank, bool quiet) {
     for (const auto& s : skipped) printf("%s  %s\n", who.c_str(), s.c_str());
   fflush(stdout);
   return kSkipExitCode;
+}
+
+Status make_one_rank_comm(std::unique_ptr<Communicator>* out) {
+  std::vector<std::unique_ptr<Bootstrap>> world;
+  MK_CHECK(make_thread_world(1, &world));
+  CommConfig cfg;
+  cfg.require_gpu = true;
+  return Communicator::create(std::move(world[0]), cfg, out);
 }
 
 }  // namespace test

@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "mkernel/common/status.h"
+#include "mkernel/runtime/communicator.h"
 
 namespace mk {
 namespace test {
@@ -43,6 +45,9 @@ std::vector<uint8_t> rank_payload(uint64_t op, int rank, size_t n);
 
 // True when a CUDA device is usable in this process.
 bool have_gpu();
+
+// A communicator of one rank (a thread world of one) on a GPU this process can use.
+Status make_one_rank_comm(std::unique_ptr<Communicator>* out);
 
 // Exit code that ctest (SKIP_RETURN_CODE) reports as "skipped".
 constexpr int kSkipExitCode = 77;

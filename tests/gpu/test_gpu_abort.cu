@@ -15,12 +15,8 @@ namespace test {
 namespace {
 
 TEST(Abort, WaitEndsWithTheCauseNamingThePeer) {
-  std::vector<std::unique_ptr<Bootstrap>> world;
-  MK_ASSERT_OK(make_thread_world(1, &world));
   std::unique_ptr<Communicator> comm;
-  CommConfig cfg;
-  cfg.require_gpu = true;
-  MK_ASSERT_OK(Communicator::create(std::move(world[0]), cfg, &comm));
+  MK_ASSERT_OK(make_one_rank_comm(&comm));
   SymmetricBuffer* flags = nullptr;
   MK_ASSERT_OK(comm->alloc_signals(4, &flags));
   auto t0 = std::chrono::steady_clock::now();

@@ -114,6 +114,17 @@ struct Dev {
 
 // Counts, into bad[0] (K) and bad[1] (V), the elements of this rank's slot r that differ from
 // rank r's block of the full K and V, for every other rank r (scratch: one block). On `stream`.
+// The single-GPU reference call over the whole sequence (S tokens, [B, S, heads, D]).
+attention::ForwardArgs whole_sequence(const RingAttentionShape& s, int64_t S, const void* q, const void* k,
+                                      const void* v, void* o, float* lse) {
+  attention::ForwardArgs f;
+  f.q = q, f.k = k, f.v = v, f.o = o, f.lse = lse;
+  f.B = s.B, f.H = s.H, f.Hkv = s.Hkv, f.Sq = f.Skv = int(S), f.D = s.D, f.causal = s.causal;
+  f.q_stride = f.o_stride = attention::Strides::bshd(S, s.H, s.D);
+  f.k_stride = f.v_stride = attention::Strides::bshd(S, s.Hkv, s.D);
+  return f;
+}
+
 void check_slots(const RingAttention& op, const RingAttentionShape& s, const __nv_bfloat16* k,
                  const __nv_bfloat16* v, __nv_bfloat16* scratch, unsigned long long* bad, cudaStream_t stream) {
   const auto& p = op.plan();
@@ -173,12 +184,7 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
     fill_full<<<1024, 256, 0, stream>>>(k, int64_t(s.B) * S * krow, seed, tag, 1, 1.f);
     fill_full<<<1024, 256, 0, stream>>>(v, int64_t(s.B) * S * krow, seed, tag, 2, 1.f);
     // This rank's shard and the reference rows.
-    attention::ForwardArgs f;
-    f.q = q, f.k = k, f.v = v, f.o = o_full, f.lse = lse_full;
-    f.B = s.B, f.H = s.H, f.Hkv = s.Hkv, f.Sq = f.Skv = int(S), f.D = s.D, f.causal = s.causal;
-    f.q_stride = f.o_stride = attention::Strides::bshd(S, s.H, s.D);
-    f.k_stride = f.v_stride = attention::Strides::bshd(S, s.Hkv, s.D);
-    st = attention::forward(f, stream);
+    st = attention::forward(whole_sequence(s, S, q, k, v, o_full, lse_full), stream);
     ASSERT_TRUE(st.ok()) << st.to_string();
     int64_t row0 = 0;
     for (const auto& c : chunks[me]) {
@@ -361,12 +367,7 @@ TEST(Ring, GraphReplaysBackToBack) {
   // Each replay's O and LSE against the single-GPU kernel over that call's whole sequence.
   for (int call = 1; call <= kGraphReplays; ++call) {
     inputs(uint64_t(call), nullptr);
-    attention::ForwardArgs f;
-    f.q = q, f.k = k, f.v = v, f.o = o_full, f.lse = lse_full;
-    f.B = s.B, f.H = s.H, f.Hkv = s.Hkv, f.Sq = f.Skv = int(S), f.D = s.D, f.causal = s.causal;
-    f.q_stride = f.o_stride = attention::Strides::bshd(S, s.H, s.D);
-    f.k_stride = f.v_stride = attention::Strides::bshd(S, s.Hkv, s.D);
-    st = attention::forward(f, stream);
+    st = attention::forward(whole_sequence(s, S, q, k, v, o_full, lse_full), stream);
     ASSERT_TRUE(st.ok()) << st.to_string();
     int64_t row0 = 0;
     for (const auto& c : chunks[me]) {
