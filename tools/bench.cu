@@ -45,7 +45,7 @@
 #include "mkernel/ops/ring_attention.h"
 #include "tools/cli.h"
 #if MK_HAVE_NCCL
-#include "mkernel/ops/baseline.h"
+#include "bench/baseline/baseline.h"
 #endif
 
 namespace mk {

@@ -11,7 +11,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/tunables.h"
-#include "src/attention/fmha_internal.h"
+#include "src/attention/fmha_launch.h"
 
 #if MK_WITH_CUTLASS
 #include <cuda_bf16.h>

@@ -28,8 +28,8 @@
 #include "mkernel/device/epoch.cuh"
 #include "mkernel/device/signal.cuh"
 #include "mkernel/device/trace.cuh"
-#include "src/attention/fmha_internal.h"
-#include "src/ops/comm_exec.cuh"
+#include "src/attention/fmha_launch.h"
+#include "src/comm/executor.cuh"
 
 namespace mk {
 namespace attention {

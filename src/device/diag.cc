@@ -1,7 +1,9 @@
 #include <cstdio>
+#include <deque>
+#include <mutex>
+#include <string>
 
 #include "mkernel/device/diag.h"
-#include "mkernel/runtime/communicator.h"
 
 namespace mk {
 
@@ -20,19 +22,40 @@ const char* role_name(Role r) {
   return "unknown";
 }
 
+namespace {
+// Registered operator names; a tag is kFirstOperatorTag + index. Entries are never removed, so
+// the returned names stay valid.
+struct TagRegistry {
+  std::mutex mu;
+  std::deque<std::string> names;
+};
+TagRegistry& registry() {
+  static TagRegistry* r = new TagRegistry;  // outlives every static destructor that may log
+  return *r;
+}
+}  // namespace
+
+uint32_t op_tag_register(const char* name) {
+  TagRegistry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const std::string n = name ? name : "?";
+  for (size_t i = 0; i < r.names.size(); ++i)
+    if (r.names[i] == n) return kFirstOperatorTag + static_cast<uint32_t>(i);
+  r.names.push_back(n);
+  return kFirstOperatorTag + static_cast<uint32_t>(r.names.size() - 1);
+}
+
 const char* op_tag_name(uint32_t tag) {
   switch (static_cast<OpTag>(tag)) {
     case OpTag::kNone: return "none";
     case OpTag::kSelfCheck: return "selfcheck";
     case OpTag::kSignalTest: return "signal-test";
-    case OpTag::kAgGemm: return "ag_gemm";
-    case OpTag::kGemmRs: return "gemm_rs";
-    case OpTag::kGemmAr: return "gemm_ar";
-    case OpTag::kMoeDispatch: return "moe_dispatch_gemm";
-    case OpTag::kMoeLayer: return "moe_layer";
-    case OpTag::kRingAttention: return "ring_attention";
   }
-  return "unknown";
+  if (tag < kFirstOperatorTag) return "unknown";
+  TagRegistry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const size_t i = tag - kFirstOperatorTag;
+  return i < r.names.size() ? r.names[i].c_str() : "unknown";
 }
 
 std::string describe_diag(const DiagRecord& d) {

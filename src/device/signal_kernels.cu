@@ -1,7 +1,7 @@
 // Small library kernels around signals and epochs.
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/device/epoch.cuh"
-#include "mkernel/mkernel.h"
+#include "mkernel/device/launch.h"
 
 namespace mk {
 namespace {
@@ -16,7 +16,5 @@ Status launch_epoch_advance(EpochState* e, cudaStream_t stream) {
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 }
-
-const char* version() { return MK_VERSION; }
 
 }  // namespace mk

@@ -12,15 +12,15 @@
 #include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
 #include "mkernel/device/trace.cuh"
-#include "mkernel/ops/fused_device.h"
-#include "src/gemm/gemm_internal.h"
+#include "src/comm/device_program.h"
+#include "src/gemm/fused_launch.h"
 
 #if MK_WITH_CUTLASS
 #include "cute/tensor.hpp"
 #include "mkernel/device/command_ring.cuh"
 #include "mkernel/device/epoch.cuh"
 #include "mkernel/device/signal.cuh"
-#include "src/ops/comm_exec.cuh"
+#include "src/comm/executor.cuh"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cutlass.h"
@@ -224,7 +224,7 @@ __device__ __forceinline__ void signal_tile_after_reduce(const Params& p, int mm
 
 constexpr uint32_t kHookBarrier = 2;  // consumer named barrier for the hooks and comm ops
 
-// The hooks' waits, signals and ops (src/ops/comm_exec.cuh) on this kernel's Params.
+// The hooks' waits, signals and ops (src/comm/executor.cuh) on this kernel's Params.
 template <bool kProducer = false>
 __device__ __forceinline__ void hook_waits(const Params& p, uint32_t w0, uint32_t n, uint64_t epoch) {
   ops::hook_waits<kProducer>(p.hooks, w0, n, epoch);

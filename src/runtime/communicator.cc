@@ -246,7 +246,7 @@ Status Communicator::alloc_epoch(EpochState** out) {
   return OkStatus();
 }
 
-WaitCtx Communicator::wait_ctx(OpTag op, Role role, int64_t timeout_ms) const {
+WaitCtx Communicator::wait_ctx(uint32_t op_tag, Role role, int64_t timeout_ms) const {
   if (timeout_ms < 0) timeout_ms = tunables::int_or_default("signal_timeout_ms");
   if (timeout_ms <= 0) timeout_ms = 1;  // every wait is bounded
   WaitCtx c;
@@ -256,7 +256,7 @@ WaitCtx Communicator::wait_ctx(OpTag op, Role role, int64_t timeout_ms) const {
   c.abort = abort_word_;
   c.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
   c.rank = topo_.rank;
-  c.op_tag = static_cast<uint32_t>(op);
+  c.op_tag = op_tag;
   c.role = static_cast<uint32_t>(role);
   return c;
 }

@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "mkernel/ops/plan.h"
+#include "src/ops/collectives/plan.h"
 #include "tests/common/test_util.h"
 
 namespace mk {

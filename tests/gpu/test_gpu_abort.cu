@@ -22,7 +22,7 @@ TEST(Abort, WaitEndsWithTheCauseNamingThePeer) {
   auto t0 = std::chrono::steady_clock::now();
   // Bound 20 s: the abort, not the timeout, must end this wait.
   wait_forever<<<1, 32, 0, comm->stream()>>>(flags->signal_view(),
-                                             comm->wait_ctx(OpTag::kGemmRs, Role::kNetRecv, 20000), 3, 1, 5);
+                                             comm->wait_ctx(OpTag::kSignalTest, Role::kNetRecv, 20000), 3, 1, 5);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   comm->abort(make_status(Code::kRemoteError, "proxy: a put to rank 3 failed: connection reset"));
   Status s = comm->sync(comm->stream());

@@ -23,6 +23,7 @@
 #include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/ops/fused.h"
+#include "src/ops/collectives/plan.h"
 #include "tests/gpu/mpi_fixture.h"
 
 namespace mk {

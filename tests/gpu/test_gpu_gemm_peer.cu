@@ -96,7 +96,7 @@ TEST_F(GemmPeer, StoreIntoTheNextRank) {
   MK_ASSERT_OK(gemm::persistent_ctas(&resident));
   cudaStream_t ws;
   cudaStreamCreateWithFlags(&ws, cudaStreamNonBlocking);
-  wait_and_snapshot<<<2, 256, 0, ws>>>(flags->signal_view(), comm->wait_ctx(OpTag::kGemmRs, Role::kComm),
+  wait_and_snapshot<<<2, 256, 0, ws>>>(flags->signal_view(), comm->wait_ctx(OpTag::kSignalTest, Role::kComm),
                                        C->local(), false, snap, tc.m, tc.total(), 1);
   gemm::Arguments args;
   args.A = dA;
@@ -161,7 +161,7 @@ TEST_F(GemmPeer, ReduceAddIntoOneOwner) {
   cudaStream_t ws;
   cudaStreamCreateWithFlags(&ws, cudaStreamNonBlocking);
   if (me == 0)
-    wait_and_snapshot<<<2, 256, 0, ws>>>(flags->signal_view(), comm->wait_ctx(OpTag::kGemmRs, Role::kComm),
+    wait_and_snapshot<<<2, 256, 0, ws>>>(flags->signal_view(), comm->wait_ctx(OpTag::kSignalTest, Role::kComm),
                                          C->local(), true, snap, tc.m, tc.total(), uint64_t(W));
   gemm::Arguments args;
   args.A = dA;

@@ -29,6 +29,7 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/ops/fused.h"
 #include "mkernel/ops/ring_attention.h"
+#include "src/ops/ring_attention/ring_plan.h"
 #include "tests/gpu/mpi_fixture.h"
 
 namespace mk {

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "mkernel/device/signal.cuh"
-#include "mkernel/proxy/ring_view.h"
+#include "mkernel/device/ring_view.h"
 
 namespace mk {
 namespace device {

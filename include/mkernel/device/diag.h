@@ -23,18 +23,16 @@ enum class Role : uint32_t {
 };
 const char* role_name(Role r);
 
-// Op tags: which operator a wait belongs to. Operators add theirs here.
+// Op tags: which operator a wait belongs to. The library's own checks use the fixed tags below;
+// operators register a name once (op_tag_register) and pass the tag it returns.
 enum class OpTag : uint32_t {
   kNone = 0,
   kSelfCheck = 1,
   kSignalTest = 2,
-  kAgGemm = 16,
-  kGemmRs = 17,
-  kGemmAr = 18,
-  kMoeDispatch = 19,
-  kMoeLayer = 20,
-  kRingAttention = 21,
 };
+constexpr uint32_t kFirstOperatorTag = 16;
+// Thread-safe; the same name gives the same tag. Host code.
+uint32_t op_tag_register(const char* name);
 const char* op_tag_name(uint32_t tag);
 
 struct DiagRecord {

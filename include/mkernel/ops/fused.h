@@ -1,7 +1,7 @@
 // mkernel — fused GEMM collectives: AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce.
 //
 // One persistent kernel per call: compute CTAs run the GEMM's tiles in the plan's order
-// (ops/plan.h), communication CTAs run the plan's communication program — peer stores over
+// (src/ops/collectives/plan.h), communication CTAs run the plan's communication program — peer stores over
 // NVLink inside a node, puts through the proxy (libfabric) between nodes, hierarchically: RS and
 // AR send only node-reduced partials between twins (same local rank), AG sends each shard once
 // per remote node and forwards it inside the node. With W = nodes x local ranks:
@@ -27,13 +27,24 @@
 
 #include "mkernel/common/status.h"
 #include "mkernel/gemm/gemm.h"
-#include "mkernel/ops/plan.h"
 
 namespace mk {
 
 class Communicator;
 
 namespace ops {
+
+enum class FusedKind : int { kAgGemm = 0, kGemmRs = 1, kGemmAr = 2 };
+const char* fused_kind_name(FusedKind k);
+
+// AG: C[M, N] = gathered A[M, K] · B[N, K]ᵀ (N is each rank's N_loc).
+// RS: C[M/W, N] = reduce-scatter of A[M, K]·B[N, K]ᵀ (K is each rank's K_loc).
+// AR: C[M, N] = all-reduce of A[M, K]·B[N, K]ᵀ.
+struct PlanShape {
+  int64_t M = 0, N = 0, K = 0;
+};
+
+struct Plan;  // the operator's plan (library-internal: src/ops/collectives/plan.h)
 
 struct FusedOptions {
   bool deterministic = false;  // RS/AR: fixed reduction order (per-rank partials, summed in order)

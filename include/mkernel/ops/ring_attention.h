@@ -1,7 +1,7 @@
 // mkernel — ring attention: sequence-parallel attention over W ranks in one persistent kernel
 // per call.
 //
-// Each rank holds a shard of the sequence (ops/ring_plan.h: contiguous, or zigzag so that causal
+// Each rank holds a shard of the sequence (src/ops/ring_attention/ring_plan.h: contiguous, or zigzag so that causal
 // work is balanced): Q, K, V and O of its tokens, [B, S/W, heads, D] bf16 contiguous, its chunks
 // in token order (zigzag: chunk r, then chunk 2W - 1 - r). K/V blocks travel around a node-major
 // ring: at step t a rank computes against the block it holds and forwards that block to the next
@@ -24,13 +24,18 @@
 
 #include "mkernel/common/status.h"
 #include "mkernel/device/trace.h"
-#include "mkernel/ops/ring_plan.h"
 
 namespace mk {
 
 class Communicator;
 
 namespace ops {
+
+// How the sequence is sharded: contiguous (W chunks, rank r holds chunk r) or zigzag (2W
+// chunks, rank r holds chunks r and 2W - 1 - r, balancing causal work).
+enum class SeqLayout : int { kContiguous = 0, kZigzag = 1 };
+
+struct RingPlan;  // the ring's schedule (library-internal: src/ops/ring_attention/ring_plan.h)
 
 struct RingAttentionShape {
   int B = 1, H = 1, Hkv = 1, D = 128;

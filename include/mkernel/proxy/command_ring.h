@@ -19,8 +19,8 @@
 #include <memory>
 
 #include "mkernel/common/status.h"
-#include "mkernel/proxy/command.h"
-#include "mkernel/proxy/ring_view.h"
+#include "mkernel/device/command.h"
+#include "mkernel/device/ring_view.h"
 
 namespace mk {
 

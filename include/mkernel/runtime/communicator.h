@@ -78,7 +78,11 @@ class Communicator {
 
   // The context kernels pass to bounded waits: rank, op, role, and the timeout
   // (tunable signal_timeout_ms unless timeout_ms >= 0).
-  WaitCtx wait_ctx(OpTag op, Role role, int64_t timeout_ms = -1) const;
+  // op_tag: an OpTag or a tag from op_tag_register (device/diag.h).
+  WaitCtx wait_ctx(uint32_t op_tag, Role role, int64_t timeout_ms = -1) const;
+  WaitCtx wait_ctx(OpTag op, Role role, int64_t timeout_ms = -1) const {
+    return wait_ctx(static_cast<uint32_t>(op), role, timeout_ms);
+  }
   // Turns the outcome of a launch or synchronization into a Status. When a device wait gave
   // up, the Status names rank, op, role, peer, flag, expected and seen (kTimeout when its bound
   // expired; the abort's code and cause when the communicator was aborted).

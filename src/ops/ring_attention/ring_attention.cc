@@ -1,6 +1,7 @@
 // Ring attention: the ring plan turned into the persistent attention kernel's pairs and a
 // communication program (see include/mkernel/ops/ring_attention.h).
 #include "mkernel/ops/ring_attention.h"
+#include "src/ops/ring_attention/ring_plan.h"
 
 #include <cuda_runtime_api.h>
 
@@ -12,10 +13,10 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
-#include "mkernel/ops/fused_device.h"
+#include "src/comm/device_program.h"
 #include "mkernel/runtime/communicator.h"
-#include "src/attention/fmha_internal.h"
-#include "src/ops/net_session.h"
+#include "src/attention/fmha_launch.h"
+#include "src/comm/net_session.h"
 
 namespace mk {
 namespace ops {
@@ -54,6 +55,11 @@ struct RingState : CommAttachment {
 };
 
 namespace {
+
+uint32_t ring_tag() {
+  static const uint32_t tag = op_tag_register("ring_attention");
+  return tag;
+}
 
 struct Request {
   int32_t B, H, Hkv, D, layout, causal;
@@ -212,11 +218,11 @@ Status build_program(RingState* st) {
   }
   for (attention::FmhaLaunch* v : {&st->gathered}) {
     v->o_acc = l.o_acc, v->lse_acc = l.lse_acc, v->seq = l.seq, v->n_seq = l.n_seq;
-    v->hooks.wait = c->wait_ctx(OpTag::kRingAttention, Role::kCompute);
+    v->hooks.wait = c->wait_ctx(ring_tag(), Role::kCompute);
   }
   for (auto& v : st->per_step) {
     v.o_acc = l.o_acc, v.lse_acc = l.lse_acc, v.seq = l.seq, v.n_seq = l.n_seq;
-    v.hooks.wait = c->wait_ctx(OpTag::kRingAttention, Role::kCompute);
+    v.hooks.wait = c->wait_ctx(ring_tag(), Role::kCompute);
   }
 
   // ---- the communication program ----
@@ -424,7 +430,7 @@ Status build_program(RingState* st) {
     MK_CHECK(upload(st, counter, &h.op_counter));
     h.epoch = st->epoch;
   }
-  h.wait = c->wait_ctx(OpTag::kRingAttention, Role::kComm);
+  h.wait = c->wait_ctx(ring_tag(), Role::kComm);
   if (st->net) h.ring = st->net->ring_view(h.wait.abort);
   l.comm_ctas = ops.empty() ? 0 : st->comm_ctas;
   if (attention::dynamic_schedule(true)) {

@@ -13,7 +13,7 @@
 #include "cutlass/cutlass.h"
 #include "mkernel/device/command_ring.cuh"
 #include "mkernel/device/signal.cuh"
-#include "mkernel/ops/fused_device.h"
+#include "src/comm/device_program.h"
 
 namespace mk {
 namespace ops {

@@ -1,5 +1,5 @@
 // The network side of an operator spanning several nodes (see net_session.h).
-#include "src/ops/net_session.h"
+#include "src/comm/net_session.h"
 
 #include <cuda_runtime_api.h>
 

@@ -1,5 +1,6 @@
 // Fused GEMM collectives: plan resolution, workspaces, the network stack, launch.
 #include "mkernel/ops/fused.h"
+#include "src/ops/collectives/plan.h"
 
 #include <cuda_runtime_api.h>
 
@@ -10,10 +11,10 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
-#include "mkernel/ops/fused_device.h"
+#include "src/comm/device_program.h"
 #include "mkernel/runtime/communicator.h"
-#include "src/gemm/gemm_internal.h"
-#include "src/ops/net_session.h"
+#include "src/gemm/fused_launch.h"
+#include "src/comm/net_session.h"
 
 namespace mk {
 namespace ops {
@@ -275,7 +276,7 @@ Status resolve(FusedState* st) {
   h.route_store = p.deterministic ? 1 : 0;
   h.peek_ops = p.kind == FusedKind::kAgGemm ? 0 : 1;
   h.epoch = st->epoch;
-  OpTag tag = p.kind == FusedKind::kAgGemm ? OpTag::kAgGemm : p.kind == FusedKind::kGemmRs ? OpTag::kGemmRs : OpTag::kGemmAr;
+  const uint32_t tag = op_tag_register(fused_kind_name(p.kind));
   h.wait = st->comm->wait_ctx(tag, Role::kComm);
   if (st->net) h.ring = st->net->ring_view(h.wait.abort);
   std::vector<int> counters{st->comm_ctas, 0, 0};

@@ -15,12 +15,12 @@
 #include <vector>
 
 #include "mkernel/common/status.h"
-#include "mkernel/ops/plan.h"
+#include "mkernel/ops/ring_attention.h"
+#include "src/comm/program.h"
 
 namespace mk {
 namespace ops {
 
-enum class SeqLayout : int { kContiguous = 0, kZigzag = 1 };
 enum class BlockMask : int {
   kFull = 0,      // every key of the key chunk is visible to every query of the query chunk
   kCausal = 1,    // same chunk: key j visible to query i iff j <= i

@@ -1,5 +1,5 @@
 // Plans of the fused GEMM collectives (see include/mkernel/ops/plan.h).
-#include "mkernel/ops/plan.h"
+#include "src/ops/collectives/plan.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -42,22 +42,6 @@ const char* region_name(Region r) {
 const char* comm_kind_name(CommKind k) {
   static const char* n[] = {"copy", "reduce", "net_put", "signal", "zero"};
   return int(k) < 5 ? n[int(k)] : "?";
-}
-
-PlanLayout PlanLayout::uniform(int world, int nodes) {
-  PlanLayout l;
-  l.world = world;
-  const int per = nodes > 0 ? world / nodes : 0;
-  l.node_ranks.assign(nodes, {});
-  l.node_of.resize(world);
-  l.local_of.resize(world);
-  for (int r = 0; r < world; ++r) {
-    const int n = per ? r / per : 0;
-    l.node_of[r] = n;
-    l.local_of[r] = per ? r % per : 0;
-    if (n < nodes) l.node_ranks[n].push_back(r);
-  }
-  return l;
 }
 
 namespace {

@@ -11,8 +11,8 @@
 
 #include "mkernel/device/diag.h"
 #include "mkernel/device/views.h"
-#include "mkernel/proxy/command.h"
-#include "mkernel/proxy/ring_view.h"
+#include "mkernel/device/command.h"
+#include "mkernel/device/ring_view.h"
 
 namespace mk {
 namespace ops {

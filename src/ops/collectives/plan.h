@@ -26,32 +26,14 @@
 #include <vector>
 
 #include "mkernel/common/status.h"
+#include "mkernel/ops/fused.h"
+#include "src/comm/program.h"
 
 namespace mk {
 namespace ops {
 
-enum class FusedKind : int { kAgGemm = 0, kGemmRs = 1, kGemmAr = 2 };
-const char* fused_kind_name(FusedKind k);
 
-// Which ranks share a node. Ranks of a node may be any set; `node_ranks[n][l]` is the rank with
-// local index l on node n.
-struct PlanLayout {
-  int world = 1;
-  std::vector<int> node_of;                  // [world]
-  std::vector<int> local_of;                 // [world]
-  std::vector<std::vector<int>> node_ranks;  // [nodes][local]
-  int nodes() const { return static_cast<int>(node_ranks.size()); }
-  int local() const { return node_ranks.empty() ? 0 : static_cast<int>(node_ranks[0].size()); }
-  // `nodes` nodes of world / nodes consecutive ranks each.
-  static PlanLayout uniform(int world, int nodes);
-};
 
-// AG: C[M, N] = gathered A[M, K] · B[N, K]ᵀ (N is each rank's N_loc).
-// RS: C[M/W, N] = reduce-scatter of A[M, K]·B[N, K]ᵀ (K is each rank's K_loc).
-// AR: C[M, N] = all-reduce of A[M, K]·B[N, K]ᵀ.
-struct PlanShape {
-  int64_t M = 0, N = 0, K = 0;
-};
 
 enum class Buf : uint8_t {
   kUserA = 0,  // AG: the caller's shard [M/W, K] bf16

@@ -22,7 +22,7 @@
 #include "mkernel/common/status.h"
 #include "mkernel/net/backend.h"
 #include "mkernel/proxy/proxy.h"
-#include "mkernel/proxy/ring_view.h"
+#include "mkernel/device/ring_view.h"
 
 namespace mk {
 

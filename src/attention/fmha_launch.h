@@ -11,7 +11,7 @@
 
 #include "mkernel/attention/attention.h"
 #include "mkernel/device/trace.h"
-#include "mkernel/ops/fused_device.h"
+#include "src/comm/device_program.h"
 
 namespace mk {
 namespace attention {

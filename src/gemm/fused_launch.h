@@ -2,7 +2,7 @@
 #pragma once
 
 #include "mkernel/gemm/gemm.h"
-#include "mkernel/ops/fused_device.h"
+#include "src/comm/device_program.h"
 
 namespace mk {
 namespace gemm {

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "mkernel/proxy/command.h"
+#include "mkernel/device/command.h"
 
 namespace mk {
 

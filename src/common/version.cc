@@ -1,0 +1,5 @@
+#include "mkernel/common/version.h"
+
+namespace mk {
+const char* version() { return MK_VERSION; }
+}  // namespace mk
