@@ -43,6 +43,16 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # --report-api-errors no: only memory errors count).
 planted=(test_gpu_abort test_gpu_signal_timeout test_gpu_fused_dead test_gpu_ring_dead)
 planted_filter_test_gpu_threads="-*Planted*"
+# Not run under a sanitizer: test_gpu_threads' ranks are threads of one process whose kernels
+# wait on each other, and the sanitizers serialize a process's kernel launches (each rank's
+# kernel then waits for one that cannot start until it ends: the bounded waits expire).
+excluded=(test_gpu_threads)
+# API errors that are part of what a test checks or that a library makes and handles itself;
+# memory errors in those runs still count:
+#  - test_gpu_heap: Heap.OutOfMemoryFailsOnEveryRank asks for more memory than the GPU has;
+#  - test_gpu_baseline: NCCL probes kernels it was not built for (cudaFuncGetAttributes fails
+#    with "no kernel image" inside ncclCommInitRank) and carries on.
+api_errors_expected=(test_gpu_heap test_gpu_baseline)
 # Default gtest filters (the slow cases out; what stays covers every kernel of the binary).
 declare -A filter=(
   [memcheck:test_gpu_gemm]="-Gemm.RandomNormalAgainstCublas"
@@ -50,7 +60,8 @@ declare -A filter=(
   [synccheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.ReduceAddEpilogues"
   [racecheck:test_gpu_ring]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
   [synccheck:test_gpu_ring]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
-  [racecheck:test_gpu_fused]="Fused.AgGemmMatchesReference:Fused.GemmRsMatchesReference:Fused.GemmArMatchesReference"
+  # racecheck replays every shared-memory access: ~100 s per fused test at W = 2 on the H200.
+  [racecheck:test_gpu_fused]="Fused.GemmRsMatchesReference"
   [synccheck:test_gpu_fused]="Fused.AgGemmMatchesReference:Fused.GemmRsMatchesReference:Fused.GemmArMatchesReference"
 )
 IFS=';' read -ra user_filters <<<"${MK_SAN_FILTERS:-}"
@@ -98,6 +109,7 @@ if ((${#bins[@]} == 0)); then echo "sanitize_check: no GPU test binaries in $B (
 echo "${#bins[@]} GPU test binaries: $(cut -f1 <<<"$(printf '%s\n' "${bins[@]}")" | tr '\n' ' ')"
 
 is_planted() { local t; for t in "${planted[@]}"; do [[ $1 == "$t" ]] && return 0; done; return 1; }
+in_list() { local x=$1 t; shift; for t in "$@"; do [[ $x == "$t" ]] && return 0; done; return 1; }
 left() { echo $(( budget - ($(date +%s) - t0) )); }
 mps_on() {
   if [[ $started_mps == 0 ]] && ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
@@ -121,7 +133,7 @@ run() {
   [[ -z $f && $name == test_gpu_threads && ${MK_SAN_PLANTED:-0} != 1 ]] && f=$planted_filter_test_gpu_threads
   local opts=(--tool "$tool" --error-exitcode 99 --print-limit 20)
   [[ $tool == memcheck && ${MK_SAN_LEAKS:-0} == 1 ]] && opts+=(--leak-check full)
-  is_planted "$name" && opts+=(--report-api-errors no)
+  if is_planted "$name" || in_list "$name" "${api_errors_expected[@]}"; then opts+=(--report-api-errors no); fi
   local args=()
   [[ -n $f ]] && args+=("--gtest_filter=$f")
   local log="$L/${tool}_${name}_np${np}.log" s rc
@@ -139,10 +151,15 @@ run() {
     env "${e[@]}" timeout -k 10 "$lim" "$cs" "${opts[@]}" "$exe" "${args[@]}" > "$log" 2>&1
     rc=$?
   fi
-  # One "ERROR SUMMARY: N errors" per process: sum them; fewer than np means a rank never got there.
+  # A timed-out run's ranks may outlive mpirun: none may hold the GPU when the next run starts.
+  if ((rc == 124 || rc == 137)); then pkill -9 -f "$exe" 2>/dev/null; sleep 2; fi
+  # One summary per process ("ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards
+  # displayed (N errors, W warnings)"): sum the errors; fewer than np means a rank never got there.
   local sums errs
-  sums=$(grep -c "ERROR SUMMARY:" "$log")
-  errs=$(grep -oE "ERROR SUMMARY: [0-9]+" "$log" | awk '{s += $3} END {print s + 0}')
+  sums=$(grep -cE "(ERROR|RACECHECK) SUMMARY:" "$log")
+  errs=$( { grep -oE "ERROR SUMMARY: [0-9]+" "$log" | awk '{print $3}';
+            grep -oE "RACECHECK SUMMARY: .*\(([0-9]+) errors" "$log" | grep -oE "\(([0-9]+)" | tr -d '('; } |
+          awk '{s += $1} END {print s + 0}')
   local res
   if ((rc == 124 || rc == 137)); then res="timeout"
   elif ((rc == 77)); then res="skip(77)"
@@ -165,6 +182,10 @@ for step in $steps; do
     [[ -n ${MK_SAN_ONLY:-} && ! $name =~ ${MK_SAN_ONLY} ]] && continue
     if is_planted "$name" && [[ ${MK_SAN_PLANTED:-0} != 1 ]]; then
       [[ $step == memcheck1 ]] && row "$name" memcheck - "skip(planted)" "-"
+      continue
+    fi
+    if in_list "$name" "${excluded[@]}"; then
+      [[ $step == memcheck1 ]] && row "$name" memcheck - "not-run(threads)" "-"
       continue
     fi
     case $step in

@@ -40,6 +40,7 @@ enum DevOpKind : uint32_t { kDevCopy = 0, kDevReduce = 1, kDevNetPut = 2, kDevSi
 
 // DevOp::flags
 constexpr uint32_t kDevOpHostMem = 1;  // touches pinned host memory: plain loads and stores only
+constexpr uint32_t kDevOpCountAt = 2;  // kDevCopy / kDevZero: move min(bytes, *(uint64_t*)ptrs[count_ptr]) bytes
 
 struct alignas(64) DevOp {
   uint32_t kind;
@@ -51,8 +52,8 @@ struct alignas(64) DevOp {
   uint32_t ptr0;        // ptrs[ptr0 .. ptr0 + nsrc) sources, then ndst destinations
   uint64_t bytes;       // copy / zero / staged put (a multiple of 16)
   uint64_t elems;       // reduce (a multiple of 4)
-  uint32_t flags;       // kDevOpHostMem
-  uint32_t pad;
+  uint32_t flags;       // kDevOpHostMem | kDevOpCountAt
+  uint32_t count_ptr;   // kDevOpCountAt: index in ptrs of the run-time byte count
   Command cmd;          // kDevNetPut: pushed as is
 };
 static_assert(sizeof(DevOp) == 128, "DevOp layout");

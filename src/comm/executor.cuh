@@ -91,12 +91,19 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
   void* ptr[16];
   const uint32_t np = min(op.nsrc + op.ndst, 16u);
   for (uint32_t k = 0; k < np; ++k) ptr[k] = op_ptr(h, h.ptrs[op.ptr0 + k]);
+  uint64_t bytes = op.bytes;
+  if (op.flags & kDevOpCountAt) {
+    // A run-time count, written before the op's waits were satisfied (read after them): at most
+    // op.bytes, in whole 16-byte words.
+    const uint64_t n = *reinterpret_cast<const volatile uint64_t*>(op_ptr(h, h.ptrs[op.count_ptr]));
+    bytes = min(bytes, n) & ~uint64_t(15);
+  }
   switch (op.kind) {
     case kDevCopy:
-      copy_words<kThreads>(ptr[0], ptr + op.nsrc, op.ndst, op.bytes, tid);
+      copy_words<kThreads>(ptr[0], ptr + op.nsrc, op.ndst, bytes, tid);
       break;
     case kDevZero: {
-      const uint64_t n = op.bytes / 16;
+      const uint64_t n = bytes / 16;
       const int4 z = make_int4(0, 0, 0, 0);
       for (uint32_t d = 0; d < op.ndst; ++d)
         for (uint64_t j = tid; j < n; j += kThreads) static_cast<int4*>(ptr[op.nsrc + d])[j] = z;
@@ -207,8 +214,9 @@ __device__ __noinline__ void run_comm_op_staged(const FusedHooks& h, int index, 
                                                 BulkStages& b) {
   const DevOp& op = h.ops[index];
   // Pinned host memory goes through plain loads and stores (the bulk-copy engine is kept to
-  // device memory).
-  if (op.kind != kDevCopy || op.nsrc != 1 || op.ndst != 1 || (op.bytes & 15u) || (op.flags & kDevOpHostMem)) {
+  // device memory); so do copies with a run-time count.
+  if (op.kind != kDevCopy || op.nsrc != 1 || op.ndst != 1 || (op.bytes & 15u) ||
+      (op.flags & (kDevOpHostMem | kDevOpCountAt))) {
     run_comm_op<kThreads, kBarrier>(h, index, tid, epoch);
     return;
   }

@@ -13,10 +13,9 @@
 #include "mkernel/runtime/communicator.h"
 
 namespace mk {
-namespace ops {
+namespace comm {
 
-Status NetSession::create(Communicator* comm, const std::string& staging, uint32_t n_flags,
-                          std::unique_ptr<NetSession>* out) {
+Status NetSession::create(Communicator* comm, const std::string& staging, std::unique_ptr<NetSession>* out) {
   std::unique_ptr<NetSession> s(new NetSession());
   s->comm_ = comm;
   Bootstrap& bs = comm->bootstrap();
@@ -58,25 +57,6 @@ Status NetSession::create(Communicator* comm, const std::string& staging, uint32
   MK_INFO(kSubsysNet, "rank %d: network %s", comm->rank(), s->what_.c_str());
   // The operator stages (or not) itself: the proxy's own staging stays off for its windows.
   MK_CHECK(ProxyWindows::create(&bs, s->be_.get(), "never", StagingConfig{}, &s->wins_));
-  Status fs = [&]() -> Status {
-    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s->flags_), std::max<uint32_t>(n_flags, 1) * 8,
-                                cudaHostAllocMapped | cudaHostAllocPortable));
-    memset(s->flags_, 0, std::max<uint32_t>(n_flags, 1) * 8);
-    return OkStatus();
-  }();
-  MK_CHECK(agree(bs, fs, "network flag pad"));
-  s->n_flags_ = n_flags;
-  s->sink_ = std::make_unique<HostFlagSink>(s->flags_, n_flags);
-  ProxyConfig pc;
-  pc.gpu_ring = true;
-  pc.near_gpu = comm->device();
-  pc.device = comm->device();
-  // The host is the first responder: a put that stalls fails the proxy (naming the peer and
-  // the command) and aborts the communicator before the kernels' own bound expires, so the
-  // error says the network lost it rather than only which flag never rose.
-  const int64_t sig_ms = tunables::int_or_default("signal_timeout_ms");
-  pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::int_or_default("net_timeout_ms"), sig_ms * 3 / 4));
-  MK_CHECK(agree(bs, Proxy::create(s->wins_.get(), s->sink_.get(), pc, &s->proxy_), "proxy"));
   *out = std::move(s);
   return OkStatus();
 }
@@ -107,7 +87,29 @@ Status NetSession::add_host_window(uint64_t bytes, void** ptr, uint32_t* id) {
 
 RingView NetSession::ring_view(const uint64_t* abort) const { return proxy_->ring().view(abort); }
 
-Status NetSession::start() {
+Status NetSession::start(uint32_t n_flags) {
+  MK_REQUIRE(!proxy_, Code::kInternal, "network session started twice");
+  Bootstrap& bs = comm_->bootstrap();
+  Communicator* comm = comm_;
+  Status fs = [&]() -> Status {
+    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&flags_), std::max<uint32_t>(n_flags, 1) * 8,
+                                cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(flags_, 0, std::max<uint32_t>(n_flags, 1) * 8);
+    return OkStatus();
+  }();
+  MK_CHECK(agree(bs, fs, "network flag pad"));
+  n_flags_ = n_flags;
+  sink_ = std::make_unique<HostFlagSink>(flags_, n_flags);
+  ProxyConfig pc;
+  pc.gpu_ring = true;
+  pc.near_gpu = comm->device();
+  pc.device = comm->device();
+  // The host is the first responder: a put that stalls fails the proxy (naming the peer and
+  // the command) and aborts the communicator before the kernels' own bound expires, so the
+  // error says the network lost it rather than only which flag never rose.
+  const int64_t sig_ms = tunables::int_or_default("signal_timeout_ms");
+  pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::int_or_default("net_timeout_ms"), sig_ms * 3 / 4));
+  MK_CHECK(agree(bs, Proxy::create(wins_.get(), sink_.get(), pc, &proxy_), "proxy"));
   Communicator* c = comm_;
   proxy_->on_error([c](const Status& s) { c->abort(s); });
   MK_CHECK(proxy_->start());
@@ -140,5 +142,5 @@ Status NetSession::destroy() {
   return first;
 }
 
-}  // namespace ops
+}  // namespace comm
 }  // namespace mk

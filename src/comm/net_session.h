@@ -28,14 +28,13 @@ namespace mk {
 
 class Communicator;
 
-namespace ops {
+namespace comm {
 
 class NetSession {
  public:
-  // Collective (agreed: the same error on every rank). staging: "auto", "always", "never" or ""
-  // (tunable net_staging). n_flags: the size of the proxy's flag pad.
-  static Status create(Communicator* comm, const std::string& staging, uint32_t n_flags,
-                       std::unique_ptr<NetSession>* out);
+  // Collective (agreed: the same error on every rank): the backend, and whether traffic is
+  // staged. staging: "auto", "always", "never" or "" (tunable net_staging).
+  static Status create(Communicator* comm, const std::string& staging, std::unique_ptr<NetSession>* out);
   ~NetSession();
   NetSession(const NetSession&) = delete;
   NetSession& operator=(const NetSession&) = delete;
@@ -50,13 +49,14 @@ class NetSession {
   // host and, through unified addressing, on the device), registered as a window.
   Status add_host_window(uint64_t bytes, void** ptr, uint32_t* id);
 
-  // The proxy's flag pad (host memory mapped for the GPU; n_flags entries, zeroed).
+  // The proxy's flag pad (host memory mapped for the GPU; n_flags entries, zeroed; after start).
   uint64_t* flags() const { return flags_; }
   uint32_t flag_count() const { return n_flags_; }
   // The command ring as kernels push into it (after start()).
   RingView ring_view(const uint64_t* abort) const;
-  // Starts the proxy: after the windows are added. Its failures abort the communicator.
-  Status start();
+  // Collective: allocates the proxy's flag pad (n_flags) and starts the proxy, after the windows
+  // are added. Its failures abort the communicator.
+  Status start(uint32_t n_flags);
   // Collective, idempotent, bounded: drains the proxy (briefly when the communicator has
   // failed: puts to a dead peer never complete), deregisters, frees the host memory.
   Status destroy();
@@ -77,5 +77,5 @@ class NetSession {
   bool destroyed_ = false;
 };
 
-}  // namespace ops
+}  // namespace comm
 }  // namespace mk

@@ -1,11 +1,13 @@
 // Communication programs (see src/comm/program.h).
 #include "src/comm/program.h"
 
-namespace mk {
-namespace ops {
+#include <cstdio>
 
-PlanLayout PlanLayout::uniform(int world, int nodes) {
-  PlanLayout l;
+namespace mk {
+namespace comm {
+
+Layout Layout::uniform(int world, int nodes) {
+  Layout l;
   l.world = world;
   const int per = nodes > 0 ? world / nodes : 0;
   l.node_ranks.assign(nodes, {});
@@ -20,5 +22,56 @@ PlanLayout PlanLayout::uniform(int world, int nodes) {
   return l;
 }
 
-}  // namespace ops
+const char* op_kind_name(OpKind k) {
+  static const char* n[] = {"copy", "reduce", "net_put", "signal", "zero"};
+  return int(k) < 5 ? n[int(k)] : "?";
+}
+
+BufId ProgramDecl::add_buf(const BufDecl& d) {
+  bufs.push_back(d);
+  return BufId(bufs.size() - 1);
+}
+
+RegionId ProgramDecl::add_region(const std::string& name, uint32_t size, bool proxy) {
+  regions.push_back(RegionDecl{name, size, proxy});
+  return RegionId(regions.size() - 1);
+}
+
+void ProgramDecl::place_regions() {
+  region_offset.assign(regions.size(), 0);
+  uint32_t off = 0;
+  for (size_t r = 0; r < regions.size(); ++r) {
+    region_offset[r] = off;
+    off += regions[r].size;
+  }
+  pad_flags = off;
+}
+
+BufId ProgramDecl::mirror(BufId b) const {
+  for (size_t i = 0; i < bufs.size(); ++i)
+    if (bufs[i].space == Space::kHost && bufs[i].mirror_of == b) return BufId(i);
+  return kNoBuf;
+}
+
+std::string flag_str(const ProgramDecl& p, const FlagRef& f) {
+  return std::string(p.region_name(f.region)) + "[" + std::to_string(f.index) + "]@rank " + std::to_string(f.rank);
+}
+
+std::string ref_str(const ProgramDecl& p, const BufRef& b) {
+  return std::string(p.buf_name(b.buf)) + "@rank " + std::to_string(b.rank) + "+" + std::to_string(b.offset);
+}
+
+std::string describe(const RankProgram& rp) {
+  std::string s;
+  char line[320];
+  for (size_t i = 0; i < rp.ops.size(); ++i) {
+    const Op& op = rp.ops[i];
+    snprintf(line, sizeof line, "  %3zu %-7s waits %zu signals %zu: %s\n", i, op_kind_name(op.kind), op.waits.size(),
+             op.signals.size(), op.what.c_str());
+    s += line;
+  }
+  return s;
+}
+
+}  // namespace comm
 }  // namespace mk

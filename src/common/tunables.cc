@@ -61,6 +61,9 @@ const std::vector<TunableDef> kTable = {
      "-1 for ring attention only", -1},
     {"ring_comm_ctas", "MK_RING_COMM_CTAS", TunableType::kInt, "4",
      "CTAs of ring attention's persistent grid that forward K/V blocks (the others compute)", 1},
+    {"check_calls", "MK_CHECK_CALLS", TunableType::kInt, "0",
+     "debug: every fused operator's run() agrees on its argument checks across ranks (a host "
+     "collective per call; 0: run() checks locally only)", 0},
 };
 
 struct State {

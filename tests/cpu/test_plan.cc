@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "src/comm/replay.h"
 #include "src/ops/collectives/plan.h"
 #include "tests/common/test_util.h"
 
@@ -61,12 +62,17 @@ float dot(const float* a, const float* b, int64_t k) {
   return s;
 }
 
+// Names for failure messages (the plans' fixed buffer and region ids).
 std::string flag_str(const FlagRef& f) {
-  return std::string(region_name(f.region)) + "[rank " + std::to_string(f.rank) + "][" +
+  static const char* n[] = {"entry", "entry_net", "row_ready", "row_count", "out_row", "net_in", "local", "src_free"};
+  return std::string(f.region < Region::kCount ? n[f.region] : "?") + "[rank " + std::to_string(f.rank) + "][" +
          std::to_string(f.index) + "]";
 }
 std::string ref_str(const BufRef& b) {
-  return std::string(buf_name(b.buf)) + "@rank " + std::to_string(b.rank) + "+" + std::to_string(b.offset);
+  static const char* n[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token",
+                            "a_full_net", "accum_net", "recv_net", "c_ws_net", "token_net"};
+  return std::string(b.buf < Buf::kCount ? n[b.buf] : "?") + "@rank " + std::to_string(b.rank) + "+" +
+         std::to_string(b.offset);
 }
 
 struct Config {
@@ -119,32 +125,20 @@ std::string seed_note(const Config& c) {
          "; MK_TEST_SEED=" + run + " replays it]";
 }
 
-// ---- Static checks: tile orders, hook ranges and the flag accounting of every rank's plan.
+// ---- Static checks: tile orders and hook ranges of every rank's plan, then the flag accounting
+// of the program with the GEMM's tile hooks (comm::check_static).
+std::vector<const comm::RankProgram*> rank_programs(const Plan& p) {
+  std::vector<const comm::RankProgram*> v;
+  for (const auto& rp : p.ranks) v.push_back(&rp);
+  return v;
+}
+
 std::string check_static(const Plan& p) {
   const int W = p.layout.world;
-  const auto& node = p.layout.node_of;
-  auto invalid = [&](const FlagRef& f) {
-    return f.region >= Region::kCount || f.rank < 0 || f.rank >= W || f.index >= p.region_size[int(f.region)];
-  };
-  struct Raises { uint64_t adds = 0, sets = 0, set_value = 0; };
-  std::map<std::pair<int, uint32_t>, Raises> raised;  // (rank, pad index) -> raises per call
-  auto key = [&](const FlagRef& f) { return std::make_pair(f.rank, p.flag_index(f)); };
-  std::string err;
-  auto device = [&](int me, const PlanSignal& s, uint64_t times, const std::string& who) {
-    if (invalid(s.flag)) err = who + ": invalid signal flag " + flag_str(s.flag);
-    else if (p.proxy_region(s.flag.region)) err = who + ": device signal on proxy flag " + flag_str(s.flag);
-    else if (node[s.flag.rank] != node[me]) err = who + ": device signal to another node " + flag_str(s.flag);
-    if (!err.empty()) return;
-    Raises& r = raised[key(s.flag)];
-    if (s.add) r.adds += s.value * times;
-    else r.sets += times, r.set_value = s.value;
-  };
-  auto proxy = [&](const FlagRef& f, const std::string& who) {
-    if (invalid(f)) err = who + ": invalid put flag " + flag_str(f);
-    else if (!p.proxy_region(f.region)) err = who + ": the proxy raises device flag " + flag_str(f);
-    else raised[key(f)].adds += 1;
-  };
-  for (int me = 0; me < W && err.empty(); ++me) {
+  if (int(p.ranks.size()) != W) return "ranks.size() != world";
+  std::vector<comm::ComputeRaise> raises;
+  std::vector<comm::ComputeWait> waits;
+  for (int me = 0; me < W; ++me) {
     const RankPlan& rp = p.ranks[me];
     const std::string rk = "rank " + std::to_string(me);
     std::vector<int> order = rp.tile_order;
@@ -153,254 +147,129 @@ std::string check_static(const Plan& p) {
       if (int(order.size()) != p.tiles_m * p.tiles_n || order[t] != t) return rk + ": tile_order is not a permutation";
     if (int(rp.rows.size()) != p.tiles_m) return rk + ": rows.size() != tiles_m";
     if (p.kind != FusedKind::kAgGemm && int(rp.route.size()) != W) return rk + ": route.size() != world";
-    for (size_t i = 0; i < rp.ops.size() && err.empty(); ++i) {
-      const CommOp& op = rp.ops[i];
-      const std::string who = rk + " op " + std::to_string(i) + " (" + op.what + ")";
-      for (const auto& s : op.signals) device(me, s, 1, who);
-      if (op.kind == CommKind::kNetPut) {
-        if (op.remote_flag.rank != op.peer) err = who + ": remote flag not on the destination rank";
-        if (op.local_flag.region != Region::kCount && op.local_flag.rank != me) err = who + ": local flag elsewhere";
-        proxy(op.remote_flag, who);
-        if (op.local_flag.region != Region::kCount) proxy(op.local_flag, who);
-      }
-    }
-    for (int tm = 0; tm < p.tiles_m && err.empty(); ++tm) {
+    for (int tm = 0; tm < p.tiles_m; ++tm) {
       const RowHooks& h = rp.rows[tm];
       if (h.load_wait0 + h.load_waits > rp.waits.size() || h.store_wait0 + h.store_waits > rp.waits.size() ||
           h.store_sig0 + h.store_sigs > rp.signals.size())
         return rk + ": hook range of tile-row " + std::to_string(tm) + " outside the pools";
+      const std::string who = "tile-row " + std::to_string(tm);
       for (uint32_t i = 0; i < h.store_sigs; ++i)  // raised once by every tile of the row
-        device(me, rp.signals[h.store_sig0 + i], uint64_t(p.tiles_n), rk + " tile-row " + std::to_string(tm));
+        raises.push_back({me, rp.signals[h.store_sig0 + i], uint64_t(p.tiles_n), who});
+      for (uint32_t i = 0; i < h.load_waits; ++i) waits.push_back({me, rp.waits[h.load_wait0 + i], who + " load"});
+      for (uint32_t i = 0; i < h.store_waits; ++i) waits.push_back({me, rp.waits[h.store_wait0 + i], who + " store"});
     }
   }
-  if (!err.empty()) return err;
-  auto check_wait = [&](int me, const PlanWait& w, const std::string& who) {
-    if (invalid(w.flag)) return err = who + ": invalid wait flag " + flag_str(w.flag), false;
-    if (node[w.flag.rank] != node[me]) return err = who + ": waits on another node's flag " + flag_str(w.flag), false;
-    auto it = raised.find(key(w.flag));
-    const std::string f = flag_str(w.flag) + " >= " + std::to_string(w.mul) + "*e";
-    if (it == raised.end()) return err = who + ": waits on " + f + " which nothing raises (deadlock)", false;
-    const Raises& r = it->second;
-    if (r.adds && r.sets) return err = who + ": " + f + " is both set and added", false;
-    if (r.sets) {
-      if (r.sets != 1) return err = who + ": " + f + " is set " + std::to_string(r.sets) + " times per call", false;
-      // A flag set to v * e must be waited as >= v * e: a smaller mul would pass in a later call
-      // before that call's signal (v * e >= mul * e' for e' > e), a larger one never.
-      if (w.mul != r.set_value)
-        return err = who + ": " + f + " but the plan sets it to " + std::to_string(r.set_value) + "*e", false;
-    } else if (r.adds != w.mul) {
-      return err = who + ": waits " + f + " but the plan adds " + std::to_string(r.adds) + " per call", false;
-    }
-    return true;
-  };
-  for (int me = 0; me < W; ++me) {
-    const RankPlan& rp = p.ranks[me];
-    // Flags this rank's own ops raise (device signals, and its puts' local completions), by the
-    // last op index that raises each: with one comm CTA the ops run strictly in list order, and a
-    // wait's count needs every raise of the call, so an op waiting for a raise by itself or a
-    // later op of its own list deadlocks.
-    std::map<std::pair<int, uint32_t>, size_t> last_raise;
-    for (size_t i = 0; i < rp.ops.size(); ++i) {
-      const CommOp& op = rp.ops[i];
-      for (const auto& s : op.signals) last_raise[key(s.flag)] = i;
-      if (op.kind == CommKind::kNetPut && op.local_flag.region != Region::kCount) last_raise[key(op.local_flag)] = i;
-    }
-    for (size_t i = 0; i < rp.ops.size(); ++i)
-      for (const auto& w : rp.ops[i].waits) {
-        const std::string who = "rank " + std::to_string(me) + " op " + std::to_string(i) + " (" + rp.ops[i].what + ")";
-        if (!check_wait(me, w, who)) return err;
-        auto it = last_raise.find(key(w.flag));
-        if (it != last_raise.end() && it->second >= i)
-          return who + ": waits on " + flag_str(w.flag) + " which op " + std::to_string(it->second) + " (" +
-                 rp.ops[it->second].what + ") of its own list raises (deadlock with one comm CTA)";
-      }
-    for (int tm = 0; tm < p.tiles_m; ++tm) {
-      const RowHooks& h = rp.rows[tm];
-      const std::string who = "rank " + std::to_string(me) + " tile-row " + std::to_string(tm);
-      for (uint32_t i = 0; i < h.load_waits; ++i)
-        if (!check_wait(me, rp.waits[h.load_wait0 + i], who + " load")) return err;
-      for (uint32_t i = 0; i < h.store_waits; ++i)
-        if (!check_wait(me, rp.waits[h.store_wait0 + i], who + " store")) return err;
-    }
-  }
-  return "";
+  return comm::check_static(p, rank_programs(p), raises, waits);
 }
 
-// ---- The replay engine.
-class Replay {
+// ---- The GEMM's side in the replay: tiles in the plan's order, each loaded (AG: after its
+// row's chunks arrived, reading the gathered A then) and stored (RS/AR: after its store waits,
+// adding or storing fp32 along the route, then raising the row's signals).
+class GemmCompute : public comm::ReplayCompute {
  public:
-  Replay(const Plan& p, const Config& c)
-      : p_(p), rng_(c.seed), W_(p.layout.world), M_(p.shape.M), N_(p.shape.N), K_(p.shape.K), Ms_(p.shard_rows) {
+  explicit GemmCompute(const Plan& p)
+      : p_(p), W_(p.layout.world), M_(p.shape.M), N_(p.shape.N), K_(p.shape.K), Ms_(p.shard_rows) {
     ag_ = p.kind == FusedKind::kAgGemm;
-    ranks_.resize(W_);
-    for (int r = 0; r < W_; ++r) {
-      RankState& s = ranks_[r];
-      for (int b = 0; b < int(Buf::kCount); ++b) s.mem[b].assign(buf_size(Buf(b)), 0);
-      s.flags.assign(p.pad_flags, 0);
-      s.comm.assign(c.comm_slots, -1);
-      s.tiles.resize(c.tile_slots);
-    }
+    acc_.resize(W_);
+    ag_c_.resize(W_);
   }
-  bool run();
-  const std::string& error() const { return err_; }
+  size_t units(int rank) const override { return p_.ranks[rank].tile_order.size(); }
+  int phases(int, size_t) const override { return 2; }
+  std::vector<PlanWait> waits(int rank, size_t unit, int phase) const override {
+    const RankPlan& rp = p_.ranks[rank];
+    const RowHooks& h = rp.rows[rp.tile_order[unit] % p_.tiles_m];
+    const uint32_t w0 = phase == 0 ? h.load_wait0 : h.store_wait0, n = phase == 0 ? h.load_waits : h.store_waits;
+    return std::vector<PlanWait>(rp.waits.begin() + w0, rp.waits.begin() + w0 + n);
+  }
+  bool run(comm::Replay& r, int rank, size_t unit, int phase) override {
+    return phase == 0 ? load_tile(r, rank, unit) : store_tile(r, rank, unit);
+  }
+  void start_call(comm::Replay& r, int me, int epoch) override;
+  bool finish_call(comm::Replay& r, int me, int epoch) override;
+  std::string unit_name(int rank, size_t unit) const override {
+    const int id = p_.ranks[rank].tile_order[unit];
+    return "tile (" + std::to_string(id % p_.tiles_m) + ", " + std::to_string(id / p_.tiles_m) + ")";
+  }
 
  private:
-  struct TileSlot {
-    int idx = -1;  // position in tile_order; -1: free
-    bool loaded = false;
-    std::vector<float> acc;  // the tile's fp32 values after the main loop
-  };
-  struct RankState {
-    std::array<std::vector<uint8_t>, int(Buf::kCount)> mem;
-    std::vector<uint64_t> flags;
-    std::vector<uint16_t> ag_c;  // AG: the caller's C [M, N] (written by the GEMM directly)
-    int epoch = 0;
-    unsigned speed = 1;  // scheduling weight of this call: fast ranks run ahead into their next
-    // Weights of this rank's comm slots, tiles and proxy within the call (slow proxy, slow GEMM,
-    // ...), drawn per call, so that races between them show up under some seed.
-    unsigned w_comm = 1, w_tile = 1, w_net = 1;
-    bool active = false;
-    size_t next_op = 0, ops_done = 0, next_tile = 0, tiles_done = 0;
-    std::vector<int> comm;      // op held by each comm slot; -1: free
-    std::vector<TileSlot> tiles;
-    std::deque<int> in_flight;  // issued puts (op indices), delivered in order
-  };
   struct CallData {                            // inputs and reference of one call, all ranks
     std::vector<std::vector<float>> a, b;      // A (AG: shard [Ms, K]; RS/AR: [M, K]), B [N, K]
     std::vector<std::vector<float>> prod;      // RS/AR: A·Bᵀ [M, N]
     std::vector<float> sum;                    // RS/AR: Σ over ranks
   };
-  enum class UnitKind { kComm, kTile, kDeliver };
-  struct Unit { UnitKind kind; int rank, slot; };
-
-  uint64_t buf_size(Buf b) const {
-    if (b == Buf::kUserA) return ag_ ? uint64_t(Ms_ * K_ * 2) : 0;
-    if (b == Buf::kUserC) return ag_ ? 0 : uint64_t((p_.kind == FusedKind::kGemmRs ? Ms_ : M_) * N_ * 2);
-    return p_.buf_bytes[int(b)];
-  }
-  bool fail(const std::string& m) {
-    if (err_.empty()) err_ = ctx_ + ": " + m;
-    return false;
-  }
-  // Bytes [offset, offset + bytes) of a buffer, as rank `me` may reach them (net: via the proxy).
-  uint8_t* mem(int me, const BufRef& b, uint64_t bytes, bool net) {
-    if (b.buf >= Buf::kCount || b.rank < 0 || b.rank >= W_) return fail("bad buffer " + ref_str(b)), nullptr;
-    const bool user = b.buf == Buf::kUserA || b.buf == Buf::kUserC;
-    if (user && (b.rank != me || net)) return fail("touches the caller's buffer " + ref_str(b)), nullptr;
-    if (is_host_buf(b.buf) && !net && b.rank != me)
-      return fail("device code touches another rank's host mirror " + ref_str(b)), nullptr;
-    if (net && p_.net_staged && !is_host_buf(b.buf))
-      return fail("the proxy touches device buffer " + ref_str(b) + " in a staged plan"), nullptr;
-    if (!net && p_.layout.node_of[b.rank] != p_.layout.node_of[me])
-      return fail("touches " + ref_str(b) + " on another node without the proxy"), nullptr;
-    auto& v = ranks_[b.rank].mem[int(b.buf)];
-    if (b.offset + bytes > v.size())
-      return fail(ref_str(b) + " + " + std::to_string(bytes) + " bytes is past its " + std::to_string(v.size())), nullptr;
-    return v.data() + b.offset;
-  }
-  uint64_t& flag(const FlagRef& f) { return ranks_[f.rank].flags[p_.flag_index(f)]; }
-  bool holds(int me, const PlanWait& w) { return flag(w.flag) >= w.mul * uint64_t(ranks_[me].epoch); }
-  const PlanWait* unmet(int me, const PlanWait* w, size_t n) {
-    for (size_t i = 0; i < n; ++i)
-      if (!holds(me, w[i])) return &w[i];
-    return nullptr;
-  }
-  void raise(int me, const PlanSignal& s) {
-    uint64_t& f = flag(s.flag);
-    f = s.add ? f + s.value : s.value * uint64_t(ranks_[me].epoch);
-  }
-  const RowHooks& hooks(int me, const TileSlot& t) const {
-    return p_.ranks[me].rows[p_.ranks[me].tile_order[t.idx] % p_.tiles_m];
-  }
-  const PlanWait* tile_unmet(int me, const TileSlot& t) {
-    const RowHooks& h = hooks(me, t);
-    const auto& w = p_.ranks[me].waits;
-    return t.loaded ? unmet(me, w.data() + h.store_wait0, h.store_waits) : unmet(me, w.data() + h.load_wait0, h.load_waits);
-  }
-  std::string wait_str(int me, const PlanWait& w) {
-    return flag_str(w.flag) + " = " + std::to_string(flag(w.flag)) + ", needs >= " +
-           std::to_string(w.mul * uint64_t(ranks_[me].epoch)) +
-           (w.peer < 0 ? " (raised by several ranks)" : " (raised by rank " + std::to_string(w.peer) + ")");
-  }
-
   const CallData& call_data(int e);
-  void start_call(int me);
-  bool finish_call(int me);
-  bool exec_op(int me, int slot);
-  bool deliver(int me);
-  bool load_tile(int me, TileSlot& t);
-  bool store_tile(int me, TileSlot& t);
-  std::string deadlock_report();
+  bool load_tile(comm::Replay& r, int me, size_t unit);
+  bool store_tile(comm::Replay& r, int me, size_t unit);
 
   const Plan& p_;
-  std::mt19937_64 rng_;
   const int W_;
   const int64_t M_, N_, K_, Ms_;
   bool ag_ = false;
-  std::vector<RankState> ranks_;
   std::map<int, CallData> calls_;
-  std::string err_, ctx_;
+  std::vector<std::map<size_t, std::vector<float>>> acc_;  // [rank] unit -> the tile's fp32 values
+  std::vector<std::vector<uint16_t>> ag_c_;                // AG: the caller's C [M, N] (the GEMM writes it)
+  uint64_t data_seed_ = 0;
+  bool seeded_ = false;
+
+ public:
+  void set_seed(uint64_t s) { data_seed_ = s, seeded_ = true; }
 };
 
 // Fresh inputs for call e, drawn independently per rank (even ranks from [-2, 2], odd ones from
 // [-1, 2]), and the fp32 reference, exact since every value is a small integer.
-const Replay::CallData& Replay::call_data(int e) {
+const GemmCompute::CallData& GemmCompute::call_data(int e) {
   auto it = calls_.find(e);
   if (it != calls_.end()) return it->second;
   CallData& d = calls_[e];
-  const int64_t arows = ag_ ? Ms_ : M_;
+  std::mt19937_64 rng(test::mix(data_seed_, uint64_t(e)));
   for (int r = 0; r < W_; ++r) {
-    std::uniform_int_distribution<int> v(-2 + (r & 1), 2);
-    d.a.emplace_back(arows * K_);
-    d.b.emplace_back(N_ * K_);
-    for (auto& x : d.a.back()) x = float(v(rng_));
-    for (auto& x : d.b.back()) x = float(v(rng_));
+    const int lo = r % 2 ? -1 : -2;
+    auto draw = [&](int64_t n) {
+      std::vector<float> v(n);
+      for (auto& x : v) x = float(lo + int(rng() % uint64_t(3 - lo)));
+      return v;
+    };
+    d.a.push_back(draw((ag_ ? Ms_ : M_) * K_));
+    d.b.push_back(draw(N_ * K_));
   }
   if (!ag_) {
     d.sum.assign(M_ * N_, 0.f);
     for (int r = 0; r < W_; ++r) {
-      d.prod.emplace_back(M_ * N_);
+      std::vector<float> pr(M_ * N_);
       for (int64_t m = 0; m < M_; ++m)
-        for (int64_t n = 0; n < N_; ++n) {
-          const float v = dot(&d.a[r][m * K_], &d.b[r][n * K_], K_);
-          d.prod[r][m * N_ + n] = v;
-          d.sum[m * N_ + n] += v;
-        }
+        for (int64_t n = 0; n < N_; ++n) pr[m * N_ + n] = dot(&d.a[r][m * K_], &d.b[r][n * K_], K_);
+      for (int64_t i = 0; i < M_ * N_; ++i) d.sum[i] += pr[i];
+      d.prod.push_back(std::move(pr));
     }
   }
-  int oldest = e;  // drop the calls every rank is done with
-  for (const RankState& s : ranks_) oldest = std::min(oldest, s.epoch);
-  calls_.erase(calls_.begin(), calls_.lower_bound(oldest));
   return d;
 }
 
-void Replay::start_call(int me) {
-  RankState& s = ranks_[me];
-  ++s.epoch;
-  s.active = true;
-  s.speed = 1u << (2 * (rng_() % 3));  // 1, 4 or 16
-  s.w_comm = 1u << (2 * (rng_() % 3));
-  s.w_tile = 1u << (2 * (rng_() % 3));
-  s.w_net = 1u << (2 * (rng_() % 3));
-  s.next_op = s.ops_done = s.next_tile = s.tiles_done = 0;
-  const CallData& d = call_data(s.epoch);
+void GemmCompute::start_call(comm::Replay& r, int me, int epoch) {
+  if (!seeded_) set_seed(r.rng()());
+  const CallData& d = call_data(epoch);
+  acc_[me].clear();
   if (ag_) {
-    uint16_t* a = reinterpret_cast<uint16_t*>(s.mem[int(Buf::kUserA)].data());
-    for (size_t i = 0; i < d.a[me].size(); ++i) a[i] = to_bf16(d.a[me][i]);
-    s.ag_c.assign(M_ * N_, kPoison);
+    uint8_t* a = r.mem(me, BufRef{Buf::kUserA, me, 0}, d.a[me].size() * 2);
+    for (size_t i = 0; a && i < d.a[me].size(); ++i) {
+      const uint16_t h = to_bf16(d.a[me][i]);
+      memcpy(a + 2 * i, &h, 2);
+    }
+    ag_c_[me].assign(M_ * N_, kPoison);
   } else {
-    auto& c = s.mem[int(Buf::kUserC)];
-    for (size_t i = 0; i < c.size(); i += 2) memcpy(&c[i], &kPoison, 2);
+    const uint64_t bytes = p_.buf_bytes(Buf::kUserC);
+    uint8_t* c = r.mem(me, BufRef{Buf::kUserC, me, 0}, bytes);
+    for (uint64_t i = 0; c && i < bytes; i += 2) memcpy(c + i, &kPoison, 2);
   }
 }
 
-// Checks rank me's output of its current call (exact), then starts its next call.
-bool Replay::finish_call(int me) {
-  RankState& s = ranks_[me];
-  const CallData& d = call_data(s.epoch);
-  ctx_ = "rank " + std::to_string(me) + " call " + std::to_string(s.epoch) + " output";
+// Checks rank me's output of its call (exact).
+bool GemmCompute::finish_call(comm::Replay& r, int me, int epoch) {
+  const CallData& d = call_data(epoch);
   const int64_t rows = p_.kind == FusedKind::kGemmRs ? Ms_ : M_;
   const int64_t row0 = p_.kind == FusedKind::kGemmRs ? me * Ms_ : 0;
+  const uint8_t* c = ag_ ? nullptr : r.mem(me, BufRef{Buf::kUserC, me, 0}, uint64_t(rows * N_ * 2));
+  if (!ag_ && !c) return false;
   int64_t bad = 0;
   std::string first;
   for (int64_t m = 0; m < rows; ++m)
@@ -410,10 +279,10 @@ bool Replay::finish_call(int me) {
       uint16_t got;
       if (ag_) {
         want = dot(&d.a[gm / Ms_][(gm % Ms_) * K_], &d.b[me][n * K_], K_);
-        got = s.ag_c[m * N_ + n];
+        got = ag_c_[me][m * N_ + n];
       } else {
         want = d.sum[gm * N_ + n];
-        memcpy(&got, &s.mem[int(Buf::kUserC)][(m * N_ + n) * 2], 2);
+        memcpy(&got, c + (m * N_ + n) * 2, 2);
       }
       if (got != to_bf16(want) && bad++ == 0) {
         char line[160];
@@ -422,120 +291,22 @@ bool Replay::finish_call(int me) {
         first = line;
       }
     }
-  if (bad) return fail(first + "; " + std::to_string(bad) + " wrong elements");
-  if (s.epoch < kCalls) start_call(me);
-  else s.active = false;
-  return true;
-}
-
-bool Replay::exec_op(int me, int slot) {
-  RankState& s = ranks_[me];
-  const int idx = s.comm[slot];
-  const CommOp& op = p_.ranks[me].ops[idx];
-  ctx_ = "rank " + std::to_string(me) + " call " + std::to_string(s.epoch) + " op " + std::to_string(idx) + " " +
-         comm_kind_name(op.kind) + " (" + op.what + ")";
-  switch (op.kind) {
-    case CommKind::kCopy: {
-      if (op.srcs.size() != 1 || op.dsts.empty()) return fail("a copy needs one source and a destination");
-      const uint8_t* src = mem(me, op.srcs[0], op.bytes, false);
-      if (!src) return false;
-      for (const auto& d : op.dsts) {
-        uint8_t* dst = mem(me, d, op.bytes, false);
-        if (!dst) return false;
-        memmove(dst, src, op.bytes);
-      }
-      break;
-    }
-    case CommKind::kReduce: {
-      if (op.srcs.empty() || op.dsts.empty() || op.srcs.size() > 32 || (op.zero_src_mask >> op.srcs.size()) != 0)
-        return fail("malformed reduce");
-      std::vector<float> sum(op.elems, 0.f), v(op.elems);
-      std::vector<uint8_t*> src;
-      for (const auto& r : op.srcs) {
-        src.push_back(mem(me, r, op.elems * 4, false));
-        if (!src.back()) return false;
-        memcpy(v.data(), src.back(), op.elems * 4);
-        for (uint64_t i = 0; i < op.elems; ++i) sum[i] += v[i];
-      }
-      for (const auto& d : op.dsts) {
-        uint8_t* dst = mem(me, d, op.elems * (op.dst_f32 ? 4 : 2), false);
-        if (!dst) return false;
-        if (op.dst_f32) memcpy(dst, sum.data(), op.elems * 4);
-        else
-          for (uint64_t i = 0; i < op.elems; ++i) {
-            const uint16_t h = to_bf16(sum[i]);
-            memcpy(dst + 2 * i, &h, 2);
-          }
-      }
-      for (size_t i = 0; i < src.size(); ++i)
-        if (op.zero_src_mask >> i & 1) memset(src[i], 0, op.elems * 4);
-      break;
-    }
-    case CommKind::kNetPut:  // handed to the proxy: the bytes are read when it delivers
-      if (op.srcs.size() != 1 || op.dsts.size() != 1 || op.srcs[0].rank != me || op.dsts[0].rank != op.peer ||
-          !op.signals.empty())
-        return fail("malformed put");
-      if (op.stage_src.buf != Buf::kCount) {  // staged: the device fills the host mirror first
-        if (!p_.net_staged || op.stage_src.rank != me || is_host_buf(op.stage_src.buf) ||
-            net_mirror(op.stage_src.buf) != op.srcs[0].buf || op.stage_src.offset != op.srcs[0].offset)
-          return fail("malformed staged put");
-        const uint8_t* from = mem(me, op.stage_src, op.bytes, false);
-        uint8_t* to = mem(me, op.srcs[0], op.bytes, false);
-        if (!from || !to) return false;
-        memmove(to, from, op.bytes);
-      } else if (p_.net_staged) {
-        if (op.srcs[0].buf != Buf::kTokenNet) return fail("a put in a staged plan without staging");
-      }
-      if (!mem(me, op.srcs[0], op.bytes, true) || !mem(me, op.dsts[0], op.bytes, true)) return false;
-      s.in_flight.push_back(idx);
-      break;
-    case CommKind::kSignal:
-      if (!op.srcs.empty() || !op.dsts.empty()) return fail("a signal op with buffers");
-      break;
-    case CommKind::kZero:
-      for (const auto& d : op.dsts) {
-        uint8_t* dst = mem(me, d, op.bytes, false);
-        if (!dst) return false;
-        memset(dst, 0, op.bytes);
-      }
-      break;
-  }
-  for (const auto& sig : op.signals) raise(me, sig);
-  s.comm[slot] = -1;
-  ++s.ops_done;
-  return true;
-}
-
-// The proxy of rank me completes its oldest put: copies the source as it is now, raises the
-// destination's flag and then its own local-completion flag.
-bool Replay::deliver(int me) {
-  RankState& s = ranks_[me];
-  const CommOp& op = p_.ranks[me].ops[s.in_flight.front()];
-  s.in_flight.pop_front();
-  ctx_ = "rank " + std::to_string(me) + " proxy delivering (" + op.what + ")";
-  const uint8_t* src = mem(me, op.srcs[0], op.bytes, true);
-  uint8_t* dst = mem(me, op.dsts[0], op.bytes, true);
-  if (!src || !dst) return false;
-  memmove(dst, src, op.bytes);
-  flag(op.remote_flag) += 1;
-  if (op.local_flag.region != Region::kCount) flag(op.local_flag) += 1;
+  if (bad) return r.fail(first + "; " + std::to_string(bad) + " wrong elements");
   return true;
 }
 
 // The GEMM main loop of a tile: AG reads A's rows from the gathered kAFull now.
-bool Replay::load_tile(int me, TileSlot& t) {
-  const RankState& s = ranks_[me];
-  const int id = p_.ranks[me].tile_order[t.idx], tm = id % p_.tiles_m, tn = id / p_.tiles_m;
+bool GemmCompute::load_tile(comm::Replay& r, int me, size_t unit) {
+  const int id = p_.ranks[me].tile_order[unit], tm = id % p_.tiles_m, tn = id / p_.tiles_m;
   const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M_, r0 + kPlanTileM);
   const int64_t c0 = int64_t(tn) * kPlanTileN, c1 = std::min<int64_t>(N_, c0 + kPlanTileN);
-  ctx_ = "rank " + std::to_string(me) + " call " + std::to_string(s.epoch) + " tile (" + std::to_string(tm) + ", " +
-         std::to_string(tn) + ")";
-  const CallData& d = call_data(s.epoch);
-  t.acc.assign((r1 - r0) * (c1 - c0), 0.f);
+  const CallData& d = call_data(r.epoch(me));
+  std::vector<float>& acc = acc_[me][unit];
+  acc.assign((r1 - r0) * (c1 - c0), 0.f);
   std::vector<float> a(K_);
   for (int64_t m = r0; m < r1; ++m) {
     if (ag_) {
-      const uint8_t* row = mem(me, BufRef{Buf::kAFull, me, uint64_t(m * K_ * 2)}, K_ * 2, false);
+      const uint8_t* row = r.mem(me, BufRef{Buf::kAFull, me, uint64_t(m * K_ * 2)}, K_ * 2);
       if (!row) return false;
       for (int64_t k = 0; k < K_; ++k) {
         uint16_t h;
@@ -544,32 +315,29 @@ bool Replay::load_tile(int me, TileSlot& t) {
       }
     }
     for (int64_t n = c0; n < c1; ++n)
-      t.acc[(m - r0) * (c1 - c0) + (n - c0)] =
-          ag_ ? dot(a.data(), &d.b[me][n * K_], K_) : d.prod[me][m * N_ + n];
+      acc[(m - r0) * (c1 - c0) + (n - c0)] = ag_ ? dot(a.data(), &d.b[me][n * K_], K_) : d.prod[me][m * N_ + n];
   }
-  t.loaded = true;
   return true;
 }
 
 // The epilogue: AG stores bf16 into the caller's C; RS/AR add (or store) fp32 along the route.
-bool Replay::store_tile(int me, TileSlot& t) {
-  RankState& s = ranks_[me];
+bool GemmCompute::store_tile(comm::Replay& r, int me, size_t unit) {
   const RankPlan& rp = p_.ranks[me];
-  const int id = rp.tile_order[t.idx], tm = id % p_.tiles_m, tn = id / p_.tiles_m;
+  const int id = rp.tile_order[unit], tm = id % p_.tiles_m, tn = id / p_.tiles_m;
   const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M_, r0 + kPlanTileM);
   const int64_t c0 = int64_t(tn) * kPlanTileN, c1 = std::min<int64_t>(N_, c0 + kPlanTileN), w = c1 - c0;
-  ctx_ = "rank " + std::to_string(me) + " call " + std::to_string(s.epoch) + " tile (" + std::to_string(tm) + ", " +
-         std::to_string(tn) + ") epilogue";
+  const std::vector<float> acc_all = std::move(acc_[me][unit]);
+  acc_[me].erase(unit);
   for (int64_t m = r0; m < r1; ++m) {
-    const float* acc = &t.acc[(m - r0) * w];
+    const float* acc = &acc_all[(m - r0) * w];
     if (ag_) {
-      for (int64_t n = 0; n < w; ++n) s.ag_c[m * N_ + c0 + n] = to_bf16(acc[n]);
+      for (int64_t n = 0; n < w; ++n) ag_c_[me][m * N_ + c0 + n] = to_bf16(acc[n]);
       continue;
     }
     const int64_t sh = m / Ms_;
     BufRef to = rp.route[sh];
     to.offset += uint64_t(((m - sh * Ms_) * N_ + c0) * 4);
-    uint8_t* dst = mem(me, to, uint64_t(w) * 4, false);
+    uint8_t* dst = r.mem(me, to, uint64_t(w) * 4);
     if (!dst) return false;
     for (int64_t n = 0; n < w; ++n) {
       float v = acc[n];
@@ -582,92 +350,22 @@ bool Replay::store_tile(int me, TileSlot& t) {
     }
   }
   const RowHooks& h = rp.rows[tm];
-  for (uint32_t i = 0; i < h.store_sigs; ++i) raise(me, rp.signals[h.store_sig0 + i]);
-  t.idx = -1;
-  t.loaded = false;
-  ++s.tiles_done;
+  for (uint32_t i = 0; i < h.store_sigs; ++i) r.raise(me, rp.signals[h.store_sig0 + i]);
   return true;
 }
 
-std::string Replay::deadlock_report() {
-  std::ostringstream os;
-  os << "deadlock: no op, tile or put can move\n";
-  for (int r = 0; r < W_; ++r) {
-    RankState& s = ranks_[r];
-    const RankPlan& rp = p_.ranks[r];
-    os << " rank " << r << (s.active ? "" : " (finished)") << ": call " << s.epoch << ", ops " << s.ops_done << "/"
-       << rp.ops.size() << ", tiles " << s.tiles_done << "/" << rp.tile_order.size() << ", puts in flight "
-       << s.in_flight.size() << "\n";
-    for (int idx : s.comm) {
-      if (idx < 0) continue;
-      const CommOp& op = rp.ops[idx];
-      const PlanWait* w = unmet(r, op.waits.data(), op.waits.size());
-      os << "   op " << idx << " " << comm_kind_name(op.kind) << " (" << op.what << ") waits "
-         << (w ? wait_str(r, *w) : "nothing?") << "\n";
-    }
-    for (const TileSlot& t : s.tiles) {
-      if (t.idx < 0) continue;
-      const int id = rp.tile_order[t.idx];
-      const PlanWait* w = tile_unmet(r, t);
-      os << "   tile (" << id % p_.tiles_m << ", " << id / p_.tiles_m << ") " << (t.loaded ? "store" : "load")
-         << " waits " << (w ? wait_str(r, *w) : "nothing?") << "\n";
-    }
-  }
-  return os.str();
-}
+// A plan's replay under a configuration's slots and seed.
+class Replay {
+ public:
+  Replay(const Plan& p, const Config& c)
+      : compute_(p), replay_(p, rank_programs(p), &compute_, comm::ReplayOptions{c.seed, c.comm_slots, c.tile_slots, kCalls}) {}
+  bool run() { return replay_.run(); }
+  const std::string& error() const { return replay_.error(); }
 
-bool Replay::run() {
-  for (int r = 0; r < W_; ++r) start_call(r);
-  std::vector<Unit> units;
-  for (;;) {
-    units.clear();
-    bool busy = false;
-    for (int r = 0; r < W_; ++r) {
-      RankState& s = ranks_[r];
-      const RankPlan& rp = p_.ranks[r];
-      if (!s.in_flight.empty()) units.push_back({UnitKind::kDeliver, r, 0});
-      if (!s.active) continue;
-      busy = true;
-      for (size_t i = 0; i < s.comm.size(); ++i) {
-        if (s.comm[i] < 0 && s.next_op < rp.ops.size()) s.comm[i] = int(s.next_op++);  // take the next op
-        if (s.comm[i] >= 0 && !unmet(r, rp.ops[s.comm[i]].waits.data(), rp.ops[s.comm[i]].waits.size()))
-          units.push_back({UnitKind::kComm, r, int(i)});
-      }
-      for (size_t i = 0; i < s.tiles.size(); ++i) {
-        TileSlot& t = s.tiles[i];
-        if (t.idx < 0 && s.next_tile < rp.tile_order.size()) t.idx = int(s.next_tile++);
-        if (t.idx >= 0 && !tile_unmet(r, t)) units.push_back({UnitKind::kTile, r, int(i)});
-      }
-    }
-    if (units.empty()) return busy ? (ctx_ = "replay", fail(deadlock_report())) : true;
-    uint64_t total = 0;  // a random unit, weighted by its rank's speed and its kind's weight
-    auto weight = [&](const Unit& x) -> uint64_t {
-      const RankState& r = ranks_[x.rank];
-      return uint64_t(r.speed) *
-             (x.kind == UnitKind::kComm ? r.w_comm : x.kind == UnitKind::kTile ? r.w_tile : r.w_net);
-    };
-    for (const Unit& x : units) total += weight(x);
-    uint64_t pick = rng_() % total;
-    size_t i = 0;
-    while (pick >= weight(units[i])) pick -= weight(units[i++]);
-    const Unit u = units[i];
-    RankState& s = ranks_[u.rank];
-    bool ok = true;
-    switch (u.kind) {
-      case UnitKind::kDeliver: ok = deliver(u.rank); break;
-      case UnitKind::kComm: ok = exec_op(u.rank, u.slot); break;
-      case UnitKind::kTile: {
-        TileSlot& t = s.tiles[u.slot];
-        ok = t.loaded ? store_tile(u.rank, t) : load_tile(u.rank, t);
-        break;
-      }
-    }
-    if (!ok) return false;
-    if (u.kind != UnitKind::kDeliver && s.ops_done == p_.ranks[u.rank].ops.size() &&
-        s.tiles_done == p_.ranks[u.rank].tile_order.size() && !finish_call(u.rank))
-      return false;
-  }
-}
+ private:
+  GemmCompute compute_;
+  comm::Replay replay_;
+};
 
 // ---- The sweep.
 std::vector<Config> sweep() {
@@ -797,7 +495,7 @@ std::vector<Config> mutation_bases() {
 
 std::string op_site(const Plan& p, int r, size_t i) {
   const CommOp& op = p.ranks[r].ops[i];
-  return "rank " + std::to_string(r) + " op " + std::to_string(i) + " " + comm_kind_name(op.kind) + " (" + op.what + ")";
+  return "rank " + std::to_string(r) + " op " + std::to_string(i) + " " + comm::op_kind_name(op.kind) + " (" + op.what + ")";
 }
 std::string wait_desc(const PlanWait& w) { return flag_str(w.flag) + " >= " + std::to_string(w.mul) + "*e"; }
 std::string signal_desc(const PlanSignal& s) {
@@ -843,7 +541,7 @@ void drop_hook(std::vector<T>& pool, RowHooks& h, uint32_t RowHooks::*first, uin
 //    partial, so its kSrcFree wait is dropped and caught. The same reuse waits are built by the
 //    same code for reduce-scatter, where nothing else orders them: dropped and caught there.
 bool implied_wait(const Plan& p, const PlanWait& w, const CommOp* op) {
-  const Region r = w.flag.region;
+  const RegionId r = w.flag.region;
   if (p.net_staged && r == Region::kSrcFree) return true;
   const bool reuse = r == Region::kEntry || r == Region::kEntryNet || r == Region::kSrcFree;
   return p.kind == FusedKind::kGemmAr && reuse && !(op && op->kind == CommKind::kZero);
@@ -932,7 +630,7 @@ std::vector<Mutant> drop_signal_mutants(const Plan& p) {
         if (guards(rp.ops[i].signals[j]))
           out.push_back({op_site(p, r, i) + ": drop signal " + signal_desc(rp.ops[i].signals[j]),
                        [=](Plan& m) { auto& v = m.ranks[r].ops[i].signals; v.erase(v.begin() + j); }});
-      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != Region::kCount)
+      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != comm::kNoRegion)
         out.push_back({op_site(p, r, i) + ": drop local completion " + flag_str(rp.ops[i].local_flag),
                        [=](Plan& m) { m.ranks[r].ops[i].local_flag = FlagRef{}; }});
     }
@@ -960,7 +658,7 @@ std::vector<Mutant> swap_mutants(const Plan& p) {
     for (size_t i = 0; i < rp.ops.size(); ++i) {
       std::vector<FlagRef> raised;
       for (const auto& s : rp.ops[i].signals) raised.push_back(s.flag);
-      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != Region::kCount)
+      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != comm::kNoRegion)
         raised.push_back(rp.ops[i].local_flag);
       for (size_t j = i + 1; j < rp.ops.size(); ++j) {
         bool dep = false;
@@ -1007,7 +705,7 @@ std::vector<Mutant> shorten_mutants(const Plan& p) {
 std::vector<Mutant> offset_mutants(const Plan& p) {
   std::vector<Mutant> out;
   auto shift = [&p](const BufRef& b, uint64_t len) -> int64_t {
-    const uint64_t size = p.buf_bytes[int(b.buf)];
+    const uint64_t size = p.buf_bytes(b.buf);
     if (b.buf == Buf::kUserA || b.buf == Buf::kUserC || b.offset + len + 16 <= size) return 16;
     return b.offset >= 16 ? -16 : 16;
   };

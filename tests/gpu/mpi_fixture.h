@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -29,7 +30,17 @@ inline std::unique_ptr<Communicator>& shared_comm_slot() {
   }();
   return comm;
 }
-inline Communicator* shared_comm() { return shared_comm_slot().get(); }
+// The binary's communicator; a binary whose communicator could not be created stops here, loudly
+// (its tests cannot run), instead of handing a null pointer to the tests.
+inline Communicator* shared_comm() {
+  Communicator* c = shared_comm_slot().get();
+  if (!c) {
+    fprintf(stderr, "test harness: no communicator (see the error above); stopping\n");
+    fflush(stderr);
+    std::abort();
+  }
+  return c;
+}
 
 // After enqueueing a call whose peer `silent` stopped taking part: the sync must fail with a
 // bounded-wait timeout that names that rank and the operator.

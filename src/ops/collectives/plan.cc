@@ -19,40 +19,27 @@ const char* fused_kind_name(FusedKind k) {
   }
   return "?";
 }
-const char* buf_name(Buf b) {
-  static const char* n[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token",
-                            "a_full_net", "accum_net", "recv_net", "c_ws_net", "token_net", "?"};
-  return n[std::min(int(b), int(Buf::kCount))];
-}
-Buf net_mirror(Buf b) {
+BufId net_mirror(BufId b) {
   switch (b) {
     case Buf::kAFull: return Buf::kAFullNet;
     case Buf::kAccum: return Buf::kAccumNet;
     case Buf::kRecv: return Buf::kRecvNet;
     case Buf::kCws: return Buf::kCwsNet;
     case Buf::kToken: return Buf::kTokenNet;
-    default: return Buf::kCount;
+    default: return comm::kNoBuf;
   }
 }
-bool is_host_buf(Buf b) { return b >= Buf::kAFullNet && b < Buf::kCount; }
-const char* region_name(Region r) {
-  static const char* n[] = {"entry", "entry_net", "row_ready", "row_count", "out_row", "net_in", "local", "src_free", "?"};
-  return n[std::min(int(r), int(Region::kCount))];
-}
-const char* comm_kind_name(CommKind k) {
-  static const char* n[] = {"copy", "reduce", "net_put", "signal", "zero"};
-  return int(k) < 5 ? n[int(k)] : "?";
-}
+bool is_host_buf(BufId b) { return b >= Buf::kAFullNet && b < Buf::kCount; }
 
 namespace {
 
-FlagRef flag(Region r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
-PlanWait wait_on(Region r, int rank, uint32_t index, uint64_t mul, int peer) {
+FlagRef flag(RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
+PlanWait wait_on(RegionId r, int rank, uint32_t index, uint64_t mul, int peer) {
   return PlanWait{flag(r, rank, index), mul, peer};
 }
-PlanSignal set_epoch(Region r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, false}; }
-PlanSignal add_one(Region r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, true}; }
-BufRef ref(Buf b, int rank, uint64_t off) { return BufRef{b, rank, off}; }
+PlanSignal set_epoch(RegionId r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, false}; }
+PlanSignal add_one(RegionId r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, true}; }
+BufRef ref(BufId b, int rank, uint64_t off) { return BufRef{b, rank, off}; }
 
 struct Builder {
   Plan& p;
@@ -132,7 +119,7 @@ struct Builder {
     for (int q : remote_twins(me)) {
       CommOp op;
       op.kind = CommKind::kNetPut;
-      const Buf tok = p.net_staged ? Buf::kTokenNet : Buf::kToken;
+      const BufId tok = p.net_staged ? Buf::kTokenNet : Buf::kToken;
       op.srcs = {ref(tok, me, 8ull * me)};
       op.dsts = {ref(tok, q, 8ull * me)};
       op.bytes = 8;
@@ -153,7 +140,7 @@ struct Builder {
 
   // My chunk c of `buf` (final once kLocal[c] is set) to my twin q on another node, once q
   // entered the call, raising q's kNetIn[net_index]; its source is free at kSrcFree[c].
-  CommOp twin_put(int me, int q, int c, Buf buf, uint64_t row_bytes, uint32_t net_index, const char* what) {
+  CommOp twin_put(int me, int q, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, const char* what) {
     const Chunk& ch = p.chunks[c];
     CommOp op;
     op.kind = CommKind::kNetPut;
@@ -173,7 +160,7 @@ struct Builder {
   // Chunk c of twin s's rows arrived here over the network (flag kNetIn[net_index]): forward it
   // into the node peers' copies of `buf` and count it in `ready`'s tile-row on every rank of
   // the node (a signal-only op when this rank is alone on its node).
-  CommOp forward_op(int me, int s, int c, Buf buf, uint64_t row_bytes, uint32_t net_index, Region ready,
+  CommOp forward_op(int me, int s, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, RegionId ready,
                     const char* what) const {
     const Chunk& ch = p.chunks[c];
     CommOp op;
@@ -460,39 +447,57 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
   }
   const int nodes = layout.nodes();
   const uint32_t nch = uint32_t(p.chunks.size());
-  auto& bb = p.buf_bytes;
-  bb[int(Buf::kToken)] = 8ull * W;
+  std::vector<uint64_t> bb(Buf::kCount, 0);
+  bb[Buf::kToken] = 8ull * W;
+  // The caller's tensors (bound per call; their sizes bound the program's offsets).
+  if (kind == FusedKind::kAgGemm) bb[Buf::kUserA] = uint64_t(b.Ms) * K * 2;
+  else bb[Buf::kUserC] = uint64_t(kind == FusedKind::kGemmRs ? b.Ms : M) * N * 2;
   if (kind == FusedKind::kAgGemm) {
-    bb[int(Buf::kAFull)] = uint64_t(M) * K * 2;
+    bb[Buf::kAFull] = uint64_t(M) * K * 2;
   } else {
     const int slots = p.deterministic ? local : 1;
-    bb[int(Buf::kAccum)] = uint64_t(slots) * nodes * b.Ms * N * 4;
-    if (nodes > 1) bb[int(Buf::kRecv)] = uint64_t(nodes) * b.Ms * N * 4;
-    if (kind == FusedKind::kGemmAr) bb[int(Buf::kCws)] = uint64_t(M) * N * 2;
+    bb[Buf::kAccum] = uint64_t(slots) * nodes * b.Ms * N * 4;
+    if (nodes > 1) bb[Buf::kRecv] = uint64_t(nodes) * b.Ms * N * 4;
+    if (kind == FusedKind::kGemmAr) bb[Buf::kCws] = uint64_t(M) * N * 2;
   }
   if (p.net_staged) {
     // Host mirrors of what crosses nodes; the device buffers that only the network wrote are
     // then not needed (kRecv: partials are read from the mirror; kToken: the mirror is sent).
-    for (Buf b : {Buf::kAFull, Buf::kAccum, Buf::kRecv, Buf::kCws, Buf::kToken})
-      bb[int(net_mirror(b))] = bb[int(b)];
-    bb[int(Buf::kRecv)] = 0;
-    bb[int(Buf::kToken)] = 0;
+    for (BufId m : {Buf::kAFull, Buf::kAccum, Buf::kRecv, Buf::kCws, Buf::kToken}) bb[net_mirror(m)] = bb[m];
+    bb[Buf::kRecv] = 0;
+    bb[Buf::kToken] = 0;
   }
-  auto& rs = p.region_size;
-  rs[int(Region::kEntry)] = W;
-  rs[int(Region::kEntryNet)] = W;
-  rs[int(Region::kRowReady)] = p.tiles_m;
-  rs[int(Region::kRowCount)] = p.tiles_m;
-  rs[int(Region::kOutRow)] = p.tiles_m;
-  rs[int(Region::kNetIn)] = nch * uint32_t(nodes + 1);
-  rs[int(Region::kLocal)] = nch;
-  rs[int(Region::kSrcFree)] = nch;
-  uint32_t off = 0;
-  for (int r = 0; r < int(Region::kCount); ++r) {
-    p.region_offset[r] = off;
-    off += rs[r];
+  // Declarations, in the order of the Buf and Region ids.
+  static const char* kBufNames[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token",
+                                    "a_full_net", "accum_net", "recv_net", "c_ws_net", "token_net"};
+  for (BufId id = 0; id < Buf::kCount; ++id) {
+    comm::BufDecl d;
+    d.name = kBufNames[id];
+    d.rank_token = id == Buf::kToken || id == Buf::kTokenNet;
+    d.bytes = bb[id];
+    if (id == Buf::kUserA || id == Buf::kUserC) {
+      d.space = comm::Space::kUser;
+      d.user_slot = id == Buf::kUserA ? 0 : 1;
+    } else if (is_host_buf(id)) {
+      d.space = comm::Space::kHost;
+      for (BufId m : {Buf::kAFull, Buf::kAccum, Buf::kRecv, Buf::kCws, Buf::kToken})
+        if (net_mirror(m) == id) d.mirror_of = m;
+      d.network = true;
+    } else {
+      // Direct (unstaged) plans on several nodes register the buffers that cross nodes.
+      d.network = nodes > 1 && !p.net_staged;
+    }
+    p.add_buf(d);
   }
-  p.pad_flags = off;
+  p.add_region("entry", W, false);
+  p.add_region("entry_net", W, true);
+  p.add_region("row_ready", p.tiles_m, false);
+  p.add_region("row_count", p.tiles_m, false);
+  p.add_region("out_row", p.tiles_m, false);
+  p.add_region("net_in", nch * uint32_t(nodes + 1), true);
+  p.add_region("local", nch, false);
+  p.add_region("src_free", nch, true);
+  p.place_regions();
   p.ranks.resize(W);
   for (int me = 0; me < W; ++me) {
     p.ranks[me].rank = me;
@@ -505,20 +510,12 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
 }
 
 std::string describe(const Plan& p, int rank) {
-  std::string s;
   char line[256];
   const RankPlan& rp = p.ranks[rank];
   snprintf(line, sizeof line, "%s rank %d: M %lld N %lld K %lld, %d x %d tiles, %zu chunks, %zu ops\n",
            fused_kind_name(p.kind), rank, (long long)p.shape.M, (long long)p.shape.N, (long long)p.shape.K,
            p.tiles_m, p.tiles_n, p.chunks.size(), rp.ops.size());
-  s += line;
-  for (size_t i = 0; i < rp.ops.size(); ++i) {
-    const CommOp& op = rp.ops[i];
-    snprintf(line, sizeof line, "  %3zu %-7s waits %zu signals %zu: %s\n", i, comm_kind_name(op.kind),
-             op.waits.size(), op.signals.size(), op.what.c_str());
-    s += line;
-  }
-  return s;
+  return line + comm::describe(rp);
 }
 
 }  // namespace ops

@@ -21,6 +21,8 @@
 namespace mk {
 namespace ops {
 
+using PlanLayout = comm::Layout;
+
 enum class BlockMask : int {
   kFull = 0,      // every key of the key chunk is visible to every query of the query chunk
   kCausal = 1,    // same chunk: key j visible to query i iff j <= i

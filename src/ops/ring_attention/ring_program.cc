@@ -1,0 +1,246 @@
+// Ring attention's communication program (see src/ops/ring_attention/ring_program.h).
+#include "src/ops/ring_attention/ring_program.h"
+
+#include <algorithm>
+#include <string>
+
+#include "mkernel/common/check.h"
+
+namespace mk {
+namespace ops {
+
+namespace {
+
+using comm::BufId;
+using comm::BufRef;
+using comm::FlagRef;
+using comm::Op;
+using comm::OpKind;
+using comm::Signal;
+using comm::Wait;
+
+FlagRef flag(comm::RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
+Wait wait_on(comm::RegionId r, int rank, uint32_t index, uint64_t mul, int peer) {
+  return Wait{flag(r, rank, index), mul, peer};
+}
+Signal add(comm::RegionId r, int rank, uint32_t index, uint64_t value = 1) {
+  return Signal{flag(r, rank, index), value, true};
+}
+
+struct Builder {
+  RingProgram& p;
+  const RingPlan& plan;
+  const RingGeometry& g;
+  uint64_t slot_bytes;  // one rank's block: B * S_l * row_bytes
+
+  BufId slots(int kv) const { return kv ? RingBuf::kSlotsV : RingBuf::kSlotsK; }
+  BufId mirror(int kv) const { return kv ? RingBuf::kSlotsVNet : RingBuf::kSlotsKNet; }
+  uint64_t rows_of(int pc) const { return uint64_t(std::min<int64_t>(g.chunk_tokens, g.S_l - int64_t(pc) * g.chunk_tokens)); }
+  uint64_t in_block(int b, int pc) const { return uint64_t((int64_t(b) * g.S_l + int64_t(pc) * g.chunk_tokens) * g.row_bytes); }
+  std::string piece_name(int blk, int b, int pc, int kv) const {
+    return std::string(kv ? "V" : "K") + " of block " + std::to_string(blk) + " batch " + std::to_string(b) +
+           " piece " + std::to_string(pc);
+  }
+
+  // A piece of block blk arrived over the network from `prev` (arrived_net): into the slot
+  // (staged: from the host mirror) and count it in `arrived`, which the kernel and the
+  // forwarding wait on.
+  void relay(RingRank& rp, int me, int prev, int blk, int b, int pc) {
+    const uint32_t a = p.arrived_index(blk, b, pc);
+    const uint64_t off = uint64_t(blk) * slot_bytes + in_block(b, pc);
+    if (!p.net_staged) {
+      Op op;
+      op.kind = OpKind::kSignal;
+      op.waits = {wait_on(RingRegion::kArrivedNet, me, a, 2, prev)};
+      op.signals = {add(RingRegion::kArrived, me, a, 2)};
+      op.what = "relay " + piece_name(blk, b, pc, 0) + " and V (landed in the slot)";
+      rp.ops.push_back(op);
+      return;
+    }
+    for (int kv = 0; kv < 2; ++kv) {
+      Op op;
+      op.kind = OpKind::kCopy;
+      op.waits = {wait_on(RingRegion::kArrivedNet, me, a, 2, prev)};
+      op.srcs = {BufRef{mirror(kv), me, off}};
+      op.dsts = {BufRef{slots(kv), me, off}};
+      op.bytes = rows_of(pc) * g.row_bytes;
+      op.signals = {add(RingRegion::kArrived, me, a)};
+      op.what = "relay " + piece_name(blk, b, pc, kv) + " from the host mirror into the slot";
+      rp.ops.push_back(op);
+    }
+  }
+
+  void build(int me) {
+    RingRank& rp = p.ranks[me];
+    rp.rank = me;
+    const int W = plan.world;
+    rp.step_wait0.assign(W, 0);
+    rp.step_waits.assign(W, 0);
+    if (W == 1) return;
+    const auto& steps = plan.steps[me];
+    const int next = steps[0].send_to, prev = steps[0].recv_from;
+    const bool next_remote = p.layout.node_of[next] != p.layout.node_of[me];
+    const bool prev_remote = p.layout.node_of[prev] != p.layout.node_of[me];
+    uint64_t net_puts = 0;
+    // Entry: tell the previous rank that this rank's slots are free for this call (its call
+    // started, so its previous call ended: stream order).
+    {
+      Op op;
+      if (prev_remote) {
+        const BufId tok = p.net_staged ? RingBuf::kTokenNet : RingBuf::kToken;
+        op.kind = OpKind::kNetPut;
+        op.srcs = {BufRef{tok, me, 8ull * me}};
+        op.dsts = {BufRef{tok, prev, 8ull * me}};
+        op.bytes = 8;
+        op.peer = prev;
+        op.remote_flag = flag(RingRegion::kEntryNet, prev, 0);
+        op.local_flag = flag(RingRegion::kSrcFree, me, 0);
+        ++net_puts;
+        op.what = "entry signal to rank " + std::to_string(prev) + " (network)";
+      } else {
+        op.kind = OpKind::kSignal;
+        op.signals = {add(RingRegion::kEntry, prev, 0)};
+        op.what = "entry signal to rank " + std::to_string(prev);
+      }
+      rp.ops.push_back(op);
+    }
+    const comm::RegionId entry = next_remote ? RingRegion::kEntryNet : RingRegion::kEntry;
+    for (int t = 0; t + 1 < W; ++t) {
+      const int blk = steps[t].kv_rank;
+      for (int b = 0; b < g.B; ++b)
+        for (int pc = 0; pc < g.pieces; ++pc) {
+          const uint64_t bytes = rows_of(pc) * g.row_bytes;
+          const uint64_t off = uint64_t(blk) * slot_bytes + in_block(b, pc);
+          const uint32_t a = p.arrived_index(blk, b, pc);
+          if (t >= 1 && prev_remote) relay(rp, me, prev, blk, b, pc);
+          if (t == 0 && next_remote)
+            // The own block goes out over the network from the slot (a registered buffer, or the
+            // source of the staging copy): into the own slot first.
+            for (int kv = 0; kv < 2; ++kv) {
+              Op op;
+              op.kind = OpKind::kCopy;
+              op.srcs = {BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}};
+              op.dsts = {BufRef{slots(kv), me, off}};
+              op.bytes = bytes;
+              op.signals = {add(RingRegion::kArrived, me, a)};
+              op.what = "own " + piece_name(blk, b, pc, kv) + " into the own slot";
+              rp.ops.push_back(op);
+            }
+          for (int kv = 0; kv < 2; ++kv) {
+            Op op;
+            op.waits = {wait_on(entry, me, 0, 1, next)};
+            if (t > 0 || next_remote) op.waits.push_back(wait_on(RingRegion::kArrived, me, a, 2, t > 0 ? prev : me));
+            op.bytes = bytes;
+            if (next_remote) {
+              op.kind = OpKind::kNetPut;
+              op.srcs = {BufRef{slots(kv), me, off}};
+              op.dsts = {BufRef{slots(kv), next, off}};
+              if (p.net_staged) {
+                // The slot's bytes go out from its host mirror: the CTA copies them there first.
+                op.stage_src = op.srcs[0];
+                op.srcs[0].buf = mirror(kv);
+                op.dsts[0].buf = mirror(kv);
+              }
+              op.peer = next;
+              op.remote_flag = flag(RingRegion::kArrivedNet, next, a);
+              op.local_flag = flag(RingRegion::kSrcFree, me, 0);
+              ++net_puts;
+              op.what = piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next) + " (network)";
+            } else {
+              op.kind = OpKind::kCopy;
+              op.srcs = {t == 0 ? BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}
+                                : BufRef{slots(kv), me, off}};
+              op.dsts = {BufRef{slots(kv), next, off}};
+              op.signals = {add(RingRegion::kArrived, next, a)};
+              op.what = piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next);
+            }
+            rp.ops.push_back(op);
+          }
+        }
+    }
+    if (prev_remote)
+      for (int b = 0; b < g.B; ++b)
+        for (int pc = 0; pc < g.pieces; ++pc) relay(rp, me, prev, steps[W - 1].kv_rank, b, pc);
+    // A call ends only once every block meant for this rank is in its slot (also those no query
+    // needs and the last one, which is not forwarded): no write of this call can land during the
+    // next one.
+    {
+      Op op;
+      op.kind = OpKind::kSignal;
+      for (int t = 1; t < W; ++t)
+        for (int b = 0; b < g.B; ++b)
+          for (int pc = 0; pc < g.pieces; ++pc)
+            op.waits.push_back(wait_on(RingRegion::kArrived, me, p.arrived_index(steps[t].kv_rank, b, pc), 2, prev));
+      op.what = "every block of the call arrived";
+      rp.ops.push_back(op);
+    }
+    if (net_puts) {
+      // A call never ends while the proxy still reads this call's sources.
+      Op op;
+      op.kind = OpKind::kSignal;
+      op.waits = {wait_on(RingRegion::kSrcFree, me, 0, net_puts, me)};
+      op.what = "the proxy finished reading this call's sources";
+      rp.ops.push_back(op);
+    }
+    // The kernel's waits: step t reads block steps[t].kv_rank once every piece of it arrived.
+    for (int t = 1; t < W; ++t) {
+      rp.step_wait0[t] = uint32_t(rp.waits.size());
+      for (int b = 0; b < g.B; ++b)
+        for (int pc = 0; pc < g.pieces; ++pc)
+          rp.waits.push_back(wait_on(RingRegion::kArrived, me, p.arrived_index(steps[t].kv_rank, b, pc), 2, prev));
+      rp.step_waits[t] = uint32_t(rp.waits.size()) - rp.step_wait0[t];
+    }
+  }
+};
+
+}  // namespace
+
+Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, const RingGeometry& g, bool staged,
+                          RingProgram* out) {
+  const int W = plan.world;
+  MK_REQUIRE(layout.world == W && g.B >= 1 && g.S_l >= 1 && g.row_bytes > 0 && g.row_bytes % 16 == 0 &&
+                 g.chunk_tokens >= 1 && g.pieces == int((g.S_l + g.chunk_tokens - 1) / g.chunk_tokens),
+             Code::kInvalidArgument, "ring_attention: bad ring geometry");
+  RingProgram& p = *out;
+  p = RingProgram{};
+  p.layout = layout;
+  p.geo = g;
+  p.net_staged = staged && layout.nodes() > 1;
+  const bool net = layout.nodes() > 1;
+  const uint64_t block = uint64_t(g.B) * uint64_t(g.S_l) * uint64_t(g.row_bytes);
+  auto buf = [&](const char* name, uint64_t bytes, comm::Space space, bool network, int user_slot = -1,
+                 BufId mirror_of = comm::kNoBuf, bool token = false) {
+    comm::BufDecl d;
+    d.name = name;
+    d.bytes = bytes;
+    d.space = space;
+    d.network = network;
+    d.user_slot = user_slot;
+    d.mirror_of = mirror_of;
+    d.rank_token = token;
+    p.add_buf(d);
+  };
+  const bool direct = net && !p.net_staged;
+  buf("user_k", block, comm::Space::kUser, false, 0);
+  buf("user_v", block, comm::Space::kUser, false, 1);
+  buf("slots_k", uint64_t(W) * block, comm::Space::kSymmetric, direct);
+  buf("slots_v", uint64_t(W) * block, comm::Space::kSymmetric, direct);
+  buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, -1, comm::kNoBuf, true);
+  buf("slots_k_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsK);
+  buf("slots_v_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsV);
+  buf("token_net", p.net_staged ? 8ull * W : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kToken, true);
+  const uint32_t arrivals = uint32_t(W * g.B * g.pieces);
+  p.add_region("arrived", arrivals, false);
+  p.add_region("arrived_net", arrivals, true);
+  p.add_region("entry", 1, false);
+  p.add_region("entry_net", 1, true);
+  p.add_region("src_free", 1, true);
+  p.place_regions();
+  p.ranks.resize(W);
+  Builder bld{p, plan, g, block};
+  for (int me = 0; me < W; ++me) bld.build(me);
+  return OkStatus();
+}
+
+}  // namespace ops
+}  // namespace mk
