@@ -3,6 +3,8 @@
 # report "skipped" on a machine without a GPU. Several ranks on one GPU run side by side
 # only under MPS (nvidia-cuda-mps-control -d); see docs/testing.md.
 #   MK_TEST_LABELS=regex  run only tests whose label matches (e.g. 'cpu|mpi')
+#   MK_SKIP_CONSUMER=1    leave out the last step: the CMake package check
+#                         (scripts/consumer_check.sh: install this build, build tests/consumer)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -19,3 +21,8 @@ elif ! nvidia-smi -L >/dev/null 2>&1; then
   args+=(-LE gpu)
 fi
 ctest "${args[@]}"
+
+# The installed CMake package, from the build above (nothing is rebuilt).
+if [[ ${MK_SKIP_CONSUMER:-0} != 1 ]]; then
+  MK_BUILD_DIR=$build "$root/scripts/consumer_check.sh"
+fi
