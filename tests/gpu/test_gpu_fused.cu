@@ -435,8 +435,12 @@ TEST_F(Fused, BadInputIsRejectedOnEveryRank) {
     EXPECT_EQ(s.code(), Code::kInvalidArgument);
     EXPECT_NE(s.message().find("disagree"), std::string::npos) << s.to_string();
   }
-  // dtype mismatch and a misaligned pointer on one rank only: every rank gets the error.
+  // dtype mismatch and a misaligned pointer on one rank only: with the debug agreement
+  // (check_calls, read at create) every rank gets the error. Without it run() checks locally
+  // only: the rank with the bad argument gets it, and no host collective runs per call.
+  MK_ASSERT_OK(tunables::set("check_calls", "1"));
   MK_ASSERT_OK(FusedGemm::create(comm, FusedKind::kGemmAr, {int64_t(W) * 128, 256, 256}, {}, &op));
+  MK_ASSERT_OK(tunables::reset("check_calls"));
   DevBuf A(size_t(W) * 128 * 256 * 2 + 16), B(256 * 256 * 2), C(size_t(W) * 128 * 256 * 2);
   ops::FusedArgs a;
   a.A = A.p;
@@ -448,6 +452,13 @@ TEST_F(Fused, BadInputIsRejectedOnEveryRank) {
   EXPECT_NE(s.message().find("bf16"), std::string::npos) << s.to_string();
   a.c_type = gemm::DType::kBF16;
   if (comm->rank() == W - 1) a.A = static_cast<char*>(A.p) + 2;
+  s = op->run(a, comm->stream());
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("aligned"), std::string::npos) << s.to_string();
+  MK_ASSERT_OK(op->destroy());
+  // Default: local checks. The same bad argument on every rank fails on every rank, at once.
+  MK_ASSERT_OK(FusedGemm::create(comm, FusedKind::kGemmAr, {int64_t(W) * 128, 256, 256}, {}, &op));
+  a.A = static_cast<char*>(A.p) + 2;
   s = op->run(a, comm->stream());
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find("aligned"), std::string::npos) << s.to_string();

@@ -412,9 +412,12 @@ TEST(Ring, BadInputSameErrorEverywhere) {
   st = RingAttention::create(comm, RingAttentionShape{1, 8, 8, 128, int64_t(2 * W) + 1, SeqLayout::kZigzag, true}, {},
                              &op);
   EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
-  // A null pointer on one rank: run() fails on every rank.
+  // A null pointer on one rank: with the debug agreement (check_calls, read at create) run()
+  // fails on every rank. Without it run() checks locally only (no host collective per call).
+  ASSERT_TRUE(tunables::set("check_calls", "1").ok());
   st = RingAttention::create(comm, RingAttentionShape{1, 8, 8, 128, int64_t(W) * 256, SeqLayout::kContiguous, false},
                              {}, &op);
+  ASSERT_TRUE(tunables::reset("check_calls").ok());
   ASSERT_TRUE(st.ok()) << st.to_string();
   Dev d;
   auto* x = d.get<__nv_bfloat16>(256 * 8 * 128 * 4);

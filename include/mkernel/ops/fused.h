@@ -81,10 +81,11 @@ class FusedGemm {
 
   // Local checks: dtypes, null or misaligned pointers, C overlapping A or B.
   Status can_implement(const FusedArgs& args) const;
-  // Collective: agrees on can_implement across ranks (so bad input is the same error on every
-  // rank), then enqueues the call on `stream`.
+  // Local checks (can_implement, the communicator's health), then enqueues: no host collective.
+  // With the debug tunable check_calls=1 the ranks first agree on can_implement (a bad
+  // argument on one rank is then the same error on every rank).
   Status run(const FusedArgs& args, cudaStream_t stream);
-  // Enqueues without the cross-rank agreement (after a checked run: graph capture, benchmarks).
+  // Enqueues without the optional cross-rank agreement (graph capture, benchmarks).
   Status enqueue(const FusedArgs& args, cudaStream_t stream);
 
   FusedKind kind() const;

@@ -80,7 +80,7 @@ class RingAttention {
   Status destroy();  // collective, idempotent
 
   Status can_implement(const RingAttentionArgs& a) const;  // local checks
-  Status run(const RingAttentionArgs& a, cudaStream_t stream);      // agrees on can_implement, enqueues
+  Status run(const RingAttentionArgs& a, cudaStream_t stream);      // local checks, enqueues (see FusedGemm::run)
   Status enqueue(const RingAttentionArgs& a, cudaStream_t stream);  // no agreement (after a checked run)
 
   // The same kernel with no communication, over K/V the caller moved (baselines, and the
