@@ -46,8 +46,8 @@ planted_filter_test_gpu_threads="-*Planted*"
 # Default gtest filters (the slow cases out; what stays covers every kernel of the binary).
 declare -A filter=(
   [memcheck:test_gpu_gemm]="-Gemm.RandomNormalAgainstCublas"
-  [racecheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.ReduceAddEpilogues"
-  [synccheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.ReduceAddEpilogues"
+  [racecheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.DynamicSchedulerWithoutProgram"
+  [synccheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.DynamicSchedulerWithoutProgram"
   [racecheck:test_gpu_ring]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
   [synccheck:test_gpu_ring]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
   [racecheck:test_gpu_fused]="Fused.AgGemmMatchesReference:Fused.GemmRsMatchesReference:Fused.GemmArMatchesReference"
