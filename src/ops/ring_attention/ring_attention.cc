@@ -433,8 +433,9 @@ Status build_program(RingState* st) {
   h.wait = c->wait_ctx(ring_tag(), Role::kComm);
   if (st->net) h.ring = st->net->ring_view(h.wait.abort);
   l.comm_ctas = ops.empty() ? 0 : st->comm_ctas;
-  if (attention::dynamic_schedule(true)) {
-    // One counter per operator: its calls are stream-ordered.
+  {
+    // The ring's launches take items from a device counter in item order (the dynamic schedule;
+    // single calls run the static one). One counter per operator: its calls are stream-ordered.
     void* ctr = nullptr;
     MK_CHECK(dev_alloc(st, sizeof(int), &ctr));
     l.item_counter = static_cast<int*>(ctr);
