@@ -6,7 +6,6 @@ tensors (mkernel through strided views). Per repetition the two are timed in tur
 events after ~1 s of warm-up; the median of --reps is reported, with TFLOP/s (causal counts the
 visible half) and ratio = SDPA time / mkernel time.
   python3 bench/bench_attention.py [--reps 30] [--json out.json] [--seqs 4096,8192] [--d 128]
-                                   [--variants auto,1]   (auto: the defaults; 0 / 1: static / dynamic schedule)
 """
 import argparse
 import json
@@ -31,14 +30,6 @@ def timed(fn):
     return a.elapsed_time(b)
 
 
-def set_variant(spec):
-    """spec: 'auto' (the library's defaults) or the attention_dynamic_schedule value (0 static, 1 dynamic)."""
-    if spec == "auto":
-        os.environ.pop("MK_ATTENTION_DYNAMIC_SCHEDULE", None)
-    else:
-        os.environ["MK_ATTENTION_DYNAMIC_SCHEDULE"] = spec
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
@@ -47,11 +38,9 @@ def main():
     ap.add_argument("--b", type=int, default=1)
     ap.add_argument("--h", type=int, default=32)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--variants", default="auto",
-                    help="kernel variants timed side by side: auto or DYN (0 static, 1 dynamic schedule), comma-separated")
     args = ap.parse_args()
     B, H, D = args.b, args.h, args.d
-    variants = args.variants.split(",")
+    variants = ["default"]  # one row per kernel variant timed side by side
     rows = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; B{B} H{H} D{D} bf16; median of {args.reps}; "
           f"ratio = SDPA time / mkernel time")
@@ -79,14 +68,12 @@ def main():
                 r = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
             diffs = {}
             for var in variants:
-                set_variant(var)
                 o.fill_(float("nan"))
                 ours()
                 diffs[var] = (o.float() - r.float()).abs().max().item()
             t_end = time.time() + 1.0
             while time.time() < t_end:
                 for var in variants:
-                    set_variant(var)
                     ours()
                 ref()
                 ref_default()
@@ -95,11 +82,9 @@ def main():
             ts, td = [], []
             for _ in range(args.reps):
                 for var in variants:
-                    set_variant(var)
                     tm[var].append(timed(ours))
                 ts.append(timed(ref))
                 td.append(timed(ref_default))
-            set_variant("auto")
             ms, md = statistics.median(ts), statistics.median(td)
             flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
             for var in variants:

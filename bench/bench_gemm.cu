@@ -2,8 +2,8 @@
 // same run. C[M,N] = A[M,K] · B[N,K]ᵀ, bf16 in and out, fp32 accumulation.
 // Measured per shape after ~1 s of warm-up (clocks settle), cuBLAS and each mkernel variant
 // timed in turn within every repetition (so drifting clocks hit all alike), median of --reps:
-// the static schedule, and the role runtime (dynamic scheduler) with 0, 8 and 16 CTAs held in
-// the communication role.
+// the static schedule (plain launches), and the fused operators' variant (dynamic scheduler,
+// communication role) without a communication program.
 //   build/bench/bench_gemm [--json FILE] [--reps N] [M N K ...]
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "mkernel/gemm/gemm.h"
+#include "src/gemm/fused_launch.h"
 
 namespace {
 
@@ -79,8 +80,8 @@ int main(int argc, char** argv) {
   cudaGetDeviceProperties(&prop, 0);
   printf("%s, %d SMs; mkernel persistent grid %d CTAs; median of %d after ~1 s of warm-up\n", prop.name,
          prop.multiProcessorCount, ctas, reps);
-  printf("%6s %6s %6s | %9s %9s | %9s %9s | %6s | %6s %6s %6s   (ratio: cuBLAS time / mkernel time)\n", "M", "N", "K",
-         "cuBLAS ms", "TFLOP/s", "mkernel", "TFLOP/s", "static", "roles0", "roles8", "roles16");
+  printf("%6s %6s %6s | %9s %9s | %9s %9s | %6s | %7s   (ratio: cuBLAS time / mkernel time)\n", "M", "N", "K",
+         "cuBLAS ms", "TFLOP/s", "mkernel", "TFLOP/s", "static", "dynamic");
   FILE* jf = json.empty() ? nullptr : fopen(json.c_str(), "w");
   if (jf) fprintf(jf, "{\"device\": \"%s\", \"rows\": [\n", prop.name);
   for (size_t i = 0; i + 2 < dims.size(); i += 3) {
@@ -111,31 +112,17 @@ int main(int argc, char** argv) {
         exit(1);
       }
     };
-    // Role runtime: the dynamic scheduler with `comm` CTAs in the communication role.
-    int* d_role = nullptr;
+    // The fused operators' variant: dynamic scheduler, no communication program.
     int* d_counter = nullptr;
-    CK(cudaMalloc(&d_role, sizeof(int)));
     CK(cudaMalloc(&d_counter, sizeof(int)));
-    auto roles = [&](int comm) {
-      CK(cudaMemcpy(d_role, &comm, sizeof(int), cudaMemcpyHostToDevice));
-      mk::gemm::Arguments r = args;
-      r.C = C;
-      r.role_counts = d_role;
-      r.tile_counter = d_counter;
-      return r;
-    };
-    mk::gemm::Arguments dyn0 = roles(0);
-    auto role_run = [&](int comm) {
-      int v = comm;
-      CK(cudaMemcpyAsync(d_role, &v, sizeof(int), cudaMemcpyHostToDevice, nullptr));
-      CK(cudaStreamSynchronize(nullptr));
-      return [&, comm] {
-        mk::Status st = mk::gemm::run(dyn0, nullptr);
-        if (!st.ok()) {
-          fprintf(stderr, "mkernel gemm (roles %d): %s\n", comm, st.to_string().c_str());
-          exit(1);
-        }
-      };
+    mk::gemm::FusedLaunch fused;
+    fused.tile_counter = d_counter;
+    auto dynamic = [&] {
+      mk::Status st = mk::gemm::run_fused(args, fused, nullptr, mk::gemm::RunConfig{});
+      if (!st.ok()) {
+        fprintf(stderr, "mkernel gemm (dynamic): %s\n", st.to_string().c_str());
+        exit(1);
+      }
     };
     // Warm-up: about a second of work, so clocks and caches settle before measuring.
     {
@@ -146,26 +133,16 @@ int main(int argc, char** argv) {
         CK(cudaDeviceSynchronize());
       }
     }
-    std::vector<float> t_cublas, t_mine, t_r0, t_r8, t_r16;
-    auto r0 = role_run(0);
+    std::vector<float> t_cublas, t_mine, t_dyn;
     for (int r = 0; r < reps; ++r) {
       t_cublas.push_back(time_once(cublas, a, b));
       t_mine.push_back(time_once(mine, a, b));
+      t_dyn.push_back(time_once(dynamic, a, b));
     }
-    for (int r = 0; r < reps; ++r) {
-      t_r0.push_back(time_once(r0, a, b));
-      t_cublas.push_back(time_once(cublas, a, b));
-    }
-    auto r8 = role_run(8);
-    for (int r = 0; r < reps; ++r) t_r8.push_back(time_once(r8, a, b));
-    auto r16 = role_run(16);
-    for (int r = 0; r < reps; ++r) t_r16.push_back(time_once(r16, a, b));
-    const float tc = median(t_cublas), tm = median(t_mine), tr0 = median(t_r0), tr8 = median(t_r8),
-                tr16 = median(t_r16);
+    const float tc = median(t_cublas), tm = median(t_mine), td = median(t_dyn);
     CK(cudaDeviceSynchronize());
     mine();  // C from the static schedule for the comparison below
     CK(cudaDeviceSynchronize());
-    cudaFree(d_role);
     cudaFree(d_counter);
     // Same answer? (relative Frobenius distance between the two bf16 results)
     std::vector<__nv_bfloat16> hc(M * N), hr(M * N);
@@ -178,12 +155,11 @@ int main(int argc, char** argv) {
       den += y * y;
     }
     const double flop = 2.0 * M * N * K;
-    printf("%6lld %6lld %6lld | %9.3f %9.1f | %9.3f %9.1f | %6.3f | %6.3f %6.3f %6.3f  (rel. diff %.1e)\n", M, N, K,
-           tc, flop / tc / 1e9, tm, flop / tm / 1e9, tc / tm, tc / tr0, tc / tr8, tc / tr16, std::sqrt(num / den));
+    printf("%6lld %6lld %6lld | %9.3f %9.1f | %9.3f %9.1f | %6.3f | %7.3f  (rel. diff %.1e)\n", M, N, K, tc,
+           flop / tc / 1e9, tm, flop / tm / 1e9, tc / tm, tc / td, std::sqrt(num / den));
     if (jf)
-      fprintf(jf, "  {\"M\": %lld, \"N\": %lld, \"K\": %lld, \"cublas_ms\": %.4f, \"mkernel_ms\": %.4f, \"cublas_tflops\": %.1f, \"mkernel_tflops\": %.1f, \"ratio\": %.3f, \"roles0_ratio\": %.3f, \"roles8_ratio\": %.3f, \"roles16_ratio\": %.3f}%s\n",
-              M, N, K, tc, tm, flop / tc / 1e9, flop / tm / 1e9, tc / tm, tc / tr0, tc / tr8, tc / tr16,
-              i + 5 < dims.size() ? "," : "");
+      fprintf(jf, "  {\"M\": %lld, \"N\": %lld, \"K\": %lld, \"cublas_ms\": %.4f, \"mkernel_ms\": %.4f, \"cublas_tflops\": %.1f, \"mkernel_tflops\": %.1f, \"ratio\": %.3f, \"dynamic_ratio\": %.3f}%s\n",
+              M, N, K, tc, tm, flop / tc / 1e9, flop / tm / 1e9, tc / tm, tc / td, i + 5 < dims.size() ? "," : "");
     cudaFree(A);
     cudaFree(B);
     cudaFree(C);

@@ -56,10 +56,11 @@ struct FmhaLaunch {
   float* lse_acc = nullptr;
   uint64_t* seq = nullptr;
   int n_seq = 0;
-  bool reset_seq = true;
+  bool reset_seq = true;  // false: continue the merge of an earlier launch (stream-ordered)
   // Non-null: dynamic schedule (items from this device counter, zeroed by the launch; one
-  // counter per concurrently running launch).
-  int* item_counter = nullptr;  // false: continue the merge of an earlier launch (stream-ordered)
+  // counter per concurrently running launch). The ring's launches take it; single calls run
+  // the static schedule (src/attention/kernel/scheduler.cuh).
+  int* item_counter = nullptr;
   // Communication program (ring): run by the first comm_ctas CTAs; epoch read at the start and
   // advanced by the last CTA.
   ops::FusedHooks hooks{};
@@ -75,16 +76,14 @@ constexpr int kTileM = 128;
 // Launches the kernel (checks what can_implement checks for the tensors it is given).
 Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, const RunConfig& cfg);
 
-// Whether launches take items from a counter (tunable attention_dynamic_schedule: 1 always,
-// 0 never, -1 (default) for the ring's launches only). `ring`: a launch with several pairs and
-// arrival waits. On the H200 the static schedule was 2-4 % faster for single attention calls
-// at S = 4096 and even at 8192 (docs/attention.md).
-bool dynamic_schedule(bool ring);
-
-// The instantiation units (sm90_fmha_d64.cu, sm90_fmha_d128.cu), built with the CUTLASS headers.
+// The instantiation units (sm90_fmha_d{64,128}{,_comm}.cu), built with the CUTLASS headers:
+// plain launches (no communication program, no arrival flags, untraced), and launches with the
+// communication role (ring attention; also every traced launch).
 namespace sm90 {
 Status launch_d64(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, int grid);
 Status launch_d128(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, int grid);
+Status launch_d64_comm(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, int grid);
+Status launch_d128_comm(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, int grid);
 }  // namespace sm90
 
 // CTAs of the persistent grid on this device (one per SM visible to this context).

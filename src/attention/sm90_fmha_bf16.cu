@@ -1,16 +1,15 @@
 // The attention API: argument checks, the choice of kernel variant and its launch (the kernel is
-// in sm90_fmha_kernel.cuh, instantiated by sm90_fmha_d*.cu), and the merge of partial results.
+// src/attention/kernel/fmha_kernel.cuh, instantiated by sm90_fmha_d*.cu), and the merge of
+// partial results.
 #include "mkernel/attention/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <map>
 #include <mutex>
-#include <utility>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
-#include "mkernel/common/tunables.h"
 #include "src/attention/fmha_launch.h"
 
 #if MK_WITH_CUTLASS
@@ -82,11 +81,6 @@ namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 }  // namespace
 
-bool dynamic_schedule(bool ring) {
-  const int64_t v = tunables::int_or_default("attention_dynamic_schedule");
-  return v < 0 ? ring : v != 0;
-}
-
 Status fmha_ctas(int* out) {
   static std::mutex mu;
   static int cache[64] = {};
@@ -101,27 +95,6 @@ Status fmha_ctas(int* out) {
   MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   if (dev < 64) cache[dev] = sms;
   *out = sms;
-  return OkStatus();
-}
-
-// The dynamic schedule's item counter of a stream: launches on one stream are ordered, so they
-// can share it; launches on different streams get different counters. Kept for the process's
-// lifetime (a few bytes per stream ever used).
-Status stream_counter(cudaStream_t stream, int** out) {
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, int*> counters;
-  int dev = 0;
-  MK_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> g(mu);
-  int*& c = counters[{dev, stream}];
-  if (!c) {
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    MK_CUDA_CHECK(cudaStreamIsCapturing(stream, &cs));
-    MK_REQUIRE(cs == cudaStreamCaptureStatusNone, Code::kInvalidArgument,
-               "attention: the first call on a stream cannot be inside graph capture (run it once before capturing)");
-    MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&c), sizeof(int)));
-  }
-  *out = c;
   return OkStatus();
 }
 
@@ -167,8 +140,11 @@ Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, 
   if (cfg.max_ctas > 0) grid = std::min(grid, cfg.max_ctas);
   MK_REQUIRE(grid > l.comm_ctas, Code::kInvalidArgument, "attention: %d communication CTAs leave none of %d to compute",
              l.comm_ctas, grid);
-  if (a.D == 64) return sm90::launch_d64(a, l, stream, grid);
-  return sm90::launch_d128(a, l, stream, grid);
+  // Plain launches (single calls, the ring's compute-only launches) carry no communication
+  // code; a launch with a program, arrival flags or tracing takes the communication role.
+  const bool comm = l.hooks.ops || l.hooks.epoch || l.comm_ctas > 0 || l.slots.flags || l.trace;
+  if (a.D == 64) return comm ? sm90::launch_d64_comm(a, l, stream, grid) : sm90::launch_d64(a, l, stream, grid);
+  return comm ? sm90::launch_d128_comm(a, l, stream, grid) : sm90::launch_d128(a, l, stream, grid);
 #else
   return make_status(Code::kNotSupported, "attention: built without the CUTLASS headers");
 #endif
@@ -186,7 +162,6 @@ Status forward(const ForwardArgs& a, cudaStream_t stream, const RunConfig& cfg) 
   l.single.causal = a.causal ? 1 : 0;
   l.n_pairs = 1;
   l.n_items = pair_items(l.single, a.B, a.H);
-  if (dynamic_schedule(false)) MK_CHECK(stream_counter(stream, &l.item_counter));
   return run_fmha(a, l, stream, cfg);
 }
 

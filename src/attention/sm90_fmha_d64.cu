@@ -1,12 +1,13 @@
-// Instantiation unit of the sm_90a attention kernel: head dimension 64 (traced and untraced).
-#include "src/attention/sm90_fmha_kernel.cuh"
+// Instantiation unit of the sm_90a attention kernel: head dimension 64, plain launches (no
+// communication, untraced).
+#include "src/attention/kernel/launch.cuh"
 
 namespace mk {
 namespace attention {
 namespace sm90 {
 
 Status launch_d64(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, int grid) {
-  return launch_variant<64>(a, l, stream, grid);
+  return launch<64, false, comm::NoComm>(a, l, stream, grid);
 }
 
 }  // namespace sm90

@@ -1,7 +1,8 @@
-// mkernel — the device side of a communication program (ops/fused_device.h): bounded waits,
-// signals, and the copy / reduce / zero / network-put ops that communication CTAs run. Shared by
-// the persistent GEMM and the persistent attention kernel. Include only from CUDA sources built
-// with the CUTLASS headers.
+// mkernel — the device side of a communication program (device_program.h): bounded waits,
+// signals, and the copy / reduce / zero / network-put ops that communication CTAs run. Kernels
+// reach them through the communication-role policy (comm_role.cuh), which the persistent GEMM
+// and the persistent attention kernel take as a template parameter. Include only from CUDA
+// sources built with the CUTLASS headers.
 #pragma once
 
 #include <cuda_bf16.h>

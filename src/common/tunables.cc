@@ -56,9 +56,6 @@ const std::vector<TunableDef> kTable = {
     {"fused_comm_ctas", "MK_FUSED_COMM_CTAS", TunableType::kInt, "8",
      "CTAs of a fused operator's persistent grid that start in the communication role (>= 1 when "
      "the operator communicates; they compute once the communication program is taken)", 1},
-    {"attention_dynamic_schedule", "MK_ATTENTION_DYNAMIC_SCHEDULE", TunableType::kInt, "-1",
-     "attention kernels take work items from a global counter: 1 always, 0 never (round-robin per CTA), "
-     "-1 for ring attention only", -1},
     {"ring_comm_ctas", "MK_RING_COMM_CTAS", TunableType::kInt, "4",
      "CTAs of ring attention's persistent grid that forward K/V blocks (the others compute)", 1},
     {"check_calls", "MK_CHECK_CALLS", TunableType::kInt, "0",

@@ -11,6 +11,7 @@
 
 #include "mkernel/device/diag.h"
 #include "mkernel/gemm/gemm.h"
+#include "src/gemm/fused_launch.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -265,72 +266,6 @@ TEST(Gemm, TileFlagsFollowTheirData) {
   }
 }
 
-// Reduce-add epilogues: C += A·Bᵀ. Small integers keep every sum exact, so the result must
-// equal the host's to the last bit; per-tile flags count one arrival per call (flag add).
-TEST(Gemm, ReduceAddEpilogues) {
-  std::mt19937_64 rng(test_seed() + 4);
-  const int64_t M = 1000, N = 776, K = 16;  // |A·Bᵀ| <= 64 and |C| <= 128: exact in bf16 too
-  std::vector<__nv_bfloat16> A(M * K), B(N * K);
-  std::uniform_int_distribution<int> d2(-2, 2), d64(-64, 64);
-  for (auto& x : A) x = __float2bfloat16(float(d2(rng)));
-  for (auto& x : B) x = __float2bfloat16(float(d2(rng)));
-  std::vector<float> P(M * N, 0.f), X(M * N);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      float acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += __bfloat162float(A[m * K + k]) * __bfloat162float(B[n * K + k]);
-      P[m * N + n] = acc;
-      X[m * N + n] = float(d64(rng));
-    }
-  DevBuf dA(A.size() * 2), dB(B.size() * 2), dC32(M * N * 4), dC16(M * N * 2);
-  const gemm::TileCount tc = gemm::tile_count(M, N);
-  DevBuf dFlags(tc.total() * 8);
-  cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
-  gemm::Arguments args;
-  args.A = dA.p;
-  args.B = dB.p;
-  args.M = M;
-  args.N = N;
-  args.K = K;
-  args.tile_flags = static_cast<uint64_t*>(dFlags.p);
-  args.tile_flag_add = true;
-  {  // fp32 accumulation buffer, two calls
-    cudaMemcpy(dC32.p, X.data(), M * N * 4, cudaMemcpyHostToDevice);
-    cudaMemset(dFlags.p, 0, tc.total() * 8);
-    args.C = dC32.p;
-    args.c_type = gemm::DType::kF32;
-    args.epilogue = gemm::Epilogue::kReduceAddF32;
-    MK_ASSERT_OK(gemm::run(args, nullptr));
-    MK_ASSERT_OK(gemm::run(args, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<float> C(M * N);
-    std::vector<uint64_t> f(tc.total());
-    cudaMemcpy(C.data(), dC32.p, M * N * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(f.data(), dFlags.p, f.size() * 8, cudaMemcpyDeviceToHost);
-    int64_t bad = 0;
-    for (int64_t i = 0; i < M * N; ++i) bad += C[i] != X[i] + 2 * P[i];
-    EXPECT_EQ(bad, 0) << "fp32 reduce-add";
-    for (uint64_t v : f) ASSERT_EQ(v, 2u);
-  }
-  {  // bf16 destination, one call
-    std::vector<__nv_bfloat16> X16(M * N);
-    for (int64_t i = 0; i < M * N; ++i) X16[i] = __float2bfloat16(X[i]);
-    cudaMemcpy(dC16.p, X16.data(), M * N * 2, cudaMemcpyHostToDevice);
-    args.C = dC16.p;
-    args.c_type = gemm::DType::kBF16;
-    args.epilogue = gemm::Epilogue::kReduceAddBF16;
-    args.tile_flags = nullptr;
-    MK_ASSERT_OK(gemm::run(args, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<__nv_bfloat16> C(M * N);
-    cudaMemcpy(C.data(), dC16.p, M * N * 2, cudaMemcpyDeviceToHost);
-    int64_t bad = 0;
-    for (int64_t i = 0; i < M * N; ++i) bad += __bfloat162float(C[i]) != X[i] + P[i];
-    EXPECT_EQ(bad, 0) << "bf16 reduce-add";
-  }
-}
-
 // The traced kernel variant: one producer and one consumer event per tile, sane stamps, the
 // same C as the untraced variant; the timeline goes to MK_TRACE_OUT (Chrome/Perfetto JSON).
 TEST(Gemm, TraceRecordsEveryTile) {
@@ -377,91 +312,38 @@ TEST(Gemm, TraceRecordsEveryTile) {
   EXPECT_NE(std::string(head).find("traceEvents"), std::string::npos);
 }
 
-// The role runtime: with 0, 1, 8 and 32 CTAs in the communication role (role counts in device
-// memory, dynamic tile scheduler) the result is the same, bit for bit, and the comm-role CTAs
-// did comm work items.
-TEST(Gemm, RoleCountsAtRunTime) {
+// The fused operators' kernel variant (dynamic scheduler, communication role) without a
+// communication program: with 0, 1, 8 and 32 CTAs counted in the communication role (device
+// memory) every CTA computes tiles, taken from the counter, in the caller's order or the natural
+// one; the result is the same, bit for bit, as the static schedule's.
+TEST(Gemm, DynamicSchedulerWithoutProgram) {
   std::mt19937_64 rng(test_seed() + 6);
   const int64_t M = 2048, N = 2048, K = 1024;
   IntProblem prob(rng, M, N, K);
-  DevBuf dRoles(sizeof(int)), dCounter(sizeof(int)),
-      dComm(sizeof(unsigned));
-  gemm::Arguments args = prob.args;
-  const std::vector<uint16_t> plain = run_gemm(args, M * N);
-  args.role_counts = static_cast<const int*>(dRoles.p);
-  args.tile_counter = static_cast<int*>(dCounter.p);
-  args.comm_items = static_cast<unsigned*>(dComm.p);
-  for (int comm : {0, 1, 8, 32}) {
-    SCOPED_TRACE(testing::Message() << comm << " communication CTAs");
-    cudaMemcpy(dRoles.p, &comm, sizeof(int), cudaMemcpyHostToDevice);
-    cudaMemset(dComm.p, 0, sizeof(unsigned));
-    EXPECT_TRUE(run_gemm(args, M * N) == plain);
-    unsigned items = 0;
-    cudaMemcpy(&items, dComm.p, sizeof(items), cudaMemcpyDeviceToHost);
-    if (comm == 0) EXPECT_EQ(items, 0u);
-    else EXPECT_GE(items, unsigned(comm)) << "every comm-role CTA takes at least one item";
-  }
-}
-
-// Publishes tiles in a shuffled order, one every few microseconds: the tile id first, then
-// the count with release semantics (as a communication role would on arrival).
-__global__ void feed_arrivals(const int* order, int n, int* queue, uint64_t* count) {
-  if (threadIdx.x != 0) return;
-  for (int i = 0; i < n; ++i) {
-    queue[i] = order[i];
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(count), "l"(uint64_t(i + 1)) : "memory");
-    __nanosleep(3000);
-  }
-}
-
-// The arrival-ordered scheduler: tiles are computed as they are published, in a shuffled
-// order, while the GEMM runs; the result is the same, bit for bit.
-TEST(Gemm, ArrivalOrderedScheduler) {
-  std::mt19937_64 rng(test_seed() + 8);
-  const int64_t M = 2048, N = 2048, K = 1024;
-  IntProblem prob(rng, M, N, K);
   const gemm::TileCount tc = gemm::tile_count(M, N);
-  DevBuf dCounter(sizeof(int)),
-      dOrder(tc.total() * sizeof(int)), dQueue(tc.total() * sizeof(int)), dCount(sizeof(uint64_t)),
-      dDiagClaim(sizeof(uint32_t));
-  gemm::Arguments args = prob.args;
-  const std::vector<uint16_t> plain = run_gemm(args, M * N);
+  DevBuf dRoles(sizeof(int)), dCounter(sizeof(int)), dOrder(tc.total() * sizeof(int));
+  const std::vector<uint16_t> plain = run_gemm(prob.args, M * N);
   std::vector<int> order(tc.total());
   for (int i = 0; i < tc.total(); ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), rng);
   cudaMemcpy(dOrder.p, order.data(), order.size() * sizeof(int), cudaMemcpyHostToDevice);
-  cudaMemset(dQueue.p, 0xff, tc.total() * sizeof(int));
-  cudaMemset(dCount.p, 0, sizeof(uint64_t));
-  cudaMemset(prob.dC.p, 0xff, M * N * 2);
-  cudaMemset(dDiagClaim.p, 0, sizeof(uint32_t));
-  args.tile_counter = static_cast<int*>(dCounter.p);
-  args.arrival_queue = static_cast<const int*>(dQueue.p);
-  args.arrival_count = static_cast<const uint64_t*>(dCount.p);
-  args.arrival_wait.claim = static_cast<uint32_t*>(dDiagClaim.p);  // no record: a timeout traps
-  args.arrival_wait.timeout_ns = 10ull * 1000 * 1000 * 1000;
-  int resident = 0;
-  MK_ASSERT_OK(gemm::persistent_ctas(&resident));  // loads the GEMM kernels
-  // Load the feeder too: with lazy loading, loading a kernel while the GEMM waits for it would
-  // wait for the GEMM (a deadlock the bounded wait turns into a trap).
-  cudaFuncAttributes fa;
-  ASSERT_EQ(cudaFuncGetAttributes(&fa, feed_arrivals), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaStream_t s1, s2;
-  cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
-  cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking);
-  gemm::RunConfig rc;
-  rc.max_ctas = resident - 1;  // the feeder's CTA needs an SM of its own
-  // The feeder starts first and publishes while the GEMM runs.
-  feed_arrivals<<<1, 32, 0, s2>>>(static_cast<const int*>(dOrder.p), tc.total(), static_cast<int*>(dQueue.p),
-                                  static_cast<uint64_t*>(dCount.p));
-  MK_ASSERT_OK(gemm::run(args, s1, rc));
-  ASSERT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(s2), cudaSuccess);
-  cudaStreamDestroy(s1);
-  cudaStreamDestroy(s2);
-  std::vector<uint16_t> C(M * N);
-  cudaMemcpy(C.data(), prob.dC.p, M * N * 2, cudaMemcpyDeviceToHost);
-  EXPECT_TRUE(C == plain);
+  gemm::FusedLaunch f;
+  f.role_counts = static_cast<const int*>(dRoles.p);
+  f.tile_counter = static_cast<int*>(dCounter.p);
+  for (int comm : {0, 1, 8, 32}) {
+    for (bool shuffled : {false, true}) {
+      SCOPED_TRACE(testing::Message() << comm << " communication CTAs, " << (shuffled ? "shuffled" : "natural")
+                                      << " order");
+      cudaMemcpy(dRoles.p, &comm, sizeof(int), cudaMemcpyHostToDevice);
+      f.tile_order = shuffled ? static_cast<const int*>(dOrder.p) : nullptr;
+      cudaMemset(prob.dC.p, 0xff, M * N * 2);
+      MK_ASSERT_OK(gemm::run_fused(prob.args, f, nullptr, gemm::RunConfig{}));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<uint16_t> C(M * N);
+      cudaMemcpy(C.data(), prob.dC.p, M * N * 2, cudaMemcpyDeviceToHost);
+      EXPECT_TRUE(C == plain);
+    }
+  }
 }
 
 TEST(Gemm, BadInputIsRejected) {
@@ -497,9 +379,6 @@ TEST(Gemm, BadInputIsRejected) {
   a = ok;
   a.c_type = gemm::DType::kF32;
   expect_bad(a, "only bf16");
-  a = ok;
-  a.epilogue = gemm::Epilogue::kReduceAddF32;  // needs an fp32 C
-  expect_bad(a, "fp32 C");
   a = ok;
   a.C = A.p;
   expect_bad(a, "overlaps");

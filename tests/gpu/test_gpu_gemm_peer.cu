@@ -1,6 +1,7 @@
-// The GEMM's epilogues writing into other ranks' symmetric memory (processes under MPS):
-// TMA stores into a peer's buffer, and fp32 reduce-adds of every rank into one owner, each
-// with per-tile flags in the receiver's signal pad that the receiver's kernel waits on.
+// Tiles written into other ranks' symmetric memory (processes under MPS), with per-tile flags
+// in the receiver's signal pad that the receiver's kernel waits on: the GEMM's TMA stores into
+// a peer's buffer, and fp32 reduce-adds of every rank into one owner (a plain test kernel, the
+// pattern of the fused operators' routed epilogue).
 #include <gtest/gtest.h>
 
 #include <cuda_bf16.h>
@@ -11,6 +12,7 @@
 #include "mkernel/device/signal.cuh"
 #include "mkernel/gemm/gemm.h"
 #include "tests/gpu/mpi_fixture.h"
+#include "tests/gpu/test_kernels.cuh"
 
 namespace mk {
 namespace test {
@@ -126,7 +128,8 @@ TEST_F(GemmPeer, StoreIntoTheNextRank) {
 }
 
 // Every rank reduce-adds its product into rank 0's fp32 buffer and adds 1 to rank 0's tile
-// flags; rank 0 waits for W arrivals per tile and finds the exact sum over ranks.
+// flags (reduce_add_tiles); rank 0 waits for W arrivals per tile and finds the exact sum over
+// ranks.
 TEST_F(GemmPeer, ReduceAddIntoOneOwner) {
   const int W = comm->world(), me = comm->rank();
   for (int r = 0; r < W; ++r)
@@ -156,27 +159,19 @@ TEST_F(GemmPeer, ReduceAddIntoOneOwner) {
   cudaMemcpy(dB, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
   cudaDeviceSynchronize();
   MK_ASSERT_OK(comm->bootstrap().barrier());
-  int resident = 0;
-  MK_ASSERT_OK(gemm::persistent_ctas(&resident));  // loads the kernel (see above)
+  // Load the writer before any kernel waits on it (lazy loading, see above).
+  cudaFuncAttributes fa;
+  ASSERT_EQ(cudaFuncGetAttributes(&fa, reduce_add_tiles), cudaSuccess);
   cudaStream_t ws;
   cudaStreamCreateWithFlags(&ws, cudaStreamNonBlocking);
   if (me == 0)
     wait_and_snapshot<<<2, 256, 0, ws>>>(flags->signal_view(), comm->wait_ctx(OpTag::kSignalTest, Role::kComm),
                                          C->local(), true, snap, tc.m, tc.total(), uint64_t(W));
-  gemm::Arguments args;
-  args.A = dA;
-  args.B = dB;
-  args.C = C->peer(0);
-  args.M = M;
-  args.N = N;
-  args.K = K;
-  args.c_type = gemm::DType::kF32;
-  args.epilogue = gemm::Epilogue::kReduceAddF32;
-  args.tile_flags = static_cast<uint64_t*>(flags->peer(0));
-  args.tile_flag_add = true;
-  gemm::RunConfig rc;
-  rc.max_ctas = resident - 2;
-  MK_ASSERT_OK(gemm::run(args, comm->stream(), rc));
+  reduce_add_tiles<<<16, 256, 0, comm->stream()>>>(static_cast<const __nv_bfloat16*>(dA),
+                                                   static_cast<const __nv_bfloat16*>(dB),
+                                                   static_cast<float*>(C->peer(0)), M, N, K,
+                                                   static_cast<uint64_t*>(flags->peer(0)));
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   MK_ASSERT_OK(comm->sync(comm->stream()));
   MK_ASSERT_OK(comm->sync(ws));
   if (me == 0) {

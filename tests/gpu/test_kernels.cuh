@@ -1,6 +1,8 @@
 // Kernels shared by the GPU tests: rank-tagged fills and checks, flag exchanges.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "mkernel/device/epoch.cuh"
@@ -100,6 +102,29 @@ __global__ void all_to_all(SymmetricView data, SignalView flags, WaitCtx ctx, Ep
     if (threadIdx.x == 0) device::signal_add(&flags.peers[p][W + me], 1);
   }
   if (self_advance) device::epoch_finish(epoch, gridDim.x);
+}
+
+// C[M, N] (fp32, row stride N, possibly a peer's buffer) += A[M, K] · B[N, K]ᵀ (bf16), one
+// 128 x 256 tile t = n * tiles_m + m per CTA iteration. Every thread reduce-adds its elements at
+// system scope (atomic across GPUs adding into one owner), then fences at system scope; the CTA
+// meets and one thread adds 1 to flags[t] with release semantics (a counted arrival). The
+// fused operators' routed epilogue publishes its partial sums the same way.
+__global__ void reduce_add_tiles(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C, int64_t M, int64_t N,
+                                 int64_t K, uint64_t* flags) {
+  const int tiles_m = int((M + 127) / 128), tiles = tiles_m * int((N + 255) / 256);
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t m0 = int64_t(t % tiles_m) * 128, n0 = int64_t(t / tiles_m) * 256;
+    for (int i = threadIdx.x; i < 128 * 256; i += blockDim.x) {
+      const int64_t m = m0 + i / 256, n = n0 + i % 256;
+      if (m >= M || n >= N) continue;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += __bfloat162float(A[m * K + k]) * __bfloat162float(B[n * K + k]);
+      asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(C + m * N + n), "f"(acc) : "memory");
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) device::signal_add(flags + t, 1);
+  }
 }
 
 // Waits for a flag nobody raises: the planted missing signal.

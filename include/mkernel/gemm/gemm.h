@@ -14,7 +14,6 @@
 #include <cstdint>
 
 #include "mkernel/common/status.h"
-#include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
 
 namespace mk {
@@ -22,12 +21,10 @@ namespace gemm {
 
 enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
-// What the epilogue does with a finished tile.
+// What the epilogue does with a finished tile. (The fused operators' routed fp32 epilogue is
+// internal to the library.)
 enum class Epilogue : int {
-  kStore = 0,          // C = A·Bᵀ (bf16) through TMA stores; C may be a peer's buffer
-  kReduceAddBF16 = 1,  // C += A·Bᵀ (bf16 C) with red.add.bf16x2, atomic across ranks
-  kReduceAddF32 = 2,   // C += A·Bᵀ into an fp32 accumulation buffer (c_type kF32): exact
-                       // cross-rank sums of integer-valued data, any arrival order
+  kStore = 0,  // C = A·Bᵀ (bf16) through TMA stores; C may be a peer's buffer
 };
 
 struct Arguments {
@@ -50,29 +47,13 @@ struct Arguments {
   // buffer (a symmetric-memory peer pointer): the flag then follows the remote writes.
   uint64_t* tile_flags = nullptr;
   uint64_t tile_flag_value = 1;
-  // false: set the flag to tile_flag_value; true: add tile_flag_value (several ranks
-  // reduce-adding into one owner each add 1, and the owner waits for the count).
+  // false: set the flag to tile_flag_value; true: add tile_flag_value (a counted arrival: the
+  // receiver waits for the sum of several writers' additions).
   bool tile_flag_add = false;
   Epilogue epilogue = Epilogue::kStore;
   // Non-null: run the traced kernel variant, which records per CTA and tile a producer
   // ("load") and a consumer ("compute") event into the buffer (see device/trace.h).
   const TraceBuffer* trace = nullptr;
-  // Role runtime. Non-null: the dynamic scheduler runs. role_counts[0] (device memory, re-read
-  // by every CTA per work item, so it may change while the kernel runs) is the number of CTAs
-  // (the lowest block indices) that take the communication role instead of computing tiles;
-  // the others take tiles from tile_counter (a device int that run() zeroes on the stream).
-  // comm_items (optional) counts the communication-role work items.
-  const int* role_counts = nullptr;
-  int* tile_counter = nullptr;
-  unsigned int* comm_items = nullptr;
-  // Arrival-ordered scheduler (uses tile_counter too): work item i is tile arrival_queue[i],
-  // taken once *arrival_count > i — whoever makes tiles ready (a communication role, a peer's
-  // signal handler) writes the tile id into the queue, then raises the count with release
-  // semantics. The wait is bounded by arrival_wait (Communicator::wait_ctx); a missing arrival
-  // is reported with the item it waited for.
-  const int* arrival_queue = nullptr;
-  const uint64_t* arrival_count = nullptr;
-  WaitCtx arrival_wait{};
 };
 
 struct TileCount {

@@ -176,8 +176,9 @@ Status build_program(RingState* st) {
   l.hooks = r.hooks;
   if (W == 1) l.hooks.epoch = nullptr;  // nothing to communicate: no epoch to keep
   l.comm_ctas = l.hooks.n_ops == 0 ? 0 : st->comm_ctas;
-  if (attention::dynamic_schedule(true)) {
-    // One counter per operator: its calls are stream-ordered.
+  {
+    // The ring's launches take items from a device counter in item order (the dynamic schedule;
+    // single calls run the static one). One counter per operator: its calls are stream-ordered.
     void* ctr = nullptr;
     MK_CHECK(ses.alloc_zeroed(sizeof(int), &ctr));
     l.item_counter = static_cast<int*>(ctr);
