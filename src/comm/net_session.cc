@@ -20,7 +20,7 @@ Status NetSession::create(Communicator* comm, const std::string& staging, uint32
   std::unique_ptr<NetSession> s(new NetSession());
   s->comm_ = comm;
   Bootstrap& bs = comm->bootstrap();
-  const std::string mode = staging.empty() ? tunables::string_or_default("net_staging") : staging;
+  const std::string mode = staging.empty() ? tunables::net_staging() : staging;
   MK_CHECK(agree(bs,
                  (mode == "auto" || mode == "always" || mode == "never")
                      ? OkStatus()
@@ -74,8 +74,8 @@ Status NetSession::create(Communicator* comm, const std::string& staging, uint32
   // The host is the first responder: a put that stalls fails the proxy (naming the peer and
   // the command) and aborts the communicator before the kernels' own bound expires, so the
   // error says the network lost it rather than only which flag never rose.
-  const int64_t sig_ms = tunables::int_or_default("signal_timeout_ms");
-  pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::int_or_default("net_timeout_ms"), sig_ms * 3 / 4));
+  const int64_t sig_ms = tunables::signal_timeout_ms();
+  pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::net_timeout_ms(), sig_ms * 3 / 4));
   MK_CHECK(agree(bs, Proxy::create(s->wins_.get(), s->sink_.get(), pc, &s->proxy_), "proxy"));
   *out = std::move(s);
   return OkStatus();

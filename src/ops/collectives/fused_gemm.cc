@@ -315,7 +315,7 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   comm->attach(st);
   st->attached = true;
   int64_t cc = opt.comm_ctas;
-  if (cc < 0) cc = tunables::int_or_default("fused_comm_ctas");
+  if (cc < 0) cc = tunables::fused_comm_ctas();
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int resident = 0;
   Status rs = gemm::persistent_ctas(&resident);

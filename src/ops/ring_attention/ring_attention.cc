@@ -482,7 +482,7 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   st->chunk_tokens = int(ct);
   st->pieces = int((st->S_l + ct - 1) / ct);
   int64_t cc = opt.comm_ctas;
-  if (cc < 0) cc = tunables::int_or_default("ring_comm_ctas");
+  if (cc < 0) cc = tunables::ring_comm_ctas();
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int grid = 0;
   Status rs = attention::fmha_ctas(&grid);
