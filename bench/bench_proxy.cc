@@ -866,7 +866,7 @@ int run_bandwidth(const Args& a, int argc, char** argv) {
 
   // (a) Raw backend: the same stream without the proxy, with at most as many puts in flight
   // as the proxy allows (tunable proxy_max_inflight, the proxy's default).
-  const uint64_t cap = static_cast<uint64_t>(tunables::int_or_default("proxy_max_inflight"));
+  const uint64_t cap = static_cast<uint64_t>(tunables::proxy_max_inflight());
   Raw raw(w.be.get());
   uint64_t acks = 0;
   for (Bw& b : res) {

@@ -9,6 +9,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 "$root/scripts/setup.sh"
+# The include graph against the layer order of README.md ("Layers"); fails fast on an upward include.
+python3 "$root/scripts/check_layers.py"
 build=${MK_BUILD_DIR:-build}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 args=(--test-dir "$build" --output-on-failure --no-tests=error)

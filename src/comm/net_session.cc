@@ -19,7 +19,7 @@ Status NetSession::create(Communicator* comm, const std::string& staging, std::u
   std::unique_ptr<NetSession> s(new NetSession());
   s->comm_ = comm;
   Bootstrap& bs = comm->bootstrap();
-  const std::string mode = staging.empty() ? tunables::string_or_default("net_staging") : staging;
+  const std::string mode = staging.empty() ? tunables::net_staging() : staging;
   MK_CHECK(agree(bs,
                  (mode == "auto" || mode == "always" || mode == "never")
                      ? OkStatus()
@@ -107,8 +107,8 @@ Status NetSession::start(uint32_t n_flags) {
   // The host is the first responder: a put that stalls fails the proxy (naming the peer and
   // the command) and aborts the communicator before the kernels' own bound expires, so the
   // error says the network lost it rather than only which flag never rose.
-  const int64_t sig_ms = tunables::int_or_default("signal_timeout_ms");
-  pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::int_or_default("net_timeout_ms"), sig_ms * 3 / 4));
+  const int64_t sig_ms = tunables::signal_timeout_ms();
+  pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::net_timeout_ms(), sig_ms * 3 / 4));
   MK_CHECK(agree(bs, Proxy::create(wins_.get(), sink_.get(), pc, &proxy_), "proxy"));
   Communicator* c = comm_;
   proxy_->on_error([c](const Status& s) { c->abort(s); });

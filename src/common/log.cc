@@ -58,8 +58,8 @@ uint32_t parse_mask(std::string v) {
 }
 
 void configure_locked() {
-  g_mask.store(parse_mask(tunables::string_or_default("debug_subsys")));
-  std::string file = tunables::string_or_default("debug_file");
+  g_mask.store(parse_mask(tunables::debug_subsys()));
+  std::string file = tunables::debug_file();
   if (g_file && g_file != stderr) fclose(g_file);
   g_file = stderr;
   if (!file.empty()) {
@@ -79,7 +79,7 @@ void configure_locked() {
     }
     if (FILE* f = fopen(path.c_str(), "a")) g_file = f;
   }
-  g_level.store(static_cast<int>(parse_level(tunables::string_or_default("debug"))));
+  g_level.store(static_cast<int>(parse_level(tunables::debug())));
 }
 
 const char* subsys_name(uint32_t s) {

@@ -21,7 +21,8 @@ const char* tunable_source_name(TunableSource s) {
 namespace tunables {
 namespace {
 
-// The table. Add a tunable here and nowhere else; read it with get_int/get_string.
+// The table. Add a tunable here, and its typed accessor to MK_TUNABLE_ACCESSORS
+// (mkernel/common/tunables.h); code reads it through the accessor.
 const std::vector<TunableDef> kTable = {
     {"debug", "MK_DEBUG", TunableType::kString, "WARN",
      "log level: NONE, WARN, INFO or TRACE"},
@@ -174,6 +175,16 @@ std::string string_or_default(const std::string& name) {
   if (get_string(name, &v).ok()) return v;
   return "";
 }
+
+// The typed accessors: each reads the table entry of its own name (the name is the function's,
+// spelled once in MK_TUNABLE_ACCESSORS).
+#define MK_TUNABLE_DEFINE_INT_(name_) \
+  int64_t name_() { return int_or_default(#name_); }
+#define MK_TUNABLE_DEFINE_STRING_(name_) \
+  std::string name_() { return string_or_default(#name_); }
+MK_TUNABLE_ACCESSORS(MK_TUNABLE_DEFINE_INT_, MK_TUNABLE_DEFINE_STRING_)
+#undef MK_TUNABLE_DEFINE_INT_
+#undef MK_TUNABLE_DEFINE_STRING_
 
 }  // namespace tunables
 }  // namespace mk

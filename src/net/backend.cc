@@ -34,7 +34,7 @@ Status create_backend(Bootstrap& bs, const Topology& topo, const BackendConfig& 
              "create_backend: topology (rank %d of %d, %zu infos) does not match the bootstrap "
              "(rank %d of %d)",
              topo.rank, topo.world, topo.info.size(), bs.rank(), bs.size());
-  std::string kind = lower_trimmed(cfg.kind.empty() ? tunables::string_or_default("net_backend")
+  std::string kind = lower_trimmed(cfg.kind.empty() ? tunables::net_backend()
                                                     : cfg.kind);
   if (kind.empty()) kind = "libfabric";
   MK_INFO(kSubsysNet, "net: backend %s requested (%s)", kind.c_str(),

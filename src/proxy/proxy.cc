@@ -94,11 +94,11 @@ Status Proxy::create(ProxyWindows* windows, FlagSink* flags, const ProxyConfig& 
   p->flags_ = flags;
   p->cfg_ = cfg;
   uint64_t slots = cfg.ring_slots ? cfg.ring_slots
-                                  : static_cast<uint64_t>(tunables::int_or_default("proxy_ring_slots"));
+                                  : static_cast<uint64_t>(tunables::proxy_ring_slots());
   p->cfg_.max_inflight = cfg.max_inflight
                              ? cfg.max_inflight
-                             : static_cast<uint32_t>(tunables::int_or_default("proxy_max_inflight"));
-  p->timeout_ms_ = cfg.timeout_ms >= 0 ? cfg.timeout_ms : tunables::int_or_default("net_timeout_ms");
+                             : static_cast<uint32_t>(tunables::proxy_max_inflight());
+  p->timeout_ms_ = cfg.timeout_ms >= 0 ? cfg.timeout_ms : tunables::net_timeout_ms();
   MK_CHECK(CommandRing::create(slots, cfg.gpu_ring, &p->ring_));
   p->ops_.resize(p->cfg_.max_inflight);
   for (uint32_t i = p->cfg_.max_inflight; i > 0; --i) p->free_ops_.push_back(i - 1);

@@ -50,7 +50,7 @@ Status ProxyWindows::create(Bootstrap* bs, net::Backend* be, const std::string& 
   w->be_ = be;
   w->rank_ = bs->rank();
   w->world_ = bs->size();
-  w->mode_ = staging.empty() ? tunables::string_or_default("net_staging") : staging;
+  w->mode_ = staging.empty() ? tunables::net_staging() : staging;
   MK_REQUIRE(w->mode_ == "auto" || w->mode_ == "always" || w->mode_ == "never",
              Code::kInvalidArgument, "net_staging must be auto, always or never, got '%s'",
              w->mode_.c_str());

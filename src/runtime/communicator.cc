@@ -30,7 +30,7 @@ namespace {
 // Setup and teardown syncs of the library's own streams: bounded by the signal timeout (the
 // work on them is a few memsets, or kernels whose waits are bounded by it).
 int64_t setup_timeout_ms() {
-  return std::max<int64_t>(2 * tunables::int_or_default("signal_timeout_ms"), 10000);
+  return std::max<int64_t>(2 * tunables::signal_timeout_ms(), 10000);
 }
 
 Status parse_mode(const std::string& s, SymmetricMode* m) {
@@ -65,7 +65,7 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   }
   if (ndev > 0) {
     int want = cfg.device;
-    if (want == -2) want = static_cast<int>(tunables::int_or_default("device"));
+    if (want == -2) want = static_cast<int>(tunables::device());
     if (want < 0) want = host_local_index(infos, rank) % ndev;
     if (want >= ndev) {
       gpu_err = make_status(Code::kInvalidArgument, "device %d requested, %d visible", want, ndev);
@@ -91,7 +91,7 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   // 3. topology (pure function of the gathered infos; agreed, so all ranks fail alike)
   MK_CHECK(bs_->allgather(&me, infos.data(), sizeof(me)));
   int rpn = cfg.ranks_per_node >= 0 ? cfg.ranks_per_node
-                                    : static_cast<int>(tunables::int_or_default("ranks_per_node"));
+                                    : static_cast<int>(tunables::ranks_per_node());
   Status ts = build_topology(rank, infos, rpn, cuda_peer_access, &topo_);
   MK_CHECK(agree(*bs_, ts, "communicator: topology"));
   MK_INFO(kSubsysTopo, "%s", topo_.describe().c_str());
@@ -119,7 +119,7 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   }
 
   // 5. heap, streams, diagnostic record
-  std::string mode = cfg.symmem_mode.empty() ? tunables::string_or_default("symmem_mode")
+  std::string mode = cfg.symmem_mode.empty() ? tunables::symmem_mode()
                                              : cfg.symmem_mode;
   Status ms = parse_mode(mode, &heap_ctx_->requested);
   heap_ctx_->bs = bs_.get();
@@ -247,7 +247,7 @@ Status Communicator::alloc_epoch(EpochState** out) {
 }
 
 WaitCtx Communicator::wait_ctx(uint32_t op_tag, Role role, int64_t timeout_ms) const {
-  if (timeout_ms < 0) timeout_ms = tunables::int_or_default("signal_timeout_ms");
+  if (timeout_ms < 0) timeout_ms = tunables::signal_timeout_ms();
   if (timeout_ms <= 0) timeout_ms = 1;  // every wait is bounded
   WaitCtx c;
   memset(&c, 0, sizeof(c));

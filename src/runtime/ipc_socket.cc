@@ -310,7 +310,7 @@ Status ipc_fetch_fd(const IpcSecret& secret, int my_rank, int peer, const std::s
   MK_REQUIRE(peer_name.size() <= kIpcMaxNameLength, Code::kInvalidArgument,
              "rank %d: rank %d's IPC socket name has %zu characters (at most %zu)", my_rank, peer,
              peer_name.size(), kIpcMaxNameLength);
-  if (timeout_ms <= 0) timeout_ms = tunables::int_or_default("ipc_timeout_ms");
+  if (timeout_ms <= 0) timeout_ms = tunables::ipc_timeout_ms();
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   MK_SYS_CHECK(s);
   struct Closer {

@@ -340,7 +340,7 @@ Status SymmetricHeap::map_peers(SymmetricBuffer* b, Status* local_err) {
   }
 
   auto import_all = [&]() -> Status {
-    const int64_t tmo = tunables::int_or_default("ipc_timeout_ms");
+    const int64_t tmo = tunables::ipc_timeout_ms();
     for (int r = 0; r < world; ++r) {
       switch (topo.path[r]) {
         case PeerPath::kSelf: b->peers_[r] = b->local_; break;
@@ -446,7 +446,7 @@ Status SymmetricHeap::free(SymmetricBuffer* b) {
                        cudaGetErrorString(e));
     cudaGetLastError();
   }
-  const int64_t bound = std::max<int64_t>(2 * tunables::int_or_default("signal_timeout_ms"), 10000);
+  const int64_t bound = std::max<int64_t>(2 * tunables::signal_timeout_ms(), 10000);
   for (cudaStream_t st : ctx_->own_streams) {
     if (!sync.ok()) break;
     sync = sync_stream_bounded(st, bound, "symmetric free");

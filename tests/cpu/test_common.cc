@@ -317,6 +317,53 @@ TEST(Tunables, SetByEnvNameAndStrings) {
   EXPECT_EQ(tunables::string_or_default("symmem_mode"), word);
 }
 
+// Each typed accessor reads the table entry of its name and type: the default with nothing
+// set, the API value once set. Every entry has one (but the ones listed in `untyped`).
+TEST(Tunables, TypedAccessorsReadTheirEntry) {
+  std::mt19937_64 rng(test::test_seed() ^ 0x7E9);
+  std::set<std::string> typed;
+  auto entry = [](const char* name) -> const TunableDef* {
+    for (const auto& d : tunables::table())
+      if (std::string(d.name) == name) return &d;
+    return nullptr;
+  };
+  auto check_int = [&](const char* name, int64_t (*read)()) {
+    SCOPED_TRACE(name);
+    typed.insert(name);
+    const TunableDef* d = entry(name);
+    ASSERT_NE(d, nullptr) << "accessor without a table entry";
+    ASSERT_EQ(d->type, TunableType::kInt);
+    EnvGuard env(d->env);
+    TunableGuard guard(name);
+    MK_ASSERT_OK(tunables::reset(name));
+    EXPECT_EQ(read(), std::stoll(d->default_value));
+    const int64_t v = d->min_value + static_cast<int64_t>(rng() % 100000);
+    MK_ASSERT_OK(tunables::set(name, std::to_string(v)));
+    EXPECT_EQ(read(), v);
+  };
+  auto check_string = [&](const char* name, std::string (*read)()) {
+    SCOPED_TRACE(name);
+    typed.insert(name);
+    const TunableDef* d = entry(name);
+    ASSERT_NE(d, nullptr) << "accessor without a table entry";
+    ASSERT_EQ(d->type, TunableType::kString);
+    EnvGuard env(d->env);
+    TunableGuard guard(name);
+    MK_ASSERT_OK(tunables::reset(name));
+    EXPECT_EQ(read(), d->default_value);
+    if (std::string(name).rfind("debug", 0) == 0) return;  // would reconfigure the log
+    const std::string v = random_token(rng, 12);
+    MK_ASSERT_OK(tunables::set(name, v));
+    EXPECT_EQ(read(), v);
+  };
+#define MK_CHECK_INT_(name_) check_int(#name_, &tunables::name_);
+#define MK_CHECK_STRING_(name_) check_string(#name_, &tunables::name_);
+  MK_TUNABLE_ACCESSORS(MK_CHECK_INT_, MK_CHECK_STRING_)
+#undef MK_CHECK_INT_
+#undef MK_CHECK_STRING_
+  for (const auto& d : tunables::table()) EXPECT_TRUE(typed.count(d.name)) << d.name << " has no typed accessor";
+}
+
 TEST(Tunables, BadInputsAreInvalidArgument) {
   EnvGuard env("MK_BOOTSTRAP_TIMEOUT_MS");
   TunableGuard guard("bootstrap_timeout_ms");

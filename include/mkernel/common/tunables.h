@@ -47,6 +47,36 @@ Status get_string(const std::string& name, std::string* out);
 // default when lookup fails (and logs a WARN once), so a typo cannot crash a kernel launch.
 int64_t int_or_default(const std::string& name);
 std::string string_or_default(const std::string& name);
+
+// Typed accessors, one per tunable and named as it: tunables::signal_timeout_ms() is the
+// current value of "signal_timeout_ms" (API, else env, else default; a malformed value gives
+// the default with a WARN, as int_or_default). Library code reads tunables through these, so
+// a misspelled name does not compile. The list: INT_(name) declares `int64_t name()`,
+// STRING_(name) `std::string name()`; each name is an entry of the table (a test checks it).
+#define MK_TUNABLE_ACCESSORS(INT_, STRING_) \
+  STRING_(debug)                             \
+  STRING_(debug_subsys)                      \
+  STRING_(debug_file)                        \
+  INT_(bootstrap_timeout_ms)                 \
+  INT_(ipc_timeout_ms)                       \
+  INT_(signal_timeout_ms)                    \
+  INT_(ranks_per_node)                       \
+  INT_(device)                               \
+  STRING_(symmem_mode)                       \
+  STRING_(net_backend)                       \
+  STRING_(net_provider)                      \
+  STRING_(net_staging)                       \
+  INT_(proxy_ring_slots)                     \
+  INT_(proxy_max_inflight)                   \
+  INT_(net_timeout_ms)                       \
+  INT_(fused_comm_ctas)                      \
+  INT_(ring_comm_ctas)                       \
+  INT_(check_calls)
+#define MK_TUNABLE_DECLARE_INT_(name_) int64_t name_();
+#define MK_TUNABLE_DECLARE_STRING_(name_) std::string name_();
+MK_TUNABLE_ACCESSORS(MK_TUNABLE_DECLARE_INT_, MK_TUNABLE_DECLARE_STRING_)
+#undef MK_TUNABLE_DECLARE_INT_
+#undef MK_TUNABLE_DECLARE_STRING_
 }  // namespace tunables
 
 }  // namespace mk

@@ -393,7 +393,7 @@ Status LibfabricBackend::init(const Topology& topo, const std::string& requested
 Status LibfabricBackend::choose_provider(const Topology& topo, const std::string& requested,
                                          std::string* prov) {
   std::string want =
-      normalize_provider(requested.empty() ? tunables::string_or_default("net_provider")
+      normalize_provider(requested.empty() ? tunables::net_provider()
                                            : requested);
   if (want.empty()) want = "auto";
   if (want != "auto") {
@@ -442,7 +442,7 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
   const int host_local = host_local_index(topo.info, rank_);
   // FI_HMEM only where this rank has a GPU and GPU windows may be registered directly.
   const bool want_hmem = topo.info[rank_].cuda_device >= 0 &&
-                         tunables::string_or_default("net_staging") != "always";
+                         tunables::net_staging() != "always";
 
   InfoList hl, pl;
   fi_info* chosen = nullptr;
@@ -1001,7 +1001,7 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
   Pause pause;
   // 1. (teardown) This rank's puts complete; their targets keep progressing meanwhile, being
   //    in step 1 or 3 themselves or still in their own work loop.
-  const int64_t net_ms = tunables::int_or_default("net_timeout_ms");
+  const int64_t net_ms = tunables::net_timeout_ms();
   auto deadline = after_ms(net_ms);
   while (own_puts && s.ok() && outstanding_ > 0) {
     int seen = 0;
@@ -1020,7 +1020,7 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
     pause.idle();
   }
   // 2. Tell every peer (even after a local failure, so that peers do not wait on this rank).
-  const int64_t boot_ms = tunables::int_or_default("bootstrap_timeout_ms");
+  const int64_t boot_ms = tunables::bootstrap_timeout_ms();
   deadline = after_ms(boot_ms);
   bool sent = ep_ != nullptr;  // tried even after a failure: the endpoint may still carry them
   for (int p = 0; sent && p < world_; ++p) {

@@ -121,12 +121,12 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   st->kind = kind;
   st->shape = shape;
   st->opt = opt;
-  st->check_calls = tunables::int_or_default("check_calls") != 0;
+  st->check_calls = tunables::check_calls() != 0;
   // Same inputs on every rank: the plan (or its error) is the same everywhere.
   MK_CHECK(build_plan(kind, shape, layout_of(comm->topology()), opt.deterministic, &st->plan));
   MK_CHECK(comm::OpSession::create(comm, name, opt.staging, &st->session));
   int64_t cc = opt.comm_ctas;
-  if (cc < 0) cc = tunables::int_or_default("fused_comm_ctas");
+  if (cc < 0) cc = tunables::fused_comm_ctas();
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int resident = 0;
   Status rs = gemm::persistent_ctas(&resident);

@@ -211,7 +211,7 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   RingState* st = op->st_.get();
   st->shape = shape;
   st->opt = opt;
-  st->check_calls = tunables::int_or_default("check_calls") != 0;
+  st->check_calls = tunables::check_calls() != 0;
   MK_CHECK(build_ring_plan(layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan));
   MK_CHECK(comm::OpSession::create(comm, "ring_attention", opt.staging, &st->session));
   st->S_l = shape.S / W;
@@ -225,7 +225,7 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   geo.chunk_tokens = int(ct);
   geo.pieces = int((st->S_l + ct - 1) / ct);
   int64_t cc = opt.comm_ctas;
-  if (cc < 0) cc = tunables::int_or_default("ring_comm_ctas");
+  if (cc < 0) cc = tunables::ring_comm_ctas();
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int grid = 0;
   Status rs = attention::fmha_ctas(&grid);

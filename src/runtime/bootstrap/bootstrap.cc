@@ -13,7 +13,7 @@ namespace mk {
 
 int64_t Bootstrap::resolve_timeout(int64_t timeout_ms) const {
   if (timeout_ms >= 0) return timeout_ms;
-  return tunables::int_or_default("bootstrap_timeout_ms");
+  return tunables::bootstrap_timeout_ms();
 }
 
 Status Bootstrap::broadcast(void* buf, size_t bytes, int root, int64_t timeout_ms) {
