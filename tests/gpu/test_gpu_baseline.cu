@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "bench/baseline/baseline.h"
+#include "tools/baseline/baseline.h"
 #include "mkernel/runtime/bootstrap.h"
 #include "tests/common/test_util.h"
 

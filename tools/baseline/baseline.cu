@@ -1,6 +1,6 @@
 // cuBLAS + NCCL baselines (see include/mkernel/ops/baseline.h). Host code only: every kernel
 // comes from cuBLAS or NCCL.
-#include "bench/baseline/baseline.h"
+#include "tools/baseline/baseline.h"
 #include "src/ops/ring_attention/ring_plan.h"
 
 #include <cublas_v2.h>

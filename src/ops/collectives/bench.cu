@@ -1,0 +1,305 @@
+// `mkernel bench ag_gemm|gemm_rs|gemm_ar|all`: the fused GEMM collectives against cuBLAS + NCCL.
+//
+// Per operator and shape: a correctness check of the fused result against the unfused GEMM on
+// the same GPU (small integers, exact), then timings — median of --reps calls after --warmup
+// calls, CUDA events around each call on the stream — of the fused kernel, its compute alone
+// (T_c: the same GEMM without communication), and, when every rank has its own GPU, cuBLAS then
+// NCCL, cuBLAS + NCCL pipelined in 4 row chunks, and the NCCL collective alone (T_x). When ranks
+// share a GPU (processes under MPS) NCCL cannot run and fused times are not comparable with
+// multi-GPU runs: they are marked so. At W = 1 nothing is communicated: no overlap efficiency,
+// no pipelined baseline, no collective alone ("-" in the table, null in JSON).
+//
+// Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/check.h"
+#include "mkernel/gemm/gemm.h"
+#include "mkernel/mkernel.h"
+#include "mkernel/ops/fused.h"
+#include "tools/bench_common.h"
+#if MK_HAVE_NCCL
+#include "tools/baseline/baseline.h"
+#endif
+
+namespace mk {
+namespace bench {
+namespace {
+
+using ops::FusedKind;
+
+// ints: integers in [-2, 2] (exact products); else approximately normal values (sum of 4 uniforms).
+__global__ void fill(__nv_bfloat16* p, int64_t rows, int64_t cols, int64_t ld, uint64_t seed, int64_t row0,
+                     int64_t src_cols, bool ints) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    const uint64_t h = mix(seed ^ (uint64_t(r + row0) * uint64_t(src_cols) + uint64_t(c)));
+    float v;
+    if (ints) v = float(int(h % 5) - 2);
+    else v = (float(h & 0xffff) + float((h >> 16) & 0xffff) + float((h >> 32) & 0xffff) + float(h >> 48)) / 65536.f - 2.f;
+    p[r * ld + c] = __float2bfloat16(v);
+  }
+}
+__global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t n, unsigned long long* bad) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    if (a[i] != b[i]) atomicAdd(bad, 1ull);
+}
+
+struct Row {
+  std::string op;
+  int64_t M, N, K;
+  int W;
+  bool checked = false, correct = false;
+  unsigned long long bad = 0;
+  bool comparable = false;
+  double fused = 0, compute = 0, seq = 0, pipe = 0, coll = 0;  // ms (0: not run)
+  double flops = 0;
+};
+
+// The flops of the whole operator (all ranks' GEMMs) per call, per rank's share.
+double flops_of(FusedKind, int64_t M, int64_t N, int64_t K) { return 2.0 * double(M) * double(N) * double(K); }
+
+Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64_t M, int64_t N, int64_t K,
+                      const RunCfg& rc, Row* row) {
+  const int W = comm->world(), me = comm->rank();
+  cudaStream_t st = comm->stream();
+  const int64_t a_rows = kind == FusedKind::kAgGemm ? M / W : M;
+  const int64_t c_rows = kind == FusedKind::kGemmRs ? M / W : M;
+  Buf A, B, C, Aref, Bref, Cref, bad;
+  // Correctness: exact small integers; the reference is the unfused GEMM over inputs every rank
+  // rebuilds (AG: the gathered A; RS/AR: one GEMM over the ranks' concatenated K).
+  auto fill_inputs = [&](bool ints) {
+    const uint64_t sa = 0x5eed0000, sb = 0x5eed1000;
+    if (kind == FusedKind::kAgGemm) {
+      fill<<<264, 256, 0, st>>>(A.bf(), M / W, K, K, sa, me * (M / W), K, ints);
+      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, K, ints);
+      if (ints) fill<<<264, 256, 0, st>>>(Aref.bf(), M, K, K, sa, 0, K, ints);
+    } else {
+      fill<<<264, 256, 0, st>>>(A.bf(), M, K, K, sa + me, 0, K, ints);
+      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, K, ints);
+      if (ints)
+        for (int r = 0; r < W; ++r) {
+          fill<<<264, 256, 0, st>>>(Aref.bf() + r * K, M, K, W * K, sa + r, 0, K, ints);
+          fill<<<264, 256, 0, st>>>(Bref.bf() + r * K, N, K, W * K, sb + r, 0, K, ints);
+        }
+    }
+    return CLI_CUDA(comm, cudaGetLastError());
+  };
+  gemm::Arguments ref;
+  Status s = [&]() -> Status {
+    MK_CHECK(CLI_CUDA(comm, A.alloc(size_t(a_rows) * K * 2)));
+    MK_CHECK(CLI_CUDA(comm, B.alloc(size_t(N) * K * 2)));
+    MK_CHECK(CLI_CUDA(comm, C.alloc(size_t(c_rows) * N * 2)));
+    MK_CHECK(CLI_CUDA(comm, Aref.alloc(kind == FusedKind::kAgGemm ? size_t(M) * K * 2 : size_t(M) * K * W * 2)));
+    MK_CHECK(CLI_CUDA(comm, Bref.alloc(kind == FusedKind::kAgGemm ? 16 : size_t(N) * K * W * 2)));
+    MK_CHECK(CLI_CUDA(comm, Cref.alloc(size_t(M) * N * 2)));
+    MK_CHECK(CLI_CUDA(comm, bad.alloc(sizeof(unsigned long long))));
+    MK_CHECK(fill_inputs(true));
+    ref.A = Aref.p;
+    ref.B = kind == FusedKind::kAgGemm ? B.p : Bref.p;
+    ref.C = Cref.p;
+    ref.M = M, ref.N = N, ref.K = kind == FusedKind::kAgGemm ? K : K * W;
+    MK_CHECK(gemm::run(ref, st));
+    MK_CHECK(CLI_CUDA(comm, cudaMemsetAsync(C.p, 0xff, size_t(c_rows) * N * 2, st)));  // poison
+    return synced(comm, st);
+  }();
+  MK_CHECK(agreed(comm, s, "preparing inputs and the reference"));
+
+  // The checked call: run (collective), synchronize, comm->check(); only then read C.
+  ops::FusedArgs fa;
+  fa.A = A.p, fa.B = B.p, fa.C = C.p;
+  s = decoded(comm, op->run(fa, st));
+  if (s.ok()) s = synced(comm, st);
+  const int64_t row0 = kind == FusedKind::kGemmRs ? me * (M / W) : 0;
+  unsigned long long* d_bad = static_cast<unsigned long long*>(bad.p);
+  MK_CHECK(count_world(
+      comm, st, s, d_bad,
+      [&] {
+        count_diff<<<264, 256, 0, st>>>(static_cast<uint16_t*>(C.p), static_cast<uint16_t*>(Cref.p) + row0 * N,
+                                        c_rows * N, d_bad);
+      },
+      "the checked call", &row->bad));
+  row->checked = true;
+  row->correct = row->bad == 0;
+  if (!row->correct) return OkStatus();  // no timings of a wrong operator
+
+  // Timing on approximately normal data (the GEMM's speed depends on the data).
+  s = fill_inputs(false);
+  if (s.ok()) s = synced(comm, st);
+  MK_CHECK(agreed(comm, s, "refilling inputs"));
+  Timing t;
+  MK_CHECK(time_it(comm, st, rc, "timing the fused call", [&] { return op->enqueue(fa, st); }, &t));
+  row->fused = t.median_ms;
+  gemm::Arguments g;  // T_c: the same GEMM without communication
+  g.A = kind == FusedKind::kAgGemm ? op->gathered_a() : A.p;
+  g.B = B.p;
+  g.C = Cref.p;
+  g.M = M, g.N = N, g.K = K;
+  MK_CHECK(time_it(comm, st, rc, "timing the GEMM alone", [&] { return gemm::run(g, st); }, &t));
+  row->compute = t.median_ms;
+#if MK_HAVE_NCCL
+  if (row->comparable) {
+    using ops::baseline::Baselines;
+    std::unique_ptr<Baselines> bl;
+    MK_CHECK(agreed(comm, Baselines::create(comm->bootstrap(), comm->device(), &bl), "creating the NCCL baselines"));
+    const int chunks = 4;
+    Buf full, ws;  // AG: the gathered A and a workspace; RS: a workspace; AR: the full product
+    size_t full_bytes = 0, ws_bytes = 0;
+    std::function<Status(int)> base;  // cuBLAS + NCCL in `n` row chunks (1: the GEMM, then the collective)
+    std::function<Status()> coll;     // the NCCL collective alone (T_x)
+    bool can_chunk = (M / W) % chunks == 0;
+    if (kind == FusedKind::kAgGemm) {
+      full_bytes = size_t(M) * K * 2, ws_bytes = Baselines::ag_workspace_bytes(M, K, W, chunks);
+      base = [&](int n) { return bl->ag_gemm(A.p, B.p, C.p, full.p, ws.p, M, N, K, n, st); };
+      coll = [&] { return bl->collective(Baselines::Coll::kAllGather, A.p, full.p, size_t(M) * K, st); };
+    } else if (kind == FusedKind::kGemmRs) {
+      ws_bytes = Baselines::rs_workspace_bytes(M, N, W, chunks);
+      base = [&](int n) { return bl->gemm_rs(A.p, B.p, C.p, ws.p, M, N, K, n, st); };
+      coll = [&] { return bl->collective(Baselines::Coll::kReduceScatter, ws.p, C.p, size_t(M / W) * N, st); };
+    } else {
+      full_bytes = size_t(M) * N * 2;
+      can_chunk = M % chunks == 0;
+      base = [&](int n) { return bl->gemm_ar(A.p, B.p, full.p, M, N, K, n, st); };
+      coll = [&] { return bl->collective(Baselines::Coll::kAllReduce, full.p, full.p, size_t(M) * N, st); };
+    }
+    s = CLI_CUDA(comm, full.alloc(full_bytes));
+    if (s.ok()) s = CLI_CUDA(comm, ws.alloc(ws_bytes));
+    MK_CHECK(agreed(comm, s, "allocating baseline buffers"));
+    MK_CHECK(time_it(comm, st, rc, "timing cuBLAS + NCCL", [&] { return base(1); }, &t));
+    row->seq = t.median_ms;
+    // At W = 1 nothing is communicated: nothing to pipeline, no collective to time alone (and
+    // so no overlap efficiency); cuBLAS + the one-rank NCCL call above is the only baseline.
+    if (W > 1 && can_chunk) {
+      MK_CHECK(time_it(comm, st, rc, "timing pipelined cuBLAS + NCCL", [&] { return base(chunks); }, &t));
+      row->pipe = t.median_ms;
+    }
+    if (W > 1) {
+      MK_CHECK(time_it(comm, st, rc, "timing the NCCL collective", [&] { return coll(); }, &t));
+      row->coll = t.median_ms;
+    }
+  }
+#endif
+  return OkStatus();
+}
+
+Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64_t K, const RunCfg& rc,
+                 bool comparable, Row* row) {
+  row->op = ops::fused_kind_name(kind);
+  row->M = M, row->N = N, row->K = K, row->W = comm->world();
+  row->comparable = comparable;
+  row->flops = flops_of(kind, M, N, K);
+  std::unique_ptr<ops::FusedGemm> op;
+  // Collective: bad shapes (N not a multiple of 8, M not divisible by W, ...) are the same
+  // error on every rank.
+  MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, ops::FusedOptions{}, &op));
+  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, rc, row);
+  // Every rank gets here on the same path (the body's failures are agreed): destroy is collective.
+  const Status d = op->destroy();
+  return s.ok() ? d : s;
+}
+
+std::string row_json(const Row& r) {
+  char b[1024];
+  auto tf = [&](double ms) { return ms > 0 ? r.flops / (ms * 1e-3) / 1e12 : 0.0; };
+  snprintf(b, sizeof b,
+           "{\"op\": \"%s\", \"M\": %lld, \"N\": %lld, \"K\": %lld, \"world\": %d, \"correct\": %s, "
+           "\"mismatches\": %llu, \"comparable\": %s, \"fused_ms\": %s, \"compute_only_ms\": %s, "
+           "\"cublas_nccl_ms\": %s, \"cublas_nccl_pipelined_ms\": %s, \"nccl_only_ms\": %s, "
+           "\"fused_tflops_per_rank\": %s, \"speedup_vs_sequential\": %s, \"speedup_vs_pipelined\": %s, "
+           "\"overlap_efficiency\": %s}",
+           r.op.c_str(), (long long)r.M, (long long)r.N, (long long)r.K, r.W, r.correct ? "true" : "false", r.bad,
+           r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(), jnum(r.compute, 4).c_str(),
+           jnum(r.seq, 4).c_str(), jnum(r.pipe, 4).c_str(), jnum(r.coll, 4).c_str(), jnum(tf(r.fused), 1).c_str(),
+           jnum(ratio(r.seq, r.fused), 3).c_str(), jnum(ratio(r.pipe, r.fused), 3).c_str(),
+           eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str());
+  return b;
+}
+
+struct Shape {
+  int64_t M, N, K;
+};
+
+// The shapes of one operator: the one given (a dimension left out is 4096), else the default
+// sweep, Llama-70B-like TP shapes shrunk to run in seconds.
+std::vector<Shape> shapes_of(FusedKind kind, int64_t m, int64_t n, int64_t k, int W) {
+  if (m > 0 || n > 0 || k > 0) return {Shape{m > 0 ? m : 4096, n > 0 ? n : 4096, k > 0 ? k : 4096}};
+  if (kind == FusedKind::kAgGemm) return {Shape{4096, 3584, 8192}, Shape{8192, 3584, 8192}};
+  if (kind == FusedKind::kGemmRs) return {Shape{4096, 8192, 3584}, Shape{8192, 8192, 3584}};
+  // N = M, K = M / W
+  return {Shape{4096, 4096, std::max<int64_t>(8, 4096 / W / 8 * 8)},
+          Shape{8192, 8192, std::max<int64_t>(8, 8192 / W / 8 * 8)}};
+}
+
+}  // namespace
+
+int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k) {
+  Communicator* comm = env.comm;
+  const bool comparable = env.comparable;
+  const int W = comm->world(), me = comm->rank();
+  std::vector<FusedKind> kinds;
+  if (which == "ag_gemm") kinds = {FusedKind::kAgGemm};
+  else if (which == "gemm_rs") kinds = {FusedKind::kGemmRs};
+  else if (which == "gemm_ar") kinds = {FusedKind::kGemmAr};
+  else if (which == "all") kinds = {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr};
+  if (me == 0) {
+    printf("mkernel bench: %d rank(s), %d node(s); %s%s\n", W, comm->topology().num_nodes,
+           comparable ? "one GPU per rank: fused vs cuBLAS + NCCL"
+                      : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable "
+                        "with multi-GPU runs; no NCCL baselines",
+           W == 1 ? "; W = 1: nothing is communicated, no overlap figure" : "");
+    printf("%-8s %6s %6s %6s  %-7s %9s %9s %9s %9s %9s %8s %8s %7s\n", "op", "M", "N", "K", "check", "fused_ms",
+           "TFLOP/s", "comp_ms", "seq_ms", "pipe_ms", "vs_seq", "vs_pipe", "overlap");
+  }
+  std::vector<std::string> rows;
+  std::vector<CheckLine> checks;
+  bool stop = false;
+  for (FusedKind kind : kinds) {
+    if (stop) break;
+    for (const Shape& sh : shapes_of(kind, m, n, k, W)) {
+      Row r;
+      CheckLine c;
+      c.label = std::string(ops::fused_kind_name(kind)) + " M " + std::to_string(sh.M) + " N " +
+                std::to_string(sh.N) + " K " + std::to_string(sh.K) + " W " + std::to_string(W);
+      Status bs_ = bench_one(comm, kind, sh.M, sh.N, sh.K, env.rc, comparable, &r);
+      c.done = r.checked, c.ok = r.correct, c.bad = r.bad;
+      if (!bs_.ok()) {
+        c.error = bs_.to_string();
+        if (me == 0) fprintf(stderr, "bench %s: %s\n", c.label.c_str(), c.error.c_str());
+      }
+      checks.push_back(c);
+      if (bs_.ok() && r.correct) {
+        rows.push_back(row_json(r));
+        if (me == 0) {
+          const double tf = r.fused > 0 ? r.flops / (r.fused * 1e-3) / 1e12 : 0;
+          printf("%-8s %6lld %6lld %6lld  %-7s %9s %9s %9s %9s %9s %8s %8s %7s%s\n", r.op.c_str(), (long long)r.M,
+                 (long long)r.N, (long long)r.K, "ok", cell(r.fused, 3).c_str(), cell(tf, 1).c_str(),
+                 cell(r.compute, 3).c_str(), cell(r.seq, 3).c_str(), cell(r.pipe, 3).c_str(),
+                 cell(ratio(r.seq, r.fused), 2).c_str(), cell(ratio(r.pipe, r.fused), 2).c_str(),
+                 eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
+                 comparable ? "" : "  (not comparable)");
+          fflush(stdout);
+        }
+      } else if (me == 0 && r.checked && !r.correct) {
+        printf("%-8s %6lld %6lld %6lld  %-7s (%llu mismatches)\n", r.op.c_str(), (long long)r.M, (long long)r.N,
+               (long long)r.K, "WRONG", r.bad);
+      }
+      if (!bs_.ok() && communicator_failed(comm)) {
+        stop = true;
+        break;
+      }
+    }
+  }
+  bool failed = false;
+  if (me == 0 && !env.json.empty() && !write_json(env.json, W, comm->topology().num_nodes, comparable, rows))
+    failed = true;
+  return summarize(comm, checks, "bit-exact against the unfused GEMM", failed);
+}
+
+}  // namespace bench
+}  // namespace mk

@@ -1,0 +1,231 @@
+// `mkernel bench ring_attention`: ring attention against an NCCL all-gather + attention and a
+// per-step NCCL send/recv ring.
+//
+// Per sequence length: a correctness check of the fused ring against the same attention kernel
+// over the K/V blocks gathered on each rank (bf16 tolerance), then timings — median of --reps
+// calls after --warmup calls, CUDA events around each call on the stream — of the fused ring,
+// the attention alone over the gathered blocks (T_c), and, when every rank has its own GPU, the
+// two NCCL baselines and the K/V all-gather alone (T_x; not at W = 1). --trace writes the
+// per-CTA timeline of one traced fused call per rank.
+//
+// Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mkernel/attention/attention.h"
+#include "mkernel/common/check.h"
+#include "mkernel/device/trace.h"
+#include "mkernel/mkernel.h"
+#include "mkernel/ops/ring_attention.h"
+#include "tools/bench_common.h"
+#if MK_HAVE_NCCL
+#include "tools/baseline/baseline.h"
+#endif
+
+namespace mk {
+namespace bench {
+namespace {
+
+// Rank r's K (which 0) or V (which 1) block: approximately normal values from a hash.
+__global__ void fill_block(__nv_bfloat16* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix(seed ^ uint64_t(i));
+    const float v = (float(h & 0xffff) + float((h >> 16) & 0xffff) + float((h >> 32) & 0xffff) + float(h >> 48)) / 65536.f - 2.f;
+    p[i] = __float2bfloat16(v);
+  }
+}
+__global__ void count_far(const __nv_bfloat16* got, const __nv_bfloat16* want, int64_t n, unsigned long long* bad) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(got[i]), w = __bfloat162float(want[i]);
+    if (!(fabsf(g - w) <= 2e-3f + 1.6e-2f * fabsf(w))) atomicAdd(bad, 1ull);
+  }
+}
+
+struct RingRow {
+  int64_t S_l = 0;
+  int W = 0, B = 1, H = 32, Hkv = 32, D = 128;
+  bool causal = true, zigzag = true, checked = false, correct = false, comparable = false;
+  unsigned long long bad = 0;
+  double fused = 0, compute = 0, allgather = 0, sendrecv = 0, coll = 0, flops = 0;
+};
+
+Status bench_ring_body(Communicator* comm, ops::RingAttention* op, RingRow* r, const RunCfg& rc,
+                       const std::string& trace) {
+  const int W = comm->world(), me = comm->rank();
+  cudaStream_t st = comm->stream();
+  const size_t qe = size_t(r->B) * r->S_l * r->H * r->D, ke = op->block_elems();
+  Buf q, o, o_ref, k_all, v_all, kb0, kb1, vb0, vb1, bad;
+  Status s = [&]() -> Status {
+    for (Buf* b : {&q, &o, &o_ref}) MK_CHECK(CLI_CUDA(comm, b->alloc(qe * 2)));
+    for (Buf* b : {&k_all, &v_all}) MK_CHECK(CLI_CUDA(comm, b->alloc(ke * W * 2)));
+    for (Buf* b : {&kb0, &kb1, &vb0, &vb1}) MK_CHECK(CLI_CUDA(comm, b->alloc(ke * 2)));
+    MK_CHECK(CLI_CUDA(comm, bad.alloc(sizeof(unsigned long long))));
+    fill_block<<<264, 256, 0, st>>>(q.bf(), int64_t(qe), 0x9000 + me);
+    for (int b = 0; b < W; ++b) {
+      fill_block<<<264, 256, 0, st>>>(k_all.bf() + size_t(b) * ke, int64_t(ke), 0x1000 + b);
+      fill_block<<<264, 256, 0, st>>>(v_all.bf() + size_t(b) * ke, int64_t(ke), 0x2000 + b);
+    }
+    MK_CHECK(CLI_CUDA(comm, cudaGetLastError()));
+    MK_CHECK(CLI_CUDA(comm, cudaMemsetAsync(o.p, 0xff, qe * 2, st)));  // poison
+    return synced(comm, st);
+  }();
+  MK_CHECK(agreed(comm, s, "preparing inputs"));
+  ops::RingAttentionArgs a{q.p, k_all.bf() + size_t(me) * ke, v_all.bf() + size_t(me) * ke, o.p, nullptr};
+
+  // Correctness: the fused ring (run, synchronize, comm->check()) against the same kernel over
+  // the blocks gathered here; O is read only after the check.
+  s = decoded(comm, op->run(a, st));
+  if (s.ok()) s = synced(comm, st);
+  ops::RingAttentionArgs ar = a;
+  ar.o = o_ref.p;
+  if (s.ok()) s = decoded(comm, op->enqueue_compute(ar, -1, k_all.p, v_all.p, st));
+  if (s.ok()) s = synced(comm, st);
+  unsigned long long* d_bad = static_cast<unsigned long long*>(bad.p);
+  MK_CHECK(count_world(
+      comm, st, s, d_bad, [&] { count_far<<<264, 256, 0, st>>>(o.bf(), o_ref.bf(), int64_t(qe), d_bad); },
+      "the checked call", &r->bad));
+  r->checked = true;
+  r->correct = r->bad == 0;
+  if (!r->correct) return OkStatus();
+
+  // Per rank: its queries against the whole sequence (causal: the visible half on average).
+  r->flops = attention::forward_flops(r->B, r->H, int(r->S_l), int(r->S_l * W), r->D, r->causal);
+  Timing t;
+  MK_CHECK(time_it(comm, st, rc, "timing the fused call", [&] { return op->enqueue(a, st); }, &t));
+  r->fused = t.median_ms;
+  MK_CHECK(time_it(comm, st, rc, "timing the attention alone",
+                   [&] { return op->enqueue_compute(a, -1, k_all.p, v_all.p, st); }, &t));
+  r->compute = t.median_ms;
+  if (!trace.empty()) {
+    // One traced fused call: the per-CTA timeline of this rank (tools/trace_png.py draws it).
+    TraceRecorder rec;
+    std::vector<TraceEvent> ev;
+    uint64_t dropped = 0;
+    const std::string path = trace + ".s" + std::to_string(r->S_l) + ".w" + std::to_string(W) + ".rank" +
+                             std::to_string(me) + ".json";
+    MK_CHECK(agreed(comm, TraceRecorder::create(uint32_t(64 * (op->work_items() + op->comm_ops()) + 4096), &rec),
+                    "creating the trace recorder"));
+    ops::RingAttentionArgs at = a;
+    at.trace = rec.device();
+    MK_CHECK(comm->bootstrap().barrier());
+    s = decoded(comm, op->enqueue(at, st));
+    if (s.ok()) s = synced(comm, st);
+    if (s.ok()) s = rec.fetch(&ev, &dropped);
+    if (s.ok()) s = write_chrome_trace(ev, path);
+    MK_CHECK(agreed(comm, s, "the traced call"));
+    if (me == 0)
+      printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
+  }
+#if MK_HAVE_NCCL
+  if (r->comparable) {
+    std::unique_ptr<ops::baseline::Baselines> bl;
+    MK_CHECK(agreed(comm, ops::baseline::Baselines::create(comm->bootstrap(), comm->device(), &bl),
+                    "creating the NCCL baselines"));
+    MK_CHECK(time_it(comm, st, rc, "timing NCCL all-gather + attention",
+                     [&] { return bl->ring_attn_allgather(*op, a, k_all.p, v_all.p, st); }, &t));
+    r->allgather = t.median_ms;
+    void* kb[2] = {kb0.p, kb1.p};
+    void* vb[2] = {vb0.p, vb1.p};
+    MK_CHECK(time_it(comm, st, rc, "timing the NCCL send/recv ring",
+                     [&] { return bl->ring_attn_sendrecv(*op, a, kb, vb, st); }, &t));
+    r->sendrecv = t.median_ms;
+    if (W > 1) {  // at W = 1 there is no K/V to move: no T_x, no overlap efficiency
+      MK_CHECK(time_it(comm, st, rc, "timing the NCCL K/V all-gather", [&] {
+        MK_CHECK(bl->collective(ops::baseline::Baselines::Coll::kAllGather, a.k, k_all.p, ke * W, st));
+        return bl->collective(ops::baseline::Baselines::Coll::kAllGather, a.v, v_all.p, ke * W, st); }, &t));
+      r->coll = t.median_ms;
+    }
+  }
+#endif
+  return OkStatus();
+}
+
+Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const std::string& trace) {
+  const int W = comm->world();
+  ops::RingAttentionShape sh{r->B, r->H, r->Hkv, r->D, r->S_l * W,
+                             r->zigzag ? ops::SeqLayout::kZigzag : ops::SeqLayout::kContiguous, r->causal};
+  std::unique_ptr<ops::RingAttention> op;
+  MK_CHECK(ops::RingAttention::create(comm, sh, {}, &op));  // collective: a bad shape fails every rank
+  const Status s = bench_ring_body(comm, op.get(), r, rc, trace);
+  const Status d = op->destroy();
+  return s.ok() ? d : s;
+}
+
+std::string ring_json(const RingRow& r) {
+  char b[1024];
+  snprintf(b, sizeof b,
+           "{\"op\": \"ring_attention\", \"B\": %d, \"H\": %d, \"Hkv\": %d, \"D\": %d, \"seq_per_rank\": %lld, "
+           "\"world\": %d, \"causal\": %s, \"layout\": \"%s\", \"correct\": %s, \"mismatches\": %llu, "
+           "\"comparable\": %s, \"fused_ms\": %s, \"compute_only_ms\": %s, \"allgather_then_attention_ms\": %s, "
+           "\"sendrecv_ring_ms\": %s, \"nccl_allgather_kv_ms\": %s, \"fused_tflops_per_rank\": %s, "
+           "\"speedup_vs_allgather\": %s, \"speedup_vs_sendrecv\": %s, \"overlap_efficiency\": %s}",
+           r.B, r.H, r.Hkv, r.D, (long long)r.S_l, r.W, r.causal ? "true" : "false", r.zigzag ? "zigzag" : "contiguous",
+           r.correct ? "true" : "false", r.bad, r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(),
+           jnum(r.compute, 4).c_str(), jnum(r.allgather, 4).c_str(), jnum(r.sendrecv, 4).c_str(),
+           jnum(r.coll, 4).c_str(), jnum(r.fused > 0 ? r.flops / (r.fused * 1e-3) / 1e12 : 0, 1).c_str(),
+           jnum(ratio(r.allgather, r.fused), 3).c_str(), jnum(ratio(r.sendrecv, r.fused), 3).c_str(),
+           eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str());
+  return b;
+}
+
+}  // namespace
+
+int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace) {
+  Communicator* comm = env.comm;
+  const RunCfg& rc = env.rc;
+  const bool comparable = env.comparable;
+  const std::string& json = env.json;
+  const int W = comm->world(), me = comm->rank();
+  if (seqs.empty()) seqs = {4096, 8192};
+  if (me == 0) {
+    printf("ring_attention: B1 H32 D128 bf16, %s, zigzag, %d rank(s), %d node(s); %s%s\n",
+           causal ? "causal" : "non-causal", W, comm->topology().num_nodes,
+           comparable ? "one GPU per rank: vs NCCL all-gather + attention and a per-step NCCL send/recv ring"
+                      : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable",
+           W == 1 ? "; W = 1: nothing to overlap" : "");
+    printf("%8s %3s  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s\n", "S/rank", "W", "check", "fused_ms", "TFLOP/s",
+           "comp_ms", "ag_ms", "ring_ms", "nccl_ms", "vs_ag", "vs_ring", "overlap");
+  }
+  std::vector<std::string> rows;
+  std::vector<CheckLine> checks;
+  bool failed = false;
+  for (int64_t S_l : seqs) {
+    RingRow r;
+    r.S_l = S_l, r.W = W, r.causal = causal, r.comparable = comparable;
+    CheckLine c;
+    c.label = "ring_attention S/rank " + std::to_string(S_l) + " W " + std::to_string(W);
+    Status s = bench_ring_one(comm, &r, rc, trace);
+    c.done = r.checked, c.ok = r.correct, c.bad = r.bad;
+    if (!s.ok()) {
+      c.error = s.to_string();
+      if (me == 0) fprintf(stderr, "bench ring_attention S/rank %lld: %s\n", (long long)S_l, c.error.c_str());
+    }
+    checks.push_back(c);
+    if (s.ok() && r.correct) {
+      rows.push_back(ring_json(r));
+      if (me == 0) {
+        printf("%8lld %3d  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s%s\n", (long long)S_l, W, "ok",
+               cell(r.fused, 3).c_str(), cell(r.fused > 0 ? r.flops / (r.fused * 1e-3) / 1e12 : 0, 1).c_str(),
+               cell(r.compute, 3).c_str(), cell(r.allgather, 3).c_str(), cell(r.sendrecv, 3).c_str(),
+               cell(r.coll, 3).c_str(), cell(ratio(r.allgather, r.fused), 2).c_str(),
+               cell(ratio(r.sendrecv, r.fused), 2).c_str(),
+               eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
+               comparable ? "" : "  (not comparable)");
+        fflush(stdout);
+      }
+    } else if (me == 0 && r.checked && !r.correct) {
+      printf("%8lld %3d  %-6s (%llu mismatches)\n", (long long)S_l, W, "WRONG", r.bad);
+    }
+    if (!s.ok() && communicator_failed(comm)) break;
+  }
+  if (me == 0 && !json.empty() && !write_json(json, W, comm->topology().num_nodes, comparable, rows)) failed = true;
+  return summarize(comm, checks, "within bf16 tolerance of the same kernel over the gathered K/V", failed);
+}
+
+}  // namespace bench
+}  // namespace mk

@@ -1,0 +1,173 @@
+// `mkernel bench <op>`: the fused operators against their unfused baselines on the local GPUs.
+//
+//   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K] [--reps R] [--warmup U] [--json FILE]
+//   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
+//                                [--trace PREFIX]
+//
+// Under mpirun one rank per process (else one rank). This file parses the arguments, creates the
+// communicator, decides whether times are comparable (one GPU per rank and NCCL) and hands over
+// to the operator's entry (tools/bench_common.h): src/ops/collectives/bench.cu for the GEMM
+// collectives, src/ops/ring_attention/bench.cu for ring attention; each checks its operator's
+// result, then times it against its baselines.
+//
+// Failures. Arguments are checked before any collective or GPU work (every rank gets the same
+// argv, so every rank fails the same way). Every fused or ring call is followed by a stream
+// sync and comm->check(): a device wait that gave up does not fail the launch, the kernel
+// finishes, and only the communicator's decoded record ("rank 0 (op ag_gemm, role comm, ...)
+// timed out ... on flag 5 from rank 1 ...") says so; a result is read only after that check.
+// Every step a rank runs on its own ends in agree(): every rank learns the first failing
+// rank's error at the same point and leaves by the same path (operator and communicator
+// teardown are collective), so no rank waits in a collective for one that left.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "mkernel/mkernel.h"
+#include "tools/bench_common.h"
+#include "tools/cli.h"
+
+namespace mk {
+namespace cli {
+namespace {
+
+struct BenchArgs {
+  std::string which, json, trace;
+  int64_t m = 0, n = 0, k = 0;
+  bench::RunCfg rc;
+  std::vector<int64_t> seqs;
+  bool causal = true;
+  std::vector<std::string> fused_only, ring_only;  // options given that apply to one family
+};
+
+// Dimensions fit the GEMM's 32-bit extents; counts stay small enough to finish.
+constexpr int64_t kMaxDim = 2147483647;
+constexpr int kMaxReps = 100000;
+
+bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::string* err) {
+  ArgReader ar(args);
+  bool ok = true;
+  while (ok && !ar.done()) {
+    const std::string a = ar.next();
+    if (a == "--m" || a == "--n" || a == "--k") {
+      int64_t* d = a == "--m" ? &b->m : a == "--n" ? &b->n : &b->k;
+      ok = ar.int_value(int64_t(1), kMaxDim, d);
+      b->fused_only.push_back(a);
+    } else if (a == "--reps") {
+      ok = ar.int_value(1, kMaxReps, &b->rc.reps);
+    } else if (a == "--warmup") {
+      ok = ar.int_value(0, kMaxReps, &b->rc.warmup);
+    } else if (a == "--json") {
+      ok = ar.value(&b->json);
+    } else if (a == "--seq") {
+      int64_t s = 0;
+      ok = ar.int_value(int64_t(1), kMaxDim, &s);
+      b->seqs.push_back(s);
+      b->ring_only.push_back(a);
+    } else if (a == "--non-causal") {
+      ok = ar.no_value();
+      b->causal = false;
+      b->ring_only.push_back(a);
+    } else if (a == "--trace") {
+      ok = ar.value(&b->trace);
+      b->ring_only.push_back(a);
+    } else if (a == "--dtype") {
+      std::string d;
+      ok = ar.value(&d) && (d == "bf16" || ar.fail("--dtype '" + d + "': only bf16 is implemented"));
+    } else if (a.rfind("-", 0) == 0) {
+      ok = ar.fail("unknown option '" + a + "'");
+    } else if (b->which.empty()) {
+      b->which = a;
+    } else {
+      ok = ar.fail("unexpected argument '" + a + "' (the operator is already '" + b->which + "')");
+    }
+  }
+  if (!ok) {
+    *err = ar.error();
+    return false;
+  }
+  static const char* kOps[] = {"ag_gemm", "gemm_rs", "gemm_ar", "all", "ring_attention"};
+  if (b->which.empty()) b->which = "all";
+  if (std::find_if(std::begin(kOps), std::end(kOps), [&](const char* o) { return b->which == o; }) == std::end(kOps)) {
+    *err = "unknown operator '" + b->which + "' (ag_gemm, gemm_rs, gemm_ar, all, ring_attention)";
+    return false;
+  }
+  const bool ring = b->which == "ring_attention";
+  if (ring && !b->fused_only.empty()) {
+    *err = b->fused_only[0] + " does not apply to ring_attention (use --seq)";
+    return false;
+  }
+  if (!ring && !b->ring_only.empty()) {
+    *err = b->ring_only[0] + " applies to ring_attention only, not to '" + b->which + "'";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int bench(const std::vector<std::string>& args) {
+  // Arguments first: before the bootstrap, the communicator or any GPU work.
+  BenchArgs ba;
+  std::string err;
+  if (!parse_bench_args(args, &ba, &err)) {
+    if (launch_rank() <= 0) fprintf(stderr, "mkernel bench: %s\n", err.c_str());
+    return 2;
+  }
+
+  std::unique_ptr<Bootstrap> bs;
+  Status s;
+  if (launched_by_mpi() && have_mpi()) {
+    s = make_mpi_world_bootstrap(&bs);
+  } else {
+    std::vector<std::unique_ptr<Bootstrap>> w;
+    s = make_thread_world(1, &w);
+    if (s.ok()) bs = std::move(w[0]);
+  }
+  std::unique_ptr<Communicator> comm;
+  if (s.ok()) {
+    CommConfig cfg;
+    cfg.require_gpu = true;
+    s = Communicator::create(std::move(bs), cfg, &comm);
+  }
+  if (!s.ok()) {
+    // An error the ranks agreed on ("... failed on rank(s) ...") is printed once, by rank 0.
+    const bool agreed_error = s.message().find("failed on rank(s)") != std::string::npos;
+    if (launch_rank() <= 0 || !agreed_error) {
+      fprintf(stderr, "mkernel bench: %s\n", s.to_string().c_str());
+      if (s.code() == Code::kNotSupported)
+        fprintf(stderr, "mkernel bench: needs a GPU per rank (or ranks sharing one under CUDA MPS); "
+                        "`mkernel doctor` shows what this machine has\n");
+    }
+    return 1;
+  }
+  const int W = comm->world(), me = comm->rank();
+  // NCCL needs one GPU per rank: compare only when no two ranks share one.
+  std::set<std::string> gpus;
+  for (const auto& info : comm->topology().info)
+    gpus.insert(std::string(reinterpret_cast<const char*>(info.gpu_uuid), 16));
+  bool comparable = int(gpus.size()) == W;
+#if !MK_HAVE_NCCL
+  comparable = false;
+#endif
+  bench::Env env;
+  env.comm = comm.get();
+  env.rc = ba.rc;
+  env.comparable = comparable;
+  env.json = ba.json;
+  int rc = 0;
+  if (ba.which == "ring_attention") rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace);
+  else rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k);
+  // Collective teardown: every rank gets here (failures above were agreed across ranks).
+  Status d = comm->destroy();
+  if (!d.ok()) {
+    fprintf(stderr, "mkernel bench: rank %d: teardown: %s\n", me, d.to_string().c_str());
+    rc = 1;
+  }
+  return rc;
+}
+
+}  // namespace cli
+}  // namespace mk

@@ -1,0 +1,210 @@
+// What every operator's `mkernel bench` entry shares: device buffers, decoded and agreed
+// failures, timing, result checks, table/JSON cells, the "check:" lines and the verdict, and the
+// entry points the CLI dispatches to (each defined in its operator's folder, `bench.cu`).
+//
+// Part of the CLI (target mkernel_cli), not of the library: the entries time the cuBLAS + NCCL
+// baselines of tools/baseline/.
+//
+// Failure contract of every helper here. A step a rank runs on its own (allocation, fill, one
+// call) ends in agreed(): every rank learns the first failing rank's error at the same point and
+// leaves by the same path (operator and communicator teardown are collective), so no rank waits
+// in a collective for one that left. A result is read only after the call that wrote it was
+// synchronized and comm->check() passed: a device wait that gave up does not fail the launch,
+// only the communicator's decoded record says so.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/status.h"
+#include "mkernel/runtime/communicator.h"
+
+namespace mk {
+namespace bench {
+
+// Device memory of the CLI's own; the allocation's outcome is checked by the caller.
+struct Buf {
+  void* p = nullptr;
+  Buf() = default;
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  ~Buf() {
+    if (p) cudaFree(p);
+  }
+  cudaError_t alloc(size_t bytes) { return cudaMalloc(&p, std::max<size_t>(bytes, 16)); }
+  __nv_bfloat16* bf() const { return static_cast<__nv_bfloat16*>(p); }
+};
+
+#ifdef __CUDACC__
+// The hash the operators' fill kernels draw their inputs from (splitmix64's finalizer).
+__device__ inline uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+#endif
+
+// ---- failures: decoded, then agreed ----
+
+// `s` as the CLI reports it: when the communicator has failed (a device wait gave up, or an
+// abort), its decoded record names the culprit and comes first, `s` follows as what the CLI
+// saw (e.g. a sticky CUDA error after the kernel). Ok only if both are.
+Status decoded(Communicator* comm, const Status& s);
+
+// A CUDA call of the CLI's own, decoded.
+Status cuda_step(Communicator* comm, cudaError_t e, const char* expr);
+#define CLI_CUDA(comm, expr) ::mk::bench::cuda_step((comm), (expr), #expr)
+
+// Synchronizes `st` (comm->sync: the decoded record when a wait gave up) and checks the
+// communicator's health: the kernel finishing is not enough, a wait that gave up lets it finish.
+Status synced(Communicator* comm, cudaStream_t st);
+
+// Every rank passes the outcome of a step it ran on its own and gets the same result: ok, or
+// the first failing rank's error (agree() carries ~250 characters of it, so a failing rank
+// prints its own whole message too, rank 0 unless the summary holds it whole).
+Status agreed(Communicator* comm, const Status& mine, const std::string& what);
+
+// ---- timing ----
+
+struct Timing {
+  double median_ms = 0, min_ms = 0;
+};
+
+struct Events {
+  std::vector<cudaEvent_t> ev;
+  ~Events() {
+    for (cudaEvent_t e : ev)
+      if (e) cudaEventDestroy(e);
+  }
+};
+
+struct RunCfg {
+  int reps = 20, warmup = 3;
+};
+
+// Median over ranks' slowest of rc.reps calls of f (after rc.warmup calls). Collective: a failed
+// call on any rank (its enqueue, or comm->check() after it) fails it on every rank.
+template <class F>
+Status time_it(Communicator* comm, cudaStream_t st, const RunCfg& rc, const std::string& what, F&& f, Timing* out) {
+  const int reps = rc.reps;
+  Events ev;
+  ev.ev.assign(size_t(2) * reps, nullptr);
+  Status s;
+  for (cudaEvent_t& e : ev.ev)
+    if (s.ok()) s = CLI_CUDA(comm, cudaEventCreate(&e));
+  for (int i = 0; i < rc.warmup && s.ok(); ++i) s = decoded(comm, f());
+  if (s.ok()) s = synced(comm, st);
+  for (int i = 0; i < reps; ++i) {
+    // Ranks start each call together, as in a training step; a rank whose call failed stops
+    // every rank here.
+    MK_CHECK(agreed(comm, s, what));
+    s = CLI_CUDA(comm, cudaEventRecord(ev.ev[2 * i], st));
+    if (s.ok()) s = decoded(comm, f());
+    if (s.ok()) s = CLI_CUDA(comm, cudaEventRecord(ev.ev[2 * i + 1], st));
+  }
+  if (s.ok()) s = synced(comm, st);
+  std::vector<double> ms(reps);
+  for (int i = 0; i < reps && s.ok(); ++i) {
+    float t = 0;
+    s = CLI_CUDA(comm, cudaEventElapsedTime(&t, ev.ev[2 * i], ev.ev[2 * i + 1]));
+    ms[i] = t;
+  }
+  MK_CHECK(agreed(comm, s, what));
+  // The slowest rank's time is the call's time.
+  std::vector<double> all(size_t(reps) * comm->world());
+  MK_CHECK(comm->bootstrap().allgather(ms.data(), all.data(), sizeof(double) * reps));
+  for (int i = 0; i < reps; ++i)
+    for (int r = 0; r < comm->world(); ++r) ms[i] = std::max(ms[i], all[size_t(r) * reps + i]);
+  std::sort(ms.begin(), ms.end());
+  out->median_ms = ms[reps / 2];
+  out->min_ms = ms[0];
+  return OkStatus();
+}
+
+// Counts the elements where `got` differs from `want` (or is far from it) with `launch`, after
+// the call that wrote `got` was synchronized and checked; every rank gets the world's total.
+template <class Launch>
+Status count_world(Communicator* comm, cudaStream_t st, Status s, unsigned long long* d_bad, Launch&& launch,
+                   const std::string& what, unsigned long long* total) {
+  unsigned long long mine = 0;
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemsetAsync(d_bad, 0, sizeof(*d_bad), st));
+  if (s.ok()) {
+    launch();
+    s = CLI_CUDA(comm, cudaGetLastError());
+  }
+  if (s.ok()) s = synced(comm, st);
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemcpy(&mine, d_bad, sizeof(mine), cudaMemcpyDeviceToHost));
+  MK_CHECK(agreed(comm, s, what));
+  std::vector<unsigned long long> bads(comm->world());
+  MK_CHECK(comm->bootstrap().allgather(&mine, bads.data(), sizeof(mine)));
+  *total = 0;
+  for (auto b : bads) *total += b;
+  return OkStatus();
+}
+
+// ---- table and JSON cells: "-" / null where a figure was not measured or means nothing ----
+
+std::string cell(double v, int prec);
+std::string jnum(double v, int prec);
+// Overlap efficiency (T_c + T_x - T_fused) / min(T_c, T_x): only where something is
+// communicated (W > 1) and both parts were measured; else NaN ("-", null).
+double overlap_eff(int W, double compute, double coll, double fused);
+std::string eff_cell(double e);
+std::string eff_json(double e);
+double ratio(double base, double fused);
+
+// ---- checks, JSON file, verdict ----
+
+// One "check:" line per operator and shape (rank 0 prints them after the table).
+struct CheckLine {
+  std::string label;
+  bool done = false, ok = false;
+  unsigned long long bad = 0;
+  std::string error;
+};
+
+std::string check_line(const CheckLine& c, const char* how);
+
+// Writes {"world", "nodes", "comparable", "results": [rows...]} to `path` (rows are JSON
+// objects); false (and a line on stderr) when the file cannot be written.
+bool write_json(const std::string& path, int W, int nodes, bool comparable, const std::vector<std::string>& rows);
+
+// After an operator failed: is the communicator still usable on every rank? (A device wait
+// that gave up fails it for good: the remaining operators are skipped.) Collective.
+bool communicator_failed(Communicator* comm);
+
+// Prints the check lines and the verdict (rank 0); returns the exit code.
+int summarize(Communicator* comm, const std::vector<CheckLine>& checks, const char* how, bool other_failure);
+
+// ---- operator entries ----
+//
+// Each runs its operator's sweep on `env.comm` (collective: every rank calls it with the same
+// arguments, already checked by the CLI), prints the table (rank 0), writes `env.json` when
+// given, prints the check lines and the verdict, and returns the exit code (0 passed, 1 not).
+// The communicator outlives the call; its teardown is the caller's.
+
+struct Env {
+  Communicator* comm = nullptr;
+  RunCfg rc;
+  bool comparable = false;  // one GPU per rank and NCCL: baselines timed, times comparable
+  std::string json;         // --json FILE, "" for none
+};
+
+// src/ops/collectives/bench.cu. `which`: ag_gemm, gemm_rs, gemm_ar or all. m, n, k: the shape
+// given (0: left out, 4096), all three 0 for the default sweep.
+int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k);
+
+// src/ops/ring_attention/bench.cu. `seqs`: tokens per rank, one run each (empty: the default
+// sweep); `trace`: a file prefix for one traced call per run ("" for none).
+int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace);
+
+}  // namespace bench
+}  // namespace mk
