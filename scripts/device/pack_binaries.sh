@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what the GPU machine needs to run the GPU tests and the CLI without building there:
-# the test binaries, the mkernel CLI, the C ABI library and ctest's test files, from the build
+# the test binaries, the mkernel CLI, the C ABI library, the GPU benchmarks and ctest's test files, from the build
 # folder (default build/, built here for sm_90a), into .devbin/bins.tar.xz (git-ignored; send it
 # with carry). One solid xz archive: the binaries share most of their bytes (the kernels), so
 # it stays small. On the GPU machine scripts/device/suite.sh unpacks it into /tmp/mkb and
@@ -15,6 +15,8 @@ rm -rf "$out" && mkdir -p "$out"
 files=(mkernel libmkernel_capi.so CTestTestfile.cmake tests/CTestTestfile.cmake tests/cpu/CTestTestfile.cmake
        tests/gpu/CTestTestfile.cmake)
 for f in "$build"/tests/gpu/test_gpu_*; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
+# The benchmarks that run on the GPU, when built.
+for f in bench/bench_gemm bench/bench_host_call bench/bench_gpu_proxy; do [[ -x $build/$f ]] && files+=("$f"); done
 for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done
 tar -C "$build" -cf - "${files[@]}" | xz -T2 -9e > "$out/bins.tar.xz"
 # Where this build came from: the suite rewrites these paths on the GPU machine.

@@ -7,6 +7,7 @@
 #   smoke   scripts/device/cli_smoke.sh: the CLI commands users ran, verbatim
 #   san     scripts/device/sanitize_check.sh: compute-sanitizer memcheck/racecheck/synccheck
 #   attn    tests/gpu/test_attention.py (needs torch)
+#   compare scripts/device/compare_check.sh: this build's speed against .devbin-before's
 # MK_SUITE_STEPS picks steps, run in that order (default "setup unit matrix smoke"); MK_UNIT_ONLY
 # (regex) limits the unit tests; logs come back packed as
 # $OUT/suite_logs.tgz; the last lines printed are the summary.
@@ -87,13 +88,20 @@ step_smoke() {
 
 step_san() {
   mps_off  # the sanitizer script starts MPS itself where it needs it
-  OUT="$L/san" timeout 480 bash scripts/device/sanitize_check.sh > "$L/san.log" 2>&1
+  OUT="$L/san" timeout $(( ${MK_SAN_BUDGET_S:-450} + 30 )) bash scripts/device/sanitize_check.sh > "$L/san.log" 2>&1
   note "sanitizers rc=$?"; tail -30 "$L/san.log"
+}
+
+step_compare() {
+  mps_off
+  OUT="$L/compare" timeout 300 bash scripts/device/compare_check.sh > "$L/compare.log" 2>&1
+  note "compare rc=$? (before/after figures in compare/compare.txt)"
+  grep -E "^== |^\{|ratio|vs cuBLAS|TFLOP" "$L/compare.log" | head -80
 }
 
 step_attn() {
   mps_off
-  MK_CAPI=$B/libmkernel_capi.so timeout 400 python3 tests/gpu/test_attention.py > "$L/attn.log" 2>&1
+  MK_CAPI=$B/libmkernel_capi.so timeout ${MK_ATTN_TIMEOUT_S:-400} python3 tests/gpu/test_attention.py > "$L/attn.log" 2>&1
   note "test_attention.py rc=$?: $(tail -1 "$L/attn.log")"
 }
 
