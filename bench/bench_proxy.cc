@@ -615,7 +615,7 @@ int run_handoff(const Args& a, int argc, char** argv) {
 
   // The same put without the proxy, from the pinned producer thread (after the proxy is gone).
   Raw raw(sw.be.get());
-  const net::WindowId bw = sw.wins->get(sw.win)->backend_id;
+  const net::WindowId bw = sw.wins->transport_id(sw.win);
   std::vector<double> direct = timed([&](uint64_t k) {
     raw.put(0, bw, 0, bw, 64, 8);
     while (raw.arrived < k) raw.progress();
@@ -684,8 +684,8 @@ struct NetWorld {
     BENCH_OK(wins->destroy());
     BENCH_OK(be->finalize());
   }
-  net::WindowId bsrc() const { return wins->get(src_win)->backend_id; }
-  net::WindowId bdst() const { return wins->get(dst_win)->backend_id; }
+  net::WindowId bsrc() const { return wins->transport_id(src_win); }
+  net::WindowId bdst() const { return wins->transport_id(dst_win); }
 };
 
 struct Lat {

@@ -1,12 +1,13 @@
-#include "mkernel/proxy/proxy.h"
+// The proxy thread (proxy_impl.h): ring -> backend -> flags.
+#include "src/proxy/proxy_impl.h"
 
 #include <pthread.h>
 #include <sched.h>
 
-#include <algorithm>
+#include <cctype>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
+#include <string>
 #include <fstream>
 #include <sstream>
 
@@ -26,9 +27,6 @@ uint64_t now_ns() {
                                    std::chrono::steady_clock::now().time_since_epoch())
                                    .count());
 }
-
-constexpr uint64_t kChunkCookie = 1ull << 63;   // LocalDone of a staged chunk (low bits: chunk id)
-constexpr uint64_t kCreditCookie = 1ull << 62;  // LocalDone of a credit return (ignored)
 
 const char* op_name(uint8_t op) {
   switch (static_cast<CmdOp>(op)) {
@@ -79,18 +77,23 @@ void bind_near_gpu(int device) {
 
 }  // namespace
 
-Status Proxy::create(ProxyWindows* windows, FlagSink* flags, const ProxyConfig& cfg,
-                     std::unique_ptr<Proxy>* out) {
+Status Proxy::create(ProxyWindows* windows, FlagSink* flags, const ProxyConfig& cfg, std::unique_ptr<Proxy>* out) {
   MK_REQUIRE(windows && flags, Code::kInvalidArgument, "proxy needs windows and a flag sink");
-  net::Backend* backend = windows->backend();
+  std::unique_ptr<ProxyImpl> p;
+  MK_CHECK(ProxyImpl::create(windows->backend(), windows->rank(), windows->world(), flags, cfg, &p));
+  *out = std::move(p);
+  return OkStatus();
+}
+
+Status ProxyImpl::create(net::Backend* backend, int rank, int world, FlagSink* flags, const ProxyConfig& cfg,
+                         std::unique_ptr<ProxyImpl>* out) {
   MK_REQUIRE(backend->api_version() == net::kBackendApiVersion, Code::kMismatch,
-             "backend %s speaks API version %u, the proxy %u", backend->name(),
-             backend->api_version(), net::kBackendApiVersion);
-  std::unique_ptr<Proxy> p(new Proxy());
-  p->wins_ = windows;
+             "backend %s speaks API version %u, the proxy %u", backend->name(), backend->api_version(),
+             net::kBackendApiVersion);
+  std::unique_ptr<ProxyImpl> p(new ProxyImpl());
   p->be_ = backend;
-  p->rank_ = windows->rank();
-  p->world_ = windows->world();
+  p->rank_ = rank;
+  p->world_ = world;
   p->flags_ = flags;
   p->cfg_ = cfg;
   uint64_t slots = cfg.ring_slots ? cfg.ring_slots
@@ -119,24 +122,12 @@ Status Proxy::create(ProxyWindows* windows, FlagSink* flags, const ProxyConfig& 
   } else {
     cudaGetLastError();
   }
-  const StagingConfig& sc = windows->staging_config();
-  p->out_.resize(sc.outbox_slots);
-  for (uint32_t i = sc.outbox_slots; i > 0; --i) {
-    p->free_outbox_.push_back(i - 1);
-    p->out_free_ids_.push_back(i - 1);
-  }
-  p->sent_to_.assign(p->world_, 0);
-  p->credit_from_.assign(p->world_, 0);
-  p->freed_.assign(p->world_, std::vector<uint8_t>(sc.inbox_slots, 0));
-  p->next_credit_.assign(p->world_, 0);
-  p->credit_owed_.assign(p->world_, 0);
   *out = std::move(p);
   return OkStatus();
 }
 
-Proxy::~Proxy() {
+ProxyImpl::~ProxyImpl() {
   (void)stop();
-  for (void* e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -148,60 +139,7 @@ Status CudaFlagSink::raise(uint32_t index, uint64_t value, cudaStream_t stream) 
   return OkStatus();
 }
 
-// Copies through the proxy's stream when the GPU is involved (ticket: an event), else now.
-Status Proxy::copy(void* dst, const void* src, uint64_t bytes, bool device, int* ticket) {
-  *ticket = -1;
-  if (bytes == 0) return OkStatus();
-  if (cfg_.copier) return cfg_.copier->start(dst, src, bytes, device, ticket);
-  if (!device || !stream_) {
-    memcpy(dst, src, bytes);
-    return OkStatus();
-  }
-  MK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
-  if (free_events_.empty()) {
-    cudaEvent_t e;
-    MK_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    events_.push_back(e);
-    free_events_.push_back(static_cast<int>(events_.size()) - 1);
-  }
-  *ticket = free_events_.back();
-  free_events_.pop_back();
-  MK_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[*ticket]), stream_));
-  return OkStatus();
-}
-
-bool Proxy::copy_done(int ticket) {
-  if (ticket < 0) return true;
-  if (cfg_.copier) {
-    bool done = false;
-    Status s = cfg_.copier->poll(ticket, &done);
-    if (!s.ok()) {
-      fail(Status(s.code(), "rank " + std::to_string(rank_) + ": staging copy failed: " + s.message()));
-      return false;
-    }
-    return done;
-  }
-  cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(events_[ticket]));
-  if (e == cudaErrorNotReady) return false;
-  if (e != cudaSuccess) {
-    // Not done, ever: the proxy fails (posts nothing more) and the event is not reused.
-    cudaGetLastError();
-    fail(make_status(Code::kCudaError, "rank %d: staging copy failed: %s", rank_, cudaGetErrorString(e)));
-    return false;
-  }
-  free_events_.push_back(ticket);
-  return true;
-}
-
-Status Proxy::flush_gpu_writes() {
-  const CudaDriver* d = nullptr;
-  MK_CHECK(cuda_driver(&d));
-  MK_CU_CHECK(d->cuFlushGPUDirectRDMAWrites(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
-                                            CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER));
-  return OkStatus();
-}
-
-Status Proxy::start() {
+Status ProxyImpl::start() {
   MK_REQUIRE(!running_.load(), Code::kInvalidArgument, "proxy already started");
   stop_.store(false);
   running_.store(true);
@@ -223,19 +161,19 @@ Status Proxy::start() {
   return OkStatus();
 }
 
-Status Proxy::stop() {
+Status ProxyImpl::stop() {
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
   running_.store(false);
   return status();
 }
 
-Status Proxy::status() const {
+Status ProxyImpl::status() const {
   std::lock_guard<std::mutex> g(mu_);
   return error_;
 }
 
-ProxyStats Proxy::stats() const {
+ProxyStats ProxyImpl::stats() const {
   ProxyStats s;
   s.commands = commands_.load();
   s.puts = puts_.load();
@@ -247,7 +185,7 @@ ProxyStats Proxy::stats() const {
   return s;
 }
 
-void Proxy::fail(const Status& s) {
+void ProxyImpl::fail(const Status& s) {
   bool first = false;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -262,7 +200,7 @@ void Proxy::fail(const Status& s) {
   if (on_error_) on_error_(s);
 }
 
-Status Proxy::validate(const Command& c) const {
+Status ProxyImpl::validate(const Command& c) const {
   // The common case costs a few compares; the message is formatted only for a bad command.
   auto bad = [&](const char* fmt, auto... args) {
     char why[160];
@@ -279,8 +217,8 @@ Status Proxy::validate(const Command& c) const {
   if (c.peer < 0 || c.peer >= world_) return bad("unknown peer (world of %d)", world_);
   if (c.remote_flag != kNoFlag && c.remote_flag >= kImmNoFlag)
     return bad("remote flag %u not encodable", c.remote_flag);
-  const uint64_t src_size = wins_->size(c.src_window, rank_);
-  const uint64_t dst_size = wins_->size(c.dst_window, c.peer);
+  const uint64_t src_size = be_->window_size(c.src_window, rank_);
+  const uint64_t dst_size = be_->window_size(c.dst_window, c.peer);
   if (src_size == 0) return bad("unknown source window");
   if (dst_size == 0) return bad("unknown window on rank %d", c.peer);
   // Overflow-safe: offset <= size and bytes <= size - offset.
@@ -292,12 +230,12 @@ Status Proxy::validate(const Command& c) const {
   return OkStatus();
 }
 
-Status Proxy::raise_local(uint32_t flag) {
+Status ProxyImpl::raise_local(uint32_t flag) {
   if (flag == kNoFlag) return OkStatus();
   return flags_->raise(flag, ++flag_counts_[flag], stream_);
 }
 
-Status Proxy::raise_arrival(uint32_t imm) {
+Status ProxyImpl::raise_arrival(uint32_t imm) {
   arrivals_.fetch_add(1, std::memory_order_relaxed);
   if (imm == kImmNoFlag) return OkStatus();
   if (imm >= flags_->count())
@@ -308,7 +246,7 @@ Status Proxy::raise_arrival(uint32_t imm) {
   return flags_->raise(imm, ++flag_counts_[imm], stream_);
 }
 
-bool Proxy::drain() {
+bool ProxyImpl::drain() {
   bool any = false;
   Command c;
   const bool failed = failed_.load(std::memory_order_relaxed) != 0;
@@ -348,16 +286,8 @@ bool Proxy::drain() {
         op.cmd = c;
         op.live = true;
         op.start_ns = batch_ns;
-        op.staged = wins_->get(c.src_window)->staged || wins_->get(c.dst_window)->staged;
         ++inflight_;
-        if (op.staged) {
-          const uint64_t chunk = wins_->staging_config().chunk_bytes;
-          op.chunks = c.bytes == 0 ? 1 : static_cast<uint32_t>((c.bytes + chunk - 1) / chunk);
-          op.chunks_started = op.chunks_done = 0;
-          staged_queue_.push_back(id);
-        } else {
-          pending_.push_back(id);
-        }
+        pending_.push_back(id);
         break;
       }
     }
@@ -365,20 +295,17 @@ bool Proxy::drain() {
   return any;
 }
 
-bool Proxy::post_pending() {
+bool ProxyImpl::post_pending() {
   bool any = false;
   while (pending_head_ < pending_.size()) {
     if (failed_.load(std::memory_order_relaxed)) break;
     const uint32_t id = pending_[pending_head_];
-    Op& op = ops_[id];
-    const Command& c = op.cmd;
+    const Command& c = ops_[id].cmd;
     bool posted = false;
-    Status s = be_->put(c.peer, wins_->get(c.src_window)->backend_id, c.src_offset,
-                        wins_->get(c.dst_window)->backend_id, c.dst_offset, c.bytes,
+    Status s = be_->put(c.peer, c.src_window, c.src_offset, c.dst_window, c.dst_offset, c.bytes,
                         imm_for_flag(c.remote_flag), id, &posted);
     if (!s.ok()) {
-      fail(Status(s.code(), "rank " + std::to_string(rank_) + ": posting " + describe(c) + ": " +
-                                s.message()));
+      fail(Status(s.code(), "rank " + std::to_string(rank_) + ": posting " + describe(c) + ": " + s.message()));
       break;
     }
     if (!posted) {
@@ -395,25 +322,16 @@ bool Proxy::post_pending() {
   return any;
 }
 
-bool Proxy::poll() {
+bool ProxyImpl::poll() {
   done_buf_.clear();
   arrival_buf_.clear();
+  // Arrivals come back once their bytes are visible where the consumer reads them (the
+  // backend's contract; staging copies and GPUDirect flushes happen inside it).
   Status s = be_->progress(&done_buf_, &arrival_buf_);
   if (!s.ok()) fail(s);
   for (const net::LocalDone& d : done_buf_) {
-    if (d.cookie == kCreditCookie) continue;
-    uint32_t id;
-    if (d.cookie & kChunkCookie) {
-      OutChunk& ch = out_[d.cookie & ~kChunkCookie];
-      free_outbox_.push_back(ch.outbox_slot);
-      out_free_ids_.push_back(static_cast<uint32_t>(d.cookie & ~kChunkCookie));
-      ch.posted = false;
-      id = ch.op;
-      if (++ops_[id].chunks_done < ops_[id].chunks) continue;
-    } else {
-      id = static_cast<uint32_t>(d.cookie);
-      if (id >= ops_.size()) continue;
-    }
+    if (d.cookie >= ops_.size() || !ops_[d.cookie].live) continue;
+    const uint32_t id = static_cast<uint32_t>(d.cookie);
     Op& op = ops_[id];
     puts_.fetch_add(1, std::memory_order_relaxed);
     bytes_.fetch_add(op.cmd.bytes, std::memory_order_relaxed);
@@ -423,19 +341,8 @@ bool Proxy::poll() {
     free_ops_.push_back(id);
     --inflight_;
   }
-  // Direct puts into GPU memory (GPUDirect RDMA): the NIC's writes are made visible to the
-  // GPU before any flag that vouches for them rises.
-  bool flushed = false;
   for (const net::Arrival& a : arrival_buf_) {
-    if (!(a.imm & kImmStaged) && a.imm != kImmNoFlag && wins_->direct_gpu() && !flushed) {
-      Status f = flush_gpu_writes();
-      if (!f.ok()) {
-        fail(f);
-        break;
-      }
-      flushed = true;
-    }
-    Status r = (a.imm & kImmStaged) ? on_staged_arrival(a.imm) : raise_arrival(a.imm);
+    Status r = raise_arrival(a.imm);
     if (!r.ok()) fail(r);
   }
   if (fence_waiting_ && inflight_ == 0) {
@@ -446,166 +353,9 @@ bool Proxy::poll() {
   return !done_buf_.empty() || !arrival_buf_.empty();
 }
 
-bool Proxy::stage_out() {
-  if (staged_queue_.empty() && out_free_ids_.size() == out_.size()) return false;
-  bool any = false;
-  const StagingConfig& sc = wins_->staging_config();
-  // Start chunks, oldest command first; a command waiting for room holds back the later ones.
-  size_t started_ops = 0;
-  for (uint32_t id : staged_queue_) {
-    Op& op = ops_[id];
-    const Command& c = op.cmd;
-    const int peer = c.peer;
-    while (op.chunks_started < op.chunks && !free_outbox_.empty() &&
-           sent_to_[peer] - credit_from_[peer] < sc.inbox_slots) {
-      const uint32_t j = op.chunks_started++;
-      const uint32_t k_out = free_outbox_.back();
-      free_outbox_.pop_back();
-      const uint32_t k_in = static_cast<uint32_t>(sent_to_[peer]++ % sc.inbox_slots);
-      const uint64_t off = uint64_t(j) * sc.chunk_bytes;
-      const uint64_t len = c.bytes == 0 ? 0 : std::min<uint64_t>(sc.chunk_bytes, c.bytes - off);
-      uint8_t* slot = wins_->outbox_slot(k_out);
-      StagedHeader h{};
-      h.magic = kStagedMagic;
-      h.src_rank = static_cast<uint32_t>(rank_);
-      h.dst_window = c.dst_window;
-      h.remote_flag = c.remote_flag;
-      h.dst_offset = c.dst_offset + off;
-      h.bytes = len;
-      h.command = c.seq;
-      h.chunks = op.chunks;
-      memcpy(slot, &h, sizeof(h));
-      const ProxyWindows::Window* src = wins_->get(c.src_window);
-      const uint32_t cid = out_free_ids_.back();
-      out_free_ids_.pop_back();
-      OutChunk& ch = out_[cid];
-      ch = OutChunk{id, j, k_out, k_in, -1, false};
-      Status s = copy(slot + sizeof(StagedHeader), static_cast<uint8_t*>(src->base) + c.src_offset + off,
-                      len, src->kind == net::MemKind::kCuda, &ch.copy);
-      if (!s.ok()) {
-        fail(s);
-        return true;
-      }
-      any = true;
-    }
-    if (op.chunks_started < op.chunks) break;
-    ++started_ops;
-  }
-  staged_queue_.erase(staged_queue_.begin(), staged_queue_.begin() + started_ops);
-  // Post chunks whose copy into the outbox finished.
-  for (uint32_t cid = 0; cid < out_.size(); ++cid) {
-    // A failed copy (or any failure) stops posting at once, also for chunks whose copies
-    // finished: nothing is sent after the first error.
-    if (failed_.load(std::memory_order_relaxed)) return true;
-    OutChunk& ch = out_[cid];
-    if (ch.posted || std::find(out_free_ids_.begin(), out_free_ids_.end(), cid) != out_free_ids_.end())
-      continue;
-    if (!copy_done(ch.copy)) continue;
-    ch.copy = -1;
-    const Command& c = ops_[ch.op].cmd;
-    const StagedHeader* h = reinterpret_cast<const StagedHeader*>(wins_->outbox_slot(ch.outbox_slot));
-    bool posted = false;
-    Status s = be_->put(c.peer, wins_->outbox_id(), uint64_t(ch.outbox_slot) * wins_->slot_bytes(),
-                        wins_->inbox_id(), wins_->inbox_offset(rank_, ch.inbox_slot),
-                        sizeof(StagedHeader) + h->bytes,
-                        kImmStaged | (uint32_t(rank_) << 16) | ch.inbox_slot, kChunkCookie | cid, &posted);
-    if (!s.ok()) {
-      fail(Status(s.code(), "rank " + std::to_string(rank_) + ": posting a staged chunk of " +
-                                describe(c) + ": " + s.message()));
-      return true;
-    }
-    if (!posted) {
-      eagain_.fetch_add(1, std::memory_order_relaxed);
-      break;
-    }
-    ch.posted = true;
-    any = true;
-  }
-  return any;
-}
-
-Status Proxy::on_staged_arrival(uint32_t imm) {
-  const int sender = static_cast<int>((imm >> 16) & 0x3fff);
-  const uint32_t low = imm & 0xffff;
-  MK_REQUIRE(sender < world_ && wins_->staging(), Code::kInternal,
-             "rank %d: staging traffic (imm 0x%08x) from unknown rank %d", rank_, imm, sender);
-  if (imm & kImmCredit) {
-    credit_from_[sender] += low;
-    return OkStatus();
-  }
-  const StagingConfig& sc = wins_->staging_config();
-  MK_REQUIRE(low < sc.inbox_slots, Code::kInternal, "rank %d: rank %d wrote inbox slot %u of %u",
-             rank_, sender, low, sc.inbox_slots);
-  InChunk in;
-  in.sender = sender;
-  in.slot = low;
-  memcpy(&in.h, wins_->inbox_slot(sender, low), sizeof(StagedHeader));
-  const StagedHeader& h = in.h;
-  const ProxyWindows::Window* dst = wins_->get(h.dst_window);
-  // The receiver checks too: a staged chunk never writes outside its window.
-  if (h.magic != kStagedMagic || h.src_rank != static_cast<uint32_t>(sender) || !dst ||
-      h.bytes > sc.chunk_bytes || h.dst_offset > dst->bytes || h.bytes > dst->bytes - h.dst_offset)
-    return make_status(Code::kInvalidArgument,
-                       "rank %d: rank %d sent a bad staged chunk (magic 0x%x, window %u, offset "
-                       "%llu, %llu B)",
-                       rank_, sender, h.magic, h.dst_window, static_cast<unsigned long long>(h.dst_offset),
-                       static_cast<unsigned long long>(h.bytes));
-  MK_CHECK(copy(static_cast<uint8_t*>(dst->base) + h.dst_offset,
-                wins_->inbox_slot(sender, low) + sizeof(StagedHeader), h.bytes,
-                dst->kind == net::MemKind::kCuda, &in.copy));
-  in_.push_back(in);
-  return OkStatus();
-}
-
-bool Proxy::stage_in() {
-  bool any = false;
-  const StagingConfig& sc = wins_->staging_config();
-  for (size_t i = 0; i < in_.size();) {
-    if (failed_.load(std::memory_order_relaxed)) return true;
-    InChunk& in = in_[i];
-    if (!copy_done(in.copy)) {
-      ++i;
-      continue;
-    }
-    any = true;
-    const auto key = std::make_pair(in.sender, in.h.command);
-    if (++chunks_in_[key] == in.h.chunks) {
-      chunks_in_.erase(key);
-      Status r = raise_arrival(imm_for_flag(in.h.remote_flag));
-      if (!r.ok()) fail(r);
-    }
-    // Slots return to the sender in slot order (it reuses them round-robin).
-    std::vector<uint8_t>& freed = freed_[in.sender];
-    freed[in.slot] = 1;
-    while (freed[next_credit_[in.sender] % sc.inbox_slots]) {
-      freed[next_credit_[in.sender] % sc.inbox_slots] = 0;
-      ++next_credit_[in.sender];
-      ++credit_owed_[in.sender];
-    }
-    in_[i] = in_.back();
-    in_.pop_back();
-  }
-  for (int s = 0; s < world_; ++s) {
-    if (credit_owed_[s] == 0) continue;
-    const uint32_t n = std::min<uint32_t>(credit_owed_[s], 0xffff);
-    bool posted = false;
-    Status st = be_->put(s, wins_->credit_id(), 0, wins_->credit_id(), 0, 0,
-                         kImmStaged | kImmCredit | (uint32_t(rank_) << 16) | n, kCreditCookie, &posted);
-    if (!st.ok()) {
-      fail(Status(st.code(), "rank " + std::to_string(rank_) + ": returning staging credits to rank " +
-                                 std::to_string(s) + ": " + st.message()));
-      return true;
-    }
-    if (!posted) break;
-    credit_owed_[s] -= n;
-    any = true;
-  }
-  return any;
-}
-
 // A put that does not complete within the timeout names its peer. The oldest stalled put
-// names the culprit: later puts to healthy peers can queue behind it in the provider.
-void Proxy::check_stalls() {
+// names the culprit: later puts to healthy peers can queue behind it in the backend.
+void ProxyImpl::check_stalls() {
   if (failed_.load(std::memory_order_relaxed) || inflight_ == 0) return;
   const uint64_t now = now_ns(), limit = static_cast<uint64_t>(timeout_ms_) * 1000000ull;
   const Op* oldest = nullptr;
@@ -619,21 +369,14 @@ void Proxy::check_stalls() {
                      describe(oldest->cmd).c_str(), oldest->cmd.peer));
 }
 
-bool Proxy::busy() const {
-  return inflight_ != 0 || fence_waiting_ || !in_.empty() ||
-         std::any_of(credit_owed_.begin(), credit_owed_.end(), [](uint32_t n) { return n != 0; });
-}
+bool ProxyImpl::busy() const { return inflight_ != 0 || fence_waiting_; }
 
-void Proxy::loop() {
+void ProxyImpl::loop() {
   uint64_t idle = 0, last_check = now_ns();
   while (!stop_.load(std::memory_order_acquire)) {
     bool any = drain();
-    if (!failed_.load(std::memory_order_relaxed)) {
-      any |= post_pending();
-      any |= stage_out();
-    }
+    if (!failed_.load(std::memory_order_relaxed)) any |= post_pending();
     any |= poll();
-    if (!failed_.load(std::memory_order_relaxed)) any |= stage_in();
     // After a failure nothing completes reliably: count the proxy idle so flush() returns
     // (with the error) instead of waiting for puts that will never finish.
     if (!busy() || failed_.load(std::memory_order_relaxed))
@@ -652,7 +395,7 @@ void Proxy::loop() {
   }
 }
 
-Status Proxy::flush(int64_t timeout_ms) {
+Status ProxyImpl::flush(int64_t timeout_ms) {
   if (timeout_ms < 0) timeout_ms = timeout_ms_;
   MK_REQUIRE(running_.load(), Code::kInvalidArgument, "proxy flush: not started");
   // Wait for the ring to be consumed up to what was pushed now, and for an idle pass after.

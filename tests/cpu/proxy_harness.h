@@ -80,7 +80,8 @@ inline std::vector<PlannedPut> make_plan(uint64_t seed, int W, int K, uint64_t r
   return plan;
 }
 
-// staging: "" (tunable net_staging), "never" or "always" (the staged protocol on host memory).
+// staging: "" (tunable net_staging), "never" or "always" (the staged protocol on host memory);
+// copier: staging copies through it (null: the default).
 struct ProxyWorld {
   Bootstrap* bs;
   Topology topo;
@@ -91,7 +92,7 @@ struct ProxyWorld {
   int rank, W;
 
   Status init(Bootstrap* b, const net::BackendConfig& cfg, size_t src_bytes, size_t dst_bytes,
-              const std::string& staging = "") {
+              const std::string& staging = "", StagingCopier* copier = nullptr) {
     bs = b;
     rank = b->rank();
     W = b->size();
@@ -108,6 +109,7 @@ struct ProxyWorld {
     sc.chunk_bytes = 256 << 10;  // small: a 4 MiB put goes as 16 chunks
     sc.inbox_slots = 4;          // few: senders wait for credits
     sc.outbox_slots = 8;
+    sc.copier = copier;
     MK_CHECK(ProxyWindows::create(bs, be.get(), staging, sc, &wins));
     MK_CHECK(wins->add(src.window(), src_bytes, net::MemKind::kHost, &src_win));
     MK_CHECK(wins->add(dst.window(), dst_bytes, net::MemKind::kHost, &dst_win));

@@ -67,13 +67,12 @@ TEST(LoopbackFault, FailedStagingCopyPostsNothingMore) {
     const int me = bs->rank();
     const uint64_t chunk = 256 << 10;  // ProxyWorld's staging chunk
     const int puts = 6, fail_at = 2;   // the sender's third copy fails
+    FailingCopier copier(me == 0 ? fail_at : -1);
     ProxyWorld w;
-    MK_ASSERT_OK(w.init(bs, cfg(), puts * chunk, puts * chunk, "always"));
+    MK_ASSERT_OK(w.init(bs, cfg(), puts * chunk, puts * chunk, "always", &copier));
     std::vector<uint64_t> flags(puts + 1, 0);
     HostFlagSink sink(flags.data(), puts + 1);
-    FailingCopier copier(me == 0 ? fail_at : -1);
     ProxyConfig pc;
-    pc.copier = &copier;
     pc.timeout_ms = 5000;
     std::unique_ptr<Proxy> proxy;
     MK_ASSERT_OK(Proxy::create(w.wins.get(), &sink, pc, &proxy));

@@ -75,7 +75,7 @@ struct ProxyRig {
     pc.near_gpu = comm->device();
     pc.device = comm->device();
     // Created from a thread whose current device is another one (where there is another): the
-    // proxy's stream, events and thread must still belong to the rank's device.
+    // proxy's stream and thread must still belong to the rank's device.
     int ndev = 1;
     MK_CUDA_CHECK(cudaGetDeviceCount(&ndev));
     MK_CUDA_CHECK(cudaSetDevice((comm->device() + 1) % ndev));
