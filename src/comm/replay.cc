@@ -155,9 +155,9 @@ void Replay::raise(int me, const Signal& s) {
   f = s.add ? f + s.value : s.value * uint64_t(ranks_[me].epoch);
 }
 
-const Wait* Replay::unmet(int me, const std::vector<Wait>& w) {
-  for (const auto& x : w)
-    if (!holds(me, x)) return &x;
+const Wait* Replay::unmet(int me, const Wait* w, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (!holds(me, w[i])) return &w[i];
   return nullptr;
 }
 
@@ -304,8 +304,9 @@ std::string Replay::deadlock_report() {
     }
     for (const auto& u : s.units) {
       if (u.first < 0) continue;
-      const std::vector<Wait> ws = compute_->waits(r, size_t(u.first), u.second);
-      const Wait* w = unmet(r, ws);
+      size_t n = 0;
+      const Wait* ws = compute_->waits(r, size_t(u.first), u.second, &n);
+      const Wait* w = unmet(r, ws, n);
       os << "   " << compute_->unit_name(r, size_t(u.first)) << " phase " << u.second << " waits "
          << (w ? wait_str(r, *w) : "nothing?") << "\n";
     }
@@ -333,8 +334,10 @@ bool Replay::run() {
       for (size_t i = 0; i < s.units.size(); ++i) {
         auto& u = s.units[i];
         if (u.first < 0 && s.next_unit < nu) u = {long(s.next_unit++), 0};
-        if (u.first >= 0 && !unmet(r, compute_->waits(r, size_t(u.first), u.second)))
-          units.push_back({UnitKind::kCompute, r, int(i)});
+        if (u.first < 0) continue;
+        size_t n = 0;
+        const Wait* ws = compute_->waits(r, size_t(u.first), u.second, &n);
+        if (!unmet(r, ws, n)) units.push_back({UnitKind::kCompute, r, int(i)});
       }
     }
     if (units.empty()) return busy ? (ctx_ = "replay", fail(deadlock_report())) : true;

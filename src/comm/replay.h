@@ -37,7 +37,8 @@ class ReplayCompute {
   virtual ~ReplayCompute() = default;
   virtual size_t units(int rank) const = 0;
   virtual int phases(int rank, size_t unit) const = 0;
-  virtual std::vector<Wait> waits(int rank, size_t unit, int phase) const = 0;
+  // The waits before a phase: *n of them at the returned address (valid while the replay runs).
+  virtual const Wait* waits(int rank, size_t unit, int phase, size_t* n) const = 0;
   // Runs a phase (reads and writes through Replay::mem, raises through Replay::raise); false
   // after Replay::fail.
   virtual bool run(Replay& r, int rank, size_t unit, int phase) = 0;
@@ -111,7 +112,8 @@ class Replay {
 
   uint8_t* access(int me, const BufRef& b, uint64_t bytes, bool net);
   bool holds(int me, const Wait& w) { return flag(w.flag) >= w.mul * uint64_t(ranks_[me].epoch); }
-  const Wait* unmet(int me, const std::vector<Wait>& w);
+  const Wait* unmet(int me, const Wait* w, size_t n);
+  const Wait* unmet(int me, const std::vector<Wait>& w) { return unmet(me, w.data(), w.size()); }
   std::string wait_str(int me, const Wait& w);
   void start_call(int me);
   bool exec_op(int me, int slot);

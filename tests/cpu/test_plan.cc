@@ -175,11 +175,12 @@ class GemmCompute : public comm::ReplayCompute {
   }
   size_t units(int rank) const override { return p_.ranks[rank].tile_order.size(); }
   int phases(int, size_t) const override { return 2; }
-  std::vector<PlanWait> waits(int rank, size_t unit, int phase) const override {
+  const PlanWait* waits(int rank, size_t unit, int phase, size_t* n) const override {
     const RankPlan& rp = p_.ranks[rank];
     const RowHooks& h = rp.rows[rp.tile_order[unit] % p_.tiles_m];
-    const uint32_t w0 = phase == 0 ? h.load_wait0 : h.store_wait0, n = phase == 0 ? h.load_waits : h.store_waits;
-    return std::vector<PlanWait>(rp.waits.begin() + w0, rp.waits.begin() + w0 + n);
+    const uint32_t w0 = phase == 0 ? h.load_wait0 : h.store_wait0;
+    *n = phase == 0 ? h.load_waits : h.store_waits;
+    return rp.waits.data() + w0;
   }
   bool run(comm::Replay& r, int rank, size_t unit, int phase) override {
     return phase == 0 ? load_tile(r, rank, unit) : store_tile(r, rank, unit);

@@ -95,11 +95,11 @@ class RingCompute : public comm::ReplayCompute {
   }
   size_t units(int rank) const override { return steps_[rank].size(); }
   int phases(int, size_t) const override { return 1; }
-  std::vector<comm::Wait> waits(int rank, size_t unit, int) const override {
+  const comm::Wait* waits(int rank, size_t unit, int, size_t* n) const override {
     const RingRank& rp = p_.ranks[rank];
     const int t = steps_[rank][unit];
-    return std::vector<comm::Wait>(rp.waits.begin() + rp.step_wait0[t],
-                                   rp.waits.begin() + rp.step_wait0[t] + rp.step_waits[t]);
+    *n = rp.step_waits[t];
+    return rp.waits.data() + rp.step_wait0[t];
   }
   std::string unit_name(int rank, size_t unit) const override {
     const int t = steps_[rank][unit];
