@@ -11,6 +11,7 @@ set -uo pipefail
 B=${B:-/tmp/mkb}
 OUT=${OUT:-/tmp/mk-out}
 P=/tmp/mk-before
+mkdir -p "$OUT"
 rm -rf "$P" && mkdir -p "$P" && tar -C "$P" -xJf .devbin-before/before.tar.xz || { echo "compare: no earlier build"; exit 1; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 raw="$OUT/compare_raw.txt"
@@ -24,14 +25,16 @@ for round in $(seq 1 "${MK_COMPARE_ROUNDS:-1}"); do
     timeout 120 "$g" --reps 15 4096 4096 4096 8192 8192 8192 2048 6144 1024 2>&1 | tee -a "$raw" | tail -6
     log "== round $round $who mkernel bench all (W = 1)"
     timeout 120 "$m" bench all --reps 15 2>&1 | tee -a "$raw" | tail -8
-    log "== round $round $who bench_attention.py"
-    MK_CAPI=$capi timeout 150 python3 bench/bench_attention.py --reps 10 2>&1 | tee -a "$raw" | tail -6
+    if [[ ${MK_COMPARE_ATTN:-1} == 1 ]]; then
+      log "== round $round $who bench_attention.py"
+      MK_CAPI=$capi timeout 150 python3 bench/bench_attention.py --reps 10 2>&1 | tee -a "$raw" | tail -6
+    fi
   done
 done
 # Host time of run(): W = 2 under MPS (the per-call path; before: it agreed across ranks).
 started=0
 if ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then nvidia-cuda-mps-control -d && started=1; fi
-for round in 1 2; do
+for round in $(seq 1 "${MK_COMPARE_HOST_ROUNDS:-2}"); do
   for who in before after; do
     if [[ $who == before ]]; then h=$P/bench_host_call_before; else h=$B/bench/bench_host_call; fi
     for op in gemm_rs ag_gemm; do

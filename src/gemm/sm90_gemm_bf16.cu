@@ -60,6 +60,8 @@ Status make_params(const Arguments& a, ParamsCore* out) {
   p.tiles_m = tc.m;
   p.tiles_n = tc.n;
   p.k_tiles = (K + 63) / 64;
+  p.sched.tiles_m = tc.m;  // the static scheduler's grouped order walks these
+  p.sched.tiles_n = tc.n;
   p.sched.order = a.tile_order;
   p.signal.flags = a.tile_flags;
   p.signal.value = a.tile_flag_value;

@@ -193,6 +193,8 @@ std::vector<RingConfig> sweep() {
     add(RingConfig{6, 2, true, staged, true, false, 1, 64, 64, 4, 2});
   }
   add(RingConfig{4, 1, false, false, true, true, 2, 80, 16, 3, 3});
+  for (bool staged : {false, true})  // the GPU matrix's smallest case: 2 tokens per rank
+    add(RingConfig{6, 3, false, staged, true, true, 1, 2, 2, 4, 2});
   add(RingConfig{5, 1, false, false, false, true, 1, 40, 24, 2, 1});  // a last piece shorter than the rest
   return out;
 }
