@@ -30,7 +30,7 @@ TEST(Abort, WaitEndsWithTheCauseNamingThePeer) {
   printf("%s (after %.0f ms)\n", s.to_string().c_str(), ms);
   EXPECT_EQ(s.code(), Code::kRemoteError);
   EXPECT_NE(s.message().find("stopped waiting (communicator failed)"), std::string::npos) << s.message();
-  EXPECT_NE(s.message().find("op gemm_rs, role net-recv"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("op signal-test, role net-recv"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("flag 1 from rank 3"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("a put to rank 3 failed"), std::string::npos) << s.message();
   EXPECT_LT(ms, 5000.0);
