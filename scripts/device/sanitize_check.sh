@@ -203,7 +203,10 @@ done
 mps_off
 
 {
-  echo "compute-sanitizer over the GPU tests ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(git rev-parse --short HEAD 2>/dev/null))"
+  # The binaries' commit: from the packed build when there is one (the machine's copy of the tree
+  # need not carry the same git metadata).
+  rev=$( [[ -f .devbin/origin.txt ]] && sed -n 4p .devbin/origin.txt | cut -c1-12 || git rev-parse --short HEAD 2>/dev/null)
+  echo "compute-sanitizer over the GPU tests ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), binaries of $rev)"
   printf '%-26s %-10s %-3s %-14s %s\n' test tool np result errors
   printf '%s\n' "${rows[@]}"
   echo "runs: ${#rows[@]}, clean: $(printf '%s\n' "${rows[@]}" | grep -c ' clean '), not clean: $failures, total $(( $(date +%s) - t0 )) s"
