@@ -3,7 +3,7 @@
 # test against an fp32 reference and torch SDPA, the benchmark against SDPA (flash), and (when
 # built) the ring operator's tests and benchmark under MPS.
 # MK_ATTN_STEPS limits the steps: build sass test bench ring ringbench. Logs, traces and timeline
-# PNGs: $OUT/attn_logs.tgz. MK_ATTN_BENCH_ARGS goes to bench_attention.py (e.g. --variants ...).
+# PNGs: $OUT/attn_logs.tgz. MK_ATTN_BENCH_ARGS goes to bench_attention.py (e.g. --reps 30 --seqs 4096).
 set -uo pipefail
 RESULT=${OUT:-/tmp/mk-out}
 OUT=/tmp/mk-attn
