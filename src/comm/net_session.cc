@@ -90,7 +90,7 @@ RingView NetSession::ring_view(const uint64_t* abort) const { return proxy_->rin
 Status NetSession::start(uint32_t n_flags) {
   MK_REQUIRE(!proxy_, Code::kInternal, "network session started twice");
   Bootstrap& bs = comm_->bootstrap();
-  Communicator* comm = comm_;
+  Communicator* c = comm_;
   Status fs = [&]() -> Status {
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&flags_), std::max<uint32_t>(n_flags, 1) * 8,
                                 cudaHostAllocMapped | cudaHostAllocPortable));
@@ -102,15 +102,14 @@ Status NetSession::start(uint32_t n_flags) {
   sink_ = std::make_unique<HostFlagSink>(flags_, n_flags);
   ProxyConfig pc;
   pc.gpu_ring = true;
-  pc.near_gpu = comm->device();
-  pc.device = comm->device();
+  pc.near_gpu = c->device();
+  pc.device = c->device();
   // The host is the first responder: a put that stalls fails the proxy (naming the peer and
   // the command) and aborts the communicator before the kernels' own bound expires, so the
   // error says the network lost it rather than only which flag never rose.
   const int64_t sig_ms = tunables::signal_timeout_ms();
   pc.timeout_ms = std::max<int64_t>(1, std::min<int64_t>(tunables::net_timeout_ms(), sig_ms * 3 / 4));
   MK_CHECK(agree(bs, Proxy::create(wins_.get(), sink_.get(), pc, &proxy_), "proxy"));
-  Communicator* c = comm_;
   proxy_->on_error([c](const Status& s) { c->abort(s); });
   MK_CHECK(proxy_->start());
   started_ = true;

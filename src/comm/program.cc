@@ -22,6 +22,18 @@ Layout Layout::uniform(int world, int nodes) {
   return l;
 }
 
+Layout Layout::strided(int world, int nodes) {
+  Layout l;
+  l.world = world;
+  l.node_ranks.assign(nodes, {});
+  for (int r = 0; r < world; ++r) {
+    l.node_of.push_back(r % nodes);
+    l.local_of.push_back(r / nodes);
+    l.node_ranks[r % nodes].push_back(r);
+  }
+  return l;
+}
+
 const char* op_kind_name(OpKind k) {
   static const char* n[] = {"copy", "reduce", "net_put", "signal", "zero"};
   return int(k) < 5 ? n[int(k)] : "?";

@@ -38,6 +38,8 @@ struct Layout {
   int local() const { return node_ranks.empty() ? 0 : static_cast<int>(node_ranks[0].size()); }
   // `nodes` nodes of world / nodes consecutive ranks each.
   static Layout uniform(int world, int nodes);
+  // `nodes` nodes, node n holding ranks n, n + nodes, n + 2 * nodes, ... (hosts taken round-robin).
+  static Layout strided(int world, int nodes);
 };
 
 using BufId = uint8_t;

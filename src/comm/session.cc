@@ -6,9 +6,19 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
 
 namespace mk {
 namespace comm {
+
+Layout layout_of(const Topology& t) {
+  Layout l;
+  l.world = t.world;
+  l.node_of = t.node_of;
+  l.local_of = t.local_rank_of;
+  l.node_ranks = t.node_ranks;
+  return l;
+}
 
 Status OpSession::create(Communicator* comm, const std::string& name, const std::string& staging,
                          std::unique_ptr<OpSession>* out) {
@@ -19,6 +29,7 @@ Status OpSession::create(Communicator* comm, const std::string& name, const std:
   s->comm_ = comm;
   s->name_ = name;
   s->tag_ = op_tag_register(name.c_str());
+  s->check_calls_ = tunables::check_calls() != 0;
   comm->attach(s.get());
   s->attached_ = true;
   if (comm->topology().node_ranks.size() > 1) MK_CHECK(NetSession::create(comm, staging, &s->net_));
@@ -42,7 +53,6 @@ Status OpSession::setup(const ProgramDecl& decl) {
   sym_.assign(nb, nullptr);
   host_.assign(nb, nullptr);
   win_.assign(nb, 0);
-  std::vector<uint64_t> token(size_t(c->world()), uint64_t(c->rank()));
   auto fill_token = [&](const BufDecl& d) {
     return std::vector<uint64_t>(d.bytes / 8, uint64_t(c->rank()));
   };
@@ -80,7 +90,6 @@ Status OpSession::setup(const ProgramDecl& decl) {
       MK_CHECK(net_->add_gpu_window(sym_[b]->local(), sym_[b]->size(), &win_[b]));
     }
   }
-  (void)token;
   return net_->start(decl.pad_flags);
 }
 
@@ -130,6 +139,11 @@ Status OpSession::check_call() const {
   // A failed communicator (a device wait gave up, the network failed) runs nothing more: its
   // flags and epochs are no longer consistent across ranks. Destroy it and create a new one.
   return comm_->check();
+}
+
+Status OpSession::agree_on_call(const Status& local, const std::string& what) {
+  if (!check_calls_ || destroyed_) return local;
+  return agree(comm_->bootstrap(), local, what);
 }
 
 Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved* out) {

@@ -36,6 +36,9 @@ struct Resolved {
   uint32_t hook_wait0 = 0, hook_signal0 = 0;
 };
 
+// The communicator's layout of ranks on nodes, as programs take it.
+Layout layout_of(const Topology& t);
+
 class OpSession : public CommAttachment {
  public:
   // Collective. `name` names the operator in errors and device-wait reports (op tag). When the
@@ -84,6 +87,10 @@ class OpSession : public CommAttachment {
 
   // Local checks before a call: the session lives and the communicator has not failed.
   Status check_call() const;
+  // A call's argument checks (`local`) as run() reports them: as they are, or — with the debug
+  // tunable check_calls, read at create — agreed across ranks first (a host collective), so a
+  // bad argument on one rank is the same error on every rank.
+  Status agree_on_call(const Status& local, const std::string& what);
 
   // Collective, idempotent, bounded: stops the network, frees everything.
   Status destroy();
@@ -107,6 +114,7 @@ class OpSession : public CommAttachment {
   std::vector<void*> dev_allocs_;
   bool attached_ = false;
   bool destroyed_ = false;
+  bool check_calls_ = false;
 };
 
 }  // namespace comm

@@ -64,15 +64,10 @@ float dot(const float* a, const float* b, int64_t k) {
 
 // Names for failure messages (the plans' fixed buffer and region ids).
 std::string flag_str(const FlagRef& f) {
-  static const char* n[] = {"entry", "entry_net", "row_ready", "row_count", "out_row", "net_in", "local", "src_free"};
-  return std::string(f.region < Region::kCount ? n[f.region] : "?") + "[rank " + std::to_string(f.rank) + "][" +
-         std::to_string(f.index) + "]";
+  return std::string(region_name(f.region)) + "[rank " + std::to_string(f.rank) + "][" + std::to_string(f.index) + "]";
 }
 std::string ref_str(const BufRef& b) {
-  static const char* n[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token",
-                            "a_full_net", "accum_net", "recv_net", "c_ws_net", "token_net"};
-  return std::string(b.buf < Buf::kCount ? n[b.buf] : "?") + "@rank " + std::to_string(b.rank) + "+" +
-         std::to_string(b.offset);
+  return std::string(buf_name(b.buf)) + "@rank " + std::to_string(b.rank) + "+" + std::to_string(b.offset);
 }
 
 struct Config {
@@ -87,16 +82,7 @@ struct Config {
   bool staged = false;   // network traffic through host mirrors (Plan::net_staged)
 };
 PlanLayout make_layout(const Config& c) {
-  if (!c.strided) return PlanLayout::uniform(c.W, c.nodes);
-  PlanLayout l;
-  l.world = c.W;
-  l.node_ranks.assign(c.nodes, {});
-  for (int r = 0; r < c.W; ++r) {
-    l.node_of.push_back(r % c.nodes);
-    l.local_of.push_back(r / c.nodes);
-    l.node_ranks[r % c.nodes].push_back(r);
-  }
-  return l;
+  return c.strided ? PlanLayout::strided(c.W, c.nodes) : PlanLayout::uniform(c.W, c.nodes);
 }
 std::string config_name(const Config& c) {
   std::string s = fused_kind_name(c.kind);

@@ -43,16 +43,7 @@ std::string name_of(const RingConfig& c) {
 void PrintTo(const RingConfig& c, std::ostream* os) { *os << name_of(c); }
 
 comm::Layout layout_of(const RingConfig& c) {
-  if (!c.strided) return comm::Layout::uniform(c.W, c.nodes);
-  comm::Layout l;
-  l.world = c.W;
-  l.node_ranks.assign(c.nodes, {});
-  for (int r = 0; r < c.W; ++r) {
-    l.node_of.push_back(r % c.nodes);
-    l.local_of.push_back(r / c.nodes);
-    l.node_ranks[r % c.nodes].push_back(r);
-  }
-  return l;
+  return c.strided ? comm::Layout::strided(c.W, c.nodes) : comm::Layout::uniform(c.W, c.nodes);
 }
 
 struct Built {

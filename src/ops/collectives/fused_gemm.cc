@@ -30,7 +30,6 @@ struct FusedState {
   int* d_role = nullptr;   // communication CTAs (device; set_comm_ctas changes it)
   int* d_tile_counter = nullptr;
   int* d_order = nullptr;
-  bool check_calls = false;  // tunable check_calls: run() agrees on its checks across ranks
 };
 
 namespace {
@@ -56,15 +55,6 @@ Status check_same_request(Bootstrap& bs, const Request& mine, int world, FusedKi
                (long long)b.M, (long long)b.N, (long long)b.K, b.deterministic ? ", deterministic" : "");
   }
   return OkStatus();
-}
-
-PlanLayout layout_of(const Topology& t) {
-  PlanLayout l;
-  l.world = t.world;
-  l.node_of = t.node_of;
-  l.local_of = t.local_rank_of;
-  l.node_ranks = t.node_ranks;
-  return l;
 }
 
 // The rank's plan as device arrays: the program through the session's resolver, then the GEMM's
@@ -121,9 +111,8 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   st->kind = kind;
   st->shape = shape;
   st->opt = opt;
-  st->check_calls = tunables::check_calls() != 0;
   // Same inputs on every rank: the plan (or its error) is the same everywhere.
-  MK_CHECK(build_plan(kind, shape, layout_of(comm->topology()), opt.deterministic, &st->plan));
+  MK_CHECK(build_plan(kind, shape, comm::layout_of(comm->topology()), opt.deterministic, &st->plan));
   MK_CHECK(comm::OpSession::create(comm, name, opt.staging, &st->session));
   int64_t cc = opt.comm_ctas;
   if (cc < 0) cc = tunables::fused_comm_ctas();
@@ -138,7 +127,7 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   // The network decides how data crosses nodes (GPU memory registered, or staged through pinned
   // host mirrors); the plan follows.
   if (st->session->staged())
-    MK_CHECK(build_plan(kind, shape, layout_of(comm->topology()), opt.deterministic, &st->plan, true));
+    MK_CHECK(build_plan(kind, shape, comm::layout_of(comm->topology()), opt.deterministic, &st->plan, true));
   MK_CHECK(st->session->setup(st->plan));
   MK_CHECK(agree(comm->bootstrap(), resolve(st), std::string(name) + " plan"));
   MK_CHECK(comm->bootstrap().barrier());
@@ -198,11 +187,9 @@ Status FusedGemm::can_implement(const FusedArgs& a) const {
 }
 
 Status FusedGemm::run(const FusedArgs& a, cudaStream_t stream) {
-  // Local checks only (enqueue); with the debug tunable check_calls the ranks first agree on
-  // them, so a bad argument on one rank is the same error on every rank.
-  if (st_->check_calls && st_->session && st_->session->alive())
-    MK_CHECK(agree(st_->session->comm()->bootstrap(), can_implement(a),
-                   std::string(fused_kind_name(st_->kind)) + " arguments"));
+  // Local checks (in enqueue); with the debug tunable check_calls the ranks agree on them first.
+  if (st_->session)
+    MK_CHECK(st_->session->agree_on_call(can_implement(a), std::string(fused_kind_name(st_->kind)) + " arguments"));
   return enqueue(a, stream);
 }
 

@@ -19,6 +19,18 @@ const char* fused_kind_name(FusedKind k) {
   }
   return "?";
 }
+const char* buf_name(BufId b) {
+  static const char* n[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token",
+                            "a_full_net", "accum_net", "recv_net", "c_ws_net", "token_net"};
+  static_assert(sizeof(n) / sizeof(n[0]) == Buf::kCount, "a name per buffer");
+  return b < Buf::kCount ? n[b] : "?";
+}
+const char* region_name(RegionId r) {
+  static const char* n[] = {"entry", "entry_net", "row_ready", "row_count", "out_row", "net_in", "local", "src_free"};
+  static_assert(sizeof(n) / sizeof(n[0]) == Region::kCount, "a name per region");
+  return r < Region::kCount ? n[r] : "?";
+}
+
 BufId net_mirror(BufId b) {
   switch (b) {
     case Buf::kAFull: return Buf::kAFullNet;
@@ -468,11 +480,9 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
     bb[Buf::kToken] = 0;
   }
   // Declarations, in the order of the Buf and Region ids.
-  static const char* kBufNames[] = {"user_a", "a_full", "accum", "recv", "c_ws", "user_c", "token",
-                                    "a_full_net", "accum_net", "recv_net", "c_ws_net", "token_net"};
   for (BufId id = 0; id < Buf::kCount; ++id) {
     comm::BufDecl d;
-    d.name = kBufNames[id];
+    d.name = buf_name(id);
     d.rank_token = id == Buf::kToken || id == Buf::kTokenNet;
     d.bytes = bb[id];
     if (id == Buf::kUserA || id == Buf::kUserC) {
@@ -489,14 +499,14 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
     }
     p.add_buf(d);
   }
-  p.add_region("entry", W, false);
-  p.add_region("entry_net", W, true);
-  p.add_region("row_ready", p.tiles_m, false);
-  p.add_region("row_count", p.tiles_m, false);
-  p.add_region("out_row", p.tiles_m, false);
-  p.add_region("net_in", nch * uint32_t(nodes + 1), true);
-  p.add_region("local", nch, false);
-  p.add_region("src_free", nch, true);
+  p.add_region(region_name(Region::kEntry), W, false);
+  p.add_region(region_name(Region::kEntryNet), W, true);
+  p.add_region(region_name(Region::kRowReady), p.tiles_m, false);
+  p.add_region(region_name(Region::kRowCount), p.tiles_m, false);
+  p.add_region(region_name(Region::kOutRow), p.tiles_m, false);
+  p.add_region(region_name(Region::kNetIn), nch * uint32_t(nodes + 1), true);
+  p.add_region(region_name(Region::kLocal), nch, false);
+  p.add_region(region_name(Region::kSrcFree), nch, true);
   p.place_regions();
   p.ranks.resize(W);
   for (int me = 0; me < W; ++me) {

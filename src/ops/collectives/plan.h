@@ -66,6 +66,9 @@ enum : BufId {
   kCount = 12,
 };
 }  // namespace Buf
+// The names of the plan's buffers and regions ("a_full", "net_in"; "?" past the last).
+const char* buf_name(BufId b);
+const char* region_name(RegionId r);
 // The host mirror of b in a staged plan (comm::kNoBuf if it has none); whether b is a host mirror.
 BufId net_mirror(BufId b);
 bool is_host_buf(BufId b);

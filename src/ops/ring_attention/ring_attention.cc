@@ -31,7 +31,6 @@ struct RingState {
   int64_t S_l = 0;          // tokens per rank
   int64_t chunk_len = 0;    // tokens per sequence chunk (S_l, or S_l / 2 for zigzag)
   int comm_ctas = 0;
-  bool check_calls = false;  // tunable check_calls: run() agrees on its checks across ranks
   // kernel inputs
   attention::FmhaLaunch launch;
   // Compute-only launches (enqueue_compute): every pair from gathered slots, and per step.
@@ -45,15 +44,6 @@ struct Request {
   int32_t B, H, Hkv, D, layout, causal;
   int64_t S;
 };
-
-PlanLayout layout_of(const Topology& t) {
-  PlanLayout l;
-  l.world = t.world;
-  l.node_of = t.node_of;
-  l.local_of = t.local_rank_of;
-  l.node_ranks = t.node_ranks;
-  return l;
-}
 
 Status check_shape(const RingAttentionShape& s, int W) {
   MK_REQUIRE(s.D == 64 || s.D == 128, Code::kInvalidArgument, "ring_attention: head dimension %d (64 or 128)", s.D);
@@ -211,8 +201,7 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   RingState* st = op->st_.get();
   st->shape = shape;
   st->opt = opt;
-  st->check_calls = tunables::check_calls() != 0;
-  MK_CHECK(build_ring_plan(layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan));
+  MK_CHECK(build_ring_plan(comm::layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan));
   MK_CHECK(comm::OpSession::create(comm, "ring_attention", opt.staging, &st->session));
   st->S_l = shape.S / W;
   st->chunk_len = shape.layout == SeqLayout::kZigzag ? st->S_l / 2 : st->S_l;
@@ -236,7 +225,7 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   MK_CHECK(agree(comm->bootstrap(), rs, "ring_attention create"));
   // The program (K/V slots [W][B][S/W][Hkv][D], the entry token, the flags) for the network's
   // staging mode; the session allocates and starts what it declares.
-  MK_CHECK(build_ring_program(st->plan, layout_of(comm->topology()), geo, st->session->staged(), &st->program));
+  MK_CHECK(build_ring_program(st->plan, comm::layout_of(comm->topology()), geo, st->session->staged(), &st->program));
   MK_CHECK(st->session->setup(st->program));
   MK_CHECK(agree(comm->bootstrap(), build_program(st), "ring_attention plan"));
   MK_CHECK(comm->bootstrap().barrier());
@@ -285,9 +274,8 @@ Status RingAttention::can_implement(const RingAttentionArgs& a) const {
 }
 
 Status RingAttention::run(const RingAttentionArgs& a, cudaStream_t stream) {
-  // Local checks only (enqueue); with the debug tunable check_calls the ranks first agree on them.
-  if (st_->check_calls && st_->session && st_->session->alive())
-    MK_CHECK(agree(st_->session->comm()->bootstrap(), can_implement(a), "ring_attention arguments"));
+  // Local checks (in enqueue); with the debug tunable check_calls the ranks agree on them first.
+  if (st_->session) MK_CHECK(st_->session->agree_on_call(can_implement(a), "ring_attention arguments"));
   return enqueue(a, stream);
 }
 
