@@ -1,6 +1,7 @@
 // `mkernel bench <op>`: the fused operators against their unfused baselines on the local GPUs.
 //
-//   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K] [--reps R] [--warmup U] [--json FILE]
+//   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K | --sweep] [--deterministic]
+//                                             [--reps R] [--warmup U] [--json FILE] [--trace PREFIX]
 //   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
 //                                [--trace PREFIX]
 //
@@ -39,6 +40,7 @@ struct BenchArgs {
   bench::RunCfg rc;
   std::vector<int64_t> seqs;
   bool causal = true;
+  bool sweep = false, deterministic = false;
   std::vector<std::string> fused_only, ring_only;  // options given that apply to one family
 };
 
@@ -72,7 +74,10 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       b->ring_only.push_back(a);
     } else if (a == "--trace") {
       ok = ar.value(&b->trace);
-      b->ring_only.push_back(a);
+    } else if (a == "--sweep" || a == "--deterministic") {
+      ok = ar.no_value();
+      (a == "--sweep" ? b->sweep : b->deterministic) = true;
+      b->fused_only.push_back(a);
     } else if (a == "--dtype") {
       std::string d;
       ok = ar.value(&d) && (d == "bf16" || ar.fail("--dtype '" + d + "': only bf16 is implemented"));
@@ -97,6 +102,10 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
   const bool ring = b->which == "ring_attention";
   if (ring && !b->fused_only.empty()) {
     *err = b->fused_only[0] + " does not apply to ring_attention (use --seq)";
+    return false;
+  }
+  if (b->sweep && (b->m || b->n || b->k)) {
+    *err = "--sweep runs its own shapes: leave out --m, --n and --k";
     return false;
   }
   if (!ring && !b->ring_only.empty()) {
@@ -159,7 +168,14 @@ int bench(const std::vector<std::string>& args) {
   env.json = ba.json;
   int rc = 0;
   if (ba.which == "ring_attention") rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace);
-  else rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k);
+  else {
+    bench::FusedBenchOpts fo;
+    fo.rc = ba.rc;
+    fo.sweep = ba.sweep;
+    fo.deterministic = ba.deterministic;
+    fo.trace = ba.trace;
+    rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k, fo);
+  }
   // Collective teardown: every rank gets here (failures above were agreed across ranks).
   Status d = comm->destroy();
   if (!d.ok()) {

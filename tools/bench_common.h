@@ -102,10 +102,12 @@ Status time_it(Communicator* comm, cudaStream_t st, const RunCfg& rc, const std:
     if (s.ok()) s = CLI_CUDA(comm, cudaEventCreate(&e));
   for (int i = 0; i < rc.warmup && s.ok(); ++i) s = decoded(comm, f());
   if (s.ok()) s = synced(comm, st);
-  for (int i = 0; i < reps; ++i) {
-    // Ranks start each call together, as in a training step; a rank whose call failed stops
-    // every rank here.
-    MK_CHECK(agreed(comm, s, what));
+  // The ranks start together, then enqueue every call back to back: the GPUs' queues stay ahead
+  // of the hosts, as in a training step, and a call's time is device work (a host barrier per
+  // call would add the hosts' skew to the fused calls, whose ranks wait for each other, and not
+  // to the GEMM alone). An enqueue failure stops the loop; the ranks agree after it.
+  MK_CHECK(agreed(comm, s, what));
+  for (int i = 0; i < reps && s.ok(); ++i) {
     s = CLI_CUDA(comm, cudaEventRecord(ev.ev[2 * i], st));
     if (s.ok()) s = decoded(comm, f());
     if (s.ok()) s = CLI_CUDA(comm, cudaEventRecord(ev.ev[2 * i + 1], st));
@@ -199,8 +201,15 @@ struct Env {
 };
 
 // src/ops/collectives/bench.cu. `which`: ag_gemm, gemm_rs, gemm_ar or all. m, n, k: the shape
-// given (0: left out, 4096), all three 0 for the default sweep.
-int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k);
+// given (0: left out, 4096), all three 0 for the default shapes (o.sweep: the Llama-3-70B TP8
+// sweep).
+struct FusedBenchOpts {
+  RunCfg rc;
+  bool sweep = false;          // --sweep
+  bool deterministic = false;  // --deterministic (RS/AR)
+  std::string trace;           // --trace PREFIX: one traced call per shape and rank
+};
+int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o);
 
 // src/ops/ring_attention/bench.cu. `seqs`: tokens per rank, one run each (empty: the default
 // sweep); `trace`: a file prefix for one traced call per run ("" for none).

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLOURS = {"compute": "#1f77b4", "load": "#ff7f0e", "comm": "#2ca02c", "net-send": "#d62728",
-           "net-recv": "#9467bd", "controller": "#8c564b", "wait": "#bcbd22"}
+           "net-recv": "#9467bd", "controller": "#8c564b", "wait": "#bcbd22", "epilogue": "#17becf"}
 
 
 def main(src, dst):

@@ -72,6 +72,9 @@ struct NoComm {
     return false;
   }
   __device__ __forceinline__ static void finish_handed_ops(const RoleState&, const SharedStorage&) {}
+  __device__ __forceinline__ static void tile_handed(RoleState&) {}
+  __device__ __forceinline__ static void finish_handed_tiles(const RoleState&, const SharedStorage&) {}
+  __device__ __forceinline__ static void tile_done(SharedStorage&) {}
   __device__ __forceinline__ static int help_op(const Params&, RoleState&) { return kItemDone; }
   template <int kThreads_, uint32_t kBarrier_>
   __device__ __forceinline__ static void run_op(const Params&, int, int, uint64_t) {}
@@ -99,11 +102,13 @@ struct CommRole {
   // Ops this CTA's consumers finished (take_op's CTAs hand ops to their consumers).
   struct SharedStorage {
     int ops_done;
+    int tiles_done;  // tiles this CTA's consumers finished (finish_handed_tiles)
   };
   // The scheduling thread's own account (take_op, help_op).
   struct RoleState {
     bool ops_left_empty = false;  // the program's op counter ran past its last op
     int ops_issued = 0;           // ops handed to this CTA's consumers
+    int tiles_issued = 0;         // tiles handed to them
   };
   using TileHooks = ops::DevRowHooks;
 
@@ -116,7 +121,10 @@ struct CommRole {
     if (p.hooks.epoch) device::epoch_finish(p.hooks.epoch, gridDim.x);
   }
   // By thread 0 before the CTA's first barrier.
-  __device__ __forceinline__ static void init_shared(SharedStorage& s) { s.ops_done = 0; }
+  __device__ __forceinline__ static void init_shared(SharedStorage& s) {
+    s.ops_done = 0;
+    s.tiles_done = 0;
+  }
 
   // ---- dedicated communication CTAs ----
 
@@ -200,6 +208,17 @@ struct CommRole {
   // tile counts) would never run. The ops' own waits are bounded, so this one ends too.
   __device__ __forceinline__ static void finish_handed_ops(const RoleState& s, const SharedStorage& sh) {
     while (s.ops_issued && *reinterpret_cast<const volatile int*>(&sh.ops_done) < s.ops_issued) __nanosleep(64);
+  }
+  // The scheduling thread counts the tiles it hands to its consumers; they count the ones they
+  // finished (tile_done, one consumer thread after each tile).
+  __device__ __forceinline__ static void tile_handed(RoleState& s) { ++s.tiles_issued; }
+  __device__ __forceinline__ static void tile_done(SharedStorage& sh) { atomicAdd_block(&sh.tiles_done, 1); }
+  // Before help_op: the consumers finished their tiles. An op queued behind a tile that waits
+  // (an owner's own tile waits for the peers' shares) would not run until that wait ends, and
+  // the wait may need the op: the entry op, which tells the peers they may send. A CTA takes
+  // ops only once idle; the tiles' own waits are bounded, so this wait ends too.
+  __device__ __forceinline__ static void finish_handed_tiles(const RoleState& s, const SharedStorage& sh) {
+    while (*reinterpret_cast<const volatile int*>(&sh.tiles_done) < s.tiles_issued) __nanosleep(64);
   }
   // No tile left: the CTA helps with the program's remaining ops (the final reductions and
   // copies), so they run on every SM, not only on the communication CTAs. kItemDone when none.

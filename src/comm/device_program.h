@@ -78,8 +78,21 @@ struct FusedHooks {
   void* user[2];             // kUserPtrA: the caller's A shard (AG); kUserPtrC: the caller's C
   const DevRowHooks* rows;   // [tiles_m] or null
   float* const* route;       // [world] fp32 destinations of the epilogue (see plan.h) or null
+  // [world] tensor maps (CUtensorMap, 128 bytes each) over route[s] as fp32 [shard_rows, N]: the
+  // epilogue moves its tiles by TMA (store, or reduce-add) through them. Null: per-element
+  // stores / reduce-adds from the registers (the route_mode tunable's "red").
+  const void* route_maps;
   int64_t shard_rows;
   int32_t route_store;       // deterministic: store instead of add
+  // One node: the owner's rows [fin_lo, fin_hi) (whole tile-rows) end in the epilogue of its own
+  // tiles (ops::EpilogueFinal): the sum of fin_nsrc + 1 terms in order — fp32 [.., N] rows
+  // fin_srcs[k] + (m - fin_row0) * N, the tile's own values as term fin_self — in bf16 to every
+  // fin_dsts entry (op pointer entries: may name the caller's C) at (m - fin_row0) * N; the
+  // sources zeroed after reading when fin_zero. fin_hi <= fin_lo: none.
+  const float* const* fin_srcs;
+  const uint64_t* fin_dsts;
+  int64_t fin_row0, fin_lo, fin_hi;
+  int32_t fin_nsrc, fin_self, fin_ndst, fin_zero;
   // Communication CTAs may compute a tile while the next op is not ready. Only when no tile
   // waits for an op (RS/AR): else (AG) every such CTA could block on rows that op would send.
   int32_t peek_ops;

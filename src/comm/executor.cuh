@@ -63,7 +63,9 @@ __device__ __forceinline__ void copy_words(const void* src_, void* const* dsts, 
                                            int tid) {
   const int4* src = static_cast<const int4*>(src_);
   const uint64_t n = bytes / 16;
-  constexpr int kU = 4;
+  // kU * 16 bytes in flight per thread (32 KiB per 256 threads): copies under a running GEMM see
+  // microseconds of latency, so a CTA needs many bytes in flight (docs/fused.md).
+  constexpr int kU = 8;
   uint64_t j = tid;
   for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
     int4 v[kU];
@@ -111,13 +113,11 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
       break;
     }
     case kDevReduce: {
+      // kU float4 of every source in flight per thread (a float4 at a time leaves one CTA
+      // latency-bound); sources summed in their order (deterministic plans rely on it).
       const uint64_t n = op.elems / 4;
-      for (uint64_t j = tid; j < n; j += kThreads) {
-        float4 acc = static_cast<const float4*>(ptr[0])[j];
-        for (uint32_t k = 1; k < op.nsrc; ++k) {
-          const float4 v = static_cast<const float4*>(ptr[k])[j];
-          acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
-        }
+      constexpr int kU = 4;
+      auto finish = [&](uint64_t j, const float4& acc) {
         for (uint32_t k = 0; k < op.nsrc; ++k)
           if (op.zero_mask & (1u << k)) static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (op.dst_f32) {
@@ -129,6 +129,29 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
           packed.y = *reinterpret_cast<uint32_t*>(&hi);
           for (uint32_t d = 0; d < op.ndst; ++d) static_cast<uint2*>(ptr[op.nsrc + d])[j] = packed;
         }
+      };
+      auto add = [](float4& a, const float4& v) {
+        a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w;
+      };
+      uint64_t j = tid;
+      for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
+        float4 acc[kU];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kU; ++u) acc[u] = static_cast<const float4*>(ptr[0])[j + u * kThreads];
+        for (uint32_t k = 1; k < op.nsrc; ++k) {
+          float4 v[kU];
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < kU; ++u) v[u] = static_cast<const float4*>(ptr[k])[j + u * kThreads];
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < kU; ++u) add(acc[u], v[u]);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kU; ++u) finish(j + u * kThreads, acc[u]);
+      }
+      for (; j < n; j += kThreads) {
+        float4 acc = static_cast<const float4*>(ptr[0])[j];
+        for (uint32_t k = 1; k < op.nsrc; ++k) add(acc, static_cast<const float4*>(ptr[k])[j]);
+        finish(j, acc);
       }
       break;
     }

@@ -146,6 +146,33 @@ Status OpSession::agree_on_call(const Status& local, const std::string& what) {
   return agree(comm_->bootstrap(), local, what);
 }
 
+Status OpSession::address(const ProgramDecl& p, const BufRef& r, uint64_t* a) const {
+  const int me = comm_->rank();
+  const char* name = name_.c_str();
+  MK_REQUIRE(r.buf < p.bufs.size(), Code::kInternal, "%s: unknown buffer %d", name, int(r.buf));
+  const BufDecl& d = p.bufs[r.buf];
+  MK_REQUIRE(r.offset <= d.bytes, Code::kInternal, "%s: %s past its %llu bytes", name, ref_str(p, r).c_str(),
+             (unsigned long long)d.bytes);
+  if (d.space == Space::kUser) {
+    MK_REQUIRE(r.rank == me && d.user_slot >= 0 && d.user_slot < 2, Code::kInternal,
+               "%s: caller buffer %s used on rank %d", name, ref_str(p, r).c_str(), me);
+    *a = ops::user_ptr(d.user_slot, r.offset);
+    return OkStatus();
+  }
+  if (d.space == Space::kHost) {
+    MK_REQUIRE(r.rank == me && host_[r.buf], Code::kInternal, "%s: host mirror %s used on rank %d", name,
+               ref_str(p, r).c_str(), me);
+    *a = reinterpret_cast<uint64_t>(static_cast<char*>(host_[r.buf]) + r.offset);
+    return OkStatus();
+  }
+  SymmetricBuffer* b = sym_[r.buf];
+  MK_REQUIRE(b, Code::kInternal, "%s: buffer %s was not allocated", name, d.name.c_str());
+  void* base = b->peer(r.rank);
+  MK_REQUIRE(base, Code::kInternal, "%s: %s is not mapped here", name, ref_str(p, r).c_str());
+  *a = reinterpret_cast<uint64_t>(static_cast<char*>(base) + r.offset);
+  return OkStatus();
+}
+
 Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved* out) {
   const int me = comm_->rank();
   const char* name = name_.c_str();
@@ -156,30 +183,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
     *a += f.index;
     return OkStatus();
   };
-  auto buf_addr = [&](const BufRef& r, uint64_t* a) -> Status {
-    MK_REQUIRE(r.buf < p.bufs.size(), Code::kInternal, "%s: unknown buffer %d", name, int(r.buf));
-    const BufDecl& d = p.bufs[r.buf];
-    MK_REQUIRE(r.offset <= d.bytes, Code::kInternal, "%s: %s past its %llu bytes", name, ref_str(p, r).c_str(),
-               (unsigned long long)d.bytes);
-    if (d.space == Space::kUser) {
-      MK_REQUIRE(r.rank == me && d.user_slot >= 0 && d.user_slot < 2, Code::kInternal,
-                 "%s: caller buffer %s used on rank %d", name, ref_str(p, r).c_str(), me);
-      *a = ops::user_ptr(d.user_slot, r.offset);
-      return OkStatus();
-    }
-    if (d.space == Space::kHost) {
-      MK_REQUIRE(r.rank == me && host_[r.buf], Code::kInternal, "%s: host mirror %s used on rank %d", name,
-                 ref_str(p, r).c_str(), me);
-      *a = reinterpret_cast<uint64_t>(static_cast<char*>(host_[r.buf]) + r.offset);
-      return OkStatus();
-    }
-    SymmetricBuffer* b = sym_[r.buf];
-    MK_REQUIRE(b, Code::kInternal, "%s: buffer %s was not allocated", name, d.name.c_str());
-    void* base = b->peer(r.rank);
-    MK_REQUIRE(base, Code::kInternal, "%s: %s is not mapped here", name, ref_str(p, r).c_str());
-    *a = reinterpret_cast<uint64_t>(static_cast<char*>(base) + r.offset);
-    return OkStatus();
-  };
+  auto buf_addr = [&](const BufRef& r, uint64_t* a) { return address(p, r, a); };
   std::vector<ops::DevOp> dops;
   std::vector<ops::DevWait> waits;
   std::vector<ops::DevSignal> sigs;

@@ -65,6 +65,9 @@ class OpSession : public CommAttachment {
 
   // This rank's program as device descriptors (uploaded; owned by the session).
   Status resolve(const ProgramDecl& decl, const RankProgram& rp, Resolved* out);
+  // A buffer reference as an op pointer entry: a (peer) device or host address, or a caller
+  // buffer's entry (ops::user_ptr, resolved per call by ops::op_ptr).
+  Status address(const ProgramDecl& decl, const BufRef& ref, uint64_t* out) const;
 
   // Addresses after setup: a buffer's local memory (device, or pinned host for kHost), its
   // symmetric allocation (null for host/user buffers), a region's first flag on `rank`'s pad

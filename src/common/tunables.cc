@@ -57,6 +57,9 @@ const std::vector<TunableDef> kTable = {
     {"fused_comm_ctas", "MK_FUSED_COMM_CTAS", TunableType::kInt, "8",
      "CTAs of a fused operator's persistent grid that start in the communication role (>= 1 when "
      "the operator communicates; they compute once the communication program is taken)", 1},
+    {"fused_route", "MK_FUSED_ROUTE", TunableType::kString, "bulk",
+     "how GEMM+RS/AR tiles reach their reducer: bulk (TMA boxes from shared memory: reduce-add, or "
+     "store when deterministic) or red (a system-scope reduce-add or store per register pair)"},
     {"ring_comm_ctas", "MK_RING_COMM_CTAS", TunableType::kInt, "4",
      "CTAs of ring attention's persistent grid that forward K/V blocks (the others compute)", 1},
     {"check_calls", "MK_CHECK_CALLS", TunableType::kInt, "0",

@@ -18,6 +18,7 @@ const char* role_name(Role r) {
     case Role::kTest: return "test";
     case Role::kLoad: return "load";
     case Role::kWait: return "wait";
+    case Role::kEpilogue: return "epilogue";
   }
   return "unknown";
 }

@@ -13,6 +13,7 @@
 #include "mkernel/device/trace.h"
 #include "src/comm/device_program.h"
 #include "src/gemm/fused_launch.h"
+#include "src/runtime/cuda_driver.h"
 
 #if MK_WITH_CUTLASS
 #include "cutlass/util/packed_stride.hpp"
@@ -241,6 +242,36 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
 }  // namespace
 
 Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) { return launch(a, nullptr, stream, cfg); }
+
+Status route_tensor_maps(float* const* dsts, int n, int64_t rows, int64_t N, std::vector<uint8_t>* maps) {
+#if MK_WITH_CUTLASS
+  using namespace sm90;
+  static_assert(sizeof(CUtensorMap) == 128, "FusedHooks::route_maps holds 128-byte maps");
+  MK_REQUIRE(rows >= 1 && N >= 8 && N % 8 == 0 && rows < (1ll << 31) && N < (1ll << 31), Code::kInvalidArgument,
+             "gemm: route maps need rows >= 1 and N a positive multiple of 8 (got %lld x %lld)", (long long)rows,
+             (long long)N);
+  const CudaDriver* drv = nullptr;
+  MK_CHECK(cuda_driver(&drv));
+  for (int i = 0; i < n; ++i) {
+    MK_REQUIRE(dsts[i] && (reinterpret_cast<uintptr_t>(dsts[i]) & 15u) == 0, Code::kInvalidArgument,
+               "gemm: route destination %d is null or not 16-byte aligned", i);
+    CUtensorMap m;
+    const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(N) * 4};
+    const cuuint32_t box[2] = {cuuint32_t(kRouteBoxCols), cuuint32_t(kRouteBoxRows)};
+    const cuuint32_t elem[2] = {1, 1};
+    MK_CU_CHECK(drv->cuTensorMapEncodeTiled(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, dsts[i], dims, strides, box, elem,
+                                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&m);
+    maps->insert(maps->end(), b, b + sizeof m);
+  }
+  return OkStatus();
+#else
+  (void)dsts, (void)n, (void)rows, (void)N, (void)maps;
+  return Status(Code::kNotSupported, "gemm: mkernel was built without CUTLASS headers");
+#endif
+}
 
 Status run_fused(const Arguments& a, const FusedLaunch& f, cudaStream_t stream, const RunConfig& cfg) {
   MK_REQUIRE(!a.tile_order, Code::kInvalidArgument, "gemm: a fused launch takes its schedule from the FusedLaunch");

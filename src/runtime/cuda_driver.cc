@@ -59,6 +59,7 @@ Status cuda_driver(const CudaDriver** out) {
     MK_RESOLVE(cuGetErrorString)
     MK_RESOLVE(cuStreamWriteValue64)
     MK_RESOLVE(cuFlushGPUDirectRDMAWrites)
+    MK_RESOLVE(cuTensorMapEncodeTiled)
 #undef MK_RESOLVE
     if (!missing.empty())
       g_status = make_status(Code::kNotSupported, "CUDA driver lacks entry points: %s",

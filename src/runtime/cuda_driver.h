@@ -25,6 +25,7 @@ struct CudaDriver {
   MK_DRIVER_FN(cuGetErrorString)
   MK_DRIVER_FN(cuStreamWriteValue64)
   MK_DRIVER_FN(cuFlushGPUDirectRDMAWrites)
+  MK_DRIVER_FN(cuTensorMapEncodeTiled)
 #undef MK_DRIVER_FN
 };
 

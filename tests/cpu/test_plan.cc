@@ -242,6 +242,12 @@ void GemmCompute::start_call(comm::Replay& r, int me, int epoch) {
       const uint16_t h = to_bf16(d.a[me][i]);
       memcpy(a + 2 * i, &h, 2);
     }
+    if (a && p_.own_copy_before) {
+      // The launch's copy of my shard into my gathered A (stream order: before the kernel).
+      const uint64_t bytes = d.a[me].size() * 2;
+      uint8_t* full = r.mem(me, BufRef{Buf::kAFull, me, uint64_t(me) * bytes}, bytes);
+      if (full) memcpy(full, a, bytes);
+    }
     ag_c_[me].assign(M_ * N_, kPoison);
   } else {
     const uint64_t bytes = p_.buf_bytes(Buf::kUserC);
@@ -322,6 +328,35 @@ bool GemmCompute::store_tile(comm::Replay& r, int me, size_t unit) {
       continue;
     }
     const int64_t sh = m / Ms_;
+    if (rp.fin.on && m >= rp.fin.lo && m < rp.fin.hi) {
+      // The owner's final sum (RankPlan::fin): the terms in order, its own values at fin.self.
+      const EpilogueFinal& f = rp.fin;
+      std::vector<uint8_t*> src(f.srcs.size());
+      for (size_t k = 0; k < f.srcs.size(); ++k) {
+        BufRef at = f.srcs[k];
+        at.offset += uint64_t(((m - f.row0) * N_ + c0) * 4);
+        if (!(src[k] = r.mem(me, at, uint64_t(w) * 4))) return false;
+      }
+      std::vector<uint8_t*> dst(f.dsts.size());
+      for (size_t d = 0; d < f.dsts.size(); ++d) {
+        BufRef at = f.dsts[d];
+        at.offset += uint64_t(((m - f.row0) * N_ + c0) * 2);
+        if (!(dst[d] = r.mem(me, at, uint64_t(w) * 2))) return false;
+      }
+      for (int64_t n = 0; n < w; ++n) {
+        float v = 0;
+        for (size_t k = 0, t = 0; t <= f.srcs.size(); ++t) {
+          float x = acc[n];
+          if (int(t) != f.self) memcpy(&x, src[k++] + 4 * n, 4);
+          v = t == 0 ? x : v + x;
+        }
+        if (f.zero_srcs)
+          for (uint8_t* z : src) memset(z + 4 * n, 0, 4);
+        const uint16_t b = to_bf16(v);
+        for (uint8_t* d : dst) memcpy(d + 2 * n, &b, 2);
+      }
+      continue;
+    }
     BufRef to = rp.route[sh];
     to.offset += uint64_t(((m - sh * Ms_) * N_ + c0) * 4);
     uint8_t* dst = r.mem(me, to, uint64_t(w) * 4);

@@ -400,15 +400,17 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
     MK_ASSERT_OK(rec.fetch(&ev, &dropped));
     if (one) continue;  // FusedArgs::trace records only where the fused kernel runs (W > 1)
     EXPECT_EQ(dropped, 0u);
-    std::vector<int> computed(tiles, 0), loaded(tiles, 0), ran(n_ops, 0);
+    std::vector<int> computed(tiles, 0), epilogues(tiles, 0), loaded(tiles, 0), ran(n_ops, 0);
     for (const auto& e : ev) {
       EXPECT_LE(e.t0_ns, e.t1_ns);
       if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
+      else if (e.role == uint32_t(Role::kEpilogue)) ++epilogues.at(e.item);
       else if (e.role == uint32_t(Role::kLoad)) ++loaded.at(e.item);
       else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
       else ADD_FAILURE() << "unexpected role " << e.role;
     }
     for (int t = 0; t < tiles; ++t) EXPECT_EQ(computed[t], 1) << "tile " << t;
+    for (int t = 0; t < tiles; ++t) EXPECT_EQ(epilogues[t], 1) << "tile " << t;
     for (int t = 0; t < tiles; ++t) EXPECT_EQ(loaded[t], 1) << "tile " << t;
     for (int o = 0; o < n_ops; ++o) EXPECT_EQ(ran[o], 1) << "op " << o << ": " << plan.ranks[comm->rank()].ops[o].what;
     if (const char* out = getenv("MK_TRACE_OUT")) {

@@ -266,8 +266,9 @@ TEST(Gemm, TileFlagsFollowTheirData) {
   }
 }
 
-// The traced kernel variant: one producer and one consumer event per tile, sane stamps, the
-// same C as the untraced variant; the timeline goes to MK_TRACE_OUT (Chrome/Perfetto JSON).
+// The traced kernel variant: a producer event and two consumer events (compute, epilogue) per
+// tile, sane stamps, the same C as the untraced variant; the timeline goes to MK_TRACE_OUT
+// (Chrome/Perfetto JSON).
 TEST(Gemm, TraceRecordsEveryTile) {
   std::mt19937_64 rng(test_seed() + 5);
   const int64_t M = 4096, N = 4096, K = 4096;
@@ -283,8 +284,8 @@ TEST(Gemm, TraceRecordsEveryTile) {
   MK_ASSERT_OK(rec.fetch(&ev, &dropped));
   const gemm::TileCount tc = gemm::tile_count(M, N);
   EXPECT_EQ(dropped, 0u);
-  ASSERT_EQ(ev.size(), size_t(2 * tc.total()));
-  std::vector<int> loads(tc.total(), 0), computes(tc.total(), 0);
+  ASSERT_EQ(ev.size(), size_t(3 * tc.total()));  // load, compute, epilogue per tile
+  std::vector<int> loads(tc.total(), 0), computes(tc.total(), 0), epilogues(tc.total(), 0);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   for (const TraceEvent& e : ev) {
@@ -295,11 +296,13 @@ TEST(Gemm, TraceRecordsEveryTile) {
     EXPECT_LT(e.cta, uint32_t(sms));
     if (e.role == uint32_t(Role::kLoad)) ++loads[e.item];
     else if (e.role == uint32_t(Role::kCompute)) ++computes[e.item];
+    else if (e.role == uint32_t(Role::kEpilogue)) ++epilogues[e.item];
     else ADD_FAILURE() << "unexpected role " << e.role;
   }
   for (int t = 0; t < tc.total(); ++t) {
     EXPECT_EQ(loads[t], 1) << "tile " << t;
     EXPECT_EQ(computes[t], 1) << "tile " << t;
+    EXPECT_EQ(epilogues[t], 1) << "tile " << t;
   }
   const char* out = getenv("MK_TRACE_OUT");
   const std::string path = out ? out : "/tmp/mkernel_gemm_trace.json";

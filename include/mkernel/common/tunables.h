@@ -70,6 +70,7 @@ std::string string_or_default(const std::string& name);
   INT_(proxy_max_inflight)                   \
   INT_(net_timeout_ms)                       \
   INT_(fused_comm_ctas)                      \
+  STRING_(fused_route)                       \
   INT_(ring_comm_ctas)                       \
   INT_(check_calls)
 #define MK_TUNABLE_DECLARE_INT_(name_) int64_t name_();

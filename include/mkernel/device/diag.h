@@ -20,6 +20,7 @@ enum class Role : uint32_t {
   kTest = 6,
   kLoad = 7,       // the TMA producer of a GEMM
   kWait = 8,       // a producer waiting for data from a peer (ring attention arrivals)
+  kEpilogue = 9,   // a GEMM tile's epilogue after its MMA (the traced fused kernel)
 };
 const char* role_name(Role r);
 

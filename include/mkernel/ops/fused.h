@@ -91,9 +91,13 @@ class FusedGemm {
   FusedKind kind() const;
   const Plan& plan() const;
   int comm_ctas() const;
+  // RS/AR: whether the reduction order is fixed (results reproducible bit for bit): asked for
+  // (FusedOptions::deterministic), or implied by the layout (at most two ranks per node).
+  bool deterministic() const;
   // Changes the number of communication CTAs for later calls (device memory, no relaunch).
   Status set_comm_ctas(int n, cudaStream_t stream);
-  // AG: the gathered A [M, K] (valid after a call completes).
+  // AG: the gathered A [M, K] (valid after a call completes). With one rank it is the caller's A
+  // of the last call (nothing is gathered, nothing copied).
   const void* gathered_a() const;
 
  private:

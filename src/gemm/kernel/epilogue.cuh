@@ -1,14 +1,20 @@
 // mkernel — the GEMM's epilogues, per tile, by the 256 consumer threads:
 //   kStore  C = A·Bᵀ in bf16 through CUTLASS's TMA-store collective (C may be a peer's
 //           symmetric-memory mapping); optionally followed by a per-tile flag.
-//   kRoute  the fused RS/AR epilogue: fp32 values straight from the accumulator registers to
-//           the reducer of each row's shard on this node (hooks.route), reduce-added, or stored
-//           when deterministic. Followed by the tile row's hook signals (comm_role.cuh).
+//   kRoute  the fused RS/AR epilogue: the tile's fp32 values to the reducer of each row's shard
+//           on this node (hooks.route), reduce-added, or stored when deterministic. Two paths:
+//           route_tile_bulk (default) stages 16x32 boxes per warp in shared memory and moves
+//           them by TMA (a bulk reduce-add or store per box); route_tile sends each register
+//           pair as its own system-scope `red` (or store). Followed by the tile row's hook
+//           signals (comm_role.cuh).
 #pragma once
+
+#include <cuda_bf16.h>
 
 #include <cstdint>
 
 #include "src/comm/device_program.h"
+#include "src/comm/executor.cuh"
 #include "src/gemm/kernel/config.cuh"
 
 namespace mk {
@@ -105,6 +111,168 @@ __device__ __forceinline__ void route_tile(const ops::FusedHooks& h, const Probl
       } else {
         if (n < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n), "f"(accum(i)) : "memory");
         if (n1 < N) asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(row + n1), "f"(accum(i + 1)) : "memory");
+      }
+    }
+  }
+}
+
+// ---- The bulk route: per consumer warp (16 rows of the tile), 8 boxes of 16 x 32 fp32, each
+// written from the registers into one of two 2 KiB shared-memory buffers (128-byte swizzle:
+// the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so a warp's stores hit every bank
+// once), then sent by lane 0 as one TMA op per shard the rows touch; the tensor map of shard s
+// clips the rows outside it and the columns past N.
+constexpr int kRouteBoxRows = 16, kRouteBoxCols = 32;
+constexpr int kRouteBoxBytes = kRouteBoxRows * kRouteBoxCols * 4;
+constexpr int kRouteWarps = kMmaThreads / 32;
+constexpr int kRouteStageBytes = kRouteWarps * 2 * kRouteBoxBytes;  // 32 KiB
+static_assert(size<0>(TileShape{}) == kRouteWarps * kRouteBoxRows, "a warp's rows make one box");
+static_assert(size<1>(TileShape{}) == 8 * kRouteBoxCols, "8 boxes span the tile's columns");
+
+__device__ __forceinline__ void tma_box_out(const void* map, uint32_t smem, int col, int row, bool store) {
+  const uint64_t m = reinterpret_cast<uint64_t>(map);
+  if (store)
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+                 ::"l"(m), "r"(smem), "r"(col), "r"(row) : "memory");
+  else
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];"
+                 ::"l"(m), "r"(smem), "r"(col), "r"(row) : "memory");
+}
+
+// The accumulators are the SM90 64xNx16 WGMMA C layout: element i of a thread is row
+// lane / 4 + 8 * ((i / 2) % 2) of its warp's 16, column (lane % 4) * 2 + i % 2 + 8 * (i / 4). Box
+// k (columns [32k, 32k + 32)) is elements [16k, 16k + 16). The writes are in flight on return:
+// route_bulk_complete() before the tile's signals and before the buffers are written again.
+template <class Accum_>
+__device__ __forceinline__ void route_tile_bulk(const ops::FusedHooks& h, const ProblemShape& problem,
+                                                const Accum_& accum, int mma_tid, int tile_m, int tile_n,
+                                                char* stage) {
+  static_assert(decltype(size(accum))::value == 8 * 16, "128 accumulators per thread (two warpgroups, 128x256)");
+  const int M = get<0>(problem), N = get<1>(problem);
+  const int warp = mma_tid / 32, lane = mma_tid % 32;
+  const int m0 = tile_m * int(size<0>(TileShape{})) + warp * kRouteBoxRows;
+  if (m0 >= M) return;
+  const int n0 = tile_n * int(size<1>(TileShape{}));
+  const int ms = static_cast<int>(h.shard_rows);
+  const int s_first = m0 / ms, s_last = min(h.world - 1, (min(m0 + kRouteBoxRows, M) - 1) / ms);
+  if (s_first != s_last) {
+    // A shard starts inside the warp's rows: a box would need a negative row in the next
+    // shard's map. These (rare: shards not a multiple of 16 rows) go element by element.
+    route_tile(h, problem, accum, mma_tid, tile_m, tile_n);
+    return;
+  }
+  const int boxes = min(8, (N - n0 + kRouteBoxCols - 1) / kRouteBoxCols);
+  const uint32_t sbase = cute::cast_smem_ptr_to_uint(stage + warp * 2 * kRouteBoxBytes);
+  const int r0 = lane / 4, c0 = (lane % 4) * 2;
+  const bool store = h.route_store != 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 8; ++k) {
+    if (k < boxes) {
+      const uint32_t sb = sbase + (k & 1) * kRouteBoxBytes;
+      if (k >= 2) {
+        // The box sent from this buffer two steps ago has been read.
+        if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        __syncwarp();
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const int i = 16 * k + 4 * j + 2 * half;
+          const int r = r0 + 8 * half, c = 8 * j + c0;
+          const uint32_t off = uint32_t(r * 128 + ((((c >> 2) ^ (r & 7))) << 4) + (c & 3) * 4);
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(sb + off), "f"(accum(i)), "f"(accum(i + 1))
+                       : "memory");
+        }
+      }
+      // The generic-proxy stores before the async proxy's reads.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncwarp();
+      if (lane == 0) {
+        tma_box_out(static_cast<const char*>(h.route_maps) + size_t(s_first) * 128, sb, n0 + k * kRouteBoxCols,
+                    m0 - s_first * ms, store);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      }
+    }
+  }
+}
+
+// After route_tile_bulk, before the tile's signals (it may be deferred past the next tile's MMA,
+// hiding the writes' latency): the warp's TMA writes are complete and ordered before the
+// signals' system-scope release (store_signals).
+__device__ __forceinline__ void route_bulk_complete(int mma_tid) {
+  if (mma_tid % 32 == 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+  __syncwarp();
+}
+
+// Whether tile row tile_m ends in this rank's epilogue (FusedHooks::fin_lo/hi: whole tile-rows).
+__device__ __forceinline__ bool final_tile_row(const ops::FusedHooks& h, int tile_m) {
+  const int64_t r0 = int64_t(tile_m) * int64_t(size<0>(TileShape{}));
+  return r0 >= h.fin_lo && r0 < h.fin_hi;
+}
+
+// The owner's final sum of one of its own tiles (FusedHooks::fin_*), per thread: its two rows,
+// 8-column groups in batches of 8 so that the loads of a term are in flight together. The
+// tile-row's store waits (every other rank's share arrived) came first.
+template <class Accum_>
+__device__ __forceinline__ void final_tile(const ops::FusedHooks& h, const ProblemShape& problem, Accum_& accum,
+                                           int mma_tid, int tile_m, int tile_n) {
+  const int M = get<0>(problem), N = get<1>(problem);
+  const int lane = mma_tid % 32;
+  const int m_warp = tile_m * int(size<0>(TileShape{})) + (mma_tid / 32) * kRouteBoxRows;
+  const int n0 = tile_n * int(size<1>(TileShape{})) + (lane % 4) * 2;
+  CUTLASS_PRAGMA_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int m = m_warp + lane / 4 + 8 * half;
+    if (m >= M || m >= h.fin_hi) continue;
+    const int64_t row = (int64_t(m) - h.fin_row0) * N;
+    CUTLASS_PRAGMA_UNROLL
+    for (int gb = 0; gb < 32; gb += 8) {
+      float2 a[8];
+      int k = 0;
+      for (int t = 0; t <= h.fin_nsrc; ++t) {
+        float2 x[8];
+        if (t == h.fin_self) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 8; ++g) {
+            const int i = 4 * (gb + g) + 2 * half;
+            x[g] = make_float2(accum(i), accum(i + 1));
+          }
+        } else {
+          const float* src = h.fin_srcs[k++] + row;
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 8; ++g) {
+            const int n = n0 + 8 * (gb + g);
+            x[g] = n < N ? *reinterpret_cast<const float2*>(src + n) : make_float2(0.f, 0.f);
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 8; ++g) {
+          if (t == 0) a[g] = x[g];
+          else a[g] = make_float2(a[g].x + x[g].x, a[g].y + x[g].y);
+        }
+      }
+      if (h.fin_zero)
+        for (int s = 0; s < h.fin_nsrc; ++s) {
+          float* src = const_cast<float*>(h.fin_srcs[s]) + row;
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 8; ++g) {
+            const int n = n0 + 8 * (gb + g);
+            if (n < N) *reinterpret_cast<float2*>(src + n) = make_float2(0.f, 0.f);
+          }
+        }
+      __nv_bfloat162 b[8];
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < 8; ++g) b[g] = __floats2bfloat162_rn(a[g].x, a[g].y);
+      for (int d = 0; d < h.fin_ndst; ++d) {
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(ops::op_ptr(h, h.fin_dsts[d])) + row / 2;
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 8; ++g) {
+          const int n = n0 + 8 * (gb + g);
+          if (n < N) dst[n / 2] = b[g];
+        }
       }
     }
   }

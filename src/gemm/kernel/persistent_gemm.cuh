@@ -33,9 +33,14 @@ namespace sm90 {
 // Every shared byte lives here; swizzled TMA tiles need 1 KiB alignment. (The CUTLASS parts are
 // kept out of the templates below: nvcc's host pass cannot spell the collectives' types inside a
 // class template.)
+// The two epilogues never run in one launch (Params::epi): they share their buffers.
+union EpilogueSmem {
+  typename EpilogueCollective::TensorStorage tensors;  // kStore: the TMA-store collective
+  alignas(1024) char route[kRouteStageBytes];            // kRoute: route_tile_bulk's boxes
+};
 struct SharedCore {
   alignas(1024) typename MainloopCollective::TensorStorage mainloop_tensors;
-  alignas(1024) typename EpilogueCollective::TensorStorage epilogue_tensors;
+  alignas(1024) EpilogueSmem epi;
   alignas(16) typename MainloopCollective::PipelineStorage mainloop_pipe;
   alignas(16) typename EpilogueCollective::PipelineStorage epi_load_pipe;
   ItemQueueStorage items;  // dynamic scheduler only
@@ -98,8 +103,13 @@ __device__ __forceinline__ void produce_dynamic(const Params<Comm_>& params, Sha
       if (!Comm_::take_op(params.comm, role, sched, epoch, item)) {
         Comm_::finish_handed_ops(role, smem.comm);
         item = sched.take_tile();
-        if (item == comm::kItemDone) item = Comm_::help_op(params.comm, role);
-        else Comm_::load_waits(params.comm, item % params.tiles_m, epoch);
+        if (item == comm::kItemDone) {
+          Comm_::finish_handed_tiles(role, smem.comm);
+          item = Comm_::help_op(params.comm, role);
+        } else {
+          Comm_::tile_handed(role);
+          Comm_::load_waits(params.comm, item % params.tiles_m, epoch);
+        }
       }
       smem.items.items[item_w.index()] = item;
       item_pipeline.producer_commit(item_w);
@@ -126,37 +136,62 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
                                         MainloopPipeline& pipeline, EpiLoadPipeline& epi_load_pipeline,
                                         EpiStorePipeline& epi_store_pipeline, int num_tiles, int mma_tid,
                                         uint64_t epoch) {
-  EpilogueCollective epilogue(params.epilogue, smem.epilogue_tensors);
+  EpilogueCollective epilogue(params.epilogue, smem.epi.tensors);
   TiledMma tiled_mma;
   MainloopState ml_read;
   EpiLoadState el_read;
   EpiStoreState es_write = cutlass::make_producer_start_state<EpiStorePipeline>();
   bool stored = false;
+  // The routed epilogue's signals wait for the next tile's MMA (or an op, or the end): its writes
+  // complete meanwhile. Raised before anything of this CTA waits, so no wait depends on them.
+  bool pending = false;
+  typename Comm_::TileHooks pending_hooks{};
+  auto flush = [&]() {
+    if constexpr (Comm_::kEnabled) {
+      if (!pending) return;
+      route_bulk_complete(mma_tid);
+      Comm_::template store_signals<kMmaThreads, kHookBarrier>(params.comm, pending_hooks, mma_tid, epoch);
+      pending = false;
+    }
+  };
   // One tile (tile id `tile`): MMA over K, then the epilogue and the signals.
   auto do_tile = [&](int tile) {
     uint64_t t0 = 0;
     if constexpr (kTrace_) t0 = device::trace_now_ns();
     auto accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
     mma_tile(mainloop, params.mainloop, pipeline, ml_read, accum, params.k_tiles, mma_tid, smem.mainloop_tensors);
+    uint64_t t_epi = 0;
+    if constexpr (kTrace_) t_epi = device::trace_now_ns();
     const int tm = tile % params.tiles_m, tn = tile / params.tiles_m;
     const typename Comm_::TileHooks hk = Comm_::tile_hooks(params.comm, tm);
+    flush();
     Comm_::template store_waits<kMmaThreads, kHookBarrier>(params.comm, hk, mma_tid, epoch);
     bool routed = false;
     if constexpr (Comm_::kEnabled) {
       if (params.epi == EpiKind::kRoute) {
-        route_tile(params.comm.hooks, params.problem, accum, mma_tid, tm, tn);
-        Comm_::template store_signals<kMmaThreads, kHookBarrier>(params.comm, hk, mma_tid, epoch);
+        const ops::FusedHooks& h = params.comm.hooks;
+        if (final_tile_row(h, tm))
+          final_tile(h, params.problem, accum, mma_tid, tm, tn);
+        else if (h.route_maps)
+          route_tile_bulk(h, params.problem, accum, mma_tid, tm, tn, smem.epi.route);
+        else
+          route_tile(h, params.problem, accum, mma_tid, tm, tn);
+        pending = true;
+        pending_hooks = hk;
         routed = true;
       }
     }
     if (!routed) {
       store_tile(epilogue, epi_load_pipeline, el_read, epi_store_pipeline, es_write, params.problem, tm, tn, accum,
-                 mma_tid, smem.epilogue_tensors);
+                 mma_tid, smem.epi.tensors);
       stored = true;
       if (params.signal.flags) signal_tile_after_tma(params.signal, mma_tid, tile);
     }
     if constexpr (kTrace_)
-      if (mma_tid == 0) device::trace_record(params.trace, Role::kCompute, tile, t0);
+      if (mma_tid == 0) {
+        device::trace_record(params.trace, Role::kCompute, tile, t0);
+        device::trace_record(params.trace, Role::kEpilogue, tile, t_epi);
+      }
   };
   if constexpr (Scheduler_::kDynamic) {
     ItemState item_r;
@@ -167,6 +202,7 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
       ++item_r;
       if (item == comm::kItemDone) break;
       if (comm::is_op_item(item)) {
+        flush();  // the op may wait for these signals (a final sum for a row count)
         const int op = comm::op_of_item(item);
         uint64_t t0 = 0;
         if constexpr (kTrace_) t0 = device::trace_now_ns();
@@ -178,11 +214,13 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
         continue;
       }
       do_tile(item);
+      if (mma_tid == 0) Comm_::tile_done(smem.comm);
     }
   } else {
     const StaticScheduler sched{params.sched, num_tiles};
     for (int i = sched.first(); sched.valid(i); i = sched.next(i)) do_tile(sched.tile_of_item(i));
   }
+  flush();
   if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
 }
 

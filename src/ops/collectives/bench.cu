@@ -9,6 +9,12 @@
 // multi-GPU runs: they are marked so. At W = 1 nothing is communicated: no overlap efficiency,
 // no pipelined baseline, no collective alone ("-" in the table, null in JSON).
 //
+// fused / compute (f/c): the fused call over the same GEMM without communication, both timed with
+// every rank running: 1.0 means all communication was hidden. --sweep runs the Llama-3-70B TP8
+// shapes; --trace PREFIX writes one traced fused call per shape and rank (Chrome JSON) and prints
+// rank 0's breakdown: per-tile MMA and epilogue time, the communication ops, the tail after the
+// last tile.
+//
 // Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
 #include <cuda_bf16.h>
 
@@ -20,6 +26,9 @@
 #include <vector>
 
 #include "mkernel/common/check.h"
+#include "mkernel/common/tunables.h"
+#include "mkernel/device/diag.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/ops/fused.h"
@@ -58,15 +67,57 @@ struct Row {
   bool checked = false, correct = false;
   unsigned long long bad = 0;
   bool comparable = false;
-  double fused = 0, compute = 0, seq = 0, pipe = 0, coll = 0;  // ms (0: not run)
+  bool deterministic = false;
+  std::string route;  // MK_FUSED_ROUTE
+  double fused = 0, compute = 0, seq = 0, pipe = 0, coll = 0;  // ms, medians (0: not run)
+  double fused_min = 0, compute_min = 0;                       // ms, fastest call
   double flops = 0;
 };
+
+// Rank 0's traced call, summarized: what a tile costs and where the call's time goes.
+struct TraceSummary {
+  double span_us = 0;          // first event start to last event end
+  int tiles = 0, ops = 0;
+  double mma_us = 0;           // mean per tile: compute event minus its epilogue
+  double epi_us = 0;           // mean per tile: the epilogue (route or store, and its signals)
+  double ops_us = 0;           // sum of the communication ops' times (waits included)
+  double tail_us = 0;          // last compute end to last event end
+};
+
+TraceSummary summarize_trace(const std::vector<TraceEvent>& ev) {
+  TraceSummary t;
+  if (ev.empty()) return t;
+  uint64_t first = ev[0].t0_ns, last = ev[0].t1_ns, last_compute = 0;
+  double compute = 0, epi = 0;
+  for (const TraceEvent& e : ev) {
+    first = std::min(first, e.t0_ns);
+    last = std::max(last, e.t1_ns);
+    const double d = double(e.t1_ns - e.t0_ns) * 1e-3;
+    if (e.role == uint32_t(Role::kCompute)) {
+      ++t.tiles;
+      compute += d;
+      last_compute = std::max(last_compute, e.t1_ns);
+    } else if (e.role == uint32_t(Role::kEpilogue)) {
+      epi += d;
+    } else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) {
+      ++t.ops;
+      t.ops_us += d;
+    }
+  }
+  t.span_us = double(last - first) * 1e-3;
+  if (t.tiles) {
+    t.mma_us = (compute - epi) / t.tiles;
+    t.epi_us = epi / t.tiles;
+  }
+  t.tail_us = last_compute ? double(last - last_compute) * 1e-3 : 0;
+  return t;
+}
 
 // The flops of the whole operator (all ranks' GEMMs) per call, per rank's share.
 double flops_of(FusedKind, int64_t M, int64_t N, int64_t K) { return 2.0 * double(M) * double(N) * double(K); }
 
 Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64_t M, int64_t N, int64_t K,
-                      const RunCfg& rc, Row* row) {
+                      const RunCfg& rc, const std::string& trace, Row* row) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
   const int64_t a_rows = kind == FusedKind::kAgGemm ? M / W : M;
@@ -136,6 +187,7 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   Timing t;
   MK_CHECK(time_it(comm, st, rc, "timing the fused call", [&] { return op->enqueue(fa, st); }, &t));
   row->fused = t.median_ms;
+  row->fused_min = t.min_ms;
   gemm::Arguments g;  // T_c: the same GEMM without communication
   g.A = kind == FusedKind::kAgGemm ? op->gathered_a() : A.p;
   g.B = B.p;
@@ -143,6 +195,34 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   g.M = M, g.N = N, g.K = K;
   MK_CHECK(time_it(comm, st, rc, "timing the GEMM alone", [&] { return gemm::run(g, st); }, &t));
   row->compute = t.median_ms;
+  row->compute_min = t.min_ms;
+  if (!trace.empty() && W > 1) {
+    // One traced fused call per rank (FusedArgs::trace records where the fused kernel runs: W > 1);
+    // room for three events per tile and the communication ops (a plan has far fewer than 16384).
+    const gemm::TileCount tc = gemm::tile_count(M, N);
+    TraceRecorder rec;
+    std::vector<TraceEvent> ev;
+    uint64_t dropped = 0;
+    const std::string path = trace + "." + row->op + ".m" + std::to_string(M) + ".n" + std::to_string(N) + ".k" +
+                             std::to_string(K) + ".w" + std::to_string(W) + ".rank" + std::to_string(me) + ".json";
+    MK_CHECK(agreed(comm, TraceRecorder::create(uint32_t(4 * tc.total() + 16384), &rec),
+                    "creating the trace recorder"));
+    ops::FusedArgs ta = fa;
+    ta.trace = rec.device();
+    MK_CHECK(comm->bootstrap().barrier());
+    s = decoded(comm, op->enqueue(ta, st));
+    if (s.ok()) s = synced(comm, st);
+    if (s.ok()) s = rec.fetch(&ev, &dropped);
+    if (s.ok()) s = write_chrome_trace(ev, path);
+    MK_CHECK(agreed(comm, s, "the traced call"));
+    if (me == 0) {
+      const TraceSummary ts = summarize_trace(ev);
+      printf("  trace rank 0: %.1f us, %d tiles (MMA %.2f us + epilogue %.2f us per tile), %d ops (%.1f us "
+             "in all), tail %.1f us after the last tile%s -> %s\n",
+             ts.span_us, ts.tiles, ts.mma_us, ts.epi_us, ts.ops, ts.ops_us, ts.tail_us,
+             dropped ? " (events dropped)" : "", path.c_str());
+    }
+  }
 #if MK_HAVE_NCCL
   if (row->comparable) {
     using ops::baseline::Baselines;
@@ -188,17 +268,21 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   return OkStatus();
 }
 
-Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64_t K, const RunCfg& rc,
+Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64_t K, const FusedBenchOpts& o,
                  bool comparable, Row* row) {
   row->op = ops::fused_kind_name(kind);
   row->M = M, row->N = N, row->K = K, row->W = comm->world();
   row->comparable = comparable;
   row->flops = flops_of(kind, M, N, K);
+  row->route = kind == FusedKind::kAgGemm ? "" : tunables::fused_route();
   std::unique_ptr<ops::FusedGemm> op;
   // Collective: bad shapes (N not a multiple of 8, M not divisible by W, ...) are the same
   // error on every rank.
-  MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, ops::FusedOptions{}, &op));
-  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, rc, row);
+  ops::FusedOptions fo;
+  fo.deterministic = o.deterministic;
+  MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &op));
+  row->deterministic = op->deterministic();
+  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, row);
   // Every rank gets here on the same path (the body's failures are agreed): destroy is collective.
   const Status d = op->destroy();
   return s.ok() ? d : s;
@@ -212,12 +296,15 @@ std::string row_json(const Row& r) {
            "\"mismatches\": %llu, \"comparable\": %s, \"fused_ms\": %s, \"compute_only_ms\": %s, "
            "\"cublas_nccl_ms\": %s, \"cublas_nccl_pipelined_ms\": %s, \"nccl_only_ms\": %s, "
            "\"fused_tflops_per_rank\": %s, \"speedup_vs_sequential\": %s, \"speedup_vs_pipelined\": %s, "
-           "\"overlap_efficiency\": %s}",
+           "\"overlap_efficiency\": %s, \"fused_over_compute\": %s, \"deterministic\": %s, \"route\": \"%s\", "
+           "\"fused_min_ms\": %s, \"compute_only_min_ms\": %s}",
            r.op.c_str(), (long long)r.M, (long long)r.N, (long long)r.K, r.W, r.correct ? "true" : "false", r.bad,
            r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(), jnum(r.compute, 4).c_str(),
            jnum(r.seq, 4).c_str(), jnum(r.pipe, 4).c_str(), jnum(r.coll, 4).c_str(), jnum(tf(r.fused), 1).c_str(),
            jnum(ratio(r.seq, r.fused), 3).c_str(), jnum(ratio(r.pipe, r.fused), 3).c_str(),
-           eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str());
+           eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str(),
+           jnum(r.compute > 0 ? r.fused / r.compute : 0, 3).c_str(), r.deterministic ? "true" : "false",
+           r.route.c_str(), jnum(r.fused_min, 4).c_str(), jnum(r.compute_min, 4).c_str());
   return b;
 }
 
@@ -227,8 +314,25 @@ struct Shape {
 
 // The shapes of one operator: the one given (a dimension left out is 4096), else the default
 // sweep, Llama-70B-like TP shapes shrunk to run in seconds.
-std::vector<Shape> shapes_of(FusedKind kind, int64_t m, int64_t n, int64_t k, int W) {
+std::vector<Shape> shapes_of(FusedKind kind, int64_t m, int64_t n, int64_t k, int W, bool sweep) {
   if (m > 0 || n > 0 || k > 0) return {Shape{m > 0 ? m : 4096, n > 0 ? n : 4096, k > 0 ? k : 4096}};
+  if (sweep) {
+    // Llama-3-70B (hidden 8192, intermediate 28672, 64 query / 8 KV heads of 128) at tensor
+    // parallelism 8, per GPU; M = tokens. AG: the column-parallel GEMMs (gate+up: N = 2 * 28672
+    // / 8; QKV: N = (8192 + 2 * 1024) / 8) over the gathered rows; RS and AR: the row-parallel
+    // ones (down: K = 28672 / 8; o_proj: K = 8192 / 8) into the full hidden size.
+    std::vector<Shape> out;
+    for (int64_t tokens : {2048, 4096, 8192, 16384}) {
+      if (kind == FusedKind::kAgGemm) {
+        out.push_back(Shape{tokens, 7168, 8192});
+        out.push_back(Shape{tokens, 1280, 8192});
+      } else {
+        out.push_back(Shape{tokens, 8192, 3584});
+        out.push_back(Shape{tokens, 8192, 1024});
+      }
+    }
+    return out;
+  }
   if (kind == FusedKind::kAgGemm) return {Shape{4096, 3584, 8192}, Shape{8192, 3584, 8192}};
   if (kind == FusedKind::kGemmRs) return {Shape{4096, 8192, 3584}, Shape{8192, 8192, 3584}};
   // N = M, K = M / W
@@ -238,7 +342,7 @@ std::vector<Shape> shapes_of(FusedKind kind, int64_t m, int64_t n, int64_t k, in
 
 }  // namespace
 
-int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k) {
+int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o) {
   Communicator* comm = env.comm;
   const bool comparable = env.comparable;
   const int W = comm->world(), me = comm->rank();
@@ -253,20 +357,21 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
                       : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable "
                         "with multi-GPU runs; no NCCL baselines",
            W == 1 ? "; W = 1: nothing is communicated, no overlap figure" : "");
-    printf("%-8s %6s %6s %6s  %-7s %9s %9s %9s %9s %9s %8s %8s %7s\n", "op", "M", "N", "K", "check", "fused_ms",
-           "TFLOP/s", "comp_ms", "seq_ms", "pipe_ms", "vs_seq", "vs_pipe", "overlap");
+    printf("route %s%s\n", tunables::fused_route().c_str(), o.deterministic ? ", deterministic" : "");
+    printf("%-8s %6s %6s %6s  %-7s %9s %9s %9s %6s %9s %9s %8s %8s %7s\n", "op", "M", "N", "K", "check", "fused_ms",
+           "TFLOP/s", "comp_ms", "f/c", "seq_ms", "pipe_ms", "vs_seq", "vs_pipe", "overlap");
   }
   std::vector<std::string> rows;
   std::vector<CheckLine> checks;
   bool stop = false;
   for (FusedKind kind : kinds) {
     if (stop) break;
-    for (const Shape& sh : shapes_of(kind, m, n, k, W)) {
+    for (const Shape& sh : shapes_of(kind, m, n, k, W, o.sweep)) {
       Row r;
       CheckLine c;
       c.label = std::string(ops::fused_kind_name(kind)) + " M " + std::to_string(sh.M) + " N " +
                 std::to_string(sh.N) + " K " + std::to_string(sh.K) + " W " + std::to_string(W);
-      Status bs_ = bench_one(comm, kind, sh.M, sh.N, sh.K, env.rc, comparable, &r);
+      Status bs_ = bench_one(comm, kind, sh.M, sh.N, sh.K, o, comparable, &r);
       c.done = r.checked, c.ok = r.correct, c.bad = r.bad;
       if (!bs_.ok()) {
         c.error = bs_.to_string();
@@ -277,9 +382,10 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
         rows.push_back(row_json(r));
         if (me == 0) {
           const double tf = r.fused > 0 ? r.flops / (r.fused * 1e-3) / 1e12 : 0;
-          printf("%-8s %6lld %6lld %6lld  %-7s %9s %9s %9s %9s %9s %8s %8s %7s%s\n", r.op.c_str(), (long long)r.M,
+          printf("%-8s %6lld %6lld %6lld  %-7s %9s %9s %9s %6s %9s %9s %8s %8s %7s%s\n", r.op.c_str(), (long long)r.M,
                  (long long)r.N, (long long)r.K, "ok", cell(r.fused, 3).c_str(), cell(tf, 1).c_str(),
-                 cell(r.compute, 3).c_str(), cell(r.seq, 3).c_str(), cell(r.pipe, 3).c_str(),
+                 cell(r.compute, 3).c_str(), cell(r.compute > 0 ? r.fused / r.compute : 0, 2).c_str(),
+                 cell(r.seq, 3).c_str(), cell(r.pipe, 3).c_str(),
                  cell(ratio(r.seq, r.fused), 2).c_str(), cell(ratio(r.pipe, r.fused), 2).c_str(),
                  eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                  comparable ? "" : "  (not comparable)");

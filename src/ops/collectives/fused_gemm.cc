@@ -26,6 +26,8 @@ struct FusedState {
   FusedOptions opt;
   Plan plan;
   int comm_ctas = 0;
+  bool route_bulk = true;  // RS/AR: the epilogue's TMA boxes (tunable fused_route)
+  const void* last_a = nullptr;  // one rank: the caller's A of the last call
   FusedHooks hooks{};      // the resolved program
   int* d_role = nullptr;   // communication CTAs (device; set_comm_ctas changes it)
   int* d_tile_counter = nullptr;
@@ -82,7 +84,38 @@ Status resolve(FusedState* st) {
   h = r.hooks;
   MK_CHECK(ses.upload(rows, const_cast<DevRowHooks**>(&h.rows)));
   MK_CHECK(ses.upload(route, const_cast<float***>(&h.route)));
+  if (!route.empty() && st->route_bulk) {
+    std::vector<uint8_t> maps;
+    MK_CHECK(gemm::route_tensor_maps(route.data(), int(route.size()), p.shard_rows, p.shape.N, &maps));
+    MK_CHECK(ses.upload(maps, reinterpret_cast<uint8_t**>(const_cast<void**>(&h.route_maps))));
+  }
   h.shard_rows = p.shard_rows;
+  h.fin_lo = h.fin_hi = 0;
+  if (rp.fin.on) {
+    std::vector<float*> srcs;
+    std::vector<uint64_t> dsts;
+    for (const auto& ref : rp.fin.srcs) {
+      uint64_t a = 0;
+      MK_CHECK(ses.address(p, ref, &a));
+      srcs.push_back(reinterpret_cast<float*>(a));
+    }
+    for (const auto& ref : rp.fin.dsts) {
+      uint64_t a = 0;
+      MK_CHECK(ses.address(p, ref, &a));
+      dsts.push_back(a);
+    }
+    MK_REQUIRE(!srcs.empty() && !dsts.empty(), Code::kInternal, "%s: an epilogue final sum without terms",
+               fused_kind_name(p.kind));
+    MK_CHECK(ses.upload(srcs, const_cast<float***>(&h.fin_srcs)));
+    MK_CHECK(ses.upload(dsts, const_cast<uint64_t**>(&h.fin_dsts)));
+    h.fin_row0 = rp.fin.row0;
+    h.fin_lo = rp.fin.lo;
+    h.fin_hi = rp.fin.hi;
+    h.fin_nsrc = int32_t(srcs.size());
+    h.fin_self = rp.fin.self;
+    h.fin_ndst = int32_t(dsts.size());
+    h.fin_zero = rp.fin.zero_srcs ? 1 : 0;
+  }
   h.route_store = p.deterministic ? 1 : 0;
   h.peek_ops = p.kind == FusedKind::kAgGemm ? 0 : 1;
   std::vector<int> counters{st->comm_ctas, 0};
@@ -114,6 +147,8 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   // Same inputs on every rank: the plan (or its error) is the same everywhere.
   MK_CHECK(build_plan(kind, shape, comm::layout_of(comm->topology()), opt.deterministic, &st->plan));
   MK_CHECK(comm::OpSession::create(comm, name, opt.staging, &st->session));
+  const std::string route = tunables::fused_route();
+  st->route_bulk = route != "red";
   int64_t cc = opt.comm_ctas;
   if (cc < 0) cc = tunables::fused_comm_ctas();
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
@@ -123,6 +158,8 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
     rs = make_status(Code::kInvalidArgument,
                      "%s: %d communication CTAs leave none of the %d co-resident CTAs to compute", name,
                      st->comm_ctas, resident);
+  if (rs.ok() && route != "bulk" && route != "red")
+    rs = make_status(Code::kInvalidArgument, "%s: MK_FUSED_ROUTE '%s' is not one of bulk, red", name, route.c_str());
   MK_CHECK(agree(comm->bootstrap(), rs, std::string(name) + " create"));
   // The network decides how data crosses nodes (GPU memory registered, or staged through pinned
   // host mirrors); the plan follows.
@@ -150,8 +187,11 @@ Status FusedGemm::destroy() {
 FusedKind FusedGemm::kind() const { return st_->kind; }
 const Plan& FusedGemm::plan() const { return st_->plan; }
 int FusedGemm::comm_ctas() const { return st_->comm_ctas; }
+bool FusedGemm::deterministic() const { return st_->plan.deterministic; }
 const void* FusedGemm::gathered_a() const {
-  return st_->session && st_->session->alive() ? st_->session->local(Buf::kAFull) : nullptr;
+  if (!st_->session || !st_->session->alive()) return nullptr;
+  if (st_->session->comm()->world() == 1) return st_->last_a;
+  return st_->session->local(Buf::kAFull);
 }
 
 Status FusedGemm::set_comm_ctas(int n, cudaStream_t stream) {
@@ -208,9 +248,7 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
     gemm::RunConfig cfg;
     cfg.max_ctas = st->opt.max_ctas;
     MK_CHECK(gemm::run(g, stream, cfg));
-    if (st->kind == FusedKind::kAgGemm)
-      MK_CUDA_CHECK(cudaMemcpyAsync(st->session->local(Buf::kAFull), a.A, st->plan.buf_bytes(Buf::kAFull),
-                                    cudaMemcpyDeviceToDevice, stream));
+    st->last_a = a.A;  // AG: the "gathered" A is the caller's (gathered_a())
     return OkStatus();
   }
   gemm::Arguments g;
@@ -228,6 +266,14 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
     g.A = st->session->local(Buf::kAFull);
     g.C = a.C;
     f.hooks.user[kUserPtrA] = const_cast<void*>(a.A);
+    if (st->plan.own_copy_before) {
+      // My shard into my gathered A before the kernel (Plan::own_copy_before): stream order
+      // makes it follow the previous call's reads and precede this call's.
+      const int me = st->session->comm()->rank();
+      const uint64_t shard = uint64_t(st->plan.shard_rows) * st->shape.K * 2;
+      MK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(st->session->local(Buf::kAFull)) + uint64_t(me) * shard, a.A, shard,
+                                    cudaMemcpyDeviceToDevice, stream));
+    }
   } else {
     g.A = a.A;
     // The routed epilogue never writes C; the TMA-store descriptor still needs valid memory.

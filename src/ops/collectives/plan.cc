@@ -200,17 +200,16 @@ struct Builder {
     const int64_t rowb = K * 2;
     rp.ops.push_back(entry_op(me));
     net_entry_ops(rp, me);
-    // 1. My shard into my own gathered A first (it waits for nobody: my first tiles start at
-    //    once), then into my node's peers' (each waits for that peer's entry), chunk by chunk.
+    // 1. My shard is in my own gathered A when the kernel starts (the launch copies it there with
+    //    the copy engine, Plan::own_copy_before): my first tiles start at once; these ops only
+    //    announce it. Then my shard into my node's peers' (each waits for that peer's entry),
+    //    chunk by chunk.
     for (int c : shard_chunks[me]) {
       const Chunk& ch = p.chunks[c];
       CommOp op;
-      op.kind = CommKind::kCopy;
-      op.srcs = {ref(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
-      op.dsts = {ref(Buf::kAFull, me, uint64_t(ch.row0) * rowb)};
+      op.kind = CommKind::kSignal;
       op.signals = {add_one(Region::kRowReady, me, ch.tile_row), set_epoch(Region::kLocal, me, c)};
-      op.bytes = uint64_t(ch.rows) * rowb;
-      op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " into my gathered A";
+      op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " in my gathered A";
       rp.ops.push_back(op);
     }
     if (local > 1)
@@ -255,7 +254,18 @@ struct Builder {
     const int n = L.node_of[me], l = L.local_of[me];
     const int slots = p.deterministic ? local : 1;
     const uint64_t row4 = uint64_t(N) * 4, row2 = uint64_t(N) * 2;
+    // One node: the owner's final sum of a tile-row that holds its rows only runs in the
+    // epilogue of its own tiles (RankPlan::fin); they then add nothing to its row count. A
+    // tile-row shared by shards keeps the final op: its tiles carry rows for other reducers,
+    // whose own tiles of that row would wait for each other.
+    const bool fin = nodes == 1 && local > 1;
+    auto pure_row = [&](int tm) { return fin && chunks_in_row[tm] == 1; };  // one shard's rows only
+    auto fin_row = [&](int tm) {
+      const int64_t r0 = int64_t(tm) * kPlanTileM;
+      return pure_row(tm) && r0 >= me * Ms && r0 < (me + 1) * Ms;
+    };
     const uint64_t per_tile_row = uint64_t(local) * p.tiles_n;  // adds to a reducer's row count
+    auto row_target = [&](int tm) { return fin_row(tm) ? per_tile_row - p.tiles_n : per_tile_row; };
     // accum offset of row m of shard s (node n_s) in slot k
     auto accum_off = [&](int s, int k, int64_t m) {
       return ((uint64_t(k) * nodes + L.node_of[s]) * Ms + uint64_t(m - s * Ms)) * row4;
@@ -269,6 +279,33 @@ struct Builder {
       const int red = L.node_ranks[n][L.local_of[s]];
       rp.route[s] = ref(Buf::kAccum, red, accum_off(s, p.deterministic ? l : 0, s * Ms));
     }
+    int64_t fin_lo = -1, fin_hi = -1;  // rows of the tile-rows with fin_row
+    for (int tm = 0; tm < p.tiles_m; ++tm)
+      if (fin_row(tm)) {
+        if (fin_lo < 0) fin_lo = int64_t(tm) * kPlanTileM;
+        fin_hi = std::min<int64_t>(M, int64_t(tm + 1) * kPlanTileM);
+      }
+    if (fin_lo >= 0) {
+      EpilogueFinal& f = rp.fin;
+      f.on = true;
+      f.row0 = me * Ms;
+      f.lo = fin_lo;
+      f.hi = fin_hi;
+      if (p.deterministic) {
+        // Slots in local order, this rank's own values at its own index.
+        for (int k = 0; k < slots; ++k)
+          if (k != l) f.srcs.push_back(ref(Buf::kAccum, me, accum_off(me, k, me * Ms)));
+        f.self = l;
+      } else {
+        f.srcs = {ref(Buf::kAccum, me, accum_off(me, 0, me * Ms))};
+        f.self = 0;
+        f.zero_srcs = true;
+      }
+      // AR: straight into my C, and into the node's other ranks' c_ws (they copy it to theirs).
+      f.dsts = {ref(Buf::kUserC, me, allreduce ? uint64_t(me * Ms) * row2 : 0)};
+      if (allreduce)
+        for (int q : local_peers(me)) f.dsts.push_back(ref(Buf::kCws, q, uint64_t(me * Ms) * row2));
+    }
     rp.rows.resize(p.tiles_m);
     for (int tm = 0; tm < p.tiles_m; ++tm) {
       std::set<int> reducers;
@@ -279,7 +316,16 @@ struct Builder {
       h.store_sig0 = uint32_t(rp.signals.size());
       for (int red : reducers) {
         if (red != me) rp.waits.push_back(wait_on(Region::kEntry, me, red, 1, red));
-        rp.signals.push_back(add_one(Region::kRowCount, red, tm));
+        if (red != me || !fin_row(tm)) rp.signals.push_back(add_one(Region::kRowCount, red, tm));
+      }
+      if (fin_row(tm)) {
+        // My own rows: every other rank of the node routed its share of this tile-row here.
+        if (local > 1) rp.waits.push_back(wait_on(Region::kRowCount, me, tm, row_target(tm), -1));
+        if (allreduce)
+          for (int q : local_peers(me)) {
+            if (!reducers.count(q)) rp.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
+            rp.signals.push_back(add_one(Region::kOutRow, q, tm));
+          }
       }
       h.store_waits = uint32_t(rp.waits.size()) - h.store_wait0;
       h.store_sigs = uint32_t(rp.signals.size()) - h.store_sig0;
@@ -330,9 +376,11 @@ struct Builder {
         }
         rp.ops.push_back(put);
       }
-    // 2. My own shard: node sum + the other nodes' partials, in node order.
+    // 2. My own shard: node sum + the other nodes' partials, in node order (one node: in the
+    //    epilogue instead, RankPlan::fin).
     for (int c : shard_chunks[me]) {
       const Chunk& ch = p.chunks[c];
+      if (fin_row(ch.tile_row)) continue;
       CommOp op;
       op.kind = CommKind::kReduce;
       op.waits.push_back(wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1));
@@ -373,10 +421,12 @@ struct Builder {
                                       Region::kOutRow, "final chunk "));
       // 4. The all-reduced rows into the caller's C, tile-row by tile-row as they complete.
       for (int tm = 0; tm < p.tiles_m; ++tm) {
+        if (fin_row(tm)) continue;  // my own rows: my epilogue wrote them into C
         const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
         CommOp op;
         op.kind = CommKind::kCopy;
-        op.waits = {wait_on(Region::kOutRow, me, tm, uint64_t(chunks_in_row[tm]), -1)};
+        // Each chunk of the row lands once (final op), or once per tile of its owner (epilogue).
+        op.waits = {wait_on(Region::kOutRow, me, tm, uint64_t(chunks_in_row[tm]) * (pure_row(tm) ? p.tiles_n : 1), -1)};
         op.srcs = {ref(Buf::kCws, me, uint64_t(r0) * row2)};
         op.dsts = {ref(Buf::kUserC, me, uint64_t(r0) * row2)};
         op.bytes = uint64_t(r1 - r0) * row2;
@@ -437,10 +487,12 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
   p.layout = layout;
   // With one rank per node every element of a reducer's buffer has one writer: the partials
   // are stored, never reduce-added (no atomics, no zeroing) — the deterministic layout with one
-  // slot.
-  p.deterministic = (deterministic || layout.local() == 1) && kind != FusedKind::kAgGemm;
+  // slot. With two per node the slot layout costs one more slot and saves the reduce-add's
+  // read-modify-write and the zeroing: fewer bytes, and the order is fixed too.
+  p.deterministic = (deterministic || layout.local() <= 2) && kind != FusedKind::kAgGemm;
   p.net_staged = net_staged && layout.nodes() > 1;
   p.shard_rows = M / W;
+  p.own_copy_before = kind == FusedKind::kAgGemm;
   p.tiles_m = int((M + kPlanTileM - 1) / kPlanTileM);
   p.tiles_n = int((N + kPlanTileN - 1) / kPlanTileN);
   Builder b{p, layout, M, N, K, M / W, W, layout.nodes(), local, {}, {}, {}};
@@ -525,7 +577,17 @@ std::string describe(const Plan& p, int rank) {
   snprintf(line, sizeof line, "%s rank %d: M %lld N %lld K %lld, %d x %d tiles, %zu chunks, %zu ops\n",
            fused_kind_name(p.kind), rank, (long long)p.shape.M, (long long)p.shape.N, (long long)p.shape.K,
            p.tiles_m, p.tiles_n, p.chunks.size(), rp.ops.size());
-  return line + comm::describe(rp);
+  std::string out = line;
+  if (rp.fin.on) {
+    out += "  epilogue final of rows [" + std::to_string(rp.fin.lo) + ", " + std::to_string(rp.fin.hi) +
+           "): own values as term " + std::to_string(rp.fin.self) + " of " + std::to_string(rp.fin.srcs.size() + 1) +
+           (rp.fin.zero_srcs ? ", sources zeroed" : "") + "; sources";
+    for (const auto& r : rp.fin.srcs) out += " " + comm::ref_str(p, r);
+    out += "; destinations";
+    for (const auto& r : rp.fin.dsts) out += " " + comm::ref_str(p, r);
+    out += "\n";
+  }
+  return out + comm::describe(rp);
 }
 
 }  // namespace ops

@@ -102,6 +102,22 @@ struct Chunk {
   int64_t row0 = 0, rows = 0;  // global GEMM rows
 };
 
+// One node (RS/AR): the owner sums its own rows in the epilogue of its own tiles, from its
+// registers and what the node's other ranks routed to it, once they all did (the tile-row's
+// store waits), and writes the bf16 result itself: no reduction op, no fp32 round trip of its
+// own share. Only tile-rows that hold no other shard's rows ([lo, hi)); the others keep the
+// final op. Row m of the owner's shard is at offset (m - row0) * N * (4 or 2) of each ref.
+struct EpilogueFinal {
+  bool on = false;
+  int64_t row0 = 0;                 // first row of the shard (me * Ms)
+  int64_t lo = 0, hi = 0;           // the rows summed here
+  std::vector<comm::BufRef> srcs;   // fp32 [Ms][N]: summed in this order ...
+  int self = 0;                     // ... with the tile's own values as term `self` (0..srcs.size())
+  bool zero_srcs = false;           // the reduce-add accumulation: zeroed once read
+  std::vector<comm::BufRef> dsts;   // bf16 [Ms][N]: the caller's C (AR: its rows of the shard), and
+                                    // for AR the node's other ranks' c_ws rows
+};
+
 // A rank's communication program (ops; waits and signals: the pools RowHooks index) and the
 // GEMM's side of it.
 struct RankPlan : comm::RankProgram {
@@ -110,12 +126,17 @@ struct RankPlan : comm::RankProgram {
   // RS/AR epilogue routing: element (m, n) of this rank's product, m in shard s, goes to
   // route[s] + ((m - s * Ms) * N + n) * 4 (fp32), added (or stored when deterministic).
   std::vector<BufRef> route;         // [world]; empty for AG
+  EpilogueFinal fin;                 // RS/AR on one node: this rank's own rows (route[me] unused)
 };
 
 struct Plan : comm::ProgramDecl {
   FusedKind kind = FusedKind::kAgGemm;
   PlanShape shape;
   bool deterministic = false;
+  // AG: the launch copies the caller's shard into its own gathered A (rows me * Ms ..) on the
+  // stream before the kernel (the copy engine: tens of microseconds, where copies inside the
+  // running GEMM crawl); the program's ops for those chunks only signal.
+  bool own_copy_before = false;
   int64_t shard_rows = 0;             // Ms
   int tiles_m = 0, tiles_n = 0;
   std::vector<Chunk> chunks;          // in shard order
@@ -131,8 +152,8 @@ constexpr int kPlanTileN = 256;
 // shards are rejected), M, N, K <= 0, N or K not a multiple of 8, a layout whose nodes differ in
 // size. Deterministic: RS/AR partials are stored per source rank and summed in a fixed order
 // (within a node by local index, then across nodes in node order): reproducible bit for bit for
-// a given layout. With one rank per node the plan is always deterministic (one writer per
-// element; Plan::deterministic is then true). net_staged: see Plan::net_staged (ignored on
+// a given layout. With one or two ranks per node the plan is always deterministic (the slot
+// layout; Plan::deterministic is then true). net_staged: see Plan::net_staged (ignored on
 // one node).
 Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout,
                   bool deterministic, Plan* out, bool net_staged = false);
