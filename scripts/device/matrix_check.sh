@@ -54,7 +54,7 @@ for name in "${launches[@]}"; do
     > "$LOGS/$name.log" 2>&1
   rc=$?
   dt=$(( ($(date +%s%N) - t0) / 100000000 )); dt="$((dt / 10)).$((dt % 10))"
-  tests=$(grep -cE '^\[       OK \]' "$LOGS/$name.log")
+  tests=$(sed 's/\x1b\[[0-9;]*m//g' "$LOGS/$name.log" | grep -cE '^\[       OK \]')
   if [[ $rc == 0 ]]; then
     pass=$((pass + 1)); echo "PASS  $name  np $np  ${dt}s  ($tests test runs ok over all ranks)"
   else
