@@ -152,11 +152,15 @@ struct Builder {
 
   // My chunk c of `buf` (final once kLocal[c] is set) to my twin q on another node, once q
   // entered the call, raising q's kNetIn[net_index]; its source is free at kSrcFree[c].
-  CommOp twin_put(int me, int q, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, const char* what) {
+  // ready_before: the chunk is final when the kernel starts (AG's own shard, copied by the launch):
+  // no kLocal wait.
+  CommOp twin_put(int me, int q, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, const char* what,
+                  bool ready_before = false) {
     const Chunk& ch = p.chunks[c];
     CommOp op;
     op.kind = CommKind::kNetPut;
-    op.waits = {wait_on(Region::kLocal, me, c, 1, me), wait_on(Region::kEntryNet, me, q, 1, q)};
+    op.waits = {wait_on(Region::kEntryNet, me, q, 1, q)};
+    if (!ready_before) op.waits.insert(op.waits.begin(), wait_on(Region::kLocal, me, c, 1, me));
     op.srcs = {ref(buf, me, uint64_t(ch.row0) * row_bytes)};
     op.dsts = {ref(buf, q, uint64_t(ch.row0) * row_bytes)};
     stage(op);
@@ -201,17 +205,9 @@ struct Builder {
     rp.ops.push_back(entry_op(me));
     net_entry_ops(rp, me);
     // 1. My shard is in my own gathered A when the kernel starts (the launch copies it there with
-    //    the copy engine, Plan::own_copy_before): my first tiles start at once; these ops only
-    //    announce it. Then my shard into my node's peers' (each waits for that peer's entry),
-    //    chunk by chunk.
-    for (int c : shard_chunks[me]) {
-      const Chunk& ch = p.chunks[c];
-      CommOp op;
-      op.kind = CommKind::kSignal;
-      op.signals = {add_one(Region::kRowReady, me, ch.tile_row), set_epoch(Region::kLocal, me, c)};
-      op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " in my gathered A";
-      rp.ops.push_back(op);
-    }
+    //    the copy engine, Plan::own_copy_before): my first tiles start at once and wait for
+    //    nothing. My shard into my node's peers' (each waits for that peer's entry), chunk by
+    //    chunk.
     if (local > 1)
       for (int c : shard_chunks[me]) {
         const Chunk& ch = p.chunks[c];
@@ -229,21 +225,29 @@ struct Builder {
       }
     // 2. My shard to my twin on every other node, once per node.
     for (int q : remote_twins(me))
-      for (int c : shard_chunks[me]) rp.ops.push_back(twin_put(me, q, c, Buf::kAFull, rowb, c, "AG chunk "));
+      for (int c : shard_chunks[me]) rp.ops.push_back(twin_put(me, q, c, Buf::kAFull, rowb, c, "AG chunk ", true));
     // 3. Shards of my twins arrive over the network: forward them inside the node.
     for (int s : remote_twins(me))
       for (int c : shard_chunks[s])
         rp.ops.push_back(forward_op(me, s, c, Buf::kAFull, rowb, c, Region::kRowReady, "AG chunk "));
     finish_puts(rp, me, {});
-    // Tiles wait for every chunk of their tile-row.
+    // Tiles wait for every chunk of their tile-row that other ranks deliver (my own are there).
+    std::vector<int> own_in_row(p.tiles_m, 0);
+    for (int c : shard_chunks[me]) ++own_in_row[p.chunks[c].tile_row];
     rp.rows.resize(p.tiles_m);
     for (int tm = 0; tm < p.tiles_m; ++tm) {
       rp.rows[tm].load_wait0 = uint32_t(rp.waits.size());
-      rp.rows[tm].load_waits = 1;
-      // Reported on timeout: the owner of the tile-row's first shard (all of it when the rows
-      // hold one shard).
-      const int owner = int(std::min<int64_t>(int64_t(tm) * kPlanTileM / Ms, W - 1));
-      rp.waits.push_back(wait_on(Region::kRowReady, me, tm, uint64_t(chunks_in_row[tm]), owner));
+      const int others = chunks_in_row[tm] - own_in_row[tm];
+      rp.rows[tm].load_waits = others > 0 ? 1 : 0;
+      if (!others) continue;
+      // Reported on timeout: the owner of the tile-row's first other shard.
+      int owner = -1;
+      for (const Chunk& ch : p.chunks)
+        if (ch.tile_row == tm && ch.shard != me) {
+          owner = ch.shard;
+          break;
+        }
+      rp.waits.push_back(wait_on(Region::kRowReady, me, tm, uint64_t(others), owner));
     }
     tile_order_by_shards(rp, shard_order(me));
   }
