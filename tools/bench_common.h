@@ -23,6 +23,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/status.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/runtime/communicator.h"
 
 namespace mk {
@@ -129,6 +130,22 @@ Status time_it(Communicator* comm, cudaStream_t st, const RunCfg& rc, const std:
   out->median_ms = ms[reps / 2];
   out->min_ms = ms[0];
   return OkStatus();
+}
+
+// One traced call on every rank: `enqueue(buffer)` launches it recording into a trace buffer of
+// `capacity` events; this rank's events come back in `ev` and go to `path` (Chrome trace JSON).
+// Collective: the ranks start it together and agree on its outcome.
+template <class F>
+Status traced_call(Communicator* comm, cudaStream_t st, uint32_t capacity, const std::string& path, F&& enqueue,
+                   std::vector<TraceEvent>* ev, uint64_t* dropped) {
+  TraceRecorder rec;
+  MK_CHECK(agreed(comm, TraceRecorder::create(capacity, &rec), "creating the trace recorder"));
+  MK_CHECK(comm->bootstrap().barrier());
+  Status s = decoded(comm, enqueue(rec.device()));
+  if (s.ok()) s = synced(comm, st);
+  if (s.ok()) s = rec.fetch(ev, dropped);
+  if (s.ok()) s = write_chrome_trace(*ev, path);
+  return agreed(comm, s, "the traced call");
 }
 
 // Counts the elements where `got` differs from `want` (or is far from it) with `launch`, after

@@ -200,21 +200,18 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
     // One traced fused call per rank (FusedArgs::trace records where the fused kernel runs: W > 1);
     // room for three events per tile and the communication ops (a plan has far fewer than 16384).
     const gemm::TileCount tc = gemm::tile_count(M, N);
-    TraceRecorder rec;
     std::vector<TraceEvent> ev;
     uint64_t dropped = 0;
     const std::string path = trace + "." + row->op + ".m" + std::to_string(M) + ".n" + std::to_string(N) + ".k" +
                              std::to_string(K) + ".w" + std::to_string(W) + ".rank" + std::to_string(me) + ".json";
-    MK_CHECK(agreed(comm, TraceRecorder::create(uint32_t(4 * tc.total() + 16384), &rec),
-                    "creating the trace recorder"));
-    ops::FusedArgs ta = fa;
-    ta.trace = rec.device();
-    MK_CHECK(comm->bootstrap().barrier());
-    s = decoded(comm, op->enqueue(ta, st));
-    if (s.ok()) s = synced(comm, st);
-    if (s.ok()) s = rec.fetch(&ev, &dropped);
-    if (s.ok()) s = write_chrome_trace(ev, path);
-    MK_CHECK(agreed(comm, s, "the traced call"));
+    MK_CHECK(traced_call(
+        comm, st, uint32_t(4 * tc.total() + 16384), path,
+        [&](const TraceBuffer* tb) {
+          ops::FusedArgs ta = fa;
+          ta.trace = tb;
+          return op->enqueue(ta, st);
+        },
+        &ev, &dropped));
     if (me == 0) {
       const TraceSummary ts = summarize_trace(ev);
       printf("  trace rank 0: %.1f us, %d tiles (MMA %.2f us + epilogue %.2f us per tile), %d ops (%.1f us "

@@ -103,21 +103,18 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, RingRow* r, c
   r->compute = t.median_ms;
   if (!trace.empty()) {
     // One traced fused call: the per-CTA timeline of this rank (tools/trace_png.py draws it).
-    TraceRecorder rec;
     std::vector<TraceEvent> ev;
     uint64_t dropped = 0;
     const std::string path = trace + ".s" + std::to_string(r->S_l) + ".w" + std::to_string(W) + ".rank" +
                              std::to_string(me) + ".json";
-    MK_CHECK(agreed(comm, TraceRecorder::create(uint32_t(64 * (op->work_items() + op->comm_ops()) + 4096), &rec),
-                    "creating the trace recorder"));
-    ops::RingAttentionArgs at = a;
-    at.trace = rec.device();
-    MK_CHECK(comm->bootstrap().barrier());
-    s = decoded(comm, op->enqueue(at, st));
-    if (s.ok()) s = synced(comm, st);
-    if (s.ok()) s = rec.fetch(&ev, &dropped);
-    if (s.ok()) s = write_chrome_trace(ev, path);
-    MK_CHECK(agreed(comm, s, "the traced call"));
+    MK_CHECK(traced_call(
+        comm, st, uint32_t(64 * (op->work_items() + op->comm_ops()) + 4096), path,
+        [&](const TraceBuffer* tb) {
+          ops::RingAttentionArgs at = a;
+          at.trace = tb;
+          return op->enqueue(at, st);
+        },
+        &ev, &dropped));
     if (me == 0)
       printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
   }
