@@ -145,6 +145,12 @@ run all3x2_auto         6 "MK_RANKS_PER_NODE=2"                                 
 # W = 1: runs, and shows no overlap figure.
 run w1_all              0 ""                                                                     ok1:3 -- bench all --m 2048 --n 1024 --k 256 "${REPS[@]}"
 # Must fail with a clear error, before any GPU work.
+# The reduction path's options (issue 20): deterministic and traced, the per-element route, a
+# bad route, --sweep with a shape.
+run rs4_det_trace       4 ""                                                                     ok:1 -- bench gemm_rs --m 2048 --n 1024 --k 512 --deterministic --trace /tmp/mk-smoke-trace "${REPS[@]}"
+run ar2_red             2 "MK_FUSED_ROUTE=red"                                                   ok:1 -- bench gemm_ar --m 2048 --n 1024 --k 512 "${REPS[@]}"
+run bad_route           2 "MK_FUSED_ROUTE=atomic" "err:MK_FUSED_ROUTE 'atomic' is not one of bulk, red" -- bench gemm_rs --m 2048 --n 1024 --k 256 "${REPS[@]}"
+run bad_sweep_m         0 "" "err:--sweep runs its own shapes"                                   -- bench all --sweep --m 2048
 run k0                  0 "" "err:--k '0': must be at least 1"                                   -- bench gemm_ar --m 2048 --n 1024 --k 0
 run k0_np2              2 "" "err:--k '0': must be at least 1"                                   -- bench gemm_ar --m 2048 --n 1024 --k 0
 run bad_negative        0 "" "err:--m '-2048': must not be negative"                             -- bench ag_gemm --m -2048 --n 1024 --k 256
