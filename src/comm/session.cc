@@ -183,7 +183,6 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
     *a += f.index;
     return OkStatus();
   };
-  auto buf_addr = [&](const BufRef& r, uint64_t* a) { return address(p, r, a); };
   std::vector<ops::DevOp> dops;
   std::vector<ops::DevWait> waits;
   std::vector<ops::DevSignal> sigs;
@@ -212,7 +211,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
   };
   auto add_ptr = [&](const BufRef& r) -> Status {
     uint64_t a = 0;
-    MK_CHECK(buf_addr(r, &a));
+    MK_CHECK(address(p, r, &a));
     ptrs.push_back(a);
     return OkStatus();
   };

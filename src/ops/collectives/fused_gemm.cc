@@ -72,14 +72,23 @@ Status resolve(FusedState* st) {
   for (const auto& h : rp.rows)
     rows.push_back(DevRowHooks{r.hook_wait0 + h.load_wait0, h.load_waits, r.hook_wait0 + h.store_wait0, h.store_waits,
                                r.hook_signal0 + h.store_sig0, h.store_sigs});
-  std::vector<float*> route;
-  for (const auto& ref : rp.route) {
-    SymmetricBuffer* b = ses.symmetric(ref.buf);
-    void* base = b ? b->peer(ref.rank) : nullptr;
-    MK_REQUIRE(base, Code::kInternal, "%s: route %s is not mapped here", fused_kind_name(p.kind),
-               comm::ref_str(p, ref).c_str());
-    route.push_back(reinterpret_cast<float*>(static_cast<char*>(base) + ref.offset));
-  }
+  // Buffer references as op pointer entries (device addresses, or caller-buffer entries).
+  auto addresses = [&](const std::vector<comm::BufRef>& refs, std::vector<uint64_t>* out) -> Status {
+    for (const auto& ref : refs) {
+      uint64_t a = 0;
+      MK_CHECK(ses.address(p, ref, &a));
+      out->push_back(a);
+    }
+    return OkStatus();
+  };
+  auto as_floats = [](const std::vector<uint64_t>& v) {
+    std::vector<float*> f;
+    for (uint64_t a : v) f.push_back(reinterpret_cast<float*>(a));
+    return f;
+  };
+  std::vector<uint64_t> route_addr;  // the workspaces of this node's reducers
+  MK_CHECK(addresses(rp.route, &route_addr));
+  std::vector<float*> route = as_floats(route_addr);
   FusedHooks& h = st->hooks;
   h = r.hooks;
   MK_CHECK(ses.upload(rows, const_cast<DevRowHooks**>(&h.rows)));
@@ -92,18 +101,10 @@ Status resolve(FusedState* st) {
   h.shard_rows = p.shard_rows;
   h.fin_lo = h.fin_hi = 0;
   if (rp.fin.on) {
-    std::vector<float*> srcs;
-    std::vector<uint64_t> dsts;
-    for (const auto& ref : rp.fin.srcs) {
-      uint64_t a = 0;
-      MK_CHECK(ses.address(p, ref, &a));
-      srcs.push_back(reinterpret_cast<float*>(a));
-    }
-    for (const auto& ref : rp.fin.dsts) {
-      uint64_t a = 0;
-      MK_CHECK(ses.address(p, ref, &a));
-      dsts.push_back(a);
-    }
+    std::vector<uint64_t> src_addr, dsts;
+    MK_CHECK(addresses(rp.fin.srcs, &src_addr));
+    MK_CHECK(addresses(rp.fin.dsts, &dsts));
+    std::vector<float*> srcs = as_floats(src_addr);
     MK_REQUIRE(!srcs.empty() && !dsts.empty(), Code::kInternal, "%s: an epilogue final sum without terms",
                fused_kind_name(p.kind));
     MK_CHECK(ses.upload(srcs, const_cast<float***>(&h.fin_srcs)));
