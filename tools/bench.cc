@@ -4,12 +4,14 @@
 //                                             [--reps R] [--warmup U] [--json FILE] [--trace PREFIX]
 //   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
 //                                [--trace PREFIX]
+//   mkernel bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]
+//                              [--reps R] [--warmup U] [--json FILE]
 //
 // Under mpirun one rank per process (else one rank). This file parses the arguments, creates the
 // communicator, decides whether times are comparable (one GPU per rank and NCCL) and hands over
 // to the operator's entry (tools/bench_common.h): src/ops/collectives/bench.cu for the GEMM
-// collectives, src/ops/ring_attention/bench.cu for ring attention; each checks its operator's
-// result, then times it against its baselines.
+// collectives, src/ops/ring_attention/bench.cu for ring attention, src/ops/moe/bench.cu for MoE
+// dispatch/combine; each checks its operator's result, then times it against its baselines.
 //
 // Failures. Arguments are checked before any collective or GPU work (every rank gets the same
 // argv, so every rank fails the same way). Every fused or ring call is followed by a stream
@@ -41,11 +43,14 @@ struct BenchArgs {
   std::vector<int64_t> seqs;
   bool causal = true;
   bool sweep = false, deterministic = false;
-  std::vector<std::string> fused_only, ring_only;  // options given that apply to one family
+  std::vector<std::string> presets;  // moe_dispatch
+  int64_t tokens = 0;
+  std::vector<std::string> fused_only, ring_only, moe_only;  // options given that apply to one family
 };
 
 // Dimensions fit the GEMM's 32-bit extents; counts stay small enough to finish.
 constexpr int64_t kMaxDim = 2147483647;
+constexpr int64_t kMaxMoeTokens = int64_t(1) << 24;  // MoeConfig::max_tokens_per_rank's limit
 constexpr int kMaxReps = 100000;
 
 bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::string* err) {
@@ -72,6 +77,22 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       ok = ar.no_value();
       b->causal = false;
       b->ring_only.push_back(a);
+    } else if (a == "--preset") {
+      std::string p;
+      ok = ar.value(&p);
+      if (ok) {
+        const std::vector<std::string> known = bench::moe_presets();
+        if (std::find(known.begin(), known.end(), p) == known.end()) {
+          std::string list;
+          for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+          ok = ar.fail("--preset '" + p + "': unknown (" + list + ")");
+        }
+      }
+      b->presets.push_back(p);
+      b->moe_only.push_back(a);
+    } else if (a == "--tokens") {
+      ok = ar.int_value(int64_t(1), kMaxMoeTokens, &b->tokens);
+      b->moe_only.push_back(a);
     } else if (a == "--trace") {
       ok = ar.value(&b->trace);
     } else if (a == "--sweep" || a == "--deterministic") {
@@ -93,15 +114,28 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = ar.error();
     return false;
   }
-  static const char* kOps[] = {"ag_gemm", "gemm_rs", "gemm_ar", "all", "ring_attention"};
+  static const char* kOps[] = {"ag_gemm", "gemm_rs", "gemm_ar", "all", "ring_attention", "moe_dispatch"};
   if (b->which.empty()) b->which = "all";
   if (std::find_if(std::begin(kOps), std::end(kOps), [&](const char* o) { return b->which == o; }) == std::end(kOps)) {
-    *err = "unknown operator '" + b->which + "' (ag_gemm, gemm_rs, gemm_ar, all, ring_attention)";
+    *err = "unknown operator '" + b->which + "' (ag_gemm, gemm_rs, gemm_ar, all, ring_attention, moe_dispatch)";
     return false;
   }
   const bool ring = b->which == "ring_attention";
+  const bool moe = b->which == "moe_dispatch";
   if (ring && !b->fused_only.empty()) {
     *err = b->fused_only[0] + " does not apply to ring_attention (use --seq)";
+    return false;
+  }
+  if (moe && !b->fused_only.empty()) {
+    *err = b->fused_only[0] + " does not apply to moe_dispatch (use --preset, --tokens)";
+    return false;
+  }
+  if (moe && !b->trace.empty()) {
+    *err = "--trace does not apply to moe_dispatch";
+    return false;
+  }
+  if (!moe && !b->moe_only.empty()) {
+    *err = b->moe_only[0] + " applies to moe_dispatch only, not to '" + b->which + "'";
     return false;
   }
   if (b->sweep && (b->m || b->n || b->k)) {
@@ -157,7 +191,8 @@ int bench(const std::vector<std::string>& args) {
   std::set<std::string> gpus;
   for (const auto& info : comm->topology().info)
     gpus.insert(std::string(reinterpret_cast<const char*>(info.gpu_uuid), 16));
-  bool comparable = int(gpus.size()) == W;
+  const bool own_gpu = int(gpus.size()) == W;
+  bool comparable = own_gpu;
 #if !MK_HAVE_NCCL
   comparable = false;
 #endif
@@ -165,10 +200,18 @@ int bench(const std::vector<std::string>& args) {
   env.comm = comm.get();
   env.rc = ba.rc;
   env.comparable = comparable;
+  env.own_gpu = own_gpu;
   env.json = ba.json;
   int rc = 0;
-  if (ba.which == "ring_attention") rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace);
-  else {
+  if (ba.which == "ring_attention") {
+    rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace);
+  } else if (ba.which == "moe_dispatch") {
+    bench::MoeBenchArgs ma;
+    ma.presets = ba.presets;
+    ma.tokens = ba.tokens;
+    ma.rc = ba.rc;
+    rc = bench::moe_dispatch(env, ma);
+  } else {
     bench::FusedBenchOpts fo;
     fo.rc = ba.rc;
     fo.sweep = ba.sweep;

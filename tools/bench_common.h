@@ -43,8 +43,9 @@ struct Buf {
 };
 
 #ifdef __CUDACC__
-// The hash the operators' fill kernels draw their inputs from (splitmix64's finalizer).
-__device__ inline uint64_t mix(uint64_t x) {
+// The hash the operators' fill kernels draw their inputs from (splitmix64's finalizer); host
+// code can recompute what a fill kernel wrote (the MoE bench checks received rows so).
+__host__ __device__ inline uint64_t mix(uint64_t x) {
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdull;
   x ^= x >> 33;
@@ -214,6 +215,7 @@ struct Env {
   Communicator* comm = nullptr;
   RunCfg rc;
   bool comparable = false;  // one GPU per rank and NCCL: baselines timed, times comparable
+  bool own_gpu = false;     // no two ranks share a GPU (NCCL or not)
   std::string json;         // --json FILE, "" for none
 };
 
@@ -231,6 +233,17 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
 // src/ops/ring_attention/bench.cu. `seqs`: tokens per rank, one run each (empty: the default
 // sweep); `trace`: a file prefix for one traced call per run ("" for none).
 int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace);
+
+// src/ops/moe/bench.cu: MoE dispatch and combine against a device copy of the same bytes and,
+// when `env.comparable`, NCCL all-to-all-v plus permute kernels.
+struct MoeBenchArgs {
+  std::vector<std::string> presets;  // --preset, in order (names from moe_presets()); empty: all
+  int64_t tokens = 0;                // --tokens: per rank; 0: the preset's (scaled down when ranks share a GPU)
+  RunCfg rc;                         // --reps, --warmup
+};
+int moe_dispatch(const Env& env, const MoeBenchArgs& a);
+// The preset names moe_dispatch knows, in its default order (the CLI checks --preset against them).
+std::vector<std::string> moe_presets();
 
 }  // namespace bench
 }  // namespace mk

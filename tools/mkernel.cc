@@ -111,6 +111,10 @@ void usage() {
       "                       [--trace PREFIX]\n"
       "                       ring attention (B1 H32 D128, zigzag) against NCCL all-gather +\n"
       "                       attention and a per-step NCCL send/recv ring\n"
+      "  bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]\n"
+      "                       [--reps R] [--warmup U] [--json FILE]\n"
+      "                       MoE dispatch and combine (exact checks) against a device copy of\n"
+      "                       the same bytes and NCCL all-to-all-v + permute (one GPU per rank)\n"
       "                       (defaults: --reps 20 --warmup 3; options also as --name=value)\n"
       "  version              print the version\n"
       "Tunables: see `mkernel doctor`; set MK_<NAME> in the environment.\n");

@@ -142,6 +142,15 @@ run all2x2_tcp_staged   4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_ST
 run ring4x1_tcp         4 "MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=tcp_rxm"                          ok:1 -- bench ring_attention --seq 2048 "${REPS[@]}"
 run ring4x1_tcp_staged  4 "MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:1 -- bench ring_attention --seq 2048 "${REPS[@]}"
 run all3x2_auto         6 "MK_RANKS_PER_NODE=2"                                                  ok:3 -- bench all --m 1536 --n 520 --k 136 "${REPS[@]}"
+# MoE dispatch/combine (issue 15): every preset at W = 1 and 4 on one node, emulated nodes over
+# tcp and shm (staged; 512 tokens: hierarchical), 3 ranks (experts rounded up to a multiple of W),
+# a bad preset.
+run moe1                0 ""                                                                     ok:4 -- bench moe_dispatch --tokens 256 "${REPS[@]}"
+run moe4                4 ""                                                                     ok:4 -- bench moe_dispatch "${REPS[@]}"
+run moe2x2_tcp_staged   4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:1 -- bench moe_dispatch --preset qwen3 --tokens 256 "${REPS[@]}"
+run moe3x2_tcp_hier     6 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:2 -- bench moe_dispatch --preset qwen3 --preset mixtral --tokens 512 "${REPS[@]}"
+run moe3x1_shm          3 "MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=shm"                              ok:1 -- bench moe_dispatch --preset mixtral --tokens 128 "${REPS[@]}"
+run bad_preset          0 "" "err:--preset 'gpt': unknown"                                       -- bench moe_dispatch --preset gpt
 # W = 1: runs, and shows no overlap figure.
 run w1_all              0 ""                                                                     ok1:3 -- bench all --m 2048 --n 1024 --k 256 "${REPS[@]}"
 # Must fail with a clear error, before any GPU work.

@@ -158,14 +158,17 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
     case kDevNetPut:
       // Its waits (taken above) made the source final; the proxy reads it after the push.
       // Staged: the CTA first copies it into the host mirror the proxy sends from.
+      // A run-time count (kDevOpCountAt) sizes both the staging copy and the put.
       if (op.nsrc == 1 && op.ndst == 1) {
-        copy_words<kThreads>(ptr[0], ptr + 1, 1, op.bytes, tid);
+        copy_words<kThreads>(ptr[0], ptr + 1, 1, bytes, tid);
         __threadfence_system();
         cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
       }
       if (tid == 0) {
         __threadfence_system();
-        device::ring_push(h.ring, h.wait, op.cmd);
+        Command c = op.cmd;
+        c.bytes = bytes;
+        device::ring_push(h.ring, h.wait, c);
       }
       break;
     default:

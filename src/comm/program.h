@@ -120,8 +120,9 @@ struct Op {
   FlagRef remote_flag;      // kNetPut
   FlagRef local_flag;       // kNetPut (kNoRegion: none)
   BufRef stage_src;         // kNetPut in a staged program: the device buffer copied into srcs[0] first
-  // Run-time byte count (kCopy, kZero): a uint64 at this place in the rank's own memory, written
-  // before the op's waits are satisfied; the op moves min(that, bytes). kNoBuf: `bytes`.
+  // Run-time byte count (kCopy, kZero, kNetPut): a uint64 at this place in the rank's own memory,
+  // written before the op's waits are satisfied; the op moves min(that, bytes) rounded down to 16
+  // bytes (a put: its staging copy and the put itself). kNoBuf: `bytes`.
   BufRef count_at;
   std::string what;         // for logs and test failures: "AG chunk 3 of shard 1 -> rank 2"
 };

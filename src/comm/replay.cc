@@ -187,7 +187,8 @@ bool Replay::exec_op(int me, int slot) {
          op_kind_name(op.kind) + " (" + op.what + ")";
   uint64_t bytes = op.bytes;
   if (op.count_at.buf != kNoBuf) {
-    if (op.kind != OpKind::kCopy && op.kind != OpKind::kZero) return fail("a run-time count on this kind of op");
+    if (op.kind != OpKind::kCopy && op.kind != OpKind::kZero && op.kind != OpKind::kNetPut)
+      return fail("a run-time count on this kind of op");
     if (op.count_at.rank != me) return fail("a run-time count in another rank's memory");
     const uint8_t* c = access(me, op.count_at, 8, false);
     if (!c) return false;
@@ -245,13 +246,13 @@ bool Replay::exec_op(int me, int slot) {
         if (!p_.net_staged || op.stage_src.rank != me || p_.is_host(op.stage_src.buf) ||
             p_.mirror(op.stage_src.buf) != op.srcs[0].buf || op.stage_src.offset != op.srcs[0].offset)
           return fail("malformed staged put");
-        const uint8_t* from = access(me, op.stage_src, op.bytes, false);
-        uint8_t* to = access(me, op.srcs[0], op.bytes, false);
+        const uint8_t* from = access(me, op.stage_src, bytes, false);
+        uint8_t* to = access(me, op.srcs[0], bytes, false);
         if (!from || !to) return false;
-        memmove(to, from, op.bytes);
+        memmove(to, from, bytes);
       }
       if (!access(me, op.srcs[0], op.bytes, true) || !access(me, op.dsts[0], op.bytes, true)) return false;
-      s.in_flight.push_back(idx);
+      s.in_flight.push_back({idx, bytes});
       break;
     case OpKind::kSignal:
       if (!op.srcs.empty() || !op.dsts.empty()) return fail("a signal op with buffers");
@@ -274,13 +275,14 @@ bool Replay::exec_op(int me, int slot) {
 // destination's flag and then its own local-completion flag.
 bool Replay::deliver(int me) {
   RankState& s = ranks_[me];
-  const Op& op = progs_[me]->ops[s.in_flight.front()];
+  const Op& op = progs_[me]->ops[s.in_flight.front().first];
+  const uint64_t bytes = s.in_flight.front().second;  // fixed when the put was issued (run-time counts)
   s.in_flight.pop_front();
   ctx_ = "rank " + std::to_string(me) + " proxy delivering (" + op.what + ")";
-  const uint8_t* src = access(me, op.srcs[0], op.bytes, true);
-  uint8_t* dst = access(me, op.dsts[0], op.bytes, true);
+  const uint8_t* src = access(me, op.srcs[0], bytes, true);
+  uint8_t* dst = access(me, op.dsts[0], bytes, true);
   if (!src || !dst) return false;
-  memmove(dst, src, op.bytes);
+  memmove(dst, src, bytes);
   flag(op.remote_flag) += 1;
   if (op.local_flag.region != kNoRegion) flag(op.local_flag) += 1;
   return true;

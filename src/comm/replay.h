@@ -102,7 +102,7 @@ class Replay {
     size_t next_op = 0, ops_done = 0, next_unit = 0, units_done = 0;
     std::vector<int> comm;                    // op held by each comm slot; -1: free
     std::vector<std::pair<long, int>> units;  // (unit, phase) held by each compute slot; unit -1: free
-    std::deque<int> in_flight;                // issued puts (op indices), delivered in order
+    std::deque<std::pair<int, uint64_t>> in_flight;  // issued puts (op index, bytes), delivered in order
   };
   enum class UnitKind { kComm, kCompute, kDeliver };
   struct Unit {

@@ -268,7 +268,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
       for (const auto& r : op.dsts) MK_CHECK(add_ptr(r));
     }
     if (op.count_at.buf != kNoBuf) {
-      MK_REQUIRE(op.kind == OpKind::kCopy || op.kind == OpKind::kZero, Code::kNotSupported,
+      MK_REQUIRE(op.kind == OpKind::kCopy || op.kind == OpKind::kZero || op.kind == OpKind::kNetPut, Code::kNotSupported,
                  "%s: op '%s': a run-time byte count on a %s", name, op.what.c_str(), op_kind_name(op.kind));
       MK_REQUIRE(op.count_at.rank == me && op.count_at.offset % 8 == 0, Code::kInternal,
                  "%s: op '%s' reads its byte count from %s", name, op.what.c_str(), ref_str(p, op.count_at).c_str());

@@ -62,6 +62,9 @@ const std::vector<TunableDef> kTable = {
      "store when deterministic) or red (a system-scope reduce-add or store per register pair)"},
     {"ring_comm_ctas", "MK_RING_COMM_CTAS", TunableType::kInt, "4",
      "CTAs of ring attention's persistent grid that forward K/V blocks (the others compute)", 1},
+    {"moe_comm_ctas", "MK_MOE_COMM_CTAS", TunableType::kInt, "16",
+     "CTAs that move MoE dispatch/combine records between ranks (each slot travels in pieces, so "
+     "several CTAs share one destination)", 1},
     {"check_calls", "MK_CHECK_CALLS", TunableType::kInt, "0",
      "debug: every fused operator's run() agrees on its argument checks across ranks (a host "
      "collective per call; 0: run() checks locally only)", 0},

@@ -379,6 +379,37 @@ Status Baselines::collective(Coll c, const void* send, void* recv, size_t recv_e
   return make_status(Code::kInvalidArgument, "collective: unknown kind %d", int(c));
 }
 
+Status Baselines::alltoallv(const void* send, const int64_t* send_rows, const int64_t* send_off, void* recv,
+                            const int64_t* recv_rows, const int64_t* recv_off, int64_t row_elems, cudaStream_t stream) {
+  Impl& m = *impl_;
+  MK_CHECK(check_device(m, "alltoallv"));
+  MK_REQUIRE(send != nullptr && recv != nullptr && send_rows != nullptr && send_off != nullptr &&
+                 recv_rows != nullptr && recv_off != nullptr && row_elems > 0,
+             Code::kInvalidArgument, "alltoallv: null buffer or count array, or row_elems %lld", (long long)row_elems);
+  const int W = m.world;
+  for (int r = 0; r < W; ++r)
+    MK_REQUIRE(send_rows[r] >= 0 && send_off[r] >= 0 && recv_rows[r] >= 0 && recv_off[r] >= 0,
+               Code::kInvalidArgument, "alltoallv: negative count or offset for rank %d", r);
+  // The group is ended even when a call in it fails, so NCCL is not left inside a group.
+  Status s;
+  auto call = [&](ncclResult_t r, const char* expr) {
+    if (s.ok() && r != ncclSuccess) s = nccl_status(r, expr, __FILE__, __LINE__);
+  };
+  MK_NCCL_CHECK(ncclGroupStart());
+  for (int r = 0; r < W; ++r) {
+    if (send_rows[r] > 0)
+      call(ncclSend(ptr_at(send, send_off[r] * row_elems), size_t(send_rows[r] * row_elems), ncclBfloat16, r, m.comm,
+                    stream),
+           "ncclSend");
+    if (recv_rows[r] > 0)
+      call(ncclRecv(ptr_at(recv, recv_off[r] * row_elems), size_t(recv_rows[r] * row_elems), ncclBfloat16, r, m.comm,
+                    stream),
+           "ncclRecv");
+  }
+  call(ncclGroupEnd(), "ncclGroupEnd()");
+  return s;
+}
+
 Status Baselines::ring_attn_allgather(RingAttention& op, const RingAttentionArgs& a, void* k_all, void* v_all,
                                       cudaStream_t stream) {
   Impl& m = *impl_;

@@ -77,6 +77,14 @@ class Baselines {
   // recv_elems (send == recv is in place).
   Status collective(Coll c, const void* send, void* recv, size_t recv_elems, cudaStream_t stream);
 
+  // All-to-all-v of bf16 rows (row_elems elements each): to every rank r the send_rows[r] rows
+  // at row send_off[r] of `send`, from every rank s recv_rows[s] rows into row recv_off[s] of
+  // `recv`. One NCCL group of ncclSend / ncclRecv, self included, no call for a zero count.
+  // The counts are host arrays of world() entries and must agree pairwise across ranks (rank
+  // s's send_rows[r] == rank r's recv_rows[s]): the caller exchanged them beforehand.
+  Status alltoallv(const void* send, const int64_t* send_rows, const int64_t* send_off, void* recv,
+                   const int64_t* recv_rows, const int64_t* recv_off, int64_t row_elems, cudaStream_t stream);
+
   // Ring attention, unfused (op: the operator of the same shape, whose kernel computes):
   // all-gather: ncclAllGather of K and V into k_all / v_all ([W][B][S/W][Hkv][D] each), then
   //   attention over every block in one launch.

@@ -72,6 +72,7 @@ std::string string_or_default(const std::string& name);
   INT_(fused_comm_ctas)                      \
   STRING_(fused_route)                       \
   INT_(ring_comm_ctas)                       \
+  INT_(moe_comm_ctas)                        \
   INT_(check_calls)
 #define MK_TUNABLE_DECLARE_INT_(name_) int64_t name_();
 #define MK_TUNABLE_DECLARE_STRING_(name_) std::string name_();

@@ -1,0 +1,140 @@
+// mkernel — expert parallelism: MoE dispatch and combine across GPUs and nodes.
+//
+// W ranks hold num_experts / W experts each (expert e lives on rank e / E_local). Each rank
+// routes its tokens to their top-k experts:
+//
+//   dispatch: every token goes once to every rank that holds one of its experts (a record: the
+//             row and its routing), and lands there in an expert-major layout — expert e's rows
+//             at [offsets[e], offsets[e] + counts[e]), each expert's block starting on a
+//             multiple of expert_align rows (what a grouped GEMM takes), rows ordered by source
+//             rank, then token, then top-k slot;
+//   combine:  the expert outputs y (same layout) travel back, and each token's output is
+//             sum_k topk_weights[t, k] * y(t, k) in fp32 (fused multiply-adds in slot order k:
+//             the order is fixed, results are reproducible bit for bit), stored bf16.
+//
+// Counts and offsets stay on the device: a call makes no host synchronization and is
+// capturable in a CUDA graph, which replays with new routings and token counts. Inside a node,
+// records move by peer copies; across nodes, through the proxy (libfabric), host-staged or
+// direct as the session decides. Memory is fixed at create (buffer_bytes).
+//
+// Bad input — an expert id out of range, more tokens than max_tokens_per_rank, more received
+// rows than the receive capacity — is recorded on the device (rank, token, expert, count) and
+// the entry is left out; check() then reports it and the operator refuses further calls. No
+// rank waits for data that will not come: every record slot still travels with its header.
+//
+// Usage (collective: every rank, same config):
+//   std::unique_ptr<MoeEp> ep;
+//   MK_CHECK(MoeEp::create(comm, {7168, 256, 8, 4096}, {}, &ep));
+//   MK_CHECK(ep->dispatch({x, ids, weights, d_num_tokens, T}, {recv_x, counts, offsets}, stream));
+//   ... grouped GEMM over recv_x -> y ...
+//   MK_CHECK(ep->combine({y}, out, stream));
+//   MK_CHECK(comm->sync(stream)); MK_CHECK(ep->check());
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "mkernel/common/status.h"
+
+namespace mk {
+
+class Communicator;
+struct Topology;
+
+namespace ops {
+
+struct MoeConfig {
+  int64_t hidden = 0;               // H (bf16 elements per token row; H * 2 a multiple of 16)
+  int num_experts = 0;              // E, a multiple of the world size
+  int topk = 0;                     // k, 1..32
+  int64_t max_tokens_per_rank = 0;  // rows of x a call may carry (d_num_tokens <= this)
+  int expert_align = 1;             // each expert's block starts on a multiple of this many rows
+  // Rows of the expert-major receive layout (all local experts together). 0: the worst case,
+  // W * max_tokens * min(k, E_local) plus alignment — never overflows, but large; a smaller
+  // capacity is checked on the device and an overflow reported by check().
+  int64_t recv_capacity = 0;
+};
+
+// How records cross nodes. Throughput: hierarchically — a token bound for several ranks of a
+// remote node crosses the network once, to the rank there with the sender's local index, which
+// writes the records for its node's ranks over peer stores. Low latency: directly, one slot per
+// destination rank (no forwarding step). Auto: throughput when ranks span several nodes with
+// several ranks each and max_tokens_per_rank > 256, else low latency. One node: the same path.
+enum class MoeMode : int { kAuto = 0, kThroughput = 1, kLowLatency = 2 };
+
+struct MoeOptions {
+  MoeMode mode = MoeMode::kAuto;
+  int comm_ctas = 0;     // CTAs that move records (0: tunable moe_comm_ctas)
+  std::string staging;   // network staging "auto" | "always" | "never"; "": tunable net_staging
+};
+
+struct MoeDispatchArgs {
+  const void* x = nullptr;             // [tokens, H] bf16
+  const int32_t* topk_ids = nullptr;   // [tokens, k]; -1: no expert
+  const float* topk_weights = nullptr; // [tokens, k] (kept for combine)
+  const int32_t* d_num_tokens = nullptr;  // device int: tokens of this call (<= tokens); null: tokens
+  int64_t tokens = 0;                  // rows of x, ids and weights (<= max_tokens_per_rank)
+};
+
+struct MoeDispatchOut {
+  void* recv_x = nullptr;        // [recv_rows(), H] bf16, expert-major
+  int32_t* counts = nullptr;     // [E_local] rows per local expert (device)
+  int32_t* offsets = nullptr;    // [E_local + 1] first row of each expert, then the rows in use (device); may be null
+};
+
+struct MoeCombineArgs {
+  const void* y = nullptr;  // [recv_rows(), H] bf16, the layout of the last dispatch's recv_x
+};
+
+// Symmetric and per-operator device memory of an operator with this config on this topology
+// (before anything is allocated; the caller's recv_x and y are not included).
+struct MoeMemory {
+  uint64_t symmetric_bytes = 0;  // per rank: record slots and combine slots (send + receive)
+  uint64_t host_bytes = 0;       // pinned host mirrors (staged networks)
+  uint64_t private_bytes = 0;    // routing state kept from dispatch for combine
+  int64_t recv_rows = 0;         // rows of recv_x / y
+};
+
+struct MoeState;
+
+class MoeEp {
+ public:
+  // Memory an operator will take (`staged`: whether network traffic is host-staged).
+  static Status buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool staged, MoeMemory* out,
+                             MoeMode mode = MoeMode::kAuto);
+  // Collective: checks every rank asked for the same config (a mismatch is the same error on
+  // every rank, naming the first rank that differs), allocates and starts what it needs.
+  static Status create(Communicator* comm, const MoeConfig& cfg, const MoeOptions& opt,
+                       std::unique_ptr<MoeEp>* out);
+  ~MoeEp();
+  MoeEp(const MoeEp&) = delete;
+  MoeEp& operator=(const MoeEp&) = delete;
+  Status destroy();  // collective, idempotent
+
+  // Local checks, then enqueues (no host synchronization; graph-capturable).
+  Status dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& out, cudaStream_t stream);
+  // Sends y back along the last dispatch's routes; out: [tokens, H] bf16 (rows past the call's
+  // token count are not written).
+  Status combine(const MoeCombineArgs& a, void* out, cudaStream_t stream);
+  // After the stream completed: OK, or the first bad input a call met on the device (rank,
+  // token, expert, count); once set, calls are refused. The communicator's own failures
+  // (a silent rank) come from Communicator::sync / check.
+  Status check() const;
+
+  const MoeConfig& config() const;
+  int local_experts() const;
+  int64_t recv_rows() const;
+  int comm_ctas() const;
+  // Whether records cross nodes hierarchically (MoeMode, resolved at create).
+  bool hierarchical() const;
+
+ private:
+  MoeEp() = default;
+  std::unique_ptr<MoeState> st_;
+};
+
+}  // namespace ops
+}  // namespace mk

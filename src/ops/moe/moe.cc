@@ -1,0 +1,305 @@
+// MoE dispatch/combine: the operator (see include/mkernel/ops/moe.h).
+#include "mkernel/ops/moe.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
+#include "mkernel/runtime/communicator.h"
+#include "mkernel/runtime/topology.h"
+#include "src/comm/session.h"
+#include "src/ops/moe/moe_launch.h"
+#include "src/ops/moe/moe_plan.h"
+
+namespace mk {
+namespace ops {
+
+struct MoeState {
+  MoeConfig cfg;
+  MoeOptions opt;
+  MoeGeometry g;
+  // Dispatch and combine are separate programs with their own epochs: a user may dispatch
+  // several times before a combine (the combine follows the last dispatch).
+  std::unique_ptr<comm::OpSession> dses, cses;
+  comm::Program dprog, cprog;
+  MoeLaunch l;
+  bool hier = false;
+  MoeNodeGeometry ng;
+  MoeErrorRecord* err_host = nullptr;  // pinned, mapped
+  bool dispatched = false;
+  ~MoeState() {
+    if (err_host) cudaFreeHost(err_host);
+  }
+};
+
+namespace {
+
+struct Request {
+  int64_t hidden, max_tokens, recv_capacity;
+  int32_t experts, topk, align, pad;
+};
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int default_pieces(int comm_ctas, int W) { return std::max(1, std::min(32, (comm_ctas + W - 2) / std::max(1, W - 1))); }
+
+bool use_hier(const MoeConfig& cfg, MoeMode mode, int nodes, int local) {
+  if (nodes < 2 || local < 2) return false;  // nothing to forward inside a node
+  if (mode == MoeMode::kThroughput) return true;
+  if (mode == MoeMode::kLowLatency) return false;
+  return cfg.max_tokens_per_rank > 256;
+}
+
+int64_t scratch_bytes(const MoeGeometry& g, int nchunks) {
+  const int64_t B = g.E + 2 * g.W;
+  const int64_t tk = g.T * g.k;
+  return 4 * (4 * tk) + 4 * tk /*weights*/ + 4 * (int64_t(nchunks) * B + B) + 4 + 4 * (2 * g.El + 1) +
+         4 * (int64_t(g.W) * g.El + 2 * g.W) + 8 * g.recv_rows;
+}
+
+}  // namespace
+
+Status MoeEp::buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool staged, MoeMemory* out, MoeMode mode) {
+  MK_REQUIRE(out, Code::kInvalidArgument, "moe: null output");
+  const int W = topo.world;
+  MoeGeometry g;
+  MK_CHECK(moe_geometry(cfg, W, &g));
+  const bool net = topo.num_nodes > 1;
+  MoeMemory m;
+  const uint64_t comb = 2 * uint64_t(W) * uint64_t(g.cslot_bytes);
+  m.symmetric_bytes = 2 * uint64_t(W) * uint64_t(g.slot_bytes) + comb;
+  if (net && staged) m.host_bytes = m.symmetric_bytes;
+  if (use_hier(cfg, mode, topo.num_nodes, topo.local_size)) {
+    const MoeNodeGeometry ng = moe_node_geometry(g, topo.local_size);
+    const uint64_t nodes = 2 * uint64_t(topo.num_nodes) * uint64_t(ng.nslot_bytes);
+    m.symmetric_bytes += nodes;
+    if (staged) m.host_bytes = nodes + comb;  // node slots and combine slots cross the network
+  }
+  const int nchunks = int((g.T + 31) / 32);
+  m.private_bytes = uint64_t(scratch_bytes(g, nchunks));
+  m.recv_rows = g.recv_rows;
+  *out = m;
+  return OkStatus();
+}
+
+Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions& opt, std::unique_ptr<MoeEp>* out) {
+  MK_REQUIRE(comm && out, Code::kInvalidArgument, "moe: null communicator or output");
+  const int W = comm->world(), me = comm->rank();
+  Request mine{cfg.hidden, cfg.max_tokens_per_rank, cfg.recv_capacity, cfg.num_experts, cfg.topk, cfg.expert_align, 0};
+  std::vector<Request> all(W);
+  MK_CHECK(comm->bootstrap().allgather(&mine, all.data(), sizeof(Request)));
+  for (int r = 1; r < W; ++r)
+    MK_REQUIRE(std::memcmp(&all[0], &all[r], sizeof(Request)) == 0, Code::kMismatch,
+               "moe: ranks disagree on the config: rank 0 has hidden %lld experts %d topk %d max_tokens %lld align %d "
+               "capacity %lld, rank %d has hidden %lld experts %d topk %d max_tokens %lld align %d capacity %lld",
+               (long long)all[0].hidden, all[0].experts, all[0].topk, (long long)all[0].max_tokens, all[0].align,
+               (long long)all[0].recv_capacity, r, (long long)all[r].hidden, all[r].experts, all[r].topk,
+               (long long)all[r].max_tokens, all[r].align, (long long)all[r].recv_capacity);
+  std::unique_ptr<MoeEp> op(new MoeEp());
+  op->st_ = std::make_unique<MoeState>();
+  MoeState* st = op->st_.get();
+  st->cfg = cfg;
+  st->opt = opt;
+  MK_CHECK(moe_geometry(cfg, W, &st->g));
+  const MoeGeometry& g = st->g;
+  int64_t cc = opt.comm_ctas > 0 ? opt.comm_ctas : tunables::moe_comm_ctas();
+  const int comm_ctas = int(std::max<int64_t>(1, std::min<int64_t>(cc, 1024)));
+  const int pieces = default_pieces(comm_ctas, W);
+  const comm::Layout layout = comm::layout_of(comm->topology());
+
+  const Topology& topo = comm->topology();
+  st->hier = use_hier(cfg, opt.mode, topo.num_nodes, topo.local_size);
+  st->ng = moe_node_geometry(g, topo.local_size);
+  MK_CHECK(comm::OpSession::create(comm, "moe_dispatch", opt.staging, &st->dses));
+  MK_CHECK(comm::OpSession::create(comm, "moe_combine", opt.staging, &st->cses));
+  if (st->hier)
+    MK_CHECK(build_moe_hier_program(layout, g.slot_bytes, st->ng.nslot_bytes, pieces, st->dses->staged(), &st->dprog));
+  else
+    MK_CHECK(build_moe_program(layout, g.slot_bytes, pieces, st->dses->staged(), "dispatch", &st->dprog));
+  MK_CHECK(build_moe_program(layout, g.cslot_bytes, pieces, st->cses->staged(), "combine", &st->cprog));
+  MK_CHECK(st->dses->setup(st->dprog));
+  MK_CHECK(st->cses->setup(st->cprog));
+
+  auto build = [&]() -> Status {
+    MoeLaunch& l = st->l;
+    l = MoeLaunch{};
+    l.W = W, l.me = me, l.E = g.E, l.El = g.El, l.k = g.k, l.align = g.align;
+    l.H = g.H, l.T = g.T, l.row_bytes = g.row_bytes, l.rec_bytes = g.rec_bytes, l.hdr_bytes = g.hdr_bytes;
+    l.slot_bytes = g.slot_bytes, l.chdr_bytes = g.chdr_bytes, l.cslot_bytes = g.cslot_bytes, l.recv_rows = g.recv_rows;
+    l.chunk_tokens = 32;
+    l.nchunks = int((g.T + l.chunk_tokens - 1) / l.chunk_tokens);
+    l.comm_ctas = comm_ctas;
+    l.dP = moe_pieces(g.slot_bytes, pieces), l.dpb = moe_piece_bytes(g.slot_bytes, pieces);
+    l.cP = moe_pieces(g.cslot_bytes, pieces), l.cpb = moe_piece_bytes(g.cslot_bytes, pieces);
+    comm::OpSession& d = *st->dses;
+    comm::OpSession& c = *st->cses;
+    l.send = static_cast<char*>(d.local(MoeBuf::kSend));
+    l.recv = static_cast<char*>(d.local(MoeBuf::kRecv));
+    l.dpiece = static_cast<uint64_t*>(d.local(MoeBuf::kPieceBytes));
+    l.csend = static_cast<char*>(c.local(MoeBuf::kSend));
+    l.crecv = static_cast<char*>(c.local(MoeBuf::kRecv));
+    l.cpiece = static_cast<uint64_t*>(c.local(MoeBuf::kPieceBytes));
+    MK_REQUIRE(l.send && l.recv && l.csend && l.crecv && l.dpiece && l.cpiece, Code::kInternal,
+               "moe: a slot buffer was not allocated");
+    auto alloc = [&](size_t bytes, auto** p) -> Status {
+      void* v = nullptr;
+      MK_CHECK(d.alloc_zeroed(std::max<size_t>(bytes, 16), &v));
+      *p = static_cast<std::remove_reference_t<decltype(**p)>*>(v);
+      return OkStatus();
+    };
+    const size_t tk = size_t(g.T) * g.k;
+    const size_t B = size_t(g.E + 2 * W + layout.nodes());  // moe_buckets, node records included
+    MK_CHECK(alloc(4 * tk, &l.erank));
+    MK_CHECK(alloc(4 * tk, &l.cpos));
+    MK_CHECK(alloc(4 * tk, &l.cpos_g));
+    MK_CHECK(alloc(4 * tk, &l.recpos));
+    MK_CHECK(alloc(4 * tk, &l.ids));
+    MK_CHECK(alloc(4 * tk, &l.weights));
+    MK_CHECK(alloc(4 * size_t(l.nchunks) * B, &l.hist));
+    MK_CHECK(alloc(4 * B, &l.totals));
+    MK_CHECK(alloc(4, &l.n_tokens));
+    MK_CHECK(alloc(4 * size_t(g.El), &l.counts));
+    MK_CHECK(alloc(4 * size_t(g.El + 1), &l.offsets));
+    MK_CHECK(alloc(4 * size_t(W) * g.El, &l.base));
+    MK_CHECK(alloc(4 * size_t(W), &l.nrec));
+    MK_CHECK(alloc(4 * size_t(W), &l.ncomb));
+    MK_CHECK(alloc(8 * size_t(g.recv_rows), &l.back));
+    MK_CHECK(alloc(4 * tk, &l.self_row));
+    MK_CHECK(alloc(4, &l.err_claim));
+    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->err_host), sizeof(MoeErrorRecord),
+                                cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(st->err_host, 0, sizeof(MoeErrorRecord));
+    MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&l.err), st->err_host, 0));
+    comm::Resolved r;
+    MK_CHECK(d.resolve(st->dprog, st->dprog.ranks[me], &r));
+    l.dhooks = r.hooks;
+    if (st->hier) {
+      const MoeNodeGeometry& ng = st->ng;
+      l.hier = true;
+      l.nodes = layout.nodes(), l.local = layout.local();
+      l.my_node = layout.node_of[me], l.my_local = layout.local_of[me];
+      std::vector<int32_t> nr, no(layout.node_of.begin(), layout.node_of.end());
+      for (const auto& v : layout.node_ranks) nr.insert(nr.end(), v.begin(), v.end());
+      MK_CHECK(d.upload(nr, const_cast<int32_t**>(&l.node_ranks)));
+      MK_CHECK(d.upload(no, const_cast<int32_t**>(&l.node_of)));
+      l.nmeta_bytes = ng.nmeta_bytes, l.nrec_bytes = ng.nrec_bytes, l.nhdr_bytes = ng.nhdr_bytes;
+      l.nslot_bytes = ng.nslot_bytes;
+      l.nsend = static_cast<char*>(d.local(MoeBuf::kNSend));
+      l.nrecv = static_cast<char*>(d.local(MoeBuf::kNRecv));
+      l.npiece = static_cast<uint64_t*>(d.local(MoeBuf::kNPieceBytes));
+      l.nP = moe_pieces(ng.nslot_bytes, pieces), l.npb = moe_piece_bytes(ng.nslot_bytes, pieces);
+      MK_REQUIRE(l.nsend && l.nrecv && l.npiece, Code::kInternal, "moe: a node slot buffer was not allocated");
+      MK_CHECK(alloc(4 * tk, &l.nrecpos));
+      MK_CHECK(alloc(4, &l.repack_done));
+      // Every rank of the node's receive slots, as this rank's peer stores reach them.
+      std::vector<uint64_t> peers;
+      for (int r2 : layout.node_ranks[l.my_node]) {
+        uint64_t a = 0;
+        MK_CHECK(d.address(st->dprog, comm::BufRef{MoeBuf::kRecv, r2, 0}, &a));
+        peers.push_back(a);
+      }
+      MK_CHECK(d.upload(peers, reinterpret_cast<uint64_t**>(const_cast<char***>(&l.peer_recv))));
+      const MoeHierPools pl = moe_hier_pools(layout, me);
+      l.rw0 = r.hook_wait0, l.rwn = pl.repack_waits;
+      l.lw0 = r.hook_wait0 + pl.repack_waits, l.lwn = pl.layout_waits;
+      l.rs0 = r.hook_signal0, l.rsn = pl.repack_signals;
+    }
+    MK_CHECK(c.resolve(st->cprog, st->cprog.ranks[me], &r));
+    l.chooks = r.hooks;
+    MK_CUDA_CHECK(cudaDeviceSynchronize());
+    return OkStatus();
+  };
+  MK_CHECK(agree(comm->bootstrap(), build(), "moe create"));
+  MK_CHECK(comm->bootstrap().barrier());
+  *out = std::move(op);
+  return OkStatus();
+}
+
+MoeEp::~MoeEp() {
+  Status s = destroy();
+  if (!s.ok()) MK_WARN(kSubsysInit, "moe: destroy: %s", s.to_string().c_str());
+}
+
+Status MoeEp::destroy() {
+  MoeState* st = st_.get();
+  if (!st) return OkStatus();
+  Status first;
+  if (st->dses) {
+    Status s = st->dses->destroy();
+    if (first.ok()) first = s;
+  }
+  if (st->cses) {
+    Status s = st->cses->destroy();
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+const MoeConfig& MoeEp::config() const { return st_->cfg; }
+int MoeEp::local_experts() const { return st_->g.El; }
+int64_t MoeEp::recv_rows() const { return st_->g.recv_rows; }
+int MoeEp::comm_ctas() const { return st_->l.comm_ctas; }
+bool MoeEp::hierarchical() const { return st_->hier; }
+
+Status MoeEp::check() const {
+  const MoeErrorRecord* e = st_ ? st_->err_host : nullptr;
+  if (!e || *reinterpret_cast<const volatile uint32_t*>(&e->state) == 0) return OkStatus();
+  switch (e->kind) {
+    case kMoeErrBadExpert:
+      return make_status(Code::kInvalidArgument,
+                         "moe dispatch on rank %d: token %d top-k slot %d names expert %d (valid: -1 or 0..%lld); the "
+                         "entry was left out",
+                         e->rank, e->token, e->slot, e->expert, (long long)e->count - 1);
+    case kMoeErrTooManyTokens:
+      return make_status(Code::kInvalidArgument,
+                         "moe dispatch on rank %d: the device token count is %lld, more than the call's %lld rows (or "
+                         "negative); the call used %lld",
+                         e->rank, (long long)e->count, (long long)e->limit, e->count < 0 ? 0ll : (long long)e->limit);
+    case kMoeErrOverflow:
+      return make_status(Code::kOutOfMemory,
+                         "moe dispatch on rank %d: %lld receive rows needed, capacity %lld (recv_capacity): local "
+                         "expert %d and later lost rows (raise recv_capacity)",
+                         e->rank, (long long)e->count, (long long)e->limit, e->expert);
+    default:
+      return make_status(Code::kInternal, "moe on rank %d: device error %d", e->rank, e->kind);
+  }
+}
+
+Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaStream_t stream) {
+  MoeState* st = st_.get();
+  MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
+             "moe: the operator was destroyed (or its communicator was destroyed first)");
+  MK_CHECK(check());
+  MK_REQUIRE(a.x && a.topk_ids && a.topk_weights && o.recv_x && o.counts, Code::kInvalidArgument,
+             "moe dispatch: null x, topk_ids, topk_weights, recv_x or counts");
+  MK_REQUIRE(aligned16(a.x) && aligned16(o.recv_x), Code::kInvalidArgument,
+             "moe dispatch: x and recv_x must be 16-byte aligned");
+  MK_REQUIRE(a.tokens >= 0 && a.tokens <= st->g.T, Code::kInvalidArgument,
+             "moe dispatch: %lld token rows (max_tokens_per_rank %lld)", (long long)a.tokens, (long long)st->g.T);
+  MK_CHECK(st->dses->check_call());
+  MK_CHECK(moe_dispatch_launch(st->l, a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens, o.recv_x, o.counts,
+                               o.offsets, stream));
+  st->dispatched = true;
+  return OkStatus();
+}
+
+Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream) {
+  MoeState* st = st_.get();
+  MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
+             "moe: the operator was destroyed (or its communicator was destroyed first)");
+  MK_CHECK(check());
+  MK_REQUIRE(st->dispatched, Code::kInvalidArgument, "moe combine: no dispatch before it");
+  MK_REQUIRE(a.y && out, Code::kInvalidArgument, "moe combine: null y or out");
+  MK_REQUIRE(aligned16(a.y) && aligned16(out), Code::kInvalidArgument, "moe combine: y and out must be 16-byte aligned");
+  MK_CHECK(st->cses->check_call());
+  return moe_combine_launch(st->l, a.y, out, stream);
+}
+
+}  // namespace ops
+}  // namespace mk

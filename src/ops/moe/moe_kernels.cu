@@ -1,0 +1,678 @@
+// MoE dispatch/combine kernels (see src/ops/moe/moe_launch.h; the rules are moe_plan.h's, on
+// the CPU). Every position is computed in a fixed order (counting sorts by chunk, stable within
+// a chunk): layouts and sums are the same on every run.
+#include "src/ops/moe/moe_launch.h"
+
+#include <cuda_bf16.h>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/device/epoch.cuh"
+#include "mkernel/device/signal.cuh"
+#include "src/comm/executor.cuh"
+#include "src/ops/moe/moe_plan.h"
+
+namespace mk {
+namespace ops {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kRunnerThreads = 256;
+constexpr unsigned kFull = 0xffffffffu;
+
+// The first bad input wins the record; later ones are left out silently (the first names the
+// problem, and calls are refused from then on).
+__device__ void report(const MoeLaunch& l, int32_t kind, int32_t token, int32_t slot, int32_t expert, int64_t count,
+                       int64_t limit) {
+  if (atomicCAS(l.err_claim, 0u, 1u) != 0u) return;
+  MoeErrorRecord* r = l.err;
+  r->kind = kind;
+  r->rank = l.me;
+  r->token = token;
+  r->slot = slot;
+  r->expert = expert;
+  r->count = count;
+  r->limit = limit;
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(&r->state) = 1u;
+  __threadfence_system();
+}
+
+// The bytes piece p of a slot with `used` bytes in use moves (moe_piece_count on the CPU).
+__device__ __forceinline__ uint64_t piece_count(int64_t slot_bytes, int64_t pb, int p, uint64_t used) {
+  const int64_t size = min(pb, slot_bytes - int64_t(p) * pb);
+  const int64_t left = int64_t(used) - int64_t(p) * pb;
+  const int64_t v = left < size ? left : size;
+  return uint64_t(v > 16 ? v : 16);
+}
+
+__device__ __forceinline__ bool valid_expert(const MoeLaunch& l, int32_t e) { return e >= 0 && e < l.E; }
+
+// dst[0, bytes) = src[0, bytes) by the CTA, four 16-byte loads in flight per thread.
+__device__ __forceinline__ void copy_row(const char* src, char* dst, int64_t bytes) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  const int64_t n = bytes / 16, bd = blockDim.x;
+  constexpr int kU = 4;
+  int64_t i = threadIdx.x;
+  for (; i + (kU - 1) * bd < n; i += kU * bd) {
+    int4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) v[u] = s[i + u * bd];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) d[i + u * bd] = v[u];
+  }
+  for (; i < n; i += bd) d[i] = s[i];
+}
+
+// A row held in the CTA's registers (rows of at most kRowRegs * 16 * blockDim bytes), written to
+// several destinations with one read.
+constexpr int kRowRegs = 8;
+struct RowRegs {
+  int4 v[kRowRegs];
+  __device__ __forceinline__ static bool fits(int64_t bytes) { return bytes / 16 <= int64_t(kRowRegs) * blockDim.x; }
+  __device__ __forceinline__ void load(const char* src, int64_t bytes) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    const int64_t n = bytes / 16;
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < n) v[j] = s[i];
+    }
+  }
+  __device__ __forceinline__ void store(char* dst, int64_t bytes) const {
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int64_t n = bytes / 16;
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < n) d[i] = v[j];
+    }
+  }
+};
+
+// ---- route: per chunk of tokens (one warp), stable ranks of every entry among the chunk's
+// entries of its expert (erank), of its rank (cpos) and of the records for its rank (recpos),
+// and the chunk's counts per bucket (experts, then entries per rank, then records per rank).
+__global__ void __launch_bounds__(32) route_local(MoeLaunch l, const int32_t* ids, const float* w, const int32_t* d_n,
+                                                  int64_t tokens) {
+  extern __shared__ int32_t cnt[];
+  const int B = moe_buckets(l);
+  const int lane = threadIdx.x;
+  for (int b = lane; b < B; b += 32) cnt[b] = 0;
+  int64_t n = d_n ? int64_t(*d_n) : tokens;
+  if (n < 0 || n > tokens) {
+    if (blockIdx.x == 0 && lane == 0) report(l, kMoeErrTooManyTokens, -1, -1, -1, n, tokens);
+    n = n < 0 ? 0 : tokens;
+  }
+  if (blockIdx.x == 0 && lane == 0) *l.n_tokens = int32_t(n);
+  __syncwarp();
+  const int k = l.k;
+  const int64_t t0 = int64_t(blockIdx.x) * l.chunk_tokens;
+  const int64_t t1 = min(n, t0 + l.chunk_tokens);
+  const int64_t e0 = t0 * k, e1 = t1 > t0 ? t1 * k : e0;
+  const unsigned lt = (1u << lane) - 1u;
+  for (int64_t b0 = e0; b0 < e1; b0 += 32) {
+    const int64_t i = b0 + lane;
+    int32_t e = -1;
+    if (i < e1) {
+      e = ids[i];
+      if (e != -1 && !valid_expert(l, e)) {
+        report(l, kMoeErrBadExpert, int32_t(i / k), int32_t(i % k), e, l.E, l.E);
+        e = -1;
+      }
+      l.ids[i] = e;
+      l.weights[i] = w[i];
+    }
+    const int32_t r = e >= 0 ? e / l.El : -1;
+    bool first = r >= 0;
+    if (first)
+      for (int64_t j = (i / k) * k; j < i; ++j) {
+        const int32_t e2 = ids[j];
+        if (valid_expert(l, e2) && e2 / l.El == r) {
+          first = false;
+          break;
+        }
+      }
+    // One bucket family at a time: the lanes of a bucket take consecutive ranks after the
+    // bucket's running count, then its lowest lane advances it.
+    auto rank_in = [&](int key, int bucket) {
+      const unsigned m = __match_any_sync(kFull, key);
+      const int before = __popc(m & lt);
+      int v = -1;
+      if (key >= 0) v = cnt[bucket] + before;
+      __syncwarp();
+      if (key >= 0 && before == 0) cnt[bucket] += __popc(m);
+      __syncwarp();
+      return v;
+    };
+    const int er = rank_in(e, e >= 0 ? e : 0);
+    const int cp = rank_in(r, r >= 0 ? l.E + r : 0);
+    const int rp = rank_in(first ? r : -1, r >= 0 ? l.E + l.W + r : 0);
+    int np = -1;
+    if (l.hier) {
+      // The first entry of the token for a remote node: a node record.
+      const int node = r >= 0 ? l.node_of[r] : -1;
+      bool nfirst = node >= 0 && node != l.my_node;
+      if (nfirst)
+        for (int64_t j = (i / k) * k; j < i; ++j) {
+          const int32_t e2 = ids[j];
+          if (valid_expert(l, e2) && l.node_of[e2 / l.El] == node) {
+            nfirst = false;
+            break;
+          }
+        }
+      np = rank_in(nfirst ? node : -1, nfirst ? l.E + 2 * l.W + node : 0);
+    }
+    if (i < e1) {
+      l.erank[i] = er;
+      l.cpos[i] = cp;
+      l.recpos[i] = rp;
+      if (l.hier) l.nrecpos[i] = np;
+    }
+  }
+  __syncwarp();
+  for (int b = lane; b < B; b += 32) l.hist[int64_t(blockIdx.x) * B + b] = cnt[b];
+}
+
+__device__ __forceinline__ char* dispatch_slot(const MoeLaunch& l, int r) {
+  // The own slot is written in place in the receive slots (no copy).
+  return r == l.me ? l.recv + int64_t(l.me) * l.slot_bytes : l.send + int64_t(r) * l.slot_bytes;
+}
+
+// ---- scan: chunk bases per bucket (in place), totals, and the send slots' headers.
+// One warp per bucket: the chunks' counts, 32 at a time, scanned with shuffles.
+__global__ void __launch_bounds__(256) route_scan(MoeLaunch l) {
+  const int B = moe_buckets(l);
+  const int lane = threadIdx.x & 31;
+  const int b = int(blockIdx.x) * 8 + int(threadIdx.x >> 5);
+  if (b >= B) return;
+  int32_t run = 0;
+  for (int c0 = 0; c0 < l.nchunks; c0 += 32) {
+    const int c = c0 + lane;
+    const int32_t v = c < l.nchunks ? l.hist[int64_t(c) * B + b] : 0;
+    int32_t incl = v;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t u = __shfl_up_sync(kFull, incl, d);
+      if (lane >= d) incl += u;
+    }
+    if (c < l.nchunks) l.hist[int64_t(c) * B + b] = run + incl - v;
+    run += __shfl_sync(kFull, incl, 31);
+  }
+  if (lane == 0) l.totals[b] = run;
+}
+
+// The slots' headers from the totals (one CTA).
+__global__ void __launch_bounds__(1024) route_headers(MoeLaunch l) {
+  for (int r = threadIdx.x; r < l.W; r += blockDim.x) {
+    char* s = dispatch_slot(l, r);
+    const int32_t nrec = l.totals[l.E + l.W + r];
+    *reinterpret_cast<uint64_t*>(s) = uint64_t(l.hdr_bytes + int64_t(nrec) * l.rec_bytes);
+    reinterpret_cast<uint32_t*>(s)[2] = uint32_t(nrec);
+    reinterpret_cast<uint32_t*>(s)[3] = uint32_t(l.totals[l.E + r]);
+    if (r != l.me)
+      for (int pc = 0; pc < l.dP; ++pc)
+        l.dpiece[r * l.dP + pc] =
+            piece_count(l.slot_bytes, l.dpb, pc, uint64_t(l.hdr_bytes + int64_t(nrec) * l.rec_bytes));
+  }
+  for (int i = threadIdx.x; i < l.W * l.El; i += blockDim.x) {
+    const int r = i / l.El, le = i % l.El;
+    reinterpret_cast<int32_t*>(dispatch_slot(l, r) + 16)[le] = l.totals[r * l.El + le];
+  }
+  if (!l.hier) return;
+  // Node slots (moe_plan.h): bytes in use, records, then per rank of the node its records,
+  // entries and per-expert counts.
+  const int64_t per_l = 8 + 4 * int64_t(l.El);
+  for (int n = threadIdx.x; n < l.nodes; n += blockDim.x) {
+    if (n == l.my_node) continue;
+    char* ns = l.nsend + int64_t(n) * l.nslot_bytes;
+    const int32_t nrec = l.totals[l.E + 2 * l.W + n];
+    const uint64_t used = uint64_t(l.nhdr_bytes + int64_t(nrec) * l.nrec_bytes);
+    *reinterpret_cast<uint64_t*>(ns) = used;
+    reinterpret_cast<uint32_t*>(ns)[2] = uint32_t(nrec);
+    reinterpret_cast<uint32_t*>(ns)[3] = 0;
+    for (int pc = 0; pc < l.nP; ++pc) l.npiece[n * l.nP + pc] = piece_count(l.nslot_bytes, l.npb, pc, used);
+  }
+  for (int i = threadIdx.x; i < l.nodes * l.local * (l.El + 2); i += blockDim.x) {
+    const int n = i / (l.local * (l.El + 2)), rest = i % (l.local * (l.El + 2));
+    const int lo = rest / (l.El + 2), q = rest % (l.El + 2);
+    if (n == l.my_node) continue;
+    const int r = l.node_ranks[n * l.local + lo];
+    int32_t* h = reinterpret_cast<int32_t*>(l.nsend + int64_t(n) * l.nslot_bytes + 16 + lo * per_l);
+    h[q] = q == 0 ? l.totals[l.E + l.W + r] : q == 1 ? l.totals[l.E + r] : l.totals[r * l.El + (q - 2)];
+  }
+}
+
+// ---- pack: one CTA per token (grid-stride): its records, and its entries' combine rows.
+__global__ void __launch_bounds__(kThreads) pack(MoeLaunch l, const char* x) {
+  const int B = moe_buckets(l);
+  const int n = *l.n_tokens;
+  const int k = l.k;
+  for (int t = blockIdx.x; t < n; t += gridDim.x) {
+    const int32_t* base = l.hist + int64_t(t / l.chunk_tokens) * B;
+    const int32_t* ids = l.ids + int64_t(t) * k;
+    for (int kk = 0; kk < k; ++kk) {
+      const int32_t e = ids[kk];
+      if (e < 0 || l.recpos[int64_t(t) * k + kk] < 0) continue;
+      // The first entry of token t for rank r: the record (across nodes in hier mode: the
+      // twin there writes it from the node record).
+      const int r = e / l.El;
+      if (l.hier && l.node_of[r] != l.my_node) continue;
+      const int64_t j = int64_t(base[l.E + l.W + r]) + l.recpos[int64_t(t) * k + kk];
+      char* rec = dispatch_slot(l, r) + l.hdr_bytes + j * l.rec_bytes;
+      copy_row(x + int64_t(t) * l.row_bytes, rec, l.row_bytes);
+      int32_t* meta = reinterpret_cast<int32_t*>(rec + l.row_bytes);
+      const int words = int((l.rec_bytes - l.row_bytes) / 4);
+      for (int q = threadIdx.x; q < words; q += blockDim.x) {
+        int32_t v = 0;
+        if (q == kMetaToken) {
+          v = t;
+        } else if (q == kMetaNk) {
+          for (int k2 = 0; k2 < k; ++k2) v += ids[k2] >= 0 && ids[k2] / l.El == r;
+        } else if (q == kMetaCbase) {
+          v = base[l.E + r] + l.cpos[int64_t(t) * k + kk];
+        } else if (q == kMetaSrc) {
+          v = l.me;
+        } else if (q >= kMetaSlots && q < kMetaSlots + 2 * k) {
+          const int k2 = (q - kMetaSlots) / 2;
+          const int32_t e2 = ids[k2];
+          const bool here = e2 >= 0 && e2 / l.El == r;
+          if (!here) v = -1;
+          else if ((q - kMetaSlots) % 2 == 0) v = e2 - r * l.El;
+          else v = base[e2] + l.erank[int64_t(t) * k + k2];
+        }
+        meta[q] = v;
+      }
+    }
+    if (l.hier)
+      for (int kk = 0; kk < k; ++kk) {
+        const int32_t e = ids[kk];
+        const int32_t np = e < 0 ? -1 : l.nrecpos[int64_t(t) * k + kk];
+        if (np < 0) continue;
+        const int node = l.node_of[e / l.El];
+        const int64_t j = int64_t(base[l.E + 2 * l.W + node]) + np;
+        char* rec = l.nsend + int64_t(node) * l.nslot_bytes + l.nhdr_bytes + j * l.nrec_bytes;
+        copy_row(x + int64_t(t) * l.row_bytes, rec, l.row_bytes);
+        int32_t* meta = reinterpret_cast<int32_t*>(rec + l.row_bytes);
+        const int words = int(l.nmeta_bytes / 4);
+        for (int q = threadIdx.x; q < words; q += blockDim.x) {
+          int32_t v = 0;
+          if (q == 0) {
+            v = t;
+          } else if (q == 1) {
+            v = l.me;
+          } else if (q >= kNodeMetaSlots && q < kNodeMetaSlots + 3 * k) {
+            const int k2 = (q - kNodeMetaSlots) / 3, f = (q - kNodeMetaSlots) % 3;
+            const int32_t e2 = ids[k2];
+            const bool here = e2 >= 0 && l.node_of[e2 / l.El] == node;
+            if (!here) v = -1;
+            else if (f == 0) v = e2;
+            else if (f == 1) v = base[e2] + l.erank[int64_t(t) * k + k2];
+            else v = base[l.E + e2 / l.El] + l.cpos[int64_t(t) * k + k2];
+          } else if (q >= kNodeMetaSlots + 3 * k && q < kNodeMetaSlots + 3 * k + l.local) {
+            const int lo = q - kNodeMetaSlots - 3 * k;
+            const int r = l.node_ranks[node * l.local + lo];
+            v = -1;
+            for (int k2 = 0; k2 < k; ++k2) {
+              const int32_t e2 = ids[k2];
+              if (e2 >= 0 && e2 / l.El == r && l.recpos[int64_t(t) * k + k2] >= 0) {
+                v = base[l.E + l.W + r] + l.recpos[int64_t(t) * k + k2];
+                break;
+              }
+            }
+          }
+          meta[q] = v;
+        }
+      }
+    // Where each entry's output comes back (combine).
+    for (int kk = threadIdx.x; kk < k; kk += blockDim.x) {
+      const int32_t e = ids[kk];
+      l.cpos_g[int64_t(t) * k + kk] = e < 0 ? -1 : base[l.E + e / l.El] + l.cpos[int64_t(t) * k + kk];
+    }
+  }
+}
+
+// ---- the program: communication CTAs take ops in order until none is left.
+__global__ void __launch_bounds__(kRunnerThreads) runner(FusedHooks h) {
+  __shared__ int op_slot;
+  const uint64_t epoch = device::epoch_of_call(h.epoch);
+  for (;;) {
+    if (threadIdx.x == 0) op_slot = atomicAdd(h.op_counter, 1);
+    __syncthreads();
+    const int op = op_slot;
+    __syncthreads();
+    if (op >= h.n_ops) break;
+    run_comm_op<kRunnerThreads, 1>(h, op, int(threadIdx.x), epoch);
+  }
+  device::epoch_finish(h.epoch, gridDim.x);
+}
+
+// The epoch of the call whose runner just finished (the runner advanced it at its end).
+__device__ __forceinline__ uint64_t epoch_after_runner(const FusedHooks& h) {
+  return *reinterpret_cast<const volatile uint64_t*>(&h.epoch->value);
+}
+
+// ---- repack (hier, at the twin): every node record from the remote twins to the record slots
+// of this node's ranks (peer stores), then — the last CTA — the fwd flags. blockIdx.y: node.
+__global__ void __launch_bounds__(kThreads) repack(MoeLaunch l) {
+  const int n = blockIdx.y;
+  const uint64_t e = epoch_after_runner(l.dhooks);
+  if (threadIdx.x == 0) hook_waits(l.dhooks, l.rw0, l.rwn, e);
+  __syncthreads();
+  if (n != l.my_node) {
+    const int s = l.node_ranks[n * l.local + l.my_local];  // the twin that sent this node slot
+    const char* ns = l.nrecv + int64_t(n) * l.nslot_bytes;
+    const int64_t per_l = 8 + 4 * int64_t(l.El);
+    if (blockIdx.x == 0)
+      for (int i = threadIdx.x; i < l.local * (l.El + 4); i += blockDim.x) {
+        const int lo = i / (l.El + 4), q = i % (l.El + 4);
+        const int32_t* h = reinterpret_cast<const int32_t*>(ns + 16 + lo * per_l);
+        char* slot = l.peer_recv[lo] + int64_t(s) * l.slot_bytes;
+        if (q == 0) *reinterpret_cast<uint64_t*>(slot) = uint64_t(l.hdr_bytes + int64_t(h[0]) * l.rec_bytes);
+        else if (q == 1) reinterpret_cast<int32_t*>(slot)[2] = h[0];
+        else if (q == 2) reinterpret_cast<int32_t*>(slot)[3] = h[1];
+        else if (q == 3) continue;
+        else reinterpret_cast<int32_t*>(slot + 16)[q - 4] = h[2 + (q - 4)];
+      }
+    const int nrec = reinterpret_cast<const int32_t*>(ns)[2];
+    for (int j = blockIdx.x; j < nrec; j += gridDim.x) {
+      const char* nr = ns + l.nhdr_bytes + int64_t(j) * l.nrec_bytes;
+      const int32_t* nm = reinterpret_cast<const int32_t*>(nr + l.row_bytes);
+      const bool regs = RowRegs::fits(l.row_bytes);
+      RowRegs rr;
+      if (regs) rr.load(nr, l.row_bytes);
+      for (int lo = 0; lo < l.local; ++lo) {
+        const int32_t idx = nm[kNodeMetaSlots + 3 * l.k + lo];
+        if (idx < 0) continue;
+        const int d = l.node_ranks[l.my_node * l.local + lo];
+        char* rec = l.peer_recv[lo] + int64_t(s) * l.slot_bytes + l.hdr_bytes + int64_t(idx) * l.rec_bytes;
+        if (regs) rr.store(rec, l.row_bytes);
+        else copy_row(nr, rec, l.row_bytes);
+        int32_t* meta = reinterpret_cast<int32_t*>(rec + l.row_bytes);
+        const int words = int((l.rec_bytes - l.row_bytes) / 4);
+        for (int q = threadIdx.x; q < words; q += blockDim.x) {
+          int32_t v = 0;
+          if (q == kMetaToken) {
+            v = nm[0];
+          } else if (q == kMetaSrc) {
+            v = nm[1];
+          } else if (q == kMetaNk || q == kMetaCbase) {
+            int32_t nk = 0, cb = -1;
+            for (int k2 = 0; k2 < l.k; ++k2) {
+              const int32_t e2 = nm[kNodeMetaSlots + 3 * k2];
+              if (e2 >= 0 && e2 / l.El == d) {
+                if (cb < 0) cb = nm[kNodeMetaSlots + 3 * k2 + 2];
+                ++nk;
+              }
+            }
+            v = q == kMetaNk ? nk : cb;
+          } else if (q >= kMetaSlots && q < kMetaSlots + 2 * l.k) {
+            const int k2 = (q - kMetaSlots) / 2;
+            const int32_t e2 = nm[kNodeMetaSlots + 3 * k2];
+            const bool here = e2 >= 0 && e2 / l.El == d;
+            v = !here ? -1 : (q - kMetaSlots) % 2 == 0 ? e2 - d * l.El : nm[kNodeMetaSlots + 3 * k2 + 1];
+          }
+          meta[q] = v;
+        }
+      }
+    }
+  }
+  // Every CTA's stores visible at system scope, then the last one raises the fwd flags.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int total = int(gridDim.x * gridDim.y);
+    if (atomicAdd(l.repack_done, 1) == total - 1) {
+      *l.repack_done = 0;
+      __threadfence_system();
+      hook_signals(l.dhooks, l.rs0, l.rsn, e);
+    }
+  }
+}
+
+// ---- unpack, part 1 (one CTA): counts and aligned offsets per local expert, per-source bases,
+// the capacity check, the caller's counts/offsets, the alignment gaps marked in `back`.
+// Shared memory: counts then offsets ([El], [El + 1]).
+__global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int32_t* offsets) {
+  extern __shared__ int32_t sm[];
+  int32_t* cnt = sm;
+  int32_t* off = sm + l.El;
+  __shared__ int32_t warp_sum[32];
+  __shared__ int32_t over;
+  const int W = l.W, El = l.El;
+  auto slot = [&](int s) { return l.recv + int64_t(s) * l.slot_bytes; };
+  // hier: the record slots the other ranks of the node wrote here from their node slots.
+  if (l.hier && l.lwn) {
+    if (threadIdx.x == 0) hook_waits(l.dhooks, l.lw0, l.lwn, epoch_after_runner(l.dhooks));
+    __syncthreads();
+  }
+  for (int le = threadIdx.x; le < El; le += blockDim.x) {
+    int32_t run = 0;
+    for (int s = 0; s < W; ++s) {
+      l.base[s * El + le] = run;
+      run += reinterpret_cast<const int32_t*>(slot(s) + 16)[le];
+    }
+    cnt[le] = run;
+  }
+  for (int s = threadIdx.x; s < W; s += blockDim.x) {
+    l.nrec[s] = reinterpret_cast<const int32_t*>(slot(s))[2];
+    l.ncomb[s] = reinterpret_cast<const int32_t*>(slot(s))[3];
+  }
+  if (threadIdx.x == 0) over = El;
+  __syncthreads();
+  // Exclusive scan of the aligned counts: each thread a contiguous run of experts, then the
+  // runs' totals across warps.
+  const int per = (El + int(blockDim.x) - 1) / int(blockDim.x);
+  const int lo = min(El, int(threadIdx.x) * per), hi = min(El, lo + per);
+  int64_t mine = 0;
+  for (int le = lo; le < hi; ++le) mine += (int64_t(cnt[le]) + l.align - 1) / l.align * l.align;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int32_t incl = int32_t(mine);
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t v = __shfl_up_sync(kFull, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sum[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = int(blockDim.x + 31) / 32;
+    int32_t v = lane < nw ? warp_sum[lane] : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t u = __shfl_up_sync(kFull, v, d);
+      if (lane >= d) v += u;
+    }
+    if (lane < nw) warp_sum[lane] = v;  // inclusive over warps
+  }
+  __syncthreads();
+  int64_t run = int64_t(incl) - mine + (warp > 0 ? warp_sum[warp - 1] : 0);
+  for (int le = lo; le < hi; ++le) {
+    off[le] = int32_t(run);
+    if (run + cnt[le] > l.recv_rows) atomicMin(&over, le);
+    run += (int64_t(cnt[le]) + l.align - 1) / l.align * l.align;
+  }
+  if (threadIdx.x == blockDim.x - 1) off[El] = warp_sum[(blockDim.x - 1) / 32];
+  __syncthreads();
+  if (threadIdx.x == 0 && over < El) report(l, kMoeErrOverflow, -1, -1, over, off[El], l.recv_rows);
+  for (int i = threadIdx.x; i < W * El; i += blockDim.x) l.base[i] += off[i % El];
+  for (int le = threadIdx.x; le <= El; le += blockDim.x) {
+    l.offsets[le] = off[le];
+    if (offsets) offsets[le] = off[le];
+    if (le == El) continue;
+    l.counts[le] = cnt[le];
+    if (counts) counts[le] = cnt[le];
+    for (int64_t row = int64_t(off[le]) + cnt[le]; row < off[le + 1] && row < l.recv_rows; ++row) l.back[2 * row] = -1;
+  }
+}
+
+// ---- unpack, part 2: every record of source blockIdx.y to its experts' rows.
+__global__ void __launch_bounds__(kThreads) unpack(MoeLaunch l, char* recv_x) {
+  const int s = blockIdx.y;
+  const int nrec = l.nrec[s];
+  const char* slot = l.recv + int64_t(s) * l.slot_bytes + l.hdr_bytes;
+  for (int j = blockIdx.x; j < nrec; j += gridDim.x) {
+    const char* rec = slot + int64_t(j) * l.rec_bytes;
+    const int32_t* meta = reinterpret_cast<const int32_t*>(rec + l.row_bytes);
+    const bool regs = RowRegs::fits(l.row_bytes);
+    RowRegs rr;
+    if (regs) rr.load(rec, l.row_bytes);
+    int ord = 0;
+    for (int kk = 0; kk < l.k; ++kk) {
+      const int32_t le = meta[kMetaSlots + 2 * kk];
+      if (le < 0) continue;
+      const int64_t row = int64_t(l.base[s * l.El + le]) + meta[kMetaSlots + 2 * kk + 1];
+      // The own tokens' outputs are read in place by combine (no copy back); -1: lost to overflow.
+      if (s == l.me && threadIdx.x == 0)
+        l.self_row[int64_t(meta[kMetaToken]) * l.k + kk] = row < l.recv_rows ? int32_t(row) : -1;
+      if (row < l.recv_rows) {
+        if (regs) rr.store(recv_x + row * l.row_bytes, l.row_bytes);
+        else copy_row(rec, recv_x + row * l.row_bytes, l.row_bytes);
+
+        if (threadIdx.x == 0) {
+          l.back[2 * row] = s;
+          l.back[2 * row + 1] = meta[kMetaCbase] + ord;
+        }
+      }
+      ++ord;
+    }
+  }
+}
+
+__device__ __forceinline__ char* combine_slot(const MoeLaunch& l, int s) {
+  return s == l.me ? l.crecv + int64_t(l.me) * l.cslot_bytes : l.csend + int64_t(s) * l.cslot_bytes;
+}
+
+// ---- combine pack: every row in use back to its source's combine slot.
+__global__ void __launch_bounds__(kThreads) combine_pack(MoeLaunch l, const char* y) {
+  if (blockIdx.x == 0)
+    for (int s = threadIdx.x; s < l.W; s += blockDim.x)
+    {
+      const uint64_t used = uint64_t(l.chdr_bytes + int64_t(l.ncomb[s]) * l.row_bytes);
+      *reinterpret_cast<uint64_t*>(combine_slot(l, s)) = used;
+      if (s != l.me)
+        for (int pc = 0; pc < l.cP; ++pc) l.cpiece[s * l.cP + pc] = piece_count(l.cslot_bytes, l.cpb, pc, used);
+    }
+  const int64_t rows = min(int64_t(l.offsets[l.El]), l.recv_rows);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int s = l.back[2 * row];
+    if (s < 0 || s == l.me) continue;  // a gap, or an own token's output (read in place)
+    copy_row(y + row * l.row_bytes, combine_slot(l, s) + l.chdr_bytes + int64_t(l.back[2 * row + 1]) * l.row_bytes,
+             l.row_bytes);
+  }
+}
+
+// ---- combine: out[t] = sum_k w[t, k] * y(t, k), fp32 fused multiply-adds in slot order. The
+// token's row addresses and weights go to shared memory first; each thread then keeps up to 8
+// rows' loads in flight per 16-byte chunk.
+__global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char* y, char* out) {
+  __shared__ const char* src[32];
+  __shared__ float wt[32];
+  const int n = *l.n_tokens;
+  const int k = l.k;
+  const int64_t chunks = l.row_bytes / 16;
+  for (int t = blockIdx.x; t < n; t += gridDim.x) {
+    __syncthreads();
+    if (threadIdx.x < k) {
+      const int kk = threadIdx.x;
+      const int32_t e = l.ids[int64_t(t) * k + kk];
+      if (e < 0) {
+        src[kk] = nullptr;
+      } else if (e / l.El == l.me) {
+        const int32_t row = l.self_row[int64_t(t) * k + kk];
+        src[kk] = row < l.recv_rows && row >= 0 ? y + int64_t(row) * l.row_bytes : nullptr;
+      } else {
+        src[kk] = l.crecv + int64_t(e / l.El) * l.cslot_bytes + l.chdr_bytes +
+                  int64_t(l.cpos_g[int64_t(t) * k + kk]) * l.row_bytes;
+      }
+      wt[kk] = l.weights[int64_t(t) * k + kk];
+    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k0 = 0; k0 < k; k0 += 8) {
+        int4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (k0 + j < k && src[k0 + j]) v[j] = reinterpret_cast<const int4*>(src[k0 + j])[c];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (k0 + j >= k || !src[k0 + j]) continue;
+          const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v[j]);
+          const float wk = wt[k0 + j];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = __fmaf_rn(wk, __bfloat162float(b[q]), acc[q]);
+        }
+      }
+      int4 o;
+      __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) ob[q] = __float2bfloat16_rn(acc[q]);
+      reinterpret_cast<int4*>(out + int64_t(t) * l.row_bytes)[c] = o;
+    }
+  }
+}
+
+int sms() {
+  static int n = 0;
+  if (n == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (n <= 0) n = 1;
+  }
+  return n;
+}
+
+Status run_program(const FusedHooks& h, int ctas, cudaStream_t stream) {
+  if (h.n_ops <= 0) return OkStatus();
+  MK_CUDA_CHECK(cudaMemsetAsync(h.op_counter, 0, sizeof(int), stream));
+  runner<<<ctas, kRunnerThreads, 0, stream>>>(h);
+  MK_CUDA_CHECK(cudaGetLastError());
+  return OkStatus();
+}
+
+}  // namespace
+
+Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
+                           const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
+                           cudaStream_t stream) {
+  const size_t smem = size_t(moe_buckets(l)) * 4;
+  if (smem > 48 * 1024)
+    MK_CUDA_CHECK(cudaFuncSetAttribute(route_local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  route_local<<<l.nchunks, 32, smem, stream>>>(l, ids, weights, d_n, tokens);
+  MK_CUDA_CHECK(cudaGetLastError());
+  route_scan<<<(moe_buckets(l) + 7) / 8, 256, 0, stream>>>(l);
+  MK_CUDA_CHECK(cudaGetLastError());
+  route_headers<<<1, 1024, 0, stream>>>(l);
+  MK_CUDA_CHECK(cudaGetLastError());
+  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), 4 * sms()));
+  pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x));
+  MK_CUDA_CHECK(cudaGetLastError());
+  MK_CHECK(run_program(l.dhooks, l.comm_ctas, stream));
+  if (l.hier) {
+    const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, (4 * sms() + l.nodes - 1) / l.nodes)));
+    repack<<<dim3(gx, l.nodes), kThreads, 0, stream>>>(l);
+    MK_CUDA_CHECK(cudaGetLastError());
+  }
+  const size_t lsmem = size_t(2 * l.El + 1) * 4;
+  if (lsmem > 48 * 1024)
+    MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lsmem)));
+  layout<<<1, 1024, lsmem, stream>>>(l, counts, offsets);
+  MK_CUDA_CHECK(cudaGetLastError());
+  const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, (4 * sms() + l.W - 1) / l.W)));
+  unpack<<<dim3(gx, l.W), kThreads, 0, stream>>>(l, static_cast<char*>(recv_x));
+  MK_CUDA_CHECK(cudaGetLastError());
+  return OkStatus();
+}
+
+Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStream_t stream) {
+  combine_pack<<<4 * sms(), kThreads, 0, stream>>>(l, static_cast<const char*>(y));
+  MK_CUDA_CHECK(cudaGetLastError());
+  MK_CHECK(run_program(l.chooks, l.comm_ctas, stream));
+  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), 4 * sms()));
+  combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), static_cast<char*>(out));
+  MK_CUDA_CHECK(cudaGetLastError());
+  return OkStatus();
+}
+
+}  // namespace ops
+}  // namespace mk

@@ -1,0 +1,99 @@
+// mkernel — the MoE kernels' launch interface (host code; kernels in moe_kernels.cu). The rules
+// they implement are written on the CPU in moe_plan.h.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mkernel/common/status.h"
+#include "src/comm/device_program.h"
+
+namespace mk {
+namespace ops {
+
+// The first bad input a call met (host-mapped, written once by the device; state set last).
+struct MoeErrorRecord {
+  uint32_t state;   // 0 none, 1 complete
+  int32_t kind;     // kMoeErr*
+  int32_t rank;
+  int32_t token;    // bad id: the token; overflow: -1
+  int32_t slot;     // bad id: the top-k slot
+  int32_t expert;   // bad id: the id; overflow: the local expert whose rows begin past capacity
+  int64_t count;    // tokens of the call, or rows needed
+  int64_t limit;    // max tokens, or capacity
+};
+constexpr int32_t kMoeErrBadExpert = 1, kMoeErrTooManyTokens = 2, kMoeErrOverflow = 3;
+
+// Everything the kernels of one operator read (device pointers unless said).
+struct MoeLaunch {
+  // geometry
+  int W = 1, me = 0, E = 0, El = 0, k = 0, align = 1;
+  int64_t H = 0, T = 0, row_bytes = 0, rec_bytes = 0, hdr_bytes = 0, slot_bytes = 0, chdr_bytes = 16,
+          cslot_bytes = 0, recv_rows = 0;
+  int chunk_tokens = 64;  // tokens per route chunk
+  int nchunks = 0;
+  // errors
+  MoeErrorRecord* err = nullptr;  // host-mapped
+  uint32_t* err_claim = nullptr;  // device
+  // route scratch: [T * k] local ranks; [nchunks + 1][buckets] histograms then bases
+  int32_t* erank = nullptr;
+  int32_t* cpos = nullptr;     // entries' rows among the chunk's entries for their rank
+  int32_t* cpos_g = nullptr;   // [T * k] entries' rows in their rank's combine slot (kept for combine)
+  int32_t* recpos = nullptr;   // records' places in the send slots (first entry of a token per rank)
+  int32_t* hist = nullptr;     // [nchunks][buckets], then bases in place
+  int32_t* totals = nullptr;   // [buckets]
+  int32_t* n_tokens = nullptr; // [1] this call's tokens (clamped)
+  int32_t* ids = nullptr;      // [T * k] saved for combine
+  float* weights = nullptr;    // [T * k] saved for combine
+  // destination side
+  int32_t* counts = nullptr;   // [El]
+  int32_t* offsets = nullptr;  // [El + 1]
+  int32_t* base = nullptr;     // [W][El]
+  int32_t* nrec = nullptr;     // [W]
+  int32_t* ncomb = nullptr;    // [W] entries each source gets back
+  int32_t* back = nullptr;     // [recv_rows][2] (source, combine row); source -1: a gap
+  int32_t* self_row = nullptr; // [T * k] the own tokens' entries' rows in the layout (combine reads y there)
+  // symmetric slots (this rank's)
+  char* send = nullptr;        // [W][slot_bytes]
+  char* recv = nullptr;
+  char* csend = nullptr;       // [W][cslot_bytes]
+  char* crecv = nullptr;
+  // per destination and piece, the bytes the program's piece moves (moe_piece_count)
+  uint64_t* dpiece = nullptr;  // [W][dP]
+  uint64_t* cpiece = nullptr;  // [W][cP]
+  int dP = 1, cP = 1;
+  int64_t dpb = 0, cpb = 0;    // bytes per piece (moe_piece_bytes)
+  // throughput mode across nodes (moe_plan.h, build_moe_hier_program); hier false: direct
+  bool hier = false;
+  int nodes = 1, local = 1, my_node = 0, my_local = 0;
+  const int32_t* node_ranks = nullptr;  // [nodes][local] (device)
+  const int32_t* node_of = nullptr;     // [W] (device)
+  int64_t nmeta_bytes = 0, nrec_bytes = 0, nhdr_bytes = 0, nslot_bytes = 0;
+  char* nsend = nullptr;                // [nodes][nslot_bytes]
+  char* nrecv = nullptr;
+  uint64_t* npiece = nullptr;           // [nodes][nP]
+  int nP = 1;
+  int64_t npb = 0;
+  int32_t* nrecpos = nullptr;           // [T * k] node records' local ranks (first entry of a token per node)
+  char* const* peer_recv = nullptr;     // [local] every rank of the node's receive slots (peer pointers)
+  uint32_t rw0 = 0, rwn = 0, lw0 = 0, lwn = 0, rs0 = 0, rsn = 0;  // the pools (dhooks.waits / .signals)
+  int* repack_done = nullptr;           // CTAs of the repack that finished (the last raises the flags)
+  // the two programs (dispatch, combine); n_ops == 0: nothing to run (W == 1)
+  FusedHooks dhooks{}, chooks{};
+  int comm_ctas = 1;
+};
+
+// Route buckets: experts, entries per rank, records per rank, then (hier) node records per node.
+MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W + (l.hier ? l.nodes : 0); }
+
+// dispatch: route, pack, the program, unpack. x/ids/weights: the caller's; d_n: device count or
+// null (tokens); recv_x/counts/offsets: the caller's outputs.
+Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
+                           const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
+                           cudaStream_t stream);
+// combine: pack y back, the program, the weighted sums into out.
+Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStream_t stream);
+
+}  // namespace ops
+}  // namespace mk

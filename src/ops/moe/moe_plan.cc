@@ -1,0 +1,635 @@
+// MoE dispatch/combine: geometry, routing rules and programs (see src/ops/moe/moe_plan.h).
+#include "src/ops/moe/moe_plan.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "mkernel/common/check.h"
+
+namespace mk {
+namespace ops {
+
+namespace {
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+}  // namespace
+
+Status moe_geometry(const MoeConfig& c, int world, MoeGeometry* out) {
+  MK_REQUIRE(world >= 1, Code::kInvalidArgument, "moe: world size %d", world);
+  MK_REQUIRE(c.hidden >= 8 && c.hidden % 8 == 0 && c.hidden <= (int64_t(1) << 20), Code::kInvalidArgument,
+             "moe: hidden %lld (a positive multiple of 8, at most 2^20)", (long long)c.hidden);
+  MK_REQUIRE(c.num_experts >= 1 && c.num_experts % world == 0, Code::kInvalidArgument,
+             "moe: %d experts are not a positive multiple of the world size %d", c.num_experts, world);
+  MK_REQUIRE(c.num_experts <= 32768 && c.num_experts / world <= 8192, Code::kInvalidArgument,
+             "moe: %d experts, %d per rank (at most 32768 and 8192)", c.num_experts, c.num_experts / world);
+  MK_REQUIRE(c.topk >= 1 && c.topk <= 32, Code::kInvalidArgument, "moe: topk %d (1..32)", c.topk);
+  MK_REQUIRE(c.max_tokens_per_rank >= 1 && c.max_tokens_per_rank <= (int64_t(1) << 24), Code::kInvalidArgument,
+             "moe: max_tokens_per_rank %lld (1..2^24)", (long long)c.max_tokens_per_rank);
+  MK_REQUIRE(c.expert_align >= 1 && c.expert_align <= 4096, Code::kInvalidArgument, "moe: expert_align %d (1..4096)",
+             c.expert_align);
+  MK_REQUIRE(c.recv_capacity >= 0, Code::kInvalidArgument, "moe: recv_capacity %lld", (long long)c.recv_capacity);
+  MoeGeometry g;
+  g.W = world;
+  g.E = c.num_experts;
+  g.El = c.num_experts / world;
+  g.k = c.topk;
+  g.align = c.expert_align;
+  g.H = c.hidden;
+  g.T = c.max_tokens_per_rank;
+  g.row_bytes = 2 * g.H;
+  g.meta_bytes = round_up(16 + 8 * int64_t(g.k), 16);
+  g.rec_bytes = g.row_bytes + g.meta_bytes;
+  g.hdr_bytes = round_up(16 + 4 * int64_t(g.El), 16);
+  g.slot_bytes = g.hdr_bytes + g.T * g.rec_bytes;
+  g.comb_per_src = g.T * g.k;  // a token may name one expert twice
+  g.cslot_bytes = g.chdr_bytes + g.comb_per_src * g.row_bytes;
+  g.worst_rows = int64_t(world) * g.comb_per_src + int64_t(g.El) * (g.align - 1);
+  g.recv_rows = c.recv_capacity > 0 ? c.recv_capacity : g.worst_rows;
+  MK_REQUIRE(g.worst_rows < (int64_t(1) << 31), Code::kInvalidArgument,
+             "moe: %lld receive rows per rank exceed the int32 layout (fewer tokens or experts per rank)",
+             (long long)g.worst_rows);
+  *out = g;
+  return OkStatus();
+}
+
+void route_source(const MoeGeometry& g, const int32_t* ids, int64_t n, SourceRoute* out, int64_t* bad) {
+  SourceRoute& r = *out;
+  r.rec_tokens.assign(g.W, {});
+  r.erank.assign(size_t(n) * g.k, -1);
+  r.cpos.assign(size_t(n) * g.k, -1);
+  r.cbase.assign(size_t(g.W) * n, -1);
+  r.ecount.assign(g.E, 0);
+  r.ncomb.assign(g.W, 0);
+  int64_t nbad = 0;
+  for (int64_t t = 0; t < n; ++t)
+    for (int kk = 0; kk < g.k; ++kk) {
+      const int32_t e = ids[t * g.k + kk];
+      if (e == -1) continue;
+      if (e < -1 || e >= g.E) {
+        ++nbad;
+        continue;
+      }
+      const int rk = e / g.El;
+      if (r.rec_tokens[rk].empty() || r.rec_tokens[rk].back() != t) {
+        r.rec_tokens[rk].push_back(int32_t(t));
+        r.cbase[size_t(rk) * n + t] = r.ncomb[rk];
+      }
+      r.erank[t * g.k + kk] = r.ecount[e]++;
+      r.cpos[t * g.k + kk] = r.ncomb[rk]++;
+    }
+  if (bad) *bad = nbad;
+}
+
+void dest_layout(const MoeGeometry& g, int r, const std::vector<const int32_t*>& ids, const std::vector<int64_t>& n,
+                 const std::vector<SourceRoute>& routes, DestLayout* out) {
+  DestLayout& d = *out;
+  d.counts.assign(g.El, 0);
+  d.offsets.assign(g.El + 1, 0);
+  for (int s = 0; s < g.W; ++s)
+    for (int le = 0; le < g.El; ++le) d.counts[le] += routes[s].ecount[r * g.El + le];
+  for (int le = 0; le < g.El; ++le) d.offsets[le + 1] = d.offsets[le] + int32_t(round_up(d.counts[le], g.align));
+  d.rows.assign(size_t(d.offsets[g.El]), RowOrigin{});
+  std::vector<int64_t> base(d.offsets.begin(), d.offsets.end() - 1);
+  for (int s = 0; s < g.W; ++s) {
+    for (int64_t t = 0; t < n[s]; ++t)
+      for (int kk = 0; kk < g.k; ++kk) {
+        const int32_t e = ids[s][t * g.k + kk];
+        if (e < 0 || e >= g.E || e / g.El != r) continue;
+        const int64_t row = base[e - r * g.El] + routes[s].erank[t * g.k + kk];
+        d.rows[size_t(row)] = RowOrigin{s, int32_t(t), kk};
+      }
+    for (int le = 0; le < g.El; ++le) base[le] += routes[s].ecount[r * g.El + le];
+  }
+}
+
+void pack_record_slot(const MoeGeometry& g, int s, int r, const uint16_t* x, const int32_t* ids,
+                      const SourceRoute& route, uint8_t* slot) {
+  const auto& toks = route.rec_tokens[r];
+  const int64_t n = int64_t(route.cbase.size()) / g.W;
+  const uint64_t bytes = uint64_t(g.hdr_bytes + int64_t(toks.size()) * g.rec_bytes);
+  std::memset(slot, 0, size_t(g.hdr_bytes));
+  std::memcpy(slot, &bytes, 8);
+  const uint32_t nrec = uint32_t(toks.size()), ncomb = uint32_t(route.ncomb[r]);
+  std::memcpy(slot + 8, &nrec, 4);
+  std::memcpy(slot + 12, &ncomb, 4);
+  for (int le = 0; le < g.El; ++le) std::memcpy(slot + 16 + 4 * le, &route.ecount[r * g.El + le], 4);
+  for (size_t j = 0; j < toks.size(); ++j) {
+    const int64_t t = toks[j];
+    uint8_t* rec = slot + g.hdr_bytes + int64_t(j) * g.rec_bytes;
+    std::memcpy(rec, x + t * g.H, size_t(g.row_bytes));
+    std::vector<int32_t> meta(size_t(g.meta_bytes / 4), 0);
+    int32_t nk = 0;
+    for (int kk = 0; kk < g.k; ++kk) {
+      const int32_t e = ids[t * g.k + kk];
+      const bool here = e >= 0 && e < g.E && e / g.El == r;
+      meta[kMetaSlots + 2 * kk] = here ? e - r * g.El : -1;
+      meta[kMetaSlots + 2 * kk + 1] = here ? route.erank[t * g.k + kk] : -1;
+      nk += here;
+    }
+    meta[kMetaToken] = int32_t(t);
+    meta[kMetaNk] = nk;
+    meta[kMetaCbase] = route.cbase[size_t(r) * n + t];
+    meta[kMetaSrc] = s;
+    std::memcpy(rec + g.row_bytes, meta.data(), size_t(g.meta_bytes));
+  }
+}
+
+void unpack_slots(const MoeGeometry& g, int r, const std::vector<const uint8_t*>& slots, uint16_t* recv_x,
+                  int32_t* counts, int32_t* offsets, int32_t* back, int64_t* overflow) {
+  (void)r;
+  std::vector<int32_t> c(size_t(g.W) * g.El);
+  for (int s = 0; s < g.W; ++s) std::memcpy(&c[size_t(s) * g.El], slots[s] + 16, 4 * size_t(g.El));
+  offsets[0] = 0;
+  for (int le = 0; le < g.El; ++le) {
+    int64_t sum = 0;
+    for (int s = 0; s < g.W; ++s) sum += c[size_t(s) * g.El + le];
+    counts[le] = int32_t(sum);
+    offsets[le + 1] = offsets[le] + int32_t(round_up(sum, g.align));
+  }
+  int64_t over = 0;
+  std::vector<int64_t> base(offsets, offsets + g.El);
+  for (int s = 0; s < g.W; ++s) {
+    uint32_t nrec;
+    std::memcpy(&nrec, slots[s] + 8, 4);
+    for (uint32_t j = 0; j < nrec; ++j) {
+      const uint8_t* rec = slots[s] + g.hdr_bytes + int64_t(j) * g.rec_bytes;
+      std::vector<int32_t> meta(size_t(g.meta_bytes / 4));
+      std::memcpy(meta.data(), rec + g.row_bytes, size_t(g.meta_bytes));
+      int32_t ord = 0;
+      for (int kk = 0; kk < g.k; ++kk) {
+        const int32_t le = meta[kMetaSlots + 2 * kk];
+        if (le < 0) continue;
+        const int64_t row = base[le] + meta[kMetaSlots + 2 * kk + 1];
+        if (row < g.recv_rows) {
+          std::memcpy(recv_x + row * g.H, rec, size_t(g.row_bytes));
+          back[2 * row] = meta[kMetaSrc];
+          back[2 * row + 1] = meta[kMetaCbase] + ord;
+        } else {
+          ++over;
+        }
+        ++ord;
+      }
+    }
+    for (int le = 0; le < g.El; ++le) base[le] += c[size_t(s) * g.El + le];
+  }
+  if (overflow) *overflow = over;
+}
+
+MoeNodeGeometry moe_node_geometry(const MoeGeometry& g, int local) {
+  MoeNodeGeometry ng;
+  ng.local = local;
+  ng.nmeta_bytes = round_up(16 + 12 * int64_t(g.k) + 4 * int64_t(local), 16);
+  ng.nrec_bytes = g.row_bytes + ng.nmeta_bytes;
+  ng.nhdr_bytes = round_up(16 + int64_t(local) * (8 + 4 * int64_t(g.El)), 16);
+  ng.nslot_bytes = ng.nhdr_bytes + g.T * ng.nrec_bytes;
+  return ng;
+}
+
+std::vector<std::vector<int32_t>> node_tokens(const MoeGeometry& g, const comm::Layout& layout, int me,
+                                              const int32_t* ids, int64_t n) {
+  std::vector<std::vector<int32_t>> out(layout.nodes());
+  for (int64_t t = 0; t < n; ++t)
+    for (int kk = 0; kk < g.k; ++kk) {
+      const int32_t e = ids[t * g.k + kk];
+      if (e < 0 || e >= g.E) continue;
+      const int node = layout.node_of[e / g.El];
+      if (node == layout.node_of[me]) continue;
+      if (out[node].empty() || out[node].back() != t) out[node].push_back(int32_t(t));
+    }
+  return out;
+}
+
+void pack_node_slot(const MoeGeometry& g, const MoeNodeGeometry& ng, const comm::Layout& layout, int s, int node,
+                    const uint16_t* x, const int32_t* ids, const SourceRoute& route, uint8_t* slot) {
+  const int64_t n = int64_t(route.cbase.size()) / g.W;
+  const auto toks = node_tokens(g, layout, s, ids, n)[node];
+  const int L = ng.local;
+  std::memset(slot, 0, size_t(ng.nhdr_bytes));
+  const uint64_t used = uint64_t(ng.nhdr_bytes + int64_t(toks.size()) * ng.nrec_bytes);
+  std::memcpy(slot, &used, 8);
+  const uint32_t nrec = uint32_t(toks.size());
+  std::memcpy(slot + 8, &nrec, 4);
+  std::vector<std::vector<int32_t>> index(L, std::vector<int32_t>(size_t(n), -1));
+  for (int l = 0; l < L; ++l) {
+    const int r = layout.node_ranks[node][l];
+    uint8_t* h = slot + 16 + int64_t(l) * (8 + 4 * int64_t(g.El));
+    const uint32_t nr = uint32_t(route.rec_tokens[r].size()), nc = uint32_t(route.ncomb[r]);
+    std::memcpy(h, &nr, 4);
+    std::memcpy(h + 4, &nc, 4);
+    for (int le = 0; le < g.El; ++le) std::memcpy(h + 8 + 4 * le, &route.ecount[r * g.El + le], 4);
+    for (size_t j = 0; j < route.rec_tokens[r].size(); ++j) index[l][size_t(route.rec_tokens[r][j])] = int32_t(j);
+  }
+  for (size_t j = 0; j < toks.size(); ++j) {
+    const int64_t t = toks[j];
+    uint8_t* rec = slot + ng.nhdr_bytes + int64_t(j) * ng.nrec_bytes;
+    std::memcpy(rec, x + t * g.H, size_t(g.row_bytes));
+    std::vector<int32_t> meta(size_t(ng.nmeta_bytes / 4), 0);
+    meta[0] = int32_t(t);
+    meta[1] = s;
+    for (int kk = 0; kk < g.k; ++kk) {
+      const int32_t e = ids[t * g.k + kk];
+      const bool here = e >= 0 && e < g.E && layout.node_of[e / g.El] == node;
+      meta[kNodeMetaSlots + 3 * kk] = here ? e : -1;
+      meta[kNodeMetaSlots + 3 * kk + 1] = here ? route.erank[t * g.k + kk] : -1;
+      meta[kNodeMetaSlots + 3 * kk + 2] = here ? route.cpos[t * g.k + kk] : -1;
+    }
+    for (int l = 0; l < L; ++l) meta[kNodeMetaSlots + 3 * g.k + l] = index[l][size_t(t)];
+    std::memcpy(rec + g.row_bytes, meta.data(), size_t(ng.nmeta_bytes));
+  }
+}
+
+void repack_node_slot(const MoeGeometry& g, const MoeNodeGeometry& ng, const comm::Layout& layout, int s, int d,
+                      const uint8_t* nslot, uint8_t* slot) {
+  const int l = layout.local_of[d];
+  const uint8_t* h = nslot + 16 + int64_t(l) * (8 + 4 * int64_t(g.El));
+  uint32_t nrec_d, ncomb_d, nrec;
+  std::memcpy(&nrec_d, h, 4);
+  std::memcpy(&ncomb_d, h + 4, 4);
+  std::memcpy(&nrec, nslot + 8, 4);
+  std::memset(slot, 0, size_t(g.hdr_bytes));
+  const uint64_t used = uint64_t(g.hdr_bytes + int64_t(nrec_d) * g.rec_bytes);
+  std::memcpy(slot, &used, 8);
+  std::memcpy(slot + 8, &nrec_d, 4);
+  std::memcpy(slot + 12, &ncomb_d, 4);
+  std::memcpy(slot + 16, h + 8, 4 * size_t(g.El));
+  for (uint32_t j = 0; j < nrec; ++j) {
+    const uint8_t* nr = nslot + ng.nhdr_bytes + int64_t(j) * ng.nrec_bytes;
+    std::vector<int32_t> nm(size_t(ng.nmeta_bytes / 4));
+    std::memcpy(nm.data(), nr + g.row_bytes, size_t(ng.nmeta_bytes));
+    const int32_t idx = nm[kNodeMetaSlots + 3 * g.k + l];
+    if (idx < 0) continue;
+    uint8_t* rec = slot + g.hdr_bytes + int64_t(idx) * g.rec_bytes;
+    std::memcpy(rec, nr, size_t(g.row_bytes));
+    std::vector<int32_t> meta(size_t(g.meta_bytes / 4), 0);
+    int32_t nk = 0, cbase = -1;
+    for (int kk = 0; kk < g.k; ++kk) {
+      const int32_t e = nm[kNodeMetaSlots + 3 * kk];
+      const bool here = e >= 0 && e / g.El == d;
+      meta[kMetaSlots + 2 * kk] = here ? e - d * g.El : -1;
+      meta[kMetaSlots + 2 * kk + 1] = here ? nm[kNodeMetaSlots + 3 * kk + 1] : -1;
+      if (here && cbase < 0) cbase = nm[kNodeMetaSlots + 3 * kk + 2];
+      nk += here;
+    }
+    meta[kMetaToken] = nm[0];
+    meta[kMetaNk] = nk;
+    meta[kMetaCbase] = cbase;
+    meta[kMetaSrc] = nm[1];
+    std::memcpy(rec + g.row_bytes, meta.data(), size_t(g.meta_bytes));
+  }
+}
+
+namespace {
+
+using comm::BufId;
+using comm::BufRef;
+using comm::FlagRef;
+using comm::Op;
+using comm::OpKind;
+using comm::Signal;
+using comm::Wait;
+
+FlagRef flag(comm::RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
+
+}  // namespace
+
+int64_t moe_piece_bytes(int64_t slot_bytes, int pieces) {
+  pieces = std::max(pieces, 1);
+  return round_up((slot_bytes + pieces - 1) / pieces, 16);
+}
+int moe_pieces(int64_t slot_bytes, int pieces) {
+  const int64_t pb = moe_piece_bytes(slot_bytes, pieces);
+  return int((slot_bytes + pb - 1) / pb);
+}
+uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used) {
+  const int64_t pb = moe_piece_bytes(slot_bytes, pieces);
+  const int64_t size = std::min(pb, slot_bytes - int64_t(p) * pb);
+  const int64_t left = int64_t(used) - int64_t(p) * pb;
+  return uint64_t(std::max<int64_t>(16, std::min(left, size)));
+}
+
+Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pieces_req, bool staged,
+                         const std::string& what, comm::Program* out) {
+  const int W = layout.world;
+  MK_REQUIRE(W >= 1 && slot_bytes > 0 && slot_bytes % 16 == 0 && pieces_req >= 1, Code::kInvalidArgument,
+             "moe: bad %s slot of %lld bytes in %d pieces", what.c_str(), (long long)slot_bytes, pieces_req);
+  const int P = moe_pieces(slot_bytes, pieces_req);
+  const int64_t pb = moe_piece_bytes(slot_bytes, pieces_req);
+  comm::Program& p = *out;
+  p = comm::Program{};
+  p.layout = layout;
+  const bool net = layout.nodes() > 1;
+  p.net_staged = staged && net;
+  const bool direct = net && !p.net_staged;
+  auto buf = [&](const char* name, uint64_t bytes, comm::Space space, bool network, BufId mirror_of = comm::kNoBuf,
+                 bool token = false) {
+    comm::BufDecl d;
+    d.name = name;
+    d.bytes = bytes;
+    d.space = space;
+    d.network = network;
+    d.mirror_of = mirror_of;
+    d.rank_token = token;
+    p.add_buf(d);
+  };
+  const uint64_t all = uint64_t(W) * uint64_t(slot_bytes);
+  buf("send", all, comm::Space::kSymmetric, direct);
+  buf("recv", all, comm::Space::kSymmetric, direct);
+  buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, comm::kNoBuf, true);
+  buf("send_net", p.net_staged ? all : 0, comm::Space::kHost, p.net_staged, MoeBuf::kSend);
+  buf("recv_net", p.net_staged ? all : 0, comm::Space::kHost, p.net_staged, MoeBuf::kRecv);
+  buf("token_net", p.net_staged ? 8ull * W : 0, comm::Space::kHost, p.net_staged, MoeBuf::kToken, true);
+  buf("piece_bytes", 8ull * W * P, comm::Space::kSymmetric, false);
+  p.add_region("arrived", uint32_t(W), false);
+  p.add_region("arrived_net", uint32_t(W), true);
+  p.add_region("entry", uint32_t(W), false);
+  p.add_region("entry_net", uint32_t(W), true);
+  p.add_region("src_free", 1, true);
+  p.place_regions();
+  p.ranks.resize(W);
+  auto slot = [&](BufId b, int rank, int index) { return BufRef{b, rank, uint64_t(index) * uint64_t(slot_bytes)}; };
+  auto remote = [&](int a, int b) { return layout.node_of[a] != layout.node_of[b]; };
+  for (int me = 0; me < W; ++me) {
+    comm::RankProgram& rp = p.ranks[me];
+    rp.rank = me;
+    if (W == 1) continue;
+    uint64_t puts = 0;
+    // Entry: this rank's receive slots are free for this call (its previous unpack ran before
+    // this call's runner, stream order): every source may send.
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + W - d) % W;
+      Op op;
+      if (remote(me, s)) {
+        const BufId tok = p.net_staged ? MoeBuf::kTokenNet : MoeBuf::kToken;
+        op.kind = OpKind::kNetPut;
+        op.srcs = {BufRef{tok, me, 8ull * me}};
+        op.dsts = {BufRef{tok, s, 8ull * me}};
+        op.bytes = 8;
+        op.peer = s;
+        op.remote_flag = flag(MoeRegion::kEntryNet, s, uint32_t(me));
+        op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
+        ++puts;
+        op.what = what + " entry signal to rank " + std::to_string(s) + " (network)";
+      } else {
+        op.kind = OpKind::kSignal;
+        op.signals = {Signal{flag(MoeRegion::kEntry, s, uint32_t(me)), 1, true}};
+        op.what = what + " entry signal to rank " + std::to_string(s);
+      }
+      rp.ops.push_back(op);
+    }
+    // The slots, nearest destinations first in rotation (ranks do not all start on one peer),
+    // piece by piece.
+    for (int d = 1; d < W; ++d) {
+      const int r = (me + d) % W;
+      for (int pc = 0; pc < P; ++pc) {
+        const uint64_t off = uint64_t(pc) * uint64_t(pb);
+        Op op;
+        op.bytes = uint64_t(std::min<int64_t>(pb, slot_bytes - int64_t(off)));
+        op.count_at = BufRef{MoeBuf::kPieceBytes, me, 8ull * (uint64_t(r) * P + pc)};
+        BufRef src = slot(MoeBuf::kSend, me, r), dst = slot(MoeBuf::kRecv, r, me);
+        src.offset += off;
+        dst.offset += off;
+        const std::string piece = P > 1 ? " piece " + std::to_string(pc) : "";
+        if (remote(me, r)) {
+          op.kind = OpKind::kNetPut;
+          op.waits = {Wait{flag(MoeRegion::kEntryNet, me, uint32_t(r)), 1, r}};
+          op.srcs = {src};
+          op.dsts = {dst};
+          if (p.net_staged) {
+            op.stage_src = op.srcs[0];
+            op.srcs[0].buf = MoeBuf::kSendNet;
+            op.dsts[0].buf = MoeBuf::kRecvNet;
+          }
+          op.peer = r;
+          op.remote_flag = flag(MoeRegion::kArrivedNet, r, uint32_t(me));
+          op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
+          ++puts;
+          op.what = what + " slot" + piece + " to rank " + std::to_string(r) + " (network)";
+        } else {
+          op.kind = OpKind::kCopy;
+          op.waits = {Wait{flag(MoeRegion::kEntry, me, uint32_t(r)), 1, r}};
+          op.srcs = {src};
+          op.dsts = {dst};
+          op.signals = {Signal{flag(MoeRegion::kArrived, r, uint32_t(me)), 1, true}};
+          op.what = what + " slot" + piece + " to rank " + std::to_string(r);
+        }
+        rp.ops.push_back(op);
+      }
+    }
+    // Slots from other nodes: staged ones from the host mirror into the slot.
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + W - d) % W;
+      if (!remote(me, s)) continue;
+      Op op;
+      op.waits = {Wait{flag(MoeRegion::kArrivedNet, me, uint32_t(s)), uint64_t(P), s}};
+      op.signals = {Signal{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, true}};
+      if (p.net_staged) {
+        op.kind = OpKind::kCopy;
+        op.srcs = {slot(MoeBuf::kRecvNet, me, s)};
+        op.dsts = {slot(MoeBuf::kRecv, me, s)};
+        op.bytes = uint64_t(slot_bytes);
+        op.count_at = slot(MoeBuf::kRecvNet, me, s);
+        op.what = what + " slot of rank " + std::to_string(s) + " from the host mirror";
+      } else {
+        op.kind = OpKind::kSignal;
+        op.what = what + " slot of rank " + std::to_string(s) + " landed";
+      }
+      rp.ops.push_back(op);
+    }
+    // The call ends once every slot is here (the unpack after the runner reads them) and the
+    // proxy finished reading this call's sources.
+    {
+      Op op;
+      op.kind = OpKind::kSignal;
+      for (int d = 1; d < W; ++d) {
+        const int s = (me + W - d) % W;
+        op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), remote(me, s) ? 1 : uint64_t(P), s});
+      }
+      if (puts) op.waits.push_back(Wait{flag(MoeRegion::kSrcFree, me, 0), puts, me});
+      op.what = what + ": every slot arrived";
+      rp.ops.push_back(op);
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace ops
+}  // namespace mk
+
+namespace mk {
+namespace ops {
+
+MoeHierPools moe_hier_pools(const comm::Layout& layout, int me) {
+  MoeHierPools p;
+  const int N = layout.node_of[me], L = layout.local_of[me];
+  const int locals = int(layout.node_ranks[N].size());
+  p.repack_waits = uint32_t(locals - 1 + layout.nodes() - 1);
+  for (int s = 0; s < layout.world; ++s)
+    if (layout.node_of[s] != N && layout.local_of[s] != L) ++p.layout_waits;
+  p.repack_signals = uint32_t((locals - 1) * (layout.nodes() - 1));
+  return p;
+}
+
+Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, int64_t nslot_bytes, int pieces_req,
+                              bool staged, comm::Program* out) {
+  const int W = layout.world, NN = layout.nodes();
+  MK_REQUIRE(NN > 1 && slot_bytes > 0 && slot_bytes % 16 == 0 && nslot_bytes > 0 && nslot_bytes % 16 == 0 &&
+                 pieces_req >= 1,
+             Code::kInvalidArgument, "moe: bad hierarchical program (%d nodes, slots %lld / %lld bytes)", NN,
+             (long long)slot_bytes, (long long)nslot_bytes);
+  const int P = moe_pieces(slot_bytes, pieces_req), NP = moe_pieces(nslot_bytes, pieces_req);
+  const int64_t pb = moe_piece_bytes(slot_bytes, pieces_req), npb = moe_piece_bytes(nslot_bytes, pieces_req);
+  comm::Program& p = *out;
+  p = comm::Program{};
+  p.layout = layout;
+  p.net_staged = staged;
+  const bool direct = !staged;
+  auto buf = [&](const char* name, uint64_t bytes, comm::Space space, bool network, BufId mirror_of = comm::kNoBuf,
+                 bool token = false) {
+    comm::BufDecl d;
+    d.name = name;
+    d.bytes = bytes;
+    d.space = space;
+    d.network = network;
+    d.mirror_of = mirror_of;
+    d.rank_token = token;
+    p.add_buf(d);
+  };
+  const uint64_t all = uint64_t(W) * uint64_t(slot_bytes), nall = uint64_t(NN) * uint64_t(nslot_bytes);
+  buf("send", all, comm::Space::kSymmetric, false);
+  buf("recv", all, comm::Space::kSymmetric, false);
+  buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, comm::kNoBuf, true);
+  buf("send_net", 0, comm::Space::kHost, false, MoeBuf::kSend);
+  buf("recv_net", 0, comm::Space::kHost, false, MoeBuf::kRecv);
+  buf("token_net", staged ? 8ull * W : 0, comm::Space::kHost, staged, MoeBuf::kToken, true);
+  buf("piece_bytes", 8ull * W * P, comm::Space::kSymmetric, false);
+  buf("nsend", nall, comm::Space::kSymmetric, direct);
+  buf("nrecv", nall, comm::Space::kSymmetric, direct);
+  buf("nsend_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNSend);
+  buf("nrecv_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNRecv);
+  buf("npiece_bytes", 8ull * NN * NP, comm::Space::kSymmetric, false);
+  p.add_region("arrived", uint32_t(W), false);
+  p.add_region("arrived_net", uint32_t(W), true);
+  p.add_region("entry", uint32_t(W), false);
+  p.add_region("entry_net", uint32_t(W), true);
+  p.add_region("src_free", 1, true);
+  p.add_region("fwd", uint32_t(W), false);
+  p.place_regions();
+  p.ranks.resize(W);
+  for (int me = 0; me < W; ++me) {
+    comm::RankProgram& rp = p.ranks[me];
+    rp.rank = me;
+    const int N = layout.node_of[me], L = layout.local_of[me];
+    const std::vector<int>& mine = layout.node_ranks[N];
+    std::vector<int> twins;  // the rank with my local index on every other node
+    for (int n = 0; n < NN; ++n)
+      if (n != N) twins.push_back(layout.node_ranks[n][L]);
+    uint64_t puts = 0;
+    for (int s : mine) {
+      if (s == me) continue;
+      Op op;
+      op.kind = OpKind::kSignal;
+      op.signals = {Signal{flag(MoeRegion::kEntry, s, uint32_t(me)), 1, true}};
+      op.what = "dispatch entry signal to rank " + std::to_string(s);
+      rp.ops.push_back(op);
+    }
+    for (int s : twins) {
+      Op op;
+      const BufId tok = staged ? MoeBuf::kTokenNet : MoeBuf::kToken;
+      op.kind = OpKind::kNetPut;
+      op.srcs = {BufRef{tok, me, 8ull * me}};
+      op.dsts = {BufRef{tok, s, 8ull * me}};
+      op.bytes = 8;
+      op.peer = s;
+      op.remote_flag = flag(MoeRegion::kEntryNet, s, uint32_t(me));
+      op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
+      ++puts;
+      op.what = "dispatch entry signal to rank " + std::to_string(s) + " (network)";
+      rp.ops.push_back(op);
+    }
+    // Node slots first (the network is the long pole), then the node's own slots.
+    for (int s : twins) {
+      const int n = layout.node_of[s];
+      for (int pc = 0; pc < NP; ++pc) {
+        const uint64_t off = uint64_t(pc) * uint64_t(npb);
+        Op op;
+        op.kind = OpKind::kNetPut;
+        op.bytes = uint64_t(std::min<int64_t>(npb, nslot_bytes - int64_t(off)));
+        op.count_at = BufRef{MoeBuf::kNPieceBytes, me, 8ull * (uint64_t(n) * NP + pc)};
+        op.waits = {Wait{flag(MoeRegion::kEntryNet, me, uint32_t(s)), 1, s}};
+        op.srcs = {BufRef{MoeBuf::kNSend, me, uint64_t(n) * uint64_t(nslot_bytes) + off}};
+        op.dsts = {BufRef{MoeBuf::kNRecv, s, uint64_t(N) * uint64_t(nslot_bytes) + off}};
+        if (staged) {
+          op.stage_src = op.srcs[0];
+          op.srcs[0].buf = MoeBuf::kNSendNet;
+          op.dsts[0].buf = MoeBuf::kNRecvNet;
+        }
+        op.peer = s;
+        op.remote_flag = flag(MoeRegion::kArrivedNet, s, uint32_t(me));
+        op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
+        ++puts;
+        op.what = "dispatch node slot" + (NP > 1 ? " piece " + std::to_string(pc) : std::string()) + " to rank " +
+                  std::to_string(s) + " (node " + std::to_string(n) + ", network)";
+        rp.ops.push_back(op);
+      }
+    }
+    for (int d = 1; d < int(mine.size()); ++d) {
+      const int r = mine[(L + d) % mine.size()];
+      for (int pc = 0; pc < P; ++pc) {
+        const uint64_t off = uint64_t(pc) * uint64_t(pb);
+        Op op;
+        op.kind = OpKind::kCopy;
+        op.bytes = uint64_t(std::min<int64_t>(pb, slot_bytes - int64_t(off)));
+        op.count_at = BufRef{MoeBuf::kPieceBytes, me, 8ull * (uint64_t(r) * P + pc)};
+        op.waits = {Wait{flag(MoeRegion::kEntry, me, uint32_t(r)), 1, r}};
+        op.srcs = {BufRef{MoeBuf::kSend, me, uint64_t(r) * uint64_t(slot_bytes) + off}};
+        op.dsts = {BufRef{MoeBuf::kRecv, r, uint64_t(me) * uint64_t(slot_bytes) + off}};
+        op.signals = {Signal{flag(MoeRegion::kArrived, r, uint32_t(me)), 1, true}};
+        op.what = "dispatch slot" + (P > 1 ? " piece " + std::to_string(pc) : std::string()) + " to rank " +
+                  std::to_string(r);
+        rp.ops.push_back(op);
+      }
+    }
+    for (int s : twins) {
+      const int n = layout.node_of[s];
+      Op op;
+      op.waits = {Wait{flag(MoeRegion::kArrivedNet, me, uint32_t(s)), uint64_t(NP), s}};
+      op.signals = {Signal{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, true}};
+      if (staged) {
+        op.kind = OpKind::kCopy;
+        op.srcs = {BufRef{MoeBuf::kNRecvNet, me, uint64_t(n) * uint64_t(nslot_bytes)}};
+        op.dsts = {BufRef{MoeBuf::kNRecv, me, uint64_t(n) * uint64_t(nslot_bytes)}};
+        op.bytes = uint64_t(nslot_bytes);
+        op.count_at = op.srcs[0];
+        op.what = "dispatch node slot of rank " + std::to_string(s) + " from the host mirror";
+      } else {
+        op.kind = OpKind::kSignal;
+        op.what = "dispatch node slot of rank " + std::to_string(s) + " landed";
+      }
+      rp.ops.push_back(op);
+    }
+    {
+      Op op;
+      op.kind = OpKind::kSignal;
+      for (int s : mine)
+        if (s != me) op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), uint64_t(P), s});
+      for (int s : twins) op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, s});
+      if (puts) op.waits.push_back(Wait{flag(MoeRegion::kSrcFree, me, 0), puts, me});
+      op.what = "dispatch: every slot of the node and every node slot arrived";
+      rp.ops.push_back(op);
+    }
+    // The kernels' pools (moe_plan.h): repack waits, layout waits, repack signals.
+    for (int d : mine)
+      if (d != me) rp.waits.push_back(Wait{flag(MoeRegion::kEntry, me, uint32_t(d)), 1, d});
+    for (int s : twins) rp.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, s});
+    for (int s = 0; s < W; ++s)
+      if (layout.node_of[s] != N && layout.local_of[s] != L)
+        rp.waits.push_back(Wait{flag(MoeRegion::kFwd, me, uint32_t(s)), 1, layout.node_ranks[N][layout.local_of[s]]});
+    for (int d : mine)
+      if (d != me)
+        for (int s : twins) rp.signals.push_back(Signal{flag(MoeRegion::kFwd, d, uint32_t(s)), 1, true});
+  }
+  return OkStatus();
+}
+
+}  // namespace ops
+}  // namespace mk

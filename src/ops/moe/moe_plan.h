@@ -1,0 +1,159 @@
+// mkernel — MoE dispatch/combine: geometry, the routing rules and the communication programs
+// (pure host code, no CUDA). The GPU kernels (moe_kernels.cu) implement exactly the rules
+// written here on the CPU (route_source, dest_layout, pack_record_slot, unpack_slots), which the
+// CPU tests replay for many world sizes, node layouts and routings, and the GPU tests take as
+// the expected layout.
+//
+// A call's data path (dispatch; combine is the same with rows going back):
+//   1. route (source rank s): for every token t < n and slot kk with a valid expert e = ids[t, kk]
+//      (rank r = e / E_local): the token is sent once to r (a record, ordered by token), and the
+//      entry (t, kk) gets its rank among s's entries for expert e (erank) and among s's entries
+//      for rank r (cpos: its row in r's combine slot for s).
+//   2. pack: records into the send slot for r (header: byte count, records, entries, and the
+//      per-local-expert counts of r's experts), the own slot straight into the receive slot;
+//   3. the program (runner kernel): entry handshakes, one copy (same node) or put (other node)
+//      per destination with a run-time byte count (the slot's header), arrival flags;
+//   4. unpack (rank r): per local expert, counts summed over sources, offsets aligned to
+//      expert_align; row of entry (s, t, kk) = offsets[e] + sum_{s' < s} count[s'][e] + erank.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/status.h"
+#include "mkernel/ops/moe.h"
+#include "src/comm/program.h"
+
+namespace mk {
+namespace ops {
+
+// Record: [row: H bf16][meta: int32 token, nk, cbase, src; then k x {int32 local expert or -1,
+// int32 erank}], padded to 16 bytes. Dispatch slot: [header][records]; header: uint64 bytes in
+// use (header included), uint32 records, uint32 entries (combine rows back), int32 count[E_local],
+// padded to 16 bytes. Combine slot: [16-byte header: uint64 bytes in use][rows, cpos order].
+struct MoeGeometry {
+  int W = 1, E = 0, El = 0, k = 0, align = 1;
+  int64_t H = 0, T = 0;          // hidden, max tokens per rank
+  int64_t row_bytes = 0;         // H * 2
+  int64_t meta_bytes = 0;
+  int64_t rec_bytes = 0;         // row_bytes + meta_bytes
+  int64_t hdr_bytes = 0;         // dispatch slot header
+  int64_t slot_bytes = 0;        // hdr_bytes + T * rec_bytes
+  int64_t comb_per_src = 0;      // T * k: most entries one source sends one rank
+  int64_t chdr_bytes = 16;
+  int64_t cslot_bytes = 0;       // chdr_bytes + comb_per_src * row_bytes
+  int64_t worst_rows = 0;        // W * comb_per_src + El * (align - 1)
+  int64_t recv_rows = 0;         // receive layout rows (config, or worst_rows)
+};
+Status moe_geometry(const MoeConfig& c, int world, MoeGeometry* out);
+
+
+constexpr int kMetaToken = 0, kMetaNk = 1, kMetaCbase = 2, kMetaSrc = 3, kMetaSlots = 4;  // int32 indices
+
+// What one source computes in route (the rules above), for n tokens with ids [n, k].
+struct SourceRoute {
+  std::vector<std::vector<int32_t>> rec_tokens;  // [W] tokens sent to each rank, in order
+  std::vector<int32_t> erank;                    // [n * k] -1 for no expert
+  std::vector<int32_t> cpos;                     // [n * k]
+  std::vector<int32_t> cbase;                    // [W * n]: entries of tokens < t bound for r (record meta)
+  std::vector<int32_t> ecount;                   // [E] entries per expert
+  std::vector<int32_t> ncomb;                    // [W] entries per rank
+};
+// Ids out of [-1, E) are left out (as the device does) and counted in *bad.
+void route_source(const MoeGeometry& g, const int32_t* ids, int64_t n, SourceRoute* out, int64_t* bad);
+
+// Throughput mode across nodes (hierarchical): a token bound for ranks of a remote node crosses
+// the network once, as a node record, to the rank of that node with the sender's local index
+// (its twin), which writes the token's records for its node's ranks straight into their receive
+// slots (the same bytes pack_record_slot makes at the source) over peer stores.
+// Node record: [row][meta: int32 token, src, 0, 0; k x {global expert on the node or -1, erank,
+// cpos}; L x {record index for local rank l or -1}], padded to 16 bytes. Node slot: [header:
+// uint64 bytes in use, uint32 records, uint32 0, then per local rank l: uint32 records, uint32
+// entries, int32 count[E_local]][records].
+struct MoeNodeGeometry {
+  int local = 1;                 // ranks per node
+  int64_t nmeta_bytes = 0, nrec_bytes = 0, nhdr_bytes = 0, nslot_bytes = 0;
+};
+MoeNodeGeometry moe_node_geometry(const MoeGeometry& g, int local);
+constexpr int kNodeMetaSlots = 4;  // int32 index of slot 0's {expert, erank, cpos}
+
+// Tokens of source `me` bound for each node (node records; the own node's list stays empty).
+std::vector<std::vector<int32_t>> node_tokens(const MoeGeometry& g, const comm::Layout& layout, int me,
+                                              const int32_t* ids, int64_t n);
+// Source s's node slot for node `node` (its twin there), as the pack kernel writes it.
+void pack_node_slot(const MoeGeometry& g, const MoeNodeGeometry& ng, const comm::Layout& layout, int s, int node,
+                    const uint16_t* x, const int32_t* ids, const SourceRoute& route, uint8_t* slot);
+// At the twin: source s's record slot for local rank d of this node (d a global rank on it), from
+// the node slot — byte for byte what pack_record_slot(g, s, d, ...) writes, but the padding.
+void repack_node_slot(const MoeGeometry& g, const MoeNodeGeometry& ng, const comm::Layout& layout, int s, int d,
+                      const uint8_t* nslot, uint8_t* slot);
+
+// One row of a rank's expert-major receive layout.
+struct RowOrigin {
+  int32_t src = -1, token = -1, slot = -1;  // -1: an alignment gap or unused
+};
+struct DestLayout {
+  std::vector<int32_t> counts;    // [El]
+  std::vector<int32_t> offsets;   // [El + 1]; offsets[El]: rows in use (may exceed recv_rows)
+  std::vector<RowOrigin> rows;    // [offsets[El]]
+};
+// Rank r's layout from every source's ids (ids[s]: [n[s], k]) and routes.
+void dest_layout(const MoeGeometry& g, int r, const std::vector<const int32_t*>& ids, const std::vector<int64_t>& n,
+                 const std::vector<SourceRoute>& routes, DestLayout* out);
+
+// The bytes of source s's dispatch slot for rank r (header and records) as the pack kernel
+// writes them, from x [n, H] bf16 (as uint16) and ids [n, k]; `slot` holds g.slot_bytes.
+void pack_record_slot(const MoeGeometry& g, int s, int r, const uint16_t* x, const int32_t* ids,
+                      const SourceRoute& route, uint8_t* slot);
+// Rank r's unpack from its W receive slots: recv_x [recv_rows, H] (rows past recv_rows are
+// dropped and counted in *overflow), counts, offsets, and per row the (source, combine
+// position) its output goes back to (back[2 * row]).
+void unpack_slots(const MoeGeometry& g, int r, const std::vector<const uint8_t*>& slots, uint16_t* recv_x,
+                  int32_t* counts, int32_t* offsets, int32_t* back, int64_t* overflow);
+
+namespace MoeBuf {
+enum : comm::BufId { kSend = 0, kRecv = 1, kToken = 2, kSendNet = 3, kRecvNet = 4, kTokenNet = 5, kPieceBytes = 6,
+                     kCount = 7,
+                     // hierarchical programs only
+                     kNSend = 7, kNRecv = 8, kNSendNet = 9, kNRecvNet = 10, kNPieceBytes = 11, kHierCount = 12 };
+}  // namespace MoeBuf
+namespace MoeRegion {
+enum : comm::RegionId { kArrived = 0, kArrivedNet = 1, kEntry = 2, kEntryNet = 3, kSrcFree = 4, kCount = 5,
+                         kFwd = 5, kHierCount = 6 };
+}  // namespace MoeRegion
+
+// Every rank's program moving W slots of `slot_bytes` (send[r] -> r's recv[me]; the own slot is
+// written in place by the pack kernel), each in `pieces` pieces of piece_bytes(slot_bytes, pieces)
+// (one op each, so several CTAs move one slot). A piece moves the bytes the pack kernel wrote in
+// piece_bytes[r * pieces + p] (a uint64 in this rank's memory: the slot's bytes in use within the
+// piece, at least 16, so every put carries data); a slot's first uint64 is its bytes in use.
+// Flags: arrived[s] (device): s's slot is here (one raise per piece from a rank on the node, one
+// in all for a rank on another node); arrived_net[s] (proxy): pieces landed over the network;
+// entry[r] / entry_net[r]: rank r's receive slot for this rank is free (r entered the call);
+// src_free: local completions of this rank's puts. `what`: "dispatch" or "combine" (op names).
+Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pieces, bool staged,
+                         const std::string& what, comm::Program* out);
+// Throughput mode across nodes: `hier` (nodes > 1, local > 1). Same-node slots as above (send ->
+// recv); node slots of `nslot_bytes` (nsend[node] -> twin's nrecv[my node], in pieces, counts in
+// npiece_bytes[node * pieces + p]). Regions added: fwd[s] (device): source s's record slot was
+// written here by its twin on this node. Compute-side pools (RankProgram::waits / signals), in
+// this order: the repack's waits (entry[d] for every other rank d of the node, then arrived[s]
+// for every remote twin s), the layout's waits (fwd[s] for every remote source s whose twin on
+// this node is another rank), the repack's signals (fwd[s] at every other rank d of the node,
+// for each remote twin s: d-major). moe_hier_pools gives the counts.
+struct MoeHierPools {
+  uint32_t repack_waits = 0, layout_waits = 0, repack_signals = 0;
+};
+Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, int64_t nslot_bytes, int pieces,
+                              bool staged, comm::Program* out);
+MoeHierPools moe_hier_pools(const comm::Layout& layout, int me);
+
+// Bytes of each piece but the last (a multiple of 16), and the number of pieces actually used.
+int64_t moe_piece_bytes(int64_t slot_bytes, int pieces);
+int moe_pieces(int64_t slot_bytes, int pieces);
+// The count piece p of a slot with `used` bytes in use moves: clamp(used - p * pb, 16, piece size).
+uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used);
+
+}  // namespace ops
+}  // namespace mk

@@ -1,0 +1,671 @@
+// MoE dispatch/combine on the CPU (src/ops/moe/moe_plan.h):
+//  - the routing rules for W in {1, 2, 3, 4, 6, 8, 16} on 1, 2 and 4 nodes with uniform,
+//    Zipf-skewed, all-local, sparse (-1) routings and empty ranks: every rank's records packed
+//    into slots, every destination's unpack, then combine's way back — every entry of every
+//    token lands exactly once, at the row the layout says, with its row, and comes back to its
+//    token's slot; counts and offsets add up; nothing overflows the worst-case capacity;
+//  - the communication program replayed (src/comm/replay.h) for every layout (one node, several
+//    nodes, strided), staged and direct, one or several pieces per slot, several communication
+//    slots, over three calls with a new routing per call: each call's unpack on every rank
+//    finds exactly this call's rows (call-tagged data), and the flag accounting holds;
+//  - mutants (a dropped wait or signal, a shifted destination) are rejected.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "src/comm/replay.h"
+#include "src/ops/moe/moe_plan.h"
+#include "tests/common/moe_routing.h"
+#include "tests/common/test_util.h"
+
+namespace mk {
+namespace ops {
+namespace {
+
+using test::MoeRouting;
+
+uint16_t xbits(uint64_t seed, int rank, int64_t t, int64_t c) { return test::moe_x_bits(seed, rank, t, c); }
+
+struct World {
+  MoeGeometry g;
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<float>> w;
+  std::vector<int64_t> n;
+  std::vector<SourceRoute> routes;
+  std::vector<std::vector<uint16_t>> x;
+};
+
+void make_world(const MoeConfig& cfg, int W, MoeRouting kind, uint64_t seed, World* wd) {
+  ASSERT_TRUE(moe_geometry(cfg, W, &wd->g).ok());
+  wd->ids.resize(W), wd->w.resize(W), wd->n.resize(W), wd->routes.resize(W), wd->x.resize(W);
+  for (int r = 0; r < W; ++r) {
+    test::make_moe_routing(kind, seed, r, W, cfg.num_experts, cfg.topk, cfg.max_tokens_per_rank, &wd->ids[r], &wd->w[r],
+                           &wd->n[r]);
+    int64_t bad = -1;
+    route_source(wd->g, wd->ids[r].data(), wd->n[r], &wd->routes[r], &bad);
+    ASSERT_EQ(bad, 0);
+    wd->x[r].resize(size_t(cfg.max_tokens_per_rank) * cfg.hidden);
+    for (int64_t t = 0; t < cfg.max_tokens_per_rank; ++t)
+      for (int64_t c = 0; c < cfg.hidden; ++c) wd->x[r][size_t(t) * cfg.hidden + c] = xbits(seed, r, t, c);
+  }
+}
+
+// Every rank packs, every rank unpacks, combine goes back: every entry accounted for.
+void check_world(const MoeConfig& cfg, int W, const World& wd, const std::string& what) {
+  const MoeGeometry& g = wd.g;
+  const int k = cfg.topk;
+  const int64_t H = cfg.hidden;
+  // slots[s][r]: what s sends r
+  std::vector<std::vector<std::vector<uint8_t>>> slots(W, std::vector<std::vector<uint8_t>>(W));
+  for (int s = 0; s < W; ++s)
+    for (int r = 0; r < W; ++r) {
+      slots[s][r].assign(size_t(g.slot_bytes), 0xcd);
+      pack_record_slot(g, s, r, wd.x[s].data(), wd.ids[s].data(), wd.routes[s], slots[s][r].data());
+      uint64_t used;
+      memcpy(&used, slots[s][r].data(), 8);
+      ASSERT_LE(used, uint64_t(g.slot_bytes)) << what;
+      ASSERT_EQ(used, uint64_t(g.hdr_bytes + int64_t(wd.routes[s].rec_tokens[r].size()) * g.rec_bytes));
+    }
+  std::vector<const int32_t*> idp(W);
+  for (int r = 0; r < W; ++r) idp[r] = wd.ids[r].data();
+  // Entries seen at destinations: [s][t * k + kk] -> (rank, combine row)
+  std::vector<std::vector<int>> seen(W);
+  for (int s = 0; s < W; ++s) seen[s].assign(size_t(wd.n[s]) * k, 0);
+  // combine slots back: cback[r][s] rows tagged (r, row)
+  std::vector<std::vector<std::vector<int64_t>>> cback(W, std::vector<std::vector<int64_t>>(W));
+  for (int r = 0; r < W; ++r) {
+    std::vector<const uint8_t*> in(W);
+    for (int s = 0; s < W; ++s) in[s] = slots[s][r].data();
+    std::vector<uint16_t> recv(size_t(g.recv_rows) * H, 0xffff);
+    std::vector<int32_t> counts(g.El), offsets(g.El + 1), back(size_t(2 * g.recv_rows), -7);
+    int64_t over = -1;
+    unpack_slots(g, r, in, recv.data(), counts.data(), offsets.data(), back.data(), &over);
+    ASSERT_EQ(over, 0) << what;
+    DestLayout L;
+    dest_layout(g, r, idp, wd.n, wd.routes, &L);
+    ASSERT_EQ(counts, L.counts) << what << " rank " << r;
+    ASSERT_EQ(offsets, L.offsets) << what << " rank " << r;
+    ASSERT_LE(offsets[g.El], g.recv_rows);
+    for (int le = 0; le < g.El; ++le) {
+      ASSERT_EQ(offsets[le] % g.align, 0);
+      ASSERT_GE(offsets[le + 1] - offsets[le], counts[le]);
+    }
+    for (int s = 0; s < W; ++s) cback[r][s].assign(size_t(wd.routes[s].ncomb[r]), -1);
+    for (int64_t row = 0; row < offsets[g.El]; ++row) {
+      const RowOrigin o = L.rows[size_t(row)];
+      if (o.src < 0) continue;
+      // the row, the entry's expert, the way back
+      ASSERT_EQ(memcmp(&recv[size_t(row) * H], &wd.x[o.src][size_t(o.token) * H], size_t(H) * 2), 0)
+          << what << " rank " << r << " row " << row;
+      const int32_t e = wd.ids[o.src][size_t(o.token) * k + o.slot];
+      ASSERT_EQ(e / g.El, r);
+      ASSERT_GE(row, offsets[e - r * g.El]);
+      ASSERT_LT(row, offsets[e - r * g.El] + counts[e - r * g.El]);
+      ASSERT_EQ(back[2 * row], o.src);
+      const int32_t cp = back[2 * row + 1];
+      ASSERT_EQ(cp, wd.routes[o.src].cpos[size_t(o.token) * k + o.slot]);
+      ASSERT_GE(cp, 0);
+      ASSERT_LT(cp, int32_t(cback[r][o.src].size()));
+      ASSERT_EQ(cback[r][o.src][size_t(cp)], -1) << "two rows back to one combine row";
+      cback[r][o.src][size_t(cp)] = int64_t(r) << 32 | row;
+      ++seen[o.src][size_t(o.token) * k + o.slot];
+    }
+  }
+  // Every valid entry seen exactly once; combine finds its own row back.
+  for (int s = 0; s < W; ++s)
+    for (int64_t t = 0; t < wd.n[s]; ++t)
+      for (int kk = 0; kk < k; ++kk) {
+        const int32_t e = wd.ids[s][size_t(t) * k + kk];
+        ASSERT_EQ(seen[s][size_t(t) * k + kk], e >= 0 ? 1 : 0) << what << " rank " << s << " token " << t;
+        if (e < 0) continue;
+        const int r = e / g.El;
+        const int64_t tag = cback[r][s][size_t(wd.routes[s].cpos[size_t(t) * k + kk])];
+        ASSERT_EQ(tag >> 32, r);
+      }
+  for (int r = 0; r < W; ++r)
+    for (int s = 0; s < W; ++s)
+      for (int64_t v : cback[r][s]) ASSERT_GE(v, 0) << "a combine row nobody fills";
+}
+
+TEST(MoeRouting, EveryEntryAccountedFor) {
+  int cases = 0;
+  for (int W : {1, 2, 3, 4, 6, 8, 16})
+    for (int kind = 0; kind < 5; ++kind)
+      for (int variant = 0; variant < 2; ++variant) {
+        MoeConfig cfg;
+        cfg.hidden = 16;
+        cfg.num_experts = W * (variant ? 3 : 1);
+        cfg.topk = variant ? 4 : 2;
+        cfg.max_tokens_per_rank = variant ? 37 : 64;
+        cfg.expert_align = variant ? 4 : 1;
+        const uint64_t seed = test::mix(test::test_seed(), uint64_t(W) * 100 + kind * 10 + variant);
+        World wd;
+        ASSERT_NO_FATAL_FAILURE(make_world(cfg, W, MoeRouting(kind), seed, &wd));
+        const std::string what = "W" + std::to_string(W) + " " + test::moe_routing_name(MoeRouting(kind)) + " v" +
+                                 std::to_string(variant);
+        ASSERT_NO_FATAL_FAILURE(check_world(cfg, W, wd, what));
+        ++cases;
+      }
+  printf("%d routings checked\n", cases);
+}
+
+TEST(MoeRouting, GeometryChecks) {
+  MoeGeometry g;
+  EXPECT_TRUE(moe_geometry({7168, 256, 8, 4096, 1, 0}, 8, &g).ok());
+  EXPECT_EQ(g.El, 32);
+  EXPECT_EQ(g.worst_rows, 8 * 4096 * 8);
+  EXPECT_EQ(g.comb_per_src, 4096 * 8);
+  EXPECT_FALSE(moe_geometry({7168, 255, 8, 4096, 1, 0}, 8, &g).ok());  // experts % W
+  EXPECT_FALSE(moe_geometry({7000 + 4, 256, 8, 4096, 1, 0}, 8, &g).ok());  // hidden % 8
+  EXPECT_FALSE(moe_geometry({7168, 256, 0, 4096, 1, 0}, 8, &g).ok());
+  EXPECT_FALSE(moe_geometry({7168, 256, 8, 0, 1, 0}, 8, &g).ok());
+  EXPECT_FALSE(moe_geometry({7168, 256, 8, 4096, 0, 0}, 8, &g).ok());
+  // Bad ids are left out and counted.
+  ASSERT_TRUE(moe_geometry({16, 4, 2, 3, 1, 0}, 2, &g).ok());
+  const int32_t ids[6] = {0, 9, -1, -3, 3, 3};
+  SourceRoute r;
+  int64_t bad = 0;
+  route_source(g, ids, 3, &r, &bad);
+  EXPECT_EQ(bad, 2);
+  EXPECT_EQ(r.erank[1], -1);
+  EXPECT_EQ(r.ecount[3], 2);  // a repeated expert: two entries
+  EXPECT_EQ(r.rec_tokens[1].size(), 1u);  // one record
+}
+
+// Throughput mode across nodes: the twin's repack of a node slot gives, byte for byte, the
+// record slot the source would have sent that rank directly; every token crosses to a node once.
+TEST(MoeRouting, NodeSlotsRepackToTheDirectRecords) {
+  int cases = 0;
+  for (int W : {4, 6, 8, 16})
+    for (int nodes : {2, 3, 4})
+      for (int strided = 0; strided < 2; ++strided) {
+        if (W % nodes || W / nodes < 2) continue;
+        const comm::Layout layout = strided ? comm::Layout::strided(W, nodes) : comm::Layout::uniform(W, nodes);
+        for (int kind = 0; kind < 5; ++kind) {
+          MoeConfig cfg{16, 2 * W, 4, 29, 1, 0};
+          const uint64_t seed = test::mix(test::test_seed(), uint64_t(W) * 1000 + nodes * 10 + kind + 77 * strided);
+          World wd;
+          ASSERT_NO_FATAL_FAILURE(make_world(cfg, W, MoeRouting(kind), seed, &wd));
+          const MoeGeometry& g = wd.g;
+          const MoeNodeGeometry ng = moe_node_geometry(g, W / nodes);
+          std::vector<uint8_t> nslot(size_t(ng.nslot_bytes)), direct(size_t(g.slot_bytes)), via(size_t(g.slot_bytes));
+          for (int s = 0; s < W; ++s) {
+            const auto per_node = node_tokens(g, layout, s, wd.ids[s].data(), wd.n[s]);
+            for (int n = 0; n < nodes; ++n) {
+              if (n == layout.node_of[s]) {
+                ASSERT_TRUE(per_node[n].empty());
+                continue;
+              }
+              // Once per token and node: every token with an expert there, and no other.
+              std::vector<int32_t> want;
+              for (int64_t t = 0; t < wd.n[s]; ++t) {
+                bool there = false;
+                for (int kk = 0; kk < cfg.topk; ++kk) {
+                  const int32_t e = wd.ids[s][size_t(t) * cfg.topk + kk];
+                  there |= e >= 0 && layout.node_of[e / g.El] == n;
+                }
+                if (there) want.push_back(int32_t(t));
+              }
+              ASSERT_EQ(per_node[n], want);
+              pack_node_slot(g, ng, layout, s, n, wd.x[s].data(), wd.ids[s].data(), wd.routes[s], nslot.data());
+              for (int d : layout.node_ranks[n]) {
+                std::fill(direct.begin(), direct.end(), 0xcd);
+                std::fill(via.begin(), via.end(), 0xcd);
+                pack_record_slot(g, s, d, wd.x[s].data(), wd.ids[s].data(), wd.routes[s], direct.data());
+                repack_node_slot(g, ng, layout, s, d, nslot.data(), via.data());
+                uint64_t used;
+                memcpy(&used, direct.data(), 8);
+                ASSERT_EQ(memcmp(direct.data(), via.data(), size_t(used)), 0)
+                    << "W" << W << " nodes " << nodes << (strided ? " strided" : "") << " "
+                    << test::moe_routing_name(MoeRouting(kind)) << ": source " << s << " to rank " << d;
+              }
+            }
+          }
+          ++cases;
+        }
+      }
+  printf("%d routings x layouts checked\n", cases);
+}
+
+// ---- the program, replayed ----
+
+struct ProgConfig {
+  int W = 2, nodes = 1;
+  bool strided = false, staged = false;
+  int pieces = 1, comm_slots = 1;
+};
+std::string name_of(const ProgConfig& c) {
+  return "W" + std::to_string(c.W) + (c.strided ? "s" : "n") + std::to_string(c.nodes) + (c.staged ? "_staged" : "") +
+         "_p" + std::to_string(c.pieces) + "_c" + std::to_string(c.comm_slots);
+}
+void PrintTo(const ProgConfig& c, std::ostream* os) { *os << name_of(c); }
+
+const MoeConfig kReplayCfg{8, 0, 2, 5, 1, 0};  // experts: 2 per rank
+
+MoeConfig replay_cfg(int W) {
+  MoeConfig c = kReplayCfg;
+  c.num_experts = 2 * W;
+  return c;
+}
+
+// The kernels' side of dispatch: pack before the program (start_call: send slots, piece counts,
+// the own slot in place), unpack after it (finish_call: every row this call's).
+class MoeCompute : public comm::ReplayCompute {
+ public:
+  MoeCompute(const comm::Program& p, const MoeConfig& cfg, int pieces, uint64_t seed)
+      : p_(p), cfg_(cfg), pieces_(pieces), seed_(seed) {
+    EXPECT_TRUE(moe_geometry(cfg, p.layout.world, &g_).ok());
+  }
+  size_t units(int) const override { return 0; }
+  int phases(int, size_t) const override { return 1; }
+  const comm::Wait* waits(int, size_t, int, size_t* n) const override {
+    *n = 0;
+    return nullptr;
+  }
+  bool run(comm::Replay&, int, size_t, int) override { return true; }
+  std::string unit_name(int, size_t) const override { return "-"; }
+
+  uint64_t call_seed(int e) const { return test::mix(seed_, uint64_t(e)); }
+  void world(int e, World* wd) const {
+    const MoeRouting kind = MoeRouting(e % 5);
+    make_world(cfg_, p_.layout.world, kind, call_seed(e), wd);
+  }
+  void start_call(comm::Replay& r, int me, int e) override {
+    World wd;
+    world(e, &wd);
+    const int W = p_.layout.world;
+    const int P = moe_pieces(g_.slot_bytes, pieces_);
+    std::vector<uint8_t> slot(size_t(g_.slot_bytes));
+    for (int d = 0; d < W; ++d) {
+      pack_record_slot(g_, me, d, wd.x[me].data(), wd.ids[me].data(), wd.routes[me], slot.data());
+      const comm::BufRef at{d == me ? MoeBuf::kRecv : MoeBuf::kSend, me, uint64_t(d) * uint64_t(g_.slot_bytes)};
+      uint8_t* m = r.mem(me, at, uint64_t(g_.slot_bytes));
+      if (!m) return;
+      memcpy(m, slot.data(), slot.size());
+      if (d == me) continue;
+      uint64_t used;
+      memcpy(&used, slot.data(), 8);
+      uint8_t* pc = r.mem(me, comm::BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(d) * P}, 8ull * P);
+      if (!pc) return;
+      for (int q = 0; q < P; ++q) {
+        const uint64_t v = moe_piece_count(g_.slot_bytes, pieces_, q, used);
+        memcpy(pc + 8 * q, &v, 8);
+      }
+    }
+  }
+  bool finish_call(comm::Replay& r, int me, int e) override {
+    World wd;
+    world(e, &wd);
+    const int W = p_.layout.world;
+    std::vector<const uint8_t*> in(W);
+    for (int s = 0; s < W; ++s) {
+      in[s] = r.mem(me, comm::BufRef{MoeBuf::kRecv, me, uint64_t(s) * uint64_t(g_.slot_bytes)}, uint64_t(g_.slot_bytes));
+      if (!in[s]) return false;
+      uint64_t used;
+      memcpy(&used, in[s], 8);
+      if (used != uint64_t(g_.hdr_bytes + int64_t(wd.routes[s].rec_tokens[me].size()) * g_.rec_bytes))
+        return r.fail("slot of rank " + std::to_string(s) + ": header of another call");
+    }
+    std::vector<uint16_t> recv(size_t(g_.recv_rows) * g_.H, 0xffff);
+    std::vector<int32_t> counts(g_.El), offsets(g_.El + 1), back(size_t(2 * g_.recv_rows), -1);
+    int64_t over = 0;
+    unpack_slots(g_, me, in, recv.data(), counts.data(), offsets.data(), back.data(), &over);
+    std::vector<const int32_t*> idp(W);
+    for (int s = 0; s < W; ++s) idp[s] = wd.ids[s].data();
+    DestLayout L;
+    dest_layout(g_, me, idp, wd.n, wd.routes, &L);
+    if (over || counts != L.counts || offsets != L.offsets) return r.fail("counts or offsets of another call");
+    for (int64_t row = 0; row < offsets[g_.El]; ++row) {
+      const RowOrigin o = L.rows[size_t(row)];
+      if (o.src < 0) continue;
+      if (memcmp(&recv[size_t(row) * g_.H], &wd.x[o.src][size_t(o.token) * g_.H], size_t(g_.row_bytes)) != 0)
+        return r.fail("row " + std::to_string(row) + " (rank " + std::to_string(o.src) + " token " +
+                      std::to_string(o.token) + "): not this call's data");
+    }
+    return true;
+  }
+
+ private:
+  const comm::Program& p_;
+  MoeConfig cfg_;
+  int pieces_;
+  uint64_t seed_;
+  MoeGeometry g_;
+};
+
+comm::Layout layout_of(const ProgConfig& c) {
+  return c.strided ? comm::Layout::strided(c.W, c.nodes) : comm::Layout::uniform(c.W, c.nodes);
+}
+void build(const ProgConfig& c, comm::Program* p) {
+  MoeGeometry g;
+  ASSERT_TRUE(moe_geometry(replay_cfg(c.W), c.W, &g).ok());
+  ASSERT_TRUE(build_moe_program(layout_of(c), g.slot_bytes, c.pieces, c.staged, "dispatch", p).ok());
+}
+std::vector<const comm::RankProgram*> programs(const comm::Program& p) {
+  std::vector<const comm::RankProgram*> v;
+  for (const auto& r : p.ranks) v.push_back(&r);
+  return v;
+}
+std::string replay(const comm::Program& p, const ProgConfig& c, uint64_t seed) {
+  MoeCompute compute(p, replay_cfg(c.W), c.pieces, seed);
+  comm::Replay rep(p, programs(p), &compute, comm::ReplayOptions{seed, c.comm_slots, 1, 3});
+  return rep.run() ? "" : rep.error();
+}
+uint64_t seed_of(const ProgConfig& c, uint64_t salt) {
+  return test::mix(test::mix(test::test_seed(), std::hash<std::string>{}(name_of(c))), salt);
+}
+
+std::vector<ProgConfig> sweep() {
+  std::vector<ProgConfig> v;
+  for (int W : {2, 3, 4, 6, 8})  // one rank has no program (nothing to replay)
+    for (int nodes : {1, 2, 3, 4}) {
+      if (W % nodes) continue;
+      for (int strided = 0; strided < (nodes > 1 && W / nodes > 1 ? 2 : 1); ++strided)
+        for (int staged = 0; staged < (nodes > 1 ? 2 : 1); ++staged)
+          for (int pieces : {1, 3}) v.push_back(ProgConfig{W, nodes, strided == 1, staged == 1, pieces, pieces == 3 ? 3 : 1});
+    }
+  return v;
+}
+
+class MoeReplay : public ::testing::TestWithParam<ProgConfig> {};
+
+TEST_P(MoeReplay, ThreeCallsDeliverEveryRow) {
+  const ProgConfig c = GetParam();
+  comm::Program p;
+  ASSERT_NO_FATAL_FAILURE(build(c, &p));
+  ASSERT_EQ(comm::check_static(p, programs(p), {}, {}), "") << name_of(c);
+  for (uint64_t k = 0; k < 4; ++k) {
+    const uint64_t seed = seed_of(c, k);
+    ASSERT_EQ(replay(p, c, seed), "") << name_of(c) << " replay seed " << seed
+                                      << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, MoeReplay, ::testing::ValuesIn(sweep()),
+                         [](const ::testing::TestParamInfo<ProgConfig>& i) { return name_of(i.param); });
+
+struct Mutant {
+  std::string what;
+  std::function<void(comm::Program&)> apply;
+};
+
+// ---- the hierarchical program, replayed: pack (start_call), the twin's repack and the layout
+// (compute units with their pools' waits and signals), every record slot checked at the end.
+class MoeHierCompute : public comm::ReplayCompute {
+ public:
+  MoeHierCompute(const comm::Program& p, const MoeConfig& cfg, int pieces, uint64_t seed)
+      : p_(p), cfg_(cfg), pieces_(pieces), seed_(seed) {
+    EXPECT_TRUE(moe_geometry(cfg, p.layout.world, &g_).ok());
+    ng_ = moe_node_geometry(g_, p.layout.local());
+  }
+  size_t units(int) const override { return 2; }  // repack, layout
+  int phases(int, size_t) const override { return 1; }
+  const comm::Wait* waits(int rank, size_t unit, int, size_t* n) const override {
+    const MoeHierPools pl = moe_hier_pools(p_.layout, rank);
+    const auto& w = p_.ranks[rank].waits;
+    *n = unit == 0 ? pl.repack_waits : pl.layout_waits;
+    return w.data() + (unit == 0 ? 0 : pl.repack_waits);
+  }
+  std::string unit_name(int, size_t unit) const override { return unit == 0 ? "repack" : "layout"; }
+  void world(int e, World* wd) const { make_world(cfg_, p_.layout.world, MoeRouting(e % 5), test::mix(seed_, uint64_t(e)), wd); }
+
+  void start_call(comm::Replay& r, int me, int e) override {
+    World wd;
+    world(e, &wd);
+    const comm::Layout& L = p_.layout;
+    const int P = moe_pieces(g_.slot_bytes, pieces_), NP = moe_pieces(ng_.nslot_bytes, pieces_);
+    std::vector<uint8_t> slot(size_t(std::max(g_.slot_bytes, ng_.nslot_bytes)));
+    for (int d : L.node_ranks[L.node_of[me]]) {
+      pack_record_slot(g_, me, d, wd.x[me].data(), wd.ids[me].data(), wd.routes[me], slot.data());
+      uint8_t* m = r.mem(me, comm::BufRef{d == me ? MoeBuf::kRecv : MoeBuf::kSend, me,
+                                          uint64_t(d) * uint64_t(g_.slot_bytes)}, uint64_t(g_.slot_bytes));
+      if (!m) return;
+      memcpy(m, slot.data(), size_t(g_.slot_bytes));
+      if (d == me) continue;
+      uint64_t used;
+      memcpy(&used, slot.data(), 8);
+      uint8_t* pc = r.mem(me, comm::BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(d) * P}, 8ull * P);
+      if (!pc) return;
+      for (int q = 0; q < P; ++q) {
+        const uint64_t v = moe_piece_count(g_.slot_bytes, pieces_, q, used);
+        memcpy(pc + 8 * q, &v, 8);
+      }
+    }
+    for (int n = 0; n < L.nodes(); ++n) {
+      if (n == L.node_of[me]) continue;
+      pack_node_slot(g_, ng_, L, me, n, wd.x[me].data(), wd.ids[me].data(), wd.routes[me], slot.data());
+      uint8_t* m = r.mem(me, comm::BufRef{MoeBuf::kNSend, me, uint64_t(n) * uint64_t(ng_.nslot_bytes)},
+                         uint64_t(ng_.nslot_bytes));
+      if (!m) return;
+      memcpy(m, slot.data(), size_t(ng_.nslot_bytes));
+      uint64_t used;
+      memcpy(&used, slot.data(), 8);
+      uint8_t* pc = r.mem(me, comm::BufRef{MoeBuf::kNPieceBytes, me, 8ull * uint64_t(n) * NP}, 8ull * NP);
+      if (!pc) return;
+      for (int q = 0; q < NP; ++q) {
+        const uint64_t v = moe_piece_count(ng_.nslot_bytes, pieces_, q, used);
+        memcpy(pc + 8 * q, &v, 8);
+      }
+    }
+  }
+  bool run(comm::Replay& r, int me, size_t unit, int) override {
+    if (unit != 0) return true;
+    const comm::Layout& L = p_.layout;
+    const int N = L.node_of[me];
+    std::vector<uint8_t> slot(size_t(g_.slot_bytes));
+    for (int n = 0; n < L.nodes(); ++n) {
+      if (n == N) continue;
+      const int s = L.node_ranks[n][L.local_of[me]];
+      const uint8_t* ns = r.mem(me, comm::BufRef{MoeBuf::kNRecv, me, uint64_t(n) * uint64_t(ng_.nslot_bytes)},
+                                uint64_t(ng_.nslot_bytes));
+      if (!ns) return false;
+      for (int d : L.node_ranks[N]) {
+        repack_node_slot(g_, ng_, L, s, d, ns, slot.data());
+        uint8_t* m = r.mem(me, comm::BufRef{MoeBuf::kRecv, d, uint64_t(s) * uint64_t(g_.slot_bytes)},
+                           uint64_t(g_.slot_bytes));
+        if (!m) return false;
+        memcpy(m, slot.data(), slot.size());
+      }
+    }
+    const MoeHierPools pl = moe_hier_pools(L, me);
+    for (uint32_t i = 0; i < pl.repack_signals; ++i) r.raise(me, p_.ranks[me].signals[i]);
+    return true;
+  }
+  bool finish_call(comm::Replay& r, int me, int e) override {
+    World wd;
+    world(e, &wd);
+    std::vector<uint8_t> want(size_t(g_.slot_bytes));
+    for (int s = 0; s < p_.layout.world; ++s) {
+      pack_record_slot(g_, s, me, wd.x[s].data(), wd.ids[s].data(), wd.routes[s], want.data());
+      uint64_t used;
+      memcpy(&used, want.data(), 8);
+      const uint8_t* got =
+          r.mem(me, comm::BufRef{MoeBuf::kRecv, me, uint64_t(s) * uint64_t(g_.slot_bytes)}, uint64_t(g_.slot_bytes));
+      if (!got) return false;
+      if (memcmp(got, want.data(), size_t(used)) != 0)
+        return r.fail("record slot of rank " + std::to_string(s) + ": not this call's records");
+    }
+    return true;
+  }
+
+ private:
+  const comm::Program& p_;
+  MoeConfig cfg_;
+  int pieces_;
+  uint64_t seed_;
+  MoeGeometry g_;
+  MoeNodeGeometry ng_;
+};
+
+void build_hier(const ProgConfig& c, comm::Program* p) {
+  MoeGeometry g;
+  ASSERT_TRUE(moe_geometry(replay_cfg(c.W), c.W, &g).ok());
+  const comm::Layout l = layout_of(c);
+  const MoeNodeGeometry ng = moe_node_geometry(g, l.local());
+  ASSERT_TRUE(build_moe_hier_program(l, g.slot_bytes, ng.nslot_bytes, c.pieces, c.staged, p).ok());
+}
+std::string hier_static(const comm::Program& p) {
+  std::vector<comm::ComputeRaise> raises;
+  std::vector<comm::ComputeWait> waits;
+  for (int r = 0; r < p.layout.world; ++r) {
+    for (const auto& sg : p.ranks[r].signals) raises.push_back({r, sg, 1, "repack"});
+    for (const auto& w : p.ranks[r].waits) waits.push_back({r, w, "repack or layout"});
+  }
+  return comm::check_static(p, programs(p), raises, waits);
+}
+std::string replay_hier(const comm::Program& p, const ProgConfig& c, uint64_t seed) {
+  MoeHierCompute compute(p, replay_cfg(c.W), c.pieces, seed);
+  comm::Replay rep(p, programs(p), &compute, comm::ReplayOptions{seed, c.comm_slots, 2, 3});
+  return rep.run() ? "" : rep.error();
+}
+
+std::vector<ProgConfig> hier_sweep() {
+  std::vector<ProgConfig> v;
+  for (const ProgConfig& c : sweep())
+    if (c.nodes > 1 && c.W / c.nodes > 1) v.push_back(c);
+  return v;
+}
+
+class MoeHierReplay : public ::testing::TestWithParam<ProgConfig> {};
+
+TEST_P(MoeHierReplay, ThreeCallsDeliverEverySlot) {
+  const ProgConfig c = GetParam();
+  comm::Program p;
+  ASSERT_NO_FATAL_FAILURE(build_hier(c, &p));
+  ASSERT_EQ(hier_static(p), "") << name_of(c);
+  for (uint64_t k = 0; k < 4; ++k) {
+    const uint64_t seed = seed_of(c, 500 + k);
+    ASSERT_EQ(replay_hier(p, c, seed), "") << name_of(c) << " replay seed " << seed
+                                           << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, MoeHierReplay, ::testing::ValuesIn(hier_sweep()),
+                         [](const ::testing::TestParamInfo<ProgConfig>& i) { return name_of(i.param); });
+
+// Dropped waits (but the implied ones) and signals of the program and of the kernels' pools.
+TEST(MoeHierMutation, EveryMutantIsRejected) {
+  // Two communication slots: with one, ops complete in list order, and a relay op after a copy
+  // would vouch for the copy (its twin's repack waits for it).
+  for (const ProgConfig& c : {ProgConfig{4, 2, false, false, 1, 2}, ProgConfig{4, 2, true, true, 2, 2}}) {
+    comm::Program p;
+    ASSERT_NO_FATAL_FAILURE(build_hier(c, &p));
+    std::vector<Mutant> ms;
+    for (int r = 0; r < c.W; ++r) {
+      const auto& ops = p.ranks[r].ops;
+      for (size_t i = 0; i < ops.size(); ++i) {
+        const comm::Op& op = ops[i];
+        const std::string site = "rank " + std::to_string(r) + " op " + std::to_string(i) + " (" + op.what + ")";
+        for (size_t j = 0; j < op.waits.size(); ++j) {
+          const comm::Wait& w = op.waits[j];
+          bool implied = false;
+          if (w.flag.region == MoeRegion::kArrived)  // raised by an op of this list (a relay)
+            for (const auto& o : ops)
+              for (const auto& sg : o.signals) implied |= sg.flag.region == w.flag.region && sg.flag.index == w.flag.index;
+          if (w.flag.region == MoeRegion::kSrcFree && p.net_staged) implied = true;
+          for (size_t q = 0; q + size_t(c.comm_slots) <= i; ++q)
+            for (const auto& x : ops[q].waits)
+              implied |= x.flag.region == w.flag.region && x.flag.rank == w.flag.rank && x.flag.index == w.flag.index &&
+                         x.mul >= w.mul;
+          // A later piece's entry wait guards bytes past the first piece, which this small
+          // replay's slots rarely fill: left out (the first piece's is checked).
+          if (w.flag.region == MoeRegion::kEntry || w.flag.region == MoeRegion::kEntryNet)
+            implied |= op.what.find(" piece ") != std::string::npos && op.what.find(" piece 0 ") == std::string::npos;
+          if (implied) continue;
+          ms.push_back({site + ": drop wait " + std::to_string(j),
+                        [=](comm::Program& m) { auto& v = m.ranks[r].ops[i].waits; v.erase(v.begin() + j); }});
+        }
+        for (size_t j = 0; j < op.signals.size(); ++j)
+          ms.push_back({site + ": drop signal " + std::to_string(j),
+                        [=](comm::Program& m) { auto& v = m.ranks[r].ops[i].signals; v.erase(v.begin() + j); }});
+      }
+      // The pools: a kernel-side wait turned into no wait (mul 0 is "none" for the kernel; here
+      // a wait on its own flag at 0).
+      for (size_t j = 0; j < p.ranks[r].waits.size(); ++j)
+        ms.push_back({"rank " + std::to_string(r) + " pool wait " + std::to_string(j) + ": waits for 0",
+                      [=](comm::Program& m) { m.ranks[r].waits[j].mul = 0; }});
+    }
+    int caught = 0;
+    for (const Mutant& mu : ms) {
+      comm::Program m = p;
+      mu.apply(m);
+      std::string why = hier_static(m);
+      for (uint64_t k = 0; why.empty() && k < 256; ++k) why = replay_hier(m, c, seed_of(c, 900 + k));
+      EXPECT_FALSE(why.empty()) << name_of(c) << ": mutant not rejected: " << mu.what;
+      caught += !why.empty();
+    }
+    printf("%s: %zu mutants, %d rejected\n", name_of(c).c_str(), ms.size(), caught);
+  }
+}
+
+// ---- mutants ----
+
+class MoeMutation : public ::testing::TestWithParam<ProgConfig> {};
+
+TEST_P(MoeMutation, EveryMutantIsRejected) {
+  const ProgConfig c = GetParam();
+  comm::Program p;
+  ASSERT_NO_FATAL_FAILURE(build(c, &p));
+  MoeGeometry g;
+  ASSERT_TRUE(moe_geometry(replay_cfg(c.W), c.W, &g).ok());
+  std::vector<Mutant> ms;
+  for (int r = 0; r < c.W; ++r) {
+    const auto& ops = p.ranks[r].ops;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const comm::Op& op = ops[i];
+      const std::string site = "rank " + std::to_string(r) + " op " + std::to_string(i) + " (" + op.what + ")";
+      for (size_t j = 0; j < op.waits.size(); ++j) {
+        // Implied waits (a dropped copy changes nothing): the final wait for a slot from another
+        // node, which the op relaying it raises (a call ends only when every op is done), and —
+        // staged — the wait for the proxy to finish reading the host mirrors (only this rank's
+        // next call writes them, after the destination entered that call, so after it received
+        // this call's slot).
+        const comm::Wait& w = op.waits[j];
+        bool implied = false;
+        if (w.flag.region == MoeRegion::kArrived)
+          for (const auto& o : ops)
+            for (const auto& sg : o.signals) implied |= sg.flag.region == w.flag.region && sg.flag.index == w.flag.index;
+        if (w.flag.region == MoeRegion::kSrcFree && p.net_staged) implied = true;
+        // The same wait `comm_slots` or more places earlier in the list (ops are taken in order).
+        for (size_t q = 0; q + size_t(c.comm_slots) <= i; ++q)
+          for (const auto& x : ops[q].waits)
+            implied |= x.flag.region == w.flag.region && x.flag.rank == w.flag.rank && x.flag.index == w.flag.index &&
+                       x.mul >= w.mul;
+        if (implied) continue;
+        ms.push_back({site + ": drop wait " + std::to_string(j),
+                      [=](comm::Program& m) { auto& v = m.ranks[r].ops[i].waits; v.erase(v.begin() + j); }});
+      }
+      for (size_t j = 0; j < op.signals.size(); ++j)
+        ms.push_back({site + ": drop signal " + std::to_string(j),
+                      [=](comm::Program& m) { auto& v = m.ranks[r].ops[i].signals; v.erase(v.begin() + j); }});
+      // A slot's first piece carries its header: shifted, the receiver reads another layout.
+      if ((op.kind == comm::OpKind::kCopy || op.kind == comm::OpKind::kNetPut) && op.bytes != 8 &&
+          op.dsts[0].offset % uint64_t(g.slot_bytes) == 0)
+        ms.push_back({site + ": destination 16 bytes on",
+                      [=](comm::Program& m) { m.ranks[r].ops[i].dsts[0].offset += 16; }});
+    }
+  }
+  int caught = 0;
+  for (const Mutant& mu : ms) {
+    comm::Program m = p;
+    mu.apply(m);
+    std::string why = comm::check_static(m, programs(m), {}, {});
+    for (uint64_t k = 0; why.empty() && k < 256; ++k) why = replay(m, c, seed_of(c, 100 + k));
+    EXPECT_FALSE(why.empty()) << name_of(c) << ": mutant not rejected: " << mu.what;
+    caught += !why.empty();
+  }
+  printf("%s: %zu mutants, %d rejected\n", name_of(c).c_str(), ms.size(), caught);
+  EXPECT_GT(caught, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MoeMutation,
+                         ::testing::Values(ProgConfig{3, 1, false, false, 1, 1}, ProgConfig{2, 2, false, false, 1, 1},
+                                           ProgConfig{2, 2, false, true, 2, 1}, ProgConfig{4, 2, true, true, 1, 1}),
+                         [](const ::testing::TestParamInfo<ProgConfig>& i) { return name_of(i.param); });
+
+}  // namespace
+}  // namespace ops
+}  // namespace mk

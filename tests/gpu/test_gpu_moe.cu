@@ -1,0 +1,431 @@
+// MoE dispatch/combine on the GPU through the public API (include/mkernel/ops/moe.h), every rank
+// a process (MPS on one GPU), in the layouts ctest launches (one node, emulated nodes over
+// libfabric shm/tcp, staged).
+//
+// Dispatch: every received row equals the sent row bit for bit (rows are hash-tagged by source
+// rank, token and column, so a row in the wrong place cannot pass), at the row the layout rules
+// put it (src/ops/moe/moe_plan.h, computed on the host from every rank's routing); counts and
+// offsets exact. Outputs are poisoned first. Combine: experts scale their rows by a per-expert
+// factor (on the host), and each token's output must equal, bit for bit, bf16 of the fp32 fused
+// multiply-adds of weight x expert output in slot order — computed from the token's own routing,
+// independently of the layout. Routings: uniform, Zipf-skewed, all-local, sparse (-1), empty
+// ranks; token counts from the device; expert_align 1 and 8. Then 200 CUDA-graph replays with
+// fresh routings and token counts, bad inputs (each named on the rank that made it), and a
+// config mismatch.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/check.h"
+#include "mkernel/ops/moe.h"
+#include "src/ops/moe/moe_plan.h"
+#include "tests/common/moe_routing.h"
+#include "tests/gpu/mpi_fixture.h"
+
+namespace mk {
+namespace test {
+namespace {
+
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~DevBuf() { cudaFree(p); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+// The expert transform of the test: row * (1 + (global expert % 5) / 4), rounded to bf16.
+uint16_t expert_out(uint16_t x, int e) { return float_to_bf16(bf16_to_float(x) * (1.f + float(e % 5) * 0.25f)); }
+
+struct World {
+  int W, me;
+  ops::MoeGeometry g;
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<float>> w;
+  std::vector<int64_t> n;
+  std::vector<ops::SourceRoute> routes;
+};
+
+void make_world(const ops::MoeConfig& cfg, int W, int me, MoeRouting kind, uint64_t seed, World* out) {
+  World& wd = *out;
+  wd.W = W;
+  wd.me = me;
+  ASSERT_TRUE(ops::moe_geometry(cfg, W, &wd.g).ok());
+  wd.ids.resize(W);
+  wd.w.resize(W);
+  wd.n.resize(W);
+  wd.routes.resize(W);
+  for (int r = 0; r < W; ++r) {
+    make_moe_routing(kind, seed, r, W, cfg.num_experts, cfg.topk, cfg.max_tokens_per_rank, &wd.ids[r], &wd.w[r],
+                     &wd.n[r]);
+    ops::route_source(wd.g, wd.ids[r].data(), wd.n[r], &wd.routes[r], nullptr);
+  }
+}
+
+// One dispatch + combine through the operator, checked. `tag` salts the data.
+void run_and_check(Communicator* comm, ops::MoeEp* ep, const ops::MoeConfig& cfg, const World& wd, uint64_t seed,
+                   const std::string& what) {
+  const int me = wd.me;
+  const ops::MoeGeometry& g = wd.g;
+  const int64_t T = cfg.max_tokens_per_rank, H = cfg.hidden;
+  const int k = cfg.topk;
+  cudaStream_t st = comm->stream();
+  std::vector<uint16_t> x(size_t(T) * H);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) x[size_t(t) * H + c] = moe_x_bits(seed, me, t, c);
+  DevBuf dx(x.size() * 2), dids(size_t(T) * k * 4), dw(size_t(T) * k * 4), dn(4);
+  DevBuf drecv(size_t(g.recv_rows) * H * 2), dcounts(4 * size_t(g.El)), doff(4 * size_t(g.El + 1));
+  DevBuf dy(size_t(g.recv_rows) * H * 2), dout(size_t(T) * H * 2);
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dids.p, wd.ids[me].data(), size_t(T) * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.p, wd.w[me].data(), size_t(T) * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const int32_t n32 = int32_t(wd.n[me]);
+  ASSERT_EQ(cudaMemcpy(dn.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(drecv.p, 0xff, drecv.bytes), cudaSuccess);  // NaN poison
+  ASSERT_EQ(cudaMemset(dcounts.p, 0xff, dcounts.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(doff.p, 0xff, doff.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dout.p, 0xff, dout.bytes), cudaSuccess);
+  // The uploads ran on the legacy stream (a pageable cudaMemcpy may return before its copy lands,
+  // cudaMemset is asynchronous); the operator runs on the communicator's stream.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ops::MoeDispatchArgs a{dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T};
+  MK_ASSERT_OK(ep->dispatch(a, {drecv.p, dcounts.as<int32_t>(), doff.as<int32_t>()}, st));
+  MK_ASSERT_OK(comm->sync(st));
+  MK_ASSERT_OK(ep->check());
+
+  // ---- the layout and every row ----
+  std::vector<const int32_t*> idp(wd.W);
+  for (int r = 0; r < wd.W; ++r) idp[r] = wd.ids[r].data();
+  ops::DestLayout L;
+  ops::dest_layout(g, me, idp, wd.n, wd.routes, &L);
+  std::vector<int32_t> counts(g.El), offsets(g.El + 1);
+  ASSERT_EQ(cudaMemcpy(counts.data(), dcounts.p, 4 * size_t(g.El), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(offsets.data(), doff.p, 4 * size_t(g.El + 1), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(counts, L.counts) << what;
+  EXPECT_EQ(offsets, L.offsets) << what;
+  const int64_t rows = L.offsets[g.El];
+  ASSERT_LE(rows, g.recv_rows);
+  std::vector<uint16_t> recv(size_t(g.recv_rows) * H);
+  ASSERT_EQ(cudaMemcpy(recv.data(), drecv.p, recv.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  int64_t bad = 0, checked = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    const ops::RowOrigin o = L.rows[size_t(row)];
+    if (o.src < 0) continue;
+    ++checked;
+    for (int64_t c = 0; c < H; ++c)
+      if (recv[size_t(row) * H + c] != moe_x_bits(seed, o.src, o.token, c)) {
+        if (bad++ < 5)
+          ADD_FAILURE() << what << " rank " << me << " row " << row << " (from rank " << o.src << " token " << o.token
+                        << " slot " << o.slot << ") col " << c << ": got " << recv[size_t(row) * H + c] << " want "
+                        << moe_x_bits(seed, o.src, o.token, c);
+        break;
+      }
+  }
+  EXPECT_EQ(bad, 0) << what << " rank " << me << ": " << bad << " of " << checked << " rows wrong";
+  int64_t expected_rows = 0;
+  for (int le = 0; le < g.El; ++le) expected_rows += L.counts[le];
+  EXPECT_EQ(checked, expected_rows);
+
+  // ---- combine: experts scale their rows ----
+  std::vector<uint16_t> y(recv.size(), 0xffff);
+  for (int le = 0; le < g.El; ++le)
+    for (int64_t row = offsets[le]; row < offsets[le] + counts[le]; ++row)
+      for (int64_t c = 0; c < H; ++c)
+        y[size_t(row) * H + c] = expert_out(recv[size_t(row) * H + c], me * g.El + le);
+  ASSERT_EQ(cudaMemcpy(dy.p, y.data(), y.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MK_ASSERT_OK(ep->combine({dy.p}, dout.p, st));
+  MK_ASSERT_OK(comm->sync(st));
+  MK_ASSERT_OK(ep->check());
+  std::vector<uint16_t> out(size_t(T) * H);
+  ASSERT_EQ(cudaMemcpy(out.data(), dout.p, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  int64_t cbad = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) {
+      uint16_t want = 0xffff;  // rows past the call's tokens keep the poison
+      if (t < wd.n[me]) {
+        float acc = 0.f;
+        for (int kk = 0; kk < k; ++kk) {
+          const int32_t e = wd.ids[me][size_t(t) * k + kk];
+          if (e < 0) continue;
+          acc = std::fma(wd.w[me][size_t(t) * k + kk], bf16_to_float(expert_out(x[size_t(t) * H + c], e)), acc);
+        }
+        want = float_to_bf16(acc);
+      }
+      const uint16_t got = out[size_t(t) * H + c];
+      if (got != want && cbad++ < 5)
+        ADD_FAILURE() << what << " rank " << me << " combine token " << t << " col " << c << ": got " << got
+                      << " want " << want;
+    }
+  EXPECT_EQ(cbad, 0) << what << " rank " << me << ": combine elements wrong";
+}
+
+struct Case {
+  int64_t H;
+  int experts_per_rank, k;
+  int64_t T;
+  int align;
+};
+
+TEST(Moe, DispatchCombineEveryRouting) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  const Case cases[] = {{256, 4, 4, 77, 1}, {512, 3, 2, 130, 8}, {128, 8, 6, 33, 1}};
+  const Topology& topo = comm->topology();
+  int ci = 0;
+  for (const Case& c : cases)
+  for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
+    ops::MoeConfig cfg;
+    cfg.hidden = c.H;
+    cfg.num_experts = c.experts_per_rank * W;
+    cfg.topk = c.k;
+    cfg.max_tokens_per_rank = c.T;
+    cfg.expert_align = c.align;
+    std::unique_ptr<ops::MoeEp> ep;
+    ops::MoeOptions opt;
+    opt.mode = mode;
+    MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
+    EXPECT_EQ(ep->hierarchical(), mode == ops::MoeMode::kThroughput && topo.num_nodes > 1 && topo.local_size > 1);
+    for (MoeRouting kind : {MoeRouting::kUniform, MoeRouting::kZipf, MoeRouting::kLocal, MoeRouting::kSparse,
+                            MoeRouting::kEmptyRanks}) {
+      const uint64_t seed = mix(test_seed(), uint64_t(ci) * 16 + uint64_t(kind));
+      World wd;
+      make_world(cfg, W, me, kind, seed, &wd);
+      const std::string what = "case " + std::to_string(ci / 2) + (ep->hierarchical() ? " hierarchical " : " ") +
+                               moe_routing_name(kind);
+      run_and_check(comm, ep.get(), cfg, wd, seed, what);
+      if (HasFailure()) break;
+    }
+    MK_EXPECT_OK(ep->destroy());
+    ++ci;
+    if (HasFailure()) break;
+  }
+}
+
+// One graph (dispatch, then combine with the experts' output = their input) replayed with new
+// routings and token counts written into the same device buffers between replays.
+TEST(Moe, GraphReplaysWithFreshRoutings) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  ops::MoeConfig cfg;
+  cfg.hidden = 128;
+  cfg.num_experts = 4 * W;
+  cfg.topk = 3;
+  cfg.max_tokens_per_rank = 48;
+  std::unique_ptr<ops::MoeEp> ep;
+  ops::MoeOptions opt;
+  opt.mode = ops::MoeMode::kThroughput;  // hierarchical across nodes (the same as direct on one)
+  MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
+  const int64_t T = cfg.max_tokens_per_rank, H = cfg.hidden;
+  const int k = cfg.topk;
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  const uint64_t seed = mix(test_seed(), 0x67726170ull);
+  std::vector<uint16_t> x(size_t(T) * H);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) x[size_t(t) * H + c] = moe_x_bits(seed, me, t, c);
+  DevBuf dx(x.size() * 2), dids(size_t(T) * k * 4), dw(size_t(T) * k * 4), dn(4);
+  DevBuf drecv(size_t(ep->recv_rows()) * H * 2), dcounts(4 * size_t(ep->local_experts())), dout(size_t(T) * H * 2);
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dids.p, 0xff, dids.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dn.p, 0, 4), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  MK_ASSERT_OK(ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
+                            {drecv.p, dcounts.as<int32_t>(), nullptr}, st));
+  MK_ASSERT_OK(ep->combine({drecv.p}, dout.p, st));
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const int kReplays = 200;
+  std::vector<uint16_t> out(size_t(T) * H);
+  int64_t bad = 0;
+  for (int rep = 0; rep < kReplays && bad == 0; ++rep) {
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    int64_t n;
+    const MoeRouting kind = MoeRouting(rep % 5);
+    make_moe_routing(kind, mix(seed, uint64_t(rep)), me, W, cfg.num_experts, k, T, &ids, &w, &n);
+    n = (n + rep) % (T + 1);
+    const int32_t n32 = int32_t(n);
+    ASSERT_EQ(cudaMemcpyAsync(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dw.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(dn.p, &n32, 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(dout.p, 0xff, dout.bytes, st), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(out.data(), dout.p, out.size() * 2, cudaMemcpyDeviceToHost, st), cudaSuccess);
+    MK_ASSERT_OK(comm->sync(st));
+    MK_ASSERT_OK(ep->check());
+    for (int64_t t = 0; t < T && bad < 5; ++t)
+      for (int64_t c = 0; c < H; ++c) {
+        uint16_t want = 0xffff;
+        if (t < n) {
+          float acc = 0.f;
+          for (int kk = 0; kk < k; ++kk)
+            if (ids[size_t(t) * k + kk] >= 0)
+              acc = std::fma(w[size_t(t) * k + kk], bf16_to_float(x[size_t(t) * H + c]), acc);
+          want = float_to_bf16(acc);
+        }
+        if (out[size_t(t) * H + c] != want) {
+          ADD_FAILURE() << "replay " << rep << " (" << moe_routing_name(kind) << ", " << n << " tokens) rank " << me
+                        << " token " << t << " col " << c << ": got " << out[size_t(t) * H + c] << " want " << want;
+          ++bad;
+          break;
+        }
+      }
+  }
+  EXPECT_EQ(bad, 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  MK_EXPECT_OK(ep->destroy());
+}
+
+// Bad input on one rank: the call still completes everywhere (no hang), the rank that made it
+// names it in check(), and refuses later calls.
+void bad_input_case(const char* what, ops::MoeConfig cfg, int bad_rank,
+                    const std::function<void(std::vector<int32_t>&, int32_t&, int)>& spoil, Code code,
+                    const std::vector<std::string>& words) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  std::unique_ptr<ops::MoeEp> ep;
+  MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, {}, &ep));
+  const int64_t T = cfg.max_tokens_per_rank, H = cfg.hidden;
+  const int k = cfg.topk;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  int64_t n;
+  make_moe_routing(MoeRouting::kUniform, mix(test_seed(), 0xbad), me, W, cfg.num_experts, k, T, &ids, &w, &n);
+  int32_t n32 = int32_t(T);
+  spoil(ids, n32, me);
+  DevBuf dx(size_t(T) * H * 2), dids(ids.size() * 4), dw(w.size() * 4), dn(4);
+  DevBuf drecv(size_t(ep->recv_rows()) * H * 2), dcounts(4 * size_t(ep->local_experts())), dout(size_t(T) * H * 2);
+  ASSERT_EQ(cudaMemset(dx.p, 0x3c, dx.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dn.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MK_ASSERT_OK(ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
+                            {drecv.p, dcounts.as<int32_t>(), nullptr}, comm->stream()));
+  MK_ASSERT_OK(comm->sync(comm->stream()));
+  // An overflow is met by the receiving ranks: every rank may report it.
+  const Status s = ep->check();
+  if (me == bad_rank) {
+    EXPECT_EQ(s.code(), code) << what << ": " << s.to_string();
+    for (const auto& wd : words) EXPECT_NE(s.message().find(wd), std::string::npos) << what << ": " << s.to_string();
+    printf("rank %d %s: %s\n", me, what, s.to_string().c_str());
+    // Refused from now on, with the same message.
+    const Status again = ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
+                                      {drecv.p, dcounts.as<int32_t>(), nullptr}, comm->stream());
+    EXPECT_EQ(again.code(), code) << again.to_string();
+  } else if (code != Code::kOutOfMemory) {
+    MK_EXPECT_OK(s);
+  }
+  MK_ASSERT_OK(comm->bootstrap().barrier());
+  MK_EXPECT_OK(ep->destroy());
+}
+
+TEST(Moe, BadExpertIdIsNamed) {
+  const int W = shared_comm()->world();
+  ops::MoeConfig cfg{128, 2 * W, 2, 16, 1, 0};
+  const int bad = W - 1;
+  bad_input_case("bad id", cfg, bad,
+                 [&](std::vector<int32_t>& ids, int32_t&, int me) {
+                   if (me == bad) ids[5 * 2 + 1] = 2 * W + 3;
+                 },
+                 Code::kInvalidArgument, {"rank " + std::to_string(bad), "token 5", "expert " + std::to_string(2 * W + 3)});
+}
+
+TEST(Moe, TooManyTokensIsNamed) {
+  const int W = shared_comm()->world();
+  ops::MoeConfig cfg{128, 2 * W, 2, 16, 1, 0};
+  bad_input_case("too many tokens", cfg, 0,
+                 [&](std::vector<int32_t>&, int32_t& n, int me) {
+                   if (me == 0) n = 17;
+                 },
+                 Code::kInvalidArgument, {"rank 0", "17", "16"});
+}
+
+TEST(Moe, CapacityOverflowIsNamed) {
+  const int W = shared_comm()->world();
+  // Every token of every rank to expert 0 (rank 0): 16 * W rows, capacity 10.
+  ops::MoeConfig cfg{128, 2 * W, 1, 16, 1, 10};
+  bad_input_case("overflow", cfg, 0, [&](std::vector<int32_t>& ids, int32_t&, int) { ids.assign(ids.size(), 0); },
+                 Code::kOutOfMemory, {"rank 0", "capacity 10", "local expert 0"});
+}
+
+TEST(Moe, HostChecks) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world();
+  ops::MoeConfig cfg{128, 2 * W, 2, 16, 1, 0};
+  std::unique_ptr<ops::MoeEp> ep;
+  MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, {}, &ep));
+  DevBuf b(1 << 20);
+  char* p = b.as<char>();
+  const ops::MoeDispatchOut o{p, reinterpret_cast<int32_t*>(p + 4096), nullptr};
+  EXPECT_EQ(ep->dispatch({nullptr, reinterpret_cast<int32_t*>(p), reinterpret_cast<float*>(p), nullptr, 16}, o,
+                         comm->stream()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(ep->dispatch({p + 2, reinterpret_cast<int32_t*>(p), reinterpret_cast<float*>(p), nullptr, 16}, o,
+                         comm->stream()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(ep->dispatch({p, reinterpret_cast<int32_t*>(p), reinterpret_cast<float*>(p), nullptr, 17}, o,
+                         comm->stream()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(ep->combine({p}, p, comm->stream()).code(), Code::kInvalidArgument);  // no dispatch yet
+  MK_EXPECT_OK(ep->destroy());
+  // Geometry the operator cannot take.
+  ops::MoeConfig odd = cfg;
+  odd.num_experts = 2 * W + (W > 1 ? 1 : 0);
+  if (W > 1) EXPECT_EQ(ops::MoeEp::create(comm, odd, {}, &ep).code(), Code::kInvalidArgument);
+  odd = cfg;
+  odd.hidden = 100;
+  EXPECT_EQ(ops::MoeEp::create(comm, odd, {}, &ep).code(), Code::kInvalidArgument);
+}
+
+TEST(Moe, ConfigMismatchIsAnErrorOnEveryRank) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world();
+  if (W < 2) GTEST_SKIP() << "needs 2 ranks";
+  ops::MoeConfig cfg{128, 2 * W, 2, 16, 1, 0};
+  if (comm->rank() == W - 1) cfg.topk = 1;
+  std::unique_ptr<ops::MoeEp> ep;
+  const Status s = ops::MoeEp::create(comm, cfg, {}, &ep);
+  EXPECT_EQ(s.code(), Code::kMismatch) << s.to_string();
+  EXPECT_NE(s.message().find("rank " + std::to_string(W - 1)), std::string::npos) << s.to_string();
+}
+
+// Run alone, with a short MK_SIGNAL_TIMEOUT_MS (ctest: test_gpu_moe_dead): the last rank never
+// calls; the others' call fails naming it.
+TEST(MoeDeadRank, SilentRankIsNamed) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world();
+  if (W != 2) GTEST_SKIP() << "needs 2 ranks";
+  ops::MoeConfig cfg{128, 2 * W, 2, 16, 1, 0};
+  std::unique_ptr<ops::MoeEp> ep;
+  MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, {}, &ep));
+  const int silent = W - 1;
+  DevBuf b(1 << 20);
+  char* p = b.as<char>();
+  ASSERT_EQ(cudaMemset(p, 0, b.bytes), cudaSuccess);  // ids 0: every token to expert 0
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (comm->rank() != silent) {
+    MK_ASSERT_OK(ep->dispatch({p + 65536, reinterpret_cast<int32_t*>(p), reinterpret_cast<float*>(p + 4096), nullptr, 16},
+                              {p + 131072, reinterpret_cast<int32_t*>(p + 8192), nullptr}, comm->stream()));
+    expect_silent_rank_named(comm, "moe_dispatch", silent);
+  }
+  MK_ASSERT_OK(comm->bootstrap().barrier());
+  MK_EXPECT_OK(ep->destroy());
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace mk
