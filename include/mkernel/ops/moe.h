@@ -15,7 +15,9 @@
 // Counts and offsets stay on the device: a call makes no host synchronization and is
 // capturable in a CUDA graph, which replays with new routings and token counts. Inside a node,
 // records move by peer copies; across nodes, through the proxy (libfabric), host-staged or
-// direct as the session decides. Memory is fixed at create (buffer_bytes).
+// direct as the session decides — directly to each rank, or (throughput mode, MoeMode) once per
+// node to the sender's twin there, which writes its node's records. Memory is fixed at create
+// (buffer_bytes). docs/moe.md has the details.
 //
 // Bad input — an expert id out of range, more tokens than max_tokens_per_rank, more received
 // rows than the receive capacity — is recorded on the device (rank, token, expert, count) and
@@ -53,7 +55,7 @@ struct MoeConfig {
   int64_t max_tokens_per_rank = 0;  // rows of x a call may carry (d_num_tokens <= this)
   int expert_align = 1;             // each expert's block starts on a multiple of this many rows
   // Rows of the expert-major receive layout (all local experts together). 0: the worst case,
-  // W * max_tokens * min(k, E_local) plus alignment — never overflows, but large; a smaller
+  // W * max_tokens * k plus alignment — never overflows, but large; a smaller
   // capacity is checked on the device and an overflow reported by check().
   int64_t recv_capacity = 0;
 };

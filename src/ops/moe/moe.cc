@@ -81,7 +81,8 @@ Status MoeEp::buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool stag
     m.symmetric_bytes += nodes;
     if (staged) m.host_bytes = nodes + comb;  // node slots and combine slots cross the network
   }
-  const int nchunks = int((g.T + 31) / 32);
+  const int ct = int(std::max<int64_t>(8, std::min<int64_t>(64, (g.T + 127) / 128)));
+  const int nchunks = int((g.T + ct - 1) / ct);
   m.private_bytes = uint64_t(scratch_bytes(g, nchunks));
   m.recv_rows = g.recv_rows;
   *out = m;
@@ -132,7 +133,8 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
     l.W = W, l.me = me, l.E = g.E, l.El = g.El, l.k = g.k, l.align = g.align;
     l.H = g.H, l.T = g.T, l.row_bytes = g.row_bytes, l.rec_bytes = g.rec_bytes, l.hdr_bytes = g.hdr_bytes;
     l.slot_bytes = g.slot_bytes, l.chdr_bytes = g.chdr_bytes, l.cslot_bytes = g.cslot_bytes, l.recv_rows = g.recv_rows;
-    l.chunk_tokens = 32;
+    // Tokens per route chunk (one warp counts a chunk in order): about 128 chunks, 8..64 tokens.
+    l.chunk_tokens = int(std::max<int64_t>(8, std::min<int64_t>(64, (g.T + 127) / 128)));
     l.nchunks = int((g.T + l.chunk_tokens - 1) / l.chunk_tokens);
     l.comm_ctas = comm_ctas;
     l.dP = moe_pieces(g.slot_bytes, pieces), l.dpb = moe_piece_bytes(g.slot_bytes, pieces);
@@ -172,6 +174,7 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
     MK_CHECK(alloc(8 * size_t(g.recv_rows), &l.back));
     MK_CHECK(alloc(4 * tk, &l.self_row));
     MK_CHECK(alloc(4, &l.err_claim));
+    MK_CHECK(alloc(4, &l.scan_done));
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->err_host), sizeof(MoeErrorRecord),
                                 cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(st->err_host, 0, sizeof(MoeErrorRecord));

@@ -182,7 +182,7 @@ __device__ __forceinline__ char* dispatch_slot(const MoeLaunch& l, int r) {
 
 // ---- scan: chunk bases per bucket (in place), totals, and the send slots' headers.
 // One warp per bucket: the chunks' counts, 32 at a time, scanned with shuffles.
-__global__ void __launch_bounds__(256) route_scan(MoeLaunch l) {
+__device__ void route_scan_body(const MoeLaunch& l) {
   const int B = moe_buckets(l);
   const int lane = threadIdx.x & 31;
   const int b = int(blockIdx.x) * 8 + int(threadIdx.x >> 5);
@@ -202,8 +202,26 @@ __global__ void __launch_bounds__(256) route_scan(MoeLaunch l) {
   if (lane == 0) l.totals[b] = run;
 }
 
+__device__ void write_headers(const MoeLaunch& l);
+
+// The scan, then — the last CTA to finish — the slots' headers from the totals.
+__global__ void __launch_bounds__(256) route_scan_headers(MoeLaunch l) {
+  route_scan_body(l);
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(l.scan_done, 1) == int(gridDim.x) - 1;
+    if (last) *l.scan_done = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  write_headers(l);
+}
+
 // The slots' headers from the totals (one CTA).
-__global__ void __launch_bounds__(1024) route_headers(MoeLaunch l) {
+__device__ void write_headers(const MoeLaunch& l) {
   for (int r = threadIdx.x; r < l.W; r += blockDim.x) {
     char* s = dispatch_slot(l, r);
     const int32_t nrec = l.totals[l.E + l.W + r];
@@ -640,9 +658,7 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
     MK_CUDA_CHECK(cudaFuncSetAttribute(route_local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   route_local<<<l.nchunks, 32, smem, stream>>>(l, ids, weights, d_n, tokens);
   MK_CUDA_CHECK(cudaGetLastError());
-  route_scan<<<(moe_buckets(l) + 7) / 8, 256, 0, stream>>>(l);
-  MK_CUDA_CHECK(cudaGetLastError());
-  route_headers<<<1, 1024, 0, stream>>>(l);
+  route_scan_headers<<<(moe_buckets(l) + 7) / 8, 256, 0, stream>>>(l);
   MK_CUDA_CHECK(cudaGetLastError());
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), 4 * sms()));
   pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x));
