@@ -18,6 +18,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kRunnerThreads = 256;
+constexpr int64_t kMaxGrid = 65536;  // CTAs of the per-token / per-row kernels (grid-stride past it)
 constexpr unsigned kFull = 0xffffffffu;
 
 // The first bad input wins the record; later ones are left out silently (the first names the
@@ -629,17 +630,6 @@ __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char*
   }
 }
 
-int sms() {
-  static int n = 0;
-  if (n == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    if (n <= 0) n = 1;
-  }
-  return n;
-}
-
 Status run_program(const FusedHooks& h, int ctas, cudaStream_t stream) {
   if (h.n_ops <= 0) return OkStatus();
   MK_CUDA_CHECK(cudaMemsetAsync(h.op_counter, 0, sizeof(int), stream));
@@ -660,12 +650,14 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   MK_CUDA_CHECK(cudaGetLastError());
   route_scan_headers<<<(moe_buckets(l) + 7) / 8, 256, 0, stream>>>(l);
   MK_CUDA_CHECK(cudaGetLastError());
-  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), 4 * sms()));
+  // One CTA per token (grid-stride past 64 Ki): each token's chain of dependent loads is short,
+  // and many CTAs in flight hide it.
+  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x));
   MK_CUDA_CHECK(cudaGetLastError());
   MK_CHECK(run_program(l.dhooks, l.comm_ctas, stream));
   if (l.hier) {
-    const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, (4 * sms() + l.nodes - 1) / l.nodes)));
+    const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
     repack<<<dim3(gx, l.nodes), kThreads, 0, stream>>>(l);
     MK_CUDA_CHECK(cudaGetLastError());
   }
@@ -674,17 +666,17 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lsmem)));
   layout<<<1, 1024, lsmem, stream>>>(l, counts, offsets);
   MK_CUDA_CHECK(cudaGetLastError());
-  const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, (4 * sms() + l.W - 1) / l.W)));
+  const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
   unpack<<<dim3(gx, l.W), kThreads, 0, stream>>>(l, static_cast<char*>(recv_x));
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 }
 
 Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStream_t stream) {
-  combine_pack<<<4 * sms(), kThreads, 0, stream>>>(l, static_cast<const char*>(y));
+  combine_pack<<<int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid))), kThreads, 0, stream>>>(l, static_cast<const char*>(y));
   MK_CUDA_CHECK(cudaGetLastError());
   MK_CHECK(run_program(l.chooks, l.comm_ctas, stream));
-  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), 4 * sms()));
+  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), static_cast<char*>(out));
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
