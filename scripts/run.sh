@@ -19,7 +19,8 @@ if command -v mpirun >/dev/null 2>&1; then
 fi
 # The fused operators' benchmark: a short default sweep of ag_gemm, gemm_rs and gemm_ar
 # (correctness check, then fused vs cuBLAS + NCCL), then ring attention (S/rank 4096 and 8192,
-# vs NCCL all-gather + attention and a send/recv ring). Needs a GPU; one rank per GPU under mpirun.
+# vs NCCL all-gather + attention and a send/recv ring), then MoE dispatch/combine (DeepEP, Qwen3
+# and Mixtral shapes vs NCCL all-to-all-v). Needs a GPU; one rank per GPU under mpirun.
 if nvidia-smi -L >/dev/null 2>&1; then
   echo
   ngpu=$(nvidia-smi -L | wc -l)
@@ -27,10 +28,12 @@ if nvidia-smi -L >/dev/null 2>&1; then
     echo "== bench: fused operators, $ngpu ranks (one per GPU)"
     mpirun --allow-run-as-root --bind-to none -np "$ngpu" "$build/mkernel" bench all --reps 10
     mpirun --allow-run-as-root --bind-to none -np "$ngpu" "$build/mkernel" bench ring_attention --reps 10
+    mpirun --allow-run-as-root --bind-to none -np "$ngpu" "$build/mkernel" bench moe_dispatch --reps 10
   else
     echo "== bench: fused operators, one rank"
     "$build/mkernel" bench all --reps 10
     "$build/mkernel" bench ring_attention --reps 10
+    "$build/mkernel" bench moe_dispatch --reps 10
   fi
 else
   echo

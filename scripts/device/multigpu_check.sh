@@ -8,7 +8,11 @@
 #      on the Llama-70B TP8 shapes (AG+GEMM of the gate/up projection, GEMM+RS of the down
 #      projection, GEMM+AR of the attention output) at 4096 and 16384 tokens;
 #   3. ring attention against NCCL all-gather + attention and a send/recv ring, S/rank 4096-16384;
-#   4. the same benchmarks with 2 emulated nodes (the network path between them).
+#   4. the same benchmarks with 2 emulated nodes (the network path between them);
+#   5. MoE dispatch/combine: test_gpu_moe at every W, and mkernel bench moe_dispatch (the DeepEP
+#      presets; the EP8 targets: throughput dispatch >= 150 GB/s per GPU, low-latency
+#      dispatch <= 80 us and combine <= 120 us at 128 tokens), one node and 2 emulated nodes
+#      (hierarchical over tcp_rxm).
 # Binaries from MK_BUILD_DIR (default /tmp/mkb: scripts/device/suite.sh setup puts them there).
 # JSON results and logs go to $OUT (packed as multigpu_logs.tgz).
 set -uo pipefail
@@ -51,6 +55,13 @@ for w in "${ws[@]}"; do
   fi
 done
 
+# 5a. MoE correctness (every routing, both modes, graph replays, bad inputs)
+for w in "${ws[@]}"; do
+  run "moe_w$w" "$w" -- "$B/tests/gpu/test_gpu_moe" --gtest_filter=-MoeDeadRank.*
+  (( w >= 4 )) && run "moe_2x$((w / 2))_tcp" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
+    "$B/tests/gpu/test_gpu_moe" --gtest_filter=-MoeDeadRank.*
+done
+
 # 2-4. benchmarks (Llama-70B: hidden 8192, intermediate 28672, TP = W)
 for w in "${ws[@]}"; do
   for tok in 4096 16384; do
@@ -70,7 +81,14 @@ for w in "${ws[@]}"; do
       ring_attention --seq 8192 --json "$RESULT/ring_2nodes_w$w.json"
   fi
 done
+# 5b. MoE benchmarks: every preset (DeepEP's throughput and low-latency shapes, Qwen3, Mixtral)
+for w in "${ws[@]}"; do
+  run "bench_moe_w$w" "$w" -- "$B/mkernel" bench moe_dispatch --json "$RESULT/moe_w$w.json"
+  (( w >= 4 )) && run "bench_moe_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
+    "$B/mkernel" bench moe_dispatch --json "$RESULT/moe_2nodes_w$w.json"
+done
 (( shared )) && echo quit | nvidia-cuda-mps-control
-grep -hE "^(ag_gemm|gemm_rs|gemm_ar|ring)" "$L"/bench_*.log | sort | uniq > "$RESULT/bench_summary.txt"
+grep -hE "^(ag_gemm|gemm_rs|gemm_ar|ring|deepep_ht|deepep_ll|qwen3|mixtral)" "$L"/bench_*.log | sort | uniq \
+  > "$RESULT/bench_summary.txt"
 echo "multigpu: $fails failure(s); GPUs: $ngpu$([[ $shared == 1 ]] && echo ' (shared: times not comparable)')"
 (( fails == 0 ))
