@@ -212,6 +212,107 @@ TEST(Moe, DispatchCombineEveryRouting) {
   }
 }
 
+// Two dispatches in flight before their combines (micro-batches), each routing in its own
+// handle; combines in the opposite order. Each output must equal its own routing's reference.
+TEST(Moe, TwoHandlesInFlight) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  ops::MoeConfig cfg{256, 3 * W, 3, 40, 1, 0};
+  const int64_t T = cfg.max_tokens_per_rank, H = cfg.hidden;
+  const int k = cfg.topk;
+  for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
+    ops::MoeOptions opt;
+    opt.mode = mode;
+    std::unique_ptr<ops::MoeEp> ep;
+    MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
+    std::unique_ptr<ops::MoeHandle> h[2];
+    MK_ASSERT_OK(ep->create_handle(&h[0]));
+    MK_ASSERT_OK(ep->create_handle(&h[1]));
+    cudaStream_t st = comm->stream();
+    // A handle nobody dispatched into has no routes.
+    EXPECT_EQ(ep->combine({nullptr}, nullptr, st, h[0].get()).code(), Code::kInvalidArgument);
+    World wd[2];
+    uint64_t seed[2];
+    std::vector<uint16_t> x[2];
+    std::unique_ptr<DevBuf> dx[2], dids[2], dw[2], dn[2], drecv[2], dcounts[2], doff[2], dy[2], dout[2];
+    for (int b = 0; b < 2; ++b) {
+      seed[b] = mix(test_seed(), 0x68616e64ull + 10 * uint64_t(mode) + uint64_t(b));
+      make_world(cfg, W, me, b == 0 ? MoeRouting::kUniform : MoeRouting::kZipf, seed[b], &wd[b]);
+      x[b].resize(size_t(T) * H);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < H; ++c) x[b][size_t(t) * H + c] = moe_x_bits(seed[b], me, t, c);
+      dx[b].reset(new DevBuf(x[b].size() * 2));
+      dids[b].reset(new DevBuf(size_t(T) * k * 4));
+      dw[b].reset(new DevBuf(size_t(T) * k * 4));
+      dn[b].reset(new DevBuf(4));
+      drecv[b].reset(new DevBuf(size_t(ep->recv_rows()) * H * 2));
+      dcounts[b].reset(new DevBuf(4 * size_t(ep->local_experts())));
+      doff[b].reset(new DevBuf(4 * size_t(ep->local_experts() + 1)));
+      dy[b].reset(new DevBuf(size_t(ep->recv_rows()) * H * 2));
+      dout[b].reset(new DevBuf(size_t(T) * H * 2));
+      const int32_t n32 = int32_t(wd[b].n[me]);
+      ASSERT_EQ(cudaMemcpy(dx[b]->p, x[b].data(), x[b].size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dids[b]->p, wd[b].ids[me].data(), size_t(T) * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dw[b]->p, wd[b].w[me].data(), size_t(T) * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dn[b]->p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dout[b]->p, 0xff, dout[b]->bytes), cudaSuccess);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int b = 0; b < 2; ++b)
+      MK_ASSERT_OK(ep->dispatch({dx[b]->p, dids[b]->as<int32_t>(), dw[b]->as<float>(), dn[b]->as<int32_t>(), T},
+                                {drecv[b]->p, dcounts[b]->as<int32_t>(), doff[b]->as<int32_t>()}, st, h[b].get()));
+    MK_ASSERT_OK(comm->sync(st));
+    // The experts: scale each row (on the host), per dispatch.
+    const int El = ep->local_experts();
+    for (int b = 0; b < 2; ++b) {
+      std::vector<int32_t> counts(El), offsets(El + 1);
+      std::vector<uint16_t> recv(size_t(ep->recv_rows()) * H), y(recv.size(), 0xffff);
+      ASSERT_EQ(cudaMemcpy(counts.data(), dcounts[b]->p, 4 * size_t(El), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(offsets.data(), doff[b]->p, 4 * size_t(El + 1), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(recv.data(), drecv[b]->p, recv.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      for (int le = 0; le < El; ++le)
+        for (int64_t row = offsets[le]; row < offsets[le] + counts[le]; ++row)
+          for (int64_t c = 0; c < H; ++c)
+            y[size_t(row) * H + c] = expert_out(recv[size_t(row) * H + c], me * El + le);
+      ASSERT_EQ(cudaMemcpy(dy[b]->p, y.data(), y.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    MK_ASSERT_OK(ep->combine({dy[1]->p}, dout[1]->p, st, h[1].get()));
+    MK_ASSERT_OK(ep->combine({dy[0]->p}, dout[0]->p, st, h[0].get()));
+    MK_ASSERT_OK(comm->sync(st));
+    MK_ASSERT_OK(ep->check());
+    for (int b = 0; b < 2; ++b) {
+      std::vector<uint16_t> out(size_t(T) * H);
+      ASSERT_EQ(cudaMemcpy(out.data(), dout[b]->p, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      int64_t bad = 0;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < H; ++c) {
+          uint16_t want = 0xffff;
+          if (t < wd[b].n[me]) {
+            float acc = 0.f;
+            for (int kk = 0; kk < k; ++kk) {
+              const int32_t e = wd[b].ids[me][size_t(t) * k + kk];
+              if (e >= 0)
+                acc = std::fma(wd[b].w[me][size_t(t) * k + kk], bf16_to_float(expert_out(x[b][size_t(t) * H + c], e)),
+                               acc);
+            }
+            want = float_to_bf16(acc);
+          }
+          if (out[size_t(t) * H + c] != want && bad++ < 3)
+            ADD_FAILURE() << "handle " << b << (ep->hierarchical() ? " (hierarchical)" : "") << " rank " << me
+                          << " token " << t << " col " << c << ": got " << out[size_t(t) * H + c] << " want " << want;
+        }
+      EXPECT_EQ(bad, 0) << "handle " << b;
+    }
+    // A handle of another operator is refused.
+    std::unique_ptr<ops::MoeEp> other;
+    MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &other));
+    EXPECT_EQ(other->combine({dy[0]->p}, dout[0]->p, st, h[0].get()).code(), Code::kInvalidArgument);
+    MK_EXPECT_OK(other->destroy());
+    MK_EXPECT_OK(ep->destroy());
+  }
+}
+
 // One graph (dispatch, then combine with the experts' output = their input) replayed with new
 // routings and token counts written into the same device buffers between replays.
 TEST(Moe, GraphReplaysWithFreshRoutings) {
@@ -389,6 +490,9 @@ TEST(Moe, HostChecks) {
   odd = cfg;
   odd.hidden = 100;
   EXPECT_EQ(ops::MoeEp::create(comm, odd, {}, &ep).code(), Code::kInvalidArgument);
+  odd = cfg;
+  odd.dtype = gemm::DType::kF16;  // bf16 only
+  EXPECT_EQ(ops::MoeEp::create(comm, odd, {}, &ep).code(), Code::kNotSupported);
 }
 
 TEST(Moe, ConfigMismatchIsAnErrorOnEveryRank) {

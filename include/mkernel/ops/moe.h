@@ -40,6 +40,7 @@
 #include <string>
 
 #include "mkernel/common/status.h"
+#include "mkernel/gemm/gemm.h"
 
 namespace mk {
 
@@ -49,7 +50,7 @@ struct Topology;
 namespace ops {
 
 struct MoeConfig {
-  int64_t hidden = 0;               // H (bf16 elements per token row; H * 2 a multiple of 16)
+  int64_t hidden = 0;               // H (elements per token row; H * 2 a multiple of 16)
   int num_experts = 0;              // E, a multiple of the world size
   int topk = 0;                     // k, 1..32
   int64_t max_tokens_per_rank = 0;  // rows of x a call may carry (d_num_tokens <= this)
@@ -58,6 +59,7 @@ struct MoeConfig {
   // W * max_tokens * k plus alignment — never overflows, but large; a smaller
   // capacity is checked on the device and an overflow reported by check().
   int64_t recv_capacity = 0;
+  gemm::DType dtype = gemm::DType::kBF16;  // of x, recv_x, y and out: bf16 (the only one now)
 };
 
 // How records cross nodes. Throughput: hierarchically — a token bound for several ranks of a
@@ -101,6 +103,24 @@ struct MoeMemory {
 };
 
 struct MoeState;
+struct MoeHandleState;
+
+// The routing one dispatch leaves for its combine (positions, weights, the way back). An
+// operator has one of its own, used when a call passes none; a caller that keeps several
+// dispatches in flight before their combines (micro-batches) gives each its own handle
+// (MoeEp::create_handle). Calls of one operator run in stream order (one stream, or ordered by
+// events); a handle belongs to the operator that created it and must not outlive it.
+class MoeHandle {
+ public:
+  ~MoeHandle();
+  MoeHandle(const MoeHandle&) = delete;
+  MoeHandle& operator=(const MoeHandle&) = delete;
+
+ private:
+  friend class MoeEp;
+  MoeHandle();
+  std::unique_ptr<MoeHandleState> st_;
+};
 
 class MoeEp {
  public:
@@ -116,11 +136,15 @@ class MoeEp {
   MoeEp& operator=(const MoeEp&) = delete;
   Status destroy();  // collective, idempotent
 
-  // Local checks, then enqueues (no host synchronization; graph-capturable).
-  Status dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& out, cudaStream_t stream);
-  // Sends y back along the last dispatch's routes; out: [tokens, H] bf16 (rows past the call's
-  // token count are not written).
-  Status combine(const MoeCombineArgs& a, void* out, cudaStream_t stream);
+  // Local checks, then enqueues (no host synchronization; graph-capturable). The routing goes
+  // into `handle` (null: the operator's own).
+  Status dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& out, cudaStream_t stream,
+                  MoeHandle* handle = nullptr);
+  // Sends y back along the routes of the last dispatch into `handle` (null: the operator's
+  // own); out: [tokens, H] bf16 (rows past that dispatch's token count are not written).
+  Status combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle = nullptr);
+  // A handle for this operator's calls (local: device memory for one dispatch's routing).
+  Status create_handle(std::unique_ptr<MoeHandle>* out);
   // After the stream completed: OK, or the first bad input a call met on the device (rank,
   // token, expert, count); once set, calls are refused. The communicator's own failures
   // (a silent rank) come from Communicator::sync / check.

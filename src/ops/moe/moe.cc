@@ -29,6 +29,7 @@ struct MoeState {
   std::unique_ptr<comm::OpSession> dses, cses;
   comm::Program dprog, cprog;
   MoeLaunch l;
+  MoeRouteState own;  // the operator's own handle's arrays
   bool hier = false;
   MoeNodeGeometry ng;
   MoeErrorRecord* err_host = nullptr;  // pinned, mapped
@@ -38,12 +39,56 @@ struct MoeState {
   }
 };
 
+struct MoeHandleState {
+  const MoeState* owner = nullptr;
+  MoeRouteState r;
+  std::vector<void*> mem;  // cudaMalloc'd, freed with the handle
+  bool dispatched = false;
+  ~MoeHandleState() {
+    for (void* p : mem) cudaFree(p);
+  }
+};
+
+MoeHandle::MoeHandle() = default;
+MoeHandle::~MoeHandle() = default;
+
 namespace {
 
 struct Request {
   int64_t hidden, max_tokens, recv_capacity;
-  int32_t experts, topk, align, pad;
+  int32_t experts, topk, align, dtype;
 };
+
+// One dispatch's routing arrays, from `alloc` (zeroed device memory).
+template <class Alloc>
+Status alloc_route_state(const MoeGeometry& g, int nodes, int nchunks, bool hier, Alloc&& alloc, MoeRouteState* r) {
+  auto get = [&](size_t bytes, auto** p) -> Status {
+    void* v = nullptr;
+    MK_CHECK(alloc(std::max<size_t>(bytes, 16), &v));
+    *p = static_cast<std::remove_reference_t<decltype(**p)>*>(v);
+    return OkStatus();
+  };
+  const size_t tk = size_t(g.T) * g.k;
+  const size_t B = size_t(g.E + 2 * g.W + nodes);  // moe_buckets, node records included
+  MK_CHECK(get(4 * tk, &r->erank));
+  MK_CHECK(get(4 * tk, &r->cpos));
+  MK_CHECK(get(4 * tk, &r->cpos_g));
+  MK_CHECK(get(4 * tk, &r->recpos));
+  if (hier) MK_CHECK(get(4 * tk, &r->nrecpos));
+  MK_CHECK(get(4 * tk, &r->ids));
+  MK_CHECK(get(4 * tk, &r->weights));
+  MK_CHECK(get(4 * size_t(nchunks) * B, &r->hist));
+  MK_CHECK(get(4 * B, &r->totals));
+  MK_CHECK(get(4, &r->n_tokens));
+  MK_CHECK(get(4 * size_t(g.El), &r->counts));
+  MK_CHECK(get(4 * size_t(g.El + 1), &r->offsets));
+  MK_CHECK(get(4 * size_t(g.W) * g.El, &r->base));
+  MK_CHECK(get(4 * size_t(g.W), &r->nrec));
+  MK_CHECK(get(4 * size_t(g.W), &r->ncomb));
+  MK_CHECK(get(8 * size_t(g.recv_rows), &r->back));
+  MK_CHECK(get(4 * tk, &r->self_row));
+  return OkStatus();
+}
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -92,16 +137,20 @@ Status MoeEp::buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool stag
 Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions& opt, std::unique_ptr<MoeEp>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "moe: null communicator or output");
   const int W = comm->world(), me = comm->rank();
-  Request mine{cfg.hidden, cfg.max_tokens_per_rank, cfg.recv_capacity, cfg.num_experts, cfg.topk, cfg.expert_align, 0};
+  Request mine{cfg.hidden,          cfg.max_tokens_per_rank, cfg.recv_capacity,          cfg.num_experts,
+               cfg.topk,            cfg.expert_align,        int32_t(cfg.dtype)};
   std::vector<Request> all(W);
   MK_CHECK(comm->bootstrap().allgather(&mine, all.data(), sizeof(Request)));
   for (int r = 1; r < W; ++r)
     MK_REQUIRE(std::memcmp(&all[0], &all[r], sizeof(Request)) == 0, Code::kMismatch,
                "moe: ranks disagree on the config: rank 0 has hidden %lld experts %d topk %d max_tokens %lld align %d "
-               "capacity %lld, rank %d has hidden %lld experts %d topk %d max_tokens %lld align %d capacity %lld",
+               "capacity %lld dtype %d, rank %d has hidden %lld experts %d topk %d max_tokens %lld align %d capacity "
+               "%lld dtype %d",
                (long long)all[0].hidden, all[0].experts, all[0].topk, (long long)all[0].max_tokens, all[0].align,
-               (long long)all[0].recv_capacity, r, (long long)all[r].hidden, all[r].experts, all[r].topk,
-               (long long)all[r].max_tokens, all[r].align, (long long)all[r].recv_capacity);
+               (long long)all[0].recv_capacity, all[0].dtype, r, (long long)all[r].hidden, all[r].experts,
+               all[r].topk, (long long)all[r].max_tokens, all[r].align, (long long)all[r].recv_capacity,
+               all[r].dtype);
+  MK_REQUIRE(cfg.dtype == gemm::DType::kBF16, Code::kNotSupported, "moe: dtype %d (bf16 only)", int(cfg.dtype));
   std::unique_ptr<MoeEp> op(new MoeEp());
   op->st_ = std::make_unique<MoeState>();
   MoeState* st = op->st_.get();
@@ -155,24 +204,9 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
       *p = static_cast<std::remove_reference_t<decltype(**p)>*>(v);
       return OkStatus();
     };
-    const size_t tk = size_t(g.T) * g.k;
-    const size_t B = size_t(g.E + 2 * W + layout.nodes());  // moe_buckets, node records included
-    MK_CHECK(alloc(4 * tk, &l.erank));
-    MK_CHECK(alloc(4 * tk, &l.cpos));
-    MK_CHECK(alloc(4 * tk, &l.cpos_g));
-    MK_CHECK(alloc(4 * tk, &l.recpos));
-    MK_CHECK(alloc(4 * tk, &l.ids));
-    MK_CHECK(alloc(4 * tk, &l.weights));
-    MK_CHECK(alloc(4 * size_t(l.nchunks) * B, &l.hist));
-    MK_CHECK(alloc(4 * B, &l.totals));
-    MK_CHECK(alloc(4, &l.n_tokens));
-    MK_CHECK(alloc(4 * size_t(g.El), &l.counts));
-    MK_CHECK(alloc(4 * size_t(g.El + 1), &l.offsets));
-    MK_CHECK(alloc(4 * size_t(W) * g.El, &l.base));
-    MK_CHECK(alloc(4 * size_t(W), &l.nrec));
-    MK_CHECK(alloc(4 * size_t(W), &l.ncomb));
-    MK_CHECK(alloc(8 * size_t(g.recv_rows), &l.back));
-    MK_CHECK(alloc(4 * tk, &l.self_row));
+    MK_CHECK(alloc_route_state(g, layout.nodes(), l.nchunks, st->hier,
+                               [&](size_t bytes, void** p) { return d.alloc_zeroed(bytes, p); }, &st->own));
+    set_route_state(l, st->own);
     MK_CHECK(alloc(4, &l.err_claim));
     MK_CHECK(alloc(4, &l.scan_done));
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->err_host), sizeof(MoeErrorRecord),
@@ -198,7 +232,6 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
       l.npiece = static_cast<uint64_t*>(d.local(MoeBuf::kNPieceBytes));
       l.nP = moe_pieces(ng.nslot_bytes, pieces), l.npb = moe_piece_bytes(ng.nslot_bytes, pieces);
       MK_REQUIRE(l.nsend && l.nrecv && l.npiece, Code::kInternal, "moe: a node slot buffer was not allocated");
-      MK_CHECK(alloc(4 * tk, &l.nrecpos));
       MK_CHECK(alloc(4, &l.repack_done));
       // Every rank of the node's receive slots, as this rank's peer stores reach them.
       std::vector<uint64_t> peers;
@@ -274,7 +307,28 @@ Status MoeEp::check() const {
   }
 }
 
-Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaStream_t stream) {
+Status MoeEp::create_handle(std::unique_ptr<MoeHandle>* out) {
+  MoeState* st = st_.get();
+  MK_REQUIRE(out, Code::kInvalidArgument, "moe: null output");
+  MK_REQUIRE(st && st->dses && st->dses->alive(), Code::kInvalidArgument,
+             "moe: the operator was destroyed (or its communicator was destroyed first)");
+  std::unique_ptr<MoeHandle> h(new MoeHandle());
+  h->st_ = std::make_unique<MoeHandleState>();
+  MoeHandleState* hs = h->st_.get();
+  hs->owner = st;
+  MK_CHECK(alloc_route_state(st->g, st->dprog.layout.nodes(), st->l.nchunks, st->hier,
+                             [&](size_t bytes, void** p) -> Status {
+                               MK_CUDA_CHECK(cudaMalloc(p, bytes));
+                               hs->mem.push_back(*p);
+                               MK_CUDA_CHECK(cudaMemset(*p, 0, bytes));
+                               return OkStatus();
+                             },
+                             &hs->r));
+  *out = std::move(h);
+  return OkStatus();
+}
+
+Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaStream_t stream, MoeHandle* handle) {
   MoeState* st = st_.get();
   MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
              "moe: the operator was destroyed (or its communicator was destroyed first)");
@@ -285,23 +339,32 @@ Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaSt
              "moe dispatch: x and recv_x must be 16-byte aligned");
   MK_REQUIRE(a.tokens >= 0 && a.tokens <= st->g.T, Code::kInvalidArgument,
              "moe dispatch: %lld token rows (max_tokens_per_rank %lld)", (long long)a.tokens, (long long)st->g.T);
+  MK_REQUIRE(!handle || (handle->st_ && handle->st_->owner == st), Code::kInvalidArgument,
+             "moe dispatch: the handle belongs to another operator");
   MK_CHECK(st->dses->check_call());
-  MK_CHECK(moe_dispatch_launch(st->l, a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens, o.recv_x, o.counts,
+  MoeLaunch l = st->l;
+  if (handle) set_route_state(l, handle->st_->r);
+  MK_CHECK(moe_dispatch_launch(l, a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens, o.recv_x, o.counts,
                                o.offsets, stream));
-  st->dispatched = true;
+  (handle ? handle->st_->dispatched : st->dispatched) = true;
   return OkStatus();
 }
 
-Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream) {
+Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
   MoeState* st = st_.get();
   MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
              "moe: the operator was destroyed (or its communicator was destroyed first)");
   MK_CHECK(check());
-  MK_REQUIRE(st->dispatched, Code::kInvalidArgument, "moe combine: no dispatch before it");
+  MK_REQUIRE(!handle || (handle->st_ && handle->st_->owner == st), Code::kInvalidArgument,
+             "moe combine: the handle belongs to another operator");
+  MK_REQUIRE(handle ? handle->st_->dispatched : st->dispatched, Code::kInvalidArgument,
+             "moe combine: no dispatch into this handle before it");
   MK_REQUIRE(a.y && out, Code::kInvalidArgument, "moe combine: null y or out");
   MK_REQUIRE(aligned16(a.y) && aligned16(out), Code::kInvalidArgument, "moe combine: y and out must be 16-byte aligned");
   MK_CHECK(st->cses->check_call());
-  return moe_combine_launch(st->l, a.y, out, stream);
+  MoeLaunch l = st->l;
+  if (handle) set_route_state(l, handle->st_->r);
+  return moe_combine_launch(l, a.y, out, stream);
 }
 
 }  // namespace ops

@@ -85,6 +85,22 @@ struct MoeLaunch {
   int comm_ctas = 1;
 };
 
+// The per-dispatch state a handle owns (MoeHandle): what route leaves for pack, what dispatch
+// leaves for its combine. Copied into a MoeLaunch per call (set_route_state).
+struct MoeRouteState {
+  int32_t *erank = nullptr, *cpos = nullptr, *cpos_g = nullptr, *recpos = nullptr, *nrecpos = nullptr;
+  int32_t* ids = nullptr;
+  float* weights = nullptr;
+  int32_t *hist = nullptr, *totals = nullptr, *n_tokens = nullptr, *counts = nullptr, *offsets = nullptr;
+  int32_t *base = nullptr, *nrec = nullptr, *ncomb = nullptr, *back = nullptr, *self_row = nullptr;
+};
+inline void set_route_state(MoeLaunch& l, const MoeRouteState& r) {
+  l.erank = r.erank, l.cpos = r.cpos, l.cpos_g = r.cpos_g, l.recpos = r.recpos, l.nrecpos = r.nrecpos;
+  l.ids = r.ids, l.weights = r.weights, l.hist = r.hist, l.totals = r.totals, l.n_tokens = r.n_tokens;
+  l.counts = r.counts, l.offsets = r.offsets, l.base = r.base, l.nrec = r.nrec, l.ncomb = r.ncomb;
+  l.back = r.back, l.self_row = r.self_row;
+}
+
 // Route buckets: experts, entries per rank, records per rank, then (hier) node records per node.
 MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W + (l.hier ? l.nodes : 0); }
 
