@@ -1,6 +1,7 @@
 // MoE dispatch/combine on the CPU (src/ops/moe/moe_plan.h):
-//  - the routing rules for W in {1, 2, 3, 4, 6, 8, 16} on 1, 2 and 4 nodes with uniform,
-//    Zipf-skewed, all-local, sparse (-1) routings and empty ranks: every rank's records packed
+//  - the routing rules for W in {1, 2, 3, 4, 6, 8, 16} on 1, 2 and 4 nodes (between nodes the
+//    hierarchical way: node slots repacked by the twins) with uniform, Zipf-skewed, all-local,
+//    sparse (-1) routings and empty ranks: every rank's records packed
 //    into slots, every destination's unpack, then combine's way back — every entry of every
 //    token lands exactly once, at the row the layout says, with its row, and comes back to its
 //    token's slot; counts and offsets add up; nothing overflows the worst-case capacity;
@@ -53,8 +54,11 @@ void make_world(const MoeConfig& cfg, int W, MoeRouting kind, uint64_t seed, Wor
   }
 }
 
-// Every rank packs, every rank unpacks, combine goes back: every entry accounted for.
-void check_world(const MoeConfig& cfg, int W, const World& wd, const std::string& what) {
+// Every rank packs, every rank unpacks, combine goes back: every entry accounted for. With a
+// layout of several nodes (and several ranks each), slots between nodes go the hierarchical
+// way: the source's node slot, repacked by its twin.
+void check_world(const MoeConfig& cfg, int W, const World& wd, const std::string& what,
+                 const comm::Layout* layout = nullptr) {
   const MoeGeometry& g = wd.g;
   const int k = cfg.topk;
   const int64_t H = cfg.hidden;
@@ -63,7 +67,15 @@ void check_world(const MoeConfig& cfg, int W, const World& wd, const std::string
   for (int s = 0; s < W; ++s)
     for (int r = 0; r < W; ++r) {
       slots[s][r].assign(size_t(g.slot_bytes), 0xcd);
-      pack_record_slot(g, s, r, wd.x[s].data(), wd.ids[s].data(), wd.routes[s], slots[s][r].data());
+      if (layout && layout->node_of[s] != layout->node_of[r]) {
+        const MoeNodeGeometry ng = moe_node_geometry(g, layout->local());
+        std::vector<uint8_t> ns(size_t(ng.nslot_bytes), 0xab);
+        pack_node_slot(g, ng, *layout, s, layout->node_of[r], wd.x[s].data(), wd.ids[s].data(), wd.routes[s],
+                       ns.data());
+        repack_node_slot(g, ng, *layout, s, r, ns.data(), slots[s][r].data());
+      } else {
+        pack_record_slot(g, s, r, wd.x[s].data(), wd.ids[s].data(), wd.routes[s], slots[s][r].data());
+      }
       uint64_t used;
       memcpy(&used, slots[s][r].data(), 8);
       ASSERT_LE(used, uint64_t(g.slot_bytes)) << what;
@@ -148,6 +160,17 @@ TEST(MoeRouting, EveryEntryAccountedFor) {
                                  std::to_string(variant);
         ASSERT_NO_FATAL_FAILURE(check_world(cfg, W, wd, what));
         ++cases;
+        // 2 and 4 nodes (several ranks each): the slots between nodes through the twins.
+        for (int nodes : {2, 4}) {
+          if (W % nodes || W / nodes < 2) continue;
+          for (int strided = 0; strided < 2; ++strided) {
+            const comm::Layout l = strided ? comm::Layout::strided(W, nodes) : comm::Layout::uniform(W, nodes);
+            ASSERT_NO_FATAL_FAILURE(check_world(cfg, W, wd,
+                                                what + " " + std::to_string(nodes) + " nodes" + (strided ? " strided" : ""),
+                                                &l));
+            ++cases;
+          }
+        }
       }
   printf("%d routings checked\n", cases);
 }
@@ -360,7 +383,7 @@ uint64_t seed_of(const ProgConfig& c, uint64_t salt) {
 
 std::vector<ProgConfig> sweep() {
   std::vector<ProgConfig> v;
-  for (int W : {2, 3, 4, 6, 8})  // one rank has no program (nothing to replay)
+  for (int W : {2, 3, 4, 6, 8, 16})  // one rank has no program (nothing to replay)
     for (int nodes : {1, 2, 3, 4}) {
       if (W % nodes) continue;
       for (int strided = 0; strided < (nodes > 1 && W / nodes > 1 ? 2 : 1); ++strided)
