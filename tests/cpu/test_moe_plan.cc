@@ -274,14 +274,62 @@ MoeConfig replay_cfg(int W) {
   return c;
 }
 
-// The kernels' side of dispatch: pack before the program (start_call: send slots, piece counts,
-// the own slot in place), unpack after it (finish_call: every row this call's).
-class MoeCompute : public comm::ReplayCompute {
+// What both programs' compute sides share: the call's world (a new routing per call), and
+// writing a packed slot with its pieces' run-time counts (moe_piece_count), as pack does.
+class MoeComputeBase : public comm::ReplayCompute {
  public:
-  MoeCompute(const comm::Program& p, const MoeConfig& cfg, int pieces, uint64_t seed)
+  MoeComputeBase(const comm::Program& p, const MoeConfig& cfg, int pieces, uint64_t seed)
       : p_(p), cfg_(cfg), pieces_(pieces), seed_(seed) {
     EXPECT_TRUE(moe_geometry(cfg, p.layout.world, &g_).ok());
   }
+  void world(int e, World* wd) const {
+    make_world(cfg_, p_.layout.world, MoeRouting(e % 5), test::mix(seed_, uint64_t(e)), wd);
+  }
+
+ protected:
+  // `bytes` of `slot` at `at`; with `counts` set, the counts of its pieces there.
+  bool put_slot(comm::Replay& r, int me, const comm::BufRef& at, const std::vector<uint8_t>& slot, int64_t bytes,
+                const comm::BufRef* counts) {
+    uint8_t* m = r.mem(me, at, uint64_t(bytes));
+    if (!m) return false;
+    memcpy(m, slot.data(), size_t(bytes));
+    if (!counts) return true;
+    const int P = moe_pieces(bytes, pieces_);
+    uint64_t used;
+    memcpy(&used, slot.data(), 8);
+    uint8_t* pc = r.mem(me, *counts, 8ull * P);
+    if (!pc) return false;
+    for (int q = 0; q < P; ++q) {
+      const uint64_t v = moe_piece_count(bytes, pieces_, q, used);
+      memcpy(pc + 8 * q, &v, 8);
+    }
+    return true;
+  }
+  // Source me's record slots for the ranks in `dests`: send slots (the own one in place).
+  bool put_record_slots(comm::Replay& r, int me, const World& wd, const std::vector<int>& dests) {
+    const int P = moe_pieces(g_.slot_bytes, pieces_);
+    std::vector<uint8_t> slot(size_t(g_.slot_bytes));
+    for (int d : dests) {
+      pack_record_slot(g_, me, d, wd.x[me].data(), wd.ids[me].data(), wd.routes[me], slot.data());
+      const comm::BufRef at{d == me ? MoeBuf::kRecv : MoeBuf::kSend, me, uint64_t(d) * uint64_t(g_.slot_bytes)};
+      const comm::BufRef counts{MoeBuf::kPieceBytes, me, 8ull * uint64_t(d) * P};
+      if (!put_slot(r, me, at, slot, g_.slot_bytes, d == me ? nullptr : &counts)) return false;
+    }
+    return true;
+  }
+
+  const comm::Program& p_;
+  MoeConfig cfg_;
+  int pieces_;
+  uint64_t seed_;
+  MoeGeometry g_;
+};
+
+// The kernels' side of dispatch: pack before the program (start_call: send slots, piece counts,
+// the own slot in place), unpack after it (finish_call: every row this call's).
+class MoeCompute : public MoeComputeBase {
+ public:
+  using MoeComputeBase::MoeComputeBase;
   size_t units(int) const override { return 0; }
   int phases(int, size_t) const override { return 1; }
   const comm::Wait* waits(int, size_t, int, size_t* n) const override {
@@ -291,33 +339,12 @@ class MoeCompute : public comm::ReplayCompute {
   bool run(comm::Replay&, int, size_t, int) override { return true; }
   std::string unit_name(int, size_t) const override { return "-"; }
 
-  uint64_t call_seed(int e) const { return test::mix(seed_, uint64_t(e)); }
-  void world(int e, World* wd) const {
-    const MoeRouting kind = MoeRouting(e % 5);
-    make_world(cfg_, p_.layout.world, kind, call_seed(e), wd);
-  }
   void start_call(comm::Replay& r, int me, int e) override {
     World wd;
     world(e, &wd);
-    const int W = p_.layout.world;
-    const int P = moe_pieces(g_.slot_bytes, pieces_);
-    std::vector<uint8_t> slot(size_t(g_.slot_bytes));
-    for (int d = 0; d < W; ++d) {
-      pack_record_slot(g_, me, d, wd.x[me].data(), wd.ids[me].data(), wd.routes[me], slot.data());
-      const comm::BufRef at{d == me ? MoeBuf::kRecv : MoeBuf::kSend, me, uint64_t(d) * uint64_t(g_.slot_bytes)};
-      uint8_t* m = r.mem(me, at, uint64_t(g_.slot_bytes));
-      if (!m) return;
-      memcpy(m, slot.data(), slot.size());
-      if (d == me) continue;
-      uint64_t used;
-      memcpy(&used, slot.data(), 8);
-      uint8_t* pc = r.mem(me, comm::BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(d) * P}, 8ull * P);
-      if (!pc) return;
-      for (int q = 0; q < P; ++q) {
-        const uint64_t v = moe_piece_count(g_.slot_bytes, pieces_, q, used);
-        memcpy(pc + 8 * q, &v, 8);
-      }
-    }
+    std::vector<int> all(size_t(p_.layout.world));
+    for (int d = 0; d < p_.layout.world; ++d) all[size_t(d)] = d;
+    put_record_slots(r, me, wd, all);
   }
   bool finish_call(comm::Replay& r, int me, int e) override {
     World wd;
@@ -350,13 +377,6 @@ class MoeCompute : public comm::ReplayCompute {
     }
     return true;
   }
-
- private:
-  const comm::Program& p_;
-  MoeConfig cfg_;
-  int pieces_;
-  uint64_t seed_;
-  MoeGeometry g_;
 };
 
 comm::Layout layout_of(const ProgConfig& c) {
@@ -417,11 +437,10 @@ struct Mutant {
 
 // ---- the hierarchical program, replayed: pack (start_call), the twin's repack and the layout
 // (compute units with their pools' waits and signals), every record slot checked at the end.
-class MoeHierCompute : public comm::ReplayCompute {
+class MoeHierCompute : public MoeComputeBase {
  public:
   MoeHierCompute(const comm::Program& p, const MoeConfig& cfg, int pieces, uint64_t seed)
-      : p_(p), cfg_(cfg), pieces_(pieces), seed_(seed) {
-    EXPECT_TRUE(moe_geometry(cfg, p.layout.world, &g_).ok());
+      : MoeComputeBase(p, cfg, pieces, seed) {
     ng_ = moe_node_geometry(g_, p.layout.local());
   }
   size_t units(int) const override { return 2; }  // repack, layout
@@ -433,45 +452,20 @@ class MoeHierCompute : public comm::ReplayCompute {
     return w.data() + (unit == 0 ? 0 : pl.repack_waits);
   }
   std::string unit_name(int, size_t unit) const override { return unit == 0 ? "repack" : "layout"; }
-  void world(int e, World* wd) const { make_world(cfg_, p_.layout.world, MoeRouting(e % 5), test::mix(seed_, uint64_t(e)), wd); }
-
   void start_call(comm::Replay& r, int me, int e) override {
     World wd;
     world(e, &wd);
     const comm::Layout& L = p_.layout;
-    const int P = moe_pieces(g_.slot_bytes, pieces_), NP = moe_pieces(ng_.nslot_bytes, pieces_);
-    std::vector<uint8_t> slot(size_t(std::max(g_.slot_bytes, ng_.nslot_bytes)));
-    for (int d : L.node_ranks[L.node_of[me]]) {
-      pack_record_slot(g_, me, d, wd.x[me].data(), wd.ids[me].data(), wd.routes[me], slot.data());
-      uint8_t* m = r.mem(me, comm::BufRef{d == me ? MoeBuf::kRecv : MoeBuf::kSend, me,
-                                          uint64_t(d) * uint64_t(g_.slot_bytes)}, uint64_t(g_.slot_bytes));
-      if (!m) return;
-      memcpy(m, slot.data(), size_t(g_.slot_bytes));
-      if (d == me) continue;
-      uint64_t used;
-      memcpy(&used, slot.data(), 8);
-      uint8_t* pc = r.mem(me, comm::BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(d) * P}, 8ull * P);
-      if (!pc) return;
-      for (int q = 0; q < P; ++q) {
-        const uint64_t v = moe_piece_count(g_.slot_bytes, pieces_, q, used);
-        memcpy(pc + 8 * q, &v, 8);
-      }
-    }
+    if (!put_record_slots(r, me, wd, L.node_ranks[L.node_of[me]])) return;
+    const int NP = moe_pieces(ng_.nslot_bytes, pieces_);
+    std::vector<uint8_t> slot(size_t(ng_.nslot_bytes));
     for (int n = 0; n < L.nodes(); ++n) {
       if (n == L.node_of[me]) continue;
       pack_node_slot(g_, ng_, L, me, n, wd.x[me].data(), wd.ids[me].data(), wd.routes[me], slot.data());
-      uint8_t* m = r.mem(me, comm::BufRef{MoeBuf::kNSend, me, uint64_t(n) * uint64_t(ng_.nslot_bytes)},
-                         uint64_t(ng_.nslot_bytes));
-      if (!m) return;
-      memcpy(m, slot.data(), size_t(ng_.nslot_bytes));
-      uint64_t used;
-      memcpy(&used, slot.data(), 8);
-      uint8_t* pc = r.mem(me, comm::BufRef{MoeBuf::kNPieceBytes, me, 8ull * uint64_t(n) * NP}, 8ull * NP);
-      if (!pc) return;
-      for (int q = 0; q < NP; ++q) {
-        const uint64_t v = moe_piece_count(ng_.nslot_bytes, pieces_, q, used);
-        memcpy(pc + 8 * q, &v, 8);
-      }
+      const comm::BufRef counts{MoeBuf::kNPieceBytes, me, 8ull * uint64_t(n) * NP};
+      if (!put_slot(r, me, comm::BufRef{MoeBuf::kNSend, me, uint64_t(n) * uint64_t(ng_.nslot_bytes)}, slot,
+                    ng_.nslot_bytes, &counts))
+        return;
     }
   }
   bool run(comm::Replay& r, int me, size_t unit, int) override {
@@ -515,11 +509,6 @@ class MoeHierCompute : public comm::ReplayCompute {
   }
 
  private:
-  const comm::Program& p_;
-  MoeConfig cfg_;
-  int pieces_;
-  uint64_t seed_;
-  MoeGeometry g_;
   MoeNodeGeometry ng_;
 };
 

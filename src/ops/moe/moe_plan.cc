@@ -290,6 +290,146 @@ using comm::Wait;
 
 FlagRef flag(comm::RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
 
+void declare(comm::Program& p, const char* name, uint64_t bytes, comm::Space space, bool network,
+             BufId mirror_of = comm::kNoBuf, bool token = false) {
+  comm::BufDecl d;
+  d.name = name;
+  d.bytes = bytes;
+  d.space = space;
+  d.network = network;
+  d.mirror_of = mirror_of;
+  d.rank_token = token;
+  p.add_buf(d);
+}
+
+// The buffers every MoE program declares first (MoeBuf kSend .. kPieceBytes) and its regions.
+void declare_slots(comm::Program& p, uint64_t all, int pieces, bool direct) {
+  const int W = p.layout.world;
+  const bool staged = p.net_staged;
+  declare(p, "send", all, comm::Space::kSymmetric, direct);
+  declare(p, "recv", all, comm::Space::kSymmetric, direct);
+  declare(p, "token", (direct ? 8ull : 0ull) * W, comm::Space::kSymmetric, direct, comm::kNoBuf, true);
+  declare(p, "send_net", staged ? all : 0, comm::Space::kHost, staged, MoeBuf::kSend);
+  declare(p, "recv_net", staged ? all : 0, comm::Space::kHost, staged, MoeBuf::kRecv);
+  declare(p, "token_net", (staged ? 8ull : 0ull) * W, comm::Space::kHost, staged, MoeBuf::kToken, true);
+  declare(p, "piece_bytes", 8ull * W * pieces, comm::Space::kSymmetric, false);
+}
+void declare_regions(comm::Program& p, bool fwd) {
+  const uint32_t W = uint32_t(p.layout.world);
+  p.add_region("arrived", W, false);
+  p.add_region("arrived_net", W, true);
+  p.add_region("entry", W, false);
+  p.add_region("entry_net", W, true);
+  p.add_region("src_free", 1, true);
+  if (fwd) p.add_region("fwd", W, false);
+  p.place_regions();
+}
+
+// Entry: this rank's receive slots are free for this call (its previous unpack ran before this
+// call's runner, stream order) — source s may send. A device signal on the node, a token put
+// (raising entry_net there) across nodes.
+Op entry_op(const comm::Program& p, int me, int s, bool remote, const std::string& what, uint64_t* puts) {
+  Op op;
+  if (remote) {
+    const BufId tok = p.net_staged ? MoeBuf::kTokenNet : MoeBuf::kToken;
+    op.kind = OpKind::kNetPut;
+    op.srcs = {BufRef{tok, me, 8ull * me}};
+    op.dsts = {BufRef{tok, s, 8ull * me}};
+    op.bytes = 8;
+    op.peer = s;
+    op.remote_flag = flag(MoeRegion::kEntryNet, s, uint32_t(me));
+    op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
+    ++*puts;
+    op.what = what + " entry signal to rank " + std::to_string(s) + " (network)";
+  } else {
+    op.kind = OpKind::kSignal;
+    op.signals = {Signal{flag(MoeRegion::kEntry, s, uint32_t(me)), 1, true}};
+    op.what = what + " entry signal to rank " + std::to_string(s);
+  }
+  return op;
+}
+
+// One slot from this rank to rank `to`, in pieces of moe_piece_bytes: the run-time count of piece
+// pc at `counts` + 8 pc. Across nodes a put (staged: from src_net to dst_net) raising
+// arrived_net[me] there; on the node a copy raising arrived[me] there.
+struct SlotMove {
+  int me = 0, to = 0;
+  bool remote = false;
+  BufRef src, dst, counts;
+  BufId src_net = comm::kNoBuf, dst_net = comm::kNoBuf;
+  int64_t slot_bytes = 0;
+  int pieces = 1;  // requested (moe_pieces)
+  std::string label, suffix;  // "<label>[ piece i]<suffix>"
+};
+void add_slot_pieces(const comm::Program& p, comm::RankProgram& rp, const SlotMove& m, uint64_t* puts) {
+  const int P = moe_pieces(m.slot_bytes, m.pieces);
+  const int64_t pb = moe_piece_bytes(m.slot_bytes, m.pieces);
+  for (int pc = 0; pc < P; ++pc) {
+    const uint64_t off = uint64_t(pc) * uint64_t(pb);
+    Op op;
+    op.bytes = uint64_t(std::min<int64_t>(pb, m.slot_bytes - int64_t(off)));
+    op.count_at = m.counts;
+    op.count_at.offset += 8ull * pc;
+    BufRef src = m.src, dst = m.dst;
+    src.offset += off;
+    dst.offset += off;
+    op.srcs = {src};
+    op.dsts = {dst};
+    op.what = m.label + (P > 1 ? " piece " + std::to_string(pc) : std::string()) + m.suffix;
+    if (m.remote) {
+      op.kind = OpKind::kNetPut;
+      op.waits = {Wait{flag(MoeRegion::kEntryNet, m.me, uint32_t(m.to)), 1, m.to}};
+      if (p.net_staged) {
+        op.stage_src = op.srcs[0];
+        op.srcs[0].buf = m.src_net;
+        op.dsts[0].buf = m.dst_net;
+      }
+      op.peer = m.to;
+      op.remote_flag = flag(MoeRegion::kArrivedNet, m.to, uint32_t(m.me));
+      op.local_flag = flag(MoeRegion::kSrcFree, m.me, 0);
+      ++*puts;
+    } else {
+      op.kind = OpKind::kCopy;
+      op.waits = {Wait{flag(MoeRegion::kEntry, m.me, uint32_t(m.to)), 1, m.to}};
+      op.signals = {Signal{flag(MoeRegion::kArrived, m.to, uint32_t(m.me)), 1, true}};
+    }
+    rp.ops.push_back(op);
+  }
+}
+
+// A slot from rank s on another node is here once all its `pieces` puts landed: staged, copied
+// from its host mirror (`mirror`, byte count at its start) into `slot`; then arrived[s].
+Op relay_op(const comm::Program& p, int me, int s, BufRef mirror, BufRef slot, uint64_t bytes, uint64_t pieces,
+            const std::string& label) {
+  Op op;
+  op.waits = {Wait{flag(MoeRegion::kArrivedNet, me, uint32_t(s)), pieces, s}};
+  op.signals = {Signal{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, true}};
+  if (p.net_staged) {
+    op.kind = OpKind::kCopy;
+    op.srcs = {mirror};
+    op.dsts = {slot};
+    op.bytes = bytes;
+    op.count_at = mirror;
+    op.what = label + " of rank " + std::to_string(s) + " from the host mirror";
+  } else {
+    op.kind = OpKind::kSignal;
+    op.what = label + " of rank " + std::to_string(s) + " landed";
+  }
+  return op;
+}
+
+// The call ends once every slot is here (waits: source and how many raises of arrived) and the
+// proxy finished reading this call's sources.
+Op final_op(int me, const std::vector<std::pair<int, uint64_t>>& arrivals, uint64_t puts, const std::string& what) {
+  Op op;
+  op.kind = OpKind::kSignal;
+  for (const auto& a : arrivals)
+    op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(a.first)), a.second, a.first});
+  if (puts) op.waits.push_back(Wait{flag(MoeRegion::kSrcFree, me, 0), puts, me});
+  op.what = what;
+  return op;
+}
+
 }  // namespace
 
 int64_t moe_piece_bytes(int64_t slot_bytes, int pieces) {
@@ -313,38 +453,13 @@ Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pie
   MK_REQUIRE(W >= 1 && slot_bytes > 0 && slot_bytes % 16 == 0 && pieces_req >= 1, Code::kInvalidArgument,
              "moe: bad %s slot of %lld bytes in %d pieces", what.c_str(), (long long)slot_bytes, pieces_req);
   const int P = moe_pieces(slot_bytes, pieces_req);
-  const int64_t pb = moe_piece_bytes(slot_bytes, pieces_req);
   comm::Program& p = *out;
   p = comm::Program{};
   p.layout = layout;
   const bool net = layout.nodes() > 1;
   p.net_staged = staged && net;
-  const bool direct = net && !p.net_staged;
-  auto buf = [&](const char* name, uint64_t bytes, comm::Space space, bool network, BufId mirror_of = comm::kNoBuf,
-                 bool token = false) {
-    comm::BufDecl d;
-    d.name = name;
-    d.bytes = bytes;
-    d.space = space;
-    d.network = network;
-    d.mirror_of = mirror_of;
-    d.rank_token = token;
-    p.add_buf(d);
-  };
-  const uint64_t all = uint64_t(W) * uint64_t(slot_bytes);
-  buf("send", all, comm::Space::kSymmetric, direct);
-  buf("recv", all, comm::Space::kSymmetric, direct);
-  buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, comm::kNoBuf, true);
-  buf("send_net", p.net_staged ? all : 0, comm::Space::kHost, p.net_staged, MoeBuf::kSend);
-  buf("recv_net", p.net_staged ? all : 0, comm::Space::kHost, p.net_staged, MoeBuf::kRecv);
-  buf("token_net", p.net_staged ? 8ull * W : 0, comm::Space::kHost, p.net_staged, MoeBuf::kToken, true);
-  buf("piece_bytes", 8ull * W * P, comm::Space::kSymmetric, false);
-  p.add_region("arrived", uint32_t(W), false);
-  p.add_region("arrived_net", uint32_t(W), true);
-  p.add_region("entry", uint32_t(W), false);
-  p.add_region("entry_net", uint32_t(W), true);
-  p.add_region("src_free", 1, true);
-  p.place_regions();
+  declare_slots(p, uint64_t(W) * uint64_t(slot_bytes), P, net && !p.net_staged);
+  declare_regions(p, false);
   p.ranks.resize(W);
   auto slot = [&](BufId b, int rank, int index) { return BufRef{b, rank, uint64_t(index) * uint64_t(slot_bytes)}; };
   auto remote = [&](int a, int b) { return layout.node_of[a] != layout.node_of[b]; };
@@ -353,110 +468,37 @@ Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pie
     rp.rank = me;
     if (W == 1) continue;
     uint64_t puts = 0;
-    // Entry: this rank's receive slots are free for this call (its previous unpack ran before
-    // this call's runner, stream order): every source may send.
     for (int d = 1; d < W; ++d) {
       const int s = (me + W - d) % W;
-      Op op;
-      if (remote(me, s)) {
-        const BufId tok = p.net_staged ? MoeBuf::kTokenNet : MoeBuf::kToken;
-        op.kind = OpKind::kNetPut;
-        op.srcs = {BufRef{tok, me, 8ull * me}};
-        op.dsts = {BufRef{tok, s, 8ull * me}};
-        op.bytes = 8;
-        op.peer = s;
-        op.remote_flag = flag(MoeRegion::kEntryNet, s, uint32_t(me));
-        op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
-        ++puts;
-        op.what = what + " entry signal to rank " + std::to_string(s) + " (network)";
-      } else {
-        op.kind = OpKind::kSignal;
-        op.signals = {Signal{flag(MoeRegion::kEntry, s, uint32_t(me)), 1, true}};
-        op.what = what + " entry signal to rank " + std::to_string(s);
-      }
-      rp.ops.push_back(op);
+      rp.ops.push_back(entry_op(p, me, s, remote(me, s), what, &puts));
     }
     // The slots, nearest destinations first in rotation (ranks do not all start on one peer),
     // piece by piece.
     for (int d = 1; d < W; ++d) {
       const int r = (me + d) % W;
-      for (int pc = 0; pc < P; ++pc) {
-        const uint64_t off = uint64_t(pc) * uint64_t(pb);
-        Op op;
-        op.bytes = uint64_t(std::min<int64_t>(pb, slot_bytes - int64_t(off)));
-        op.count_at = BufRef{MoeBuf::kPieceBytes, me, 8ull * (uint64_t(r) * P + pc)};
-        BufRef src = slot(MoeBuf::kSend, me, r), dst = slot(MoeBuf::kRecv, r, me);
-        src.offset += off;
-        dst.offset += off;
-        const std::string piece = P > 1 ? " piece " + std::to_string(pc) : "";
-        if (remote(me, r)) {
-          op.kind = OpKind::kNetPut;
-          op.waits = {Wait{flag(MoeRegion::kEntryNet, me, uint32_t(r)), 1, r}};
-          op.srcs = {src};
-          op.dsts = {dst};
-          if (p.net_staged) {
-            op.stage_src = op.srcs[0];
-            op.srcs[0].buf = MoeBuf::kSendNet;
-            op.dsts[0].buf = MoeBuf::kRecvNet;
-          }
-          op.peer = r;
-          op.remote_flag = flag(MoeRegion::kArrivedNet, r, uint32_t(me));
-          op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
-          ++puts;
-          op.what = what + " slot" + piece + " to rank " + std::to_string(r) + " (network)";
-        } else {
-          op.kind = OpKind::kCopy;
-          op.waits = {Wait{flag(MoeRegion::kEntry, me, uint32_t(r)), 1, r}};
-          op.srcs = {src};
-          op.dsts = {dst};
-          op.signals = {Signal{flag(MoeRegion::kArrived, r, uint32_t(me)), 1, true}};
-          op.what = what + " slot" + piece + " to rank " + std::to_string(r);
-        }
-        rp.ops.push_back(op);
-      }
+      SlotMove m;
+      m.me = me, m.to = r, m.remote = remote(me, r);
+      m.src = slot(MoeBuf::kSend, me, r);
+      m.dst = slot(MoeBuf::kRecv, r, me);
+      m.counts = BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(r) * P};
+      m.src_net = MoeBuf::kSendNet, m.dst_net = MoeBuf::kRecvNet;
+      m.slot_bytes = slot_bytes, m.pieces = pieces_req;
+      m.label = what + " slot";
+      m.suffix = " to rank " + std::to_string(r) + (m.remote ? " (network)" : "");
+      add_slot_pieces(p, rp, m, &puts);
     }
-    // Slots from other nodes: staged ones from the host mirror into the slot.
+    std::vector<std::pair<int, uint64_t>> arrivals;
     for (int d = 1; d < W; ++d) {
       const int s = (me + W - d) % W;
-      if (!remote(me, s)) continue;
-      Op op;
-      op.waits = {Wait{flag(MoeRegion::kArrivedNet, me, uint32_t(s)), uint64_t(P), s}};
-      op.signals = {Signal{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, true}};
-      if (p.net_staged) {
-        op.kind = OpKind::kCopy;
-        op.srcs = {slot(MoeBuf::kRecvNet, me, s)};
-        op.dsts = {slot(MoeBuf::kRecv, me, s)};
-        op.bytes = uint64_t(slot_bytes);
-        op.count_at = slot(MoeBuf::kRecvNet, me, s);
-        op.what = what + " slot of rank " + std::to_string(s) + " from the host mirror";
-      } else {
-        op.kind = OpKind::kSignal;
-        op.what = what + " slot of rank " + std::to_string(s) + " landed";
-      }
-      rp.ops.push_back(op);
+      arrivals.push_back({s, remote(me, s) ? 1 : uint64_t(P)});
+      if (remote(me, s))
+        rp.ops.push_back(relay_op(p, me, s, slot(MoeBuf::kRecvNet, me, s), slot(MoeBuf::kRecv, me, s),
+                                  uint64_t(slot_bytes), uint64_t(P), what + " slot"));
     }
-    // The call ends once every slot is here (the unpack after the runner reads them) and the
-    // proxy finished reading this call's sources.
-    {
-      Op op;
-      op.kind = OpKind::kSignal;
-      for (int d = 1; d < W; ++d) {
-        const int s = (me + W - d) % W;
-        op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), remote(me, s) ? 1 : uint64_t(P), s});
-      }
-      if (puts) op.waits.push_back(Wait{flag(MoeRegion::kSrcFree, me, 0), puts, me});
-      op.what = what + ": every slot arrived";
-      rp.ops.push_back(op);
-    }
+    rp.ops.push_back(final_op(me, arrivals, puts, what + ": every slot arrived"));
   }
   return OkStatus();
 }
-
-}  // namespace ops
-}  // namespace mk
-
-namespace mk {
-namespace ops {
 
 MoeHierPools moe_hier_pools(const comm::Layout& layout, int me) {
   MoeHierPools p;
@@ -477,43 +519,26 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
              Code::kInvalidArgument, "moe: bad hierarchical program (%d nodes, slots %lld / %lld bytes)", NN,
              (long long)slot_bytes, (long long)nslot_bytes);
   const int P = moe_pieces(slot_bytes, pieces_req), NP = moe_pieces(nslot_bytes, pieces_req);
-  const int64_t pb = moe_piece_bytes(slot_bytes, pieces_req), npb = moe_piece_bytes(nslot_bytes, pieces_req);
   comm::Program& p = *out;
   p = comm::Program{};
   p.layout = layout;
   p.net_staged = staged;
   const bool direct = !staged;
-  auto buf = [&](const char* name, uint64_t bytes, comm::Space space, bool network, BufId mirror_of = comm::kNoBuf,
-                 bool token = false) {
-    comm::BufDecl d;
-    d.name = name;
-    d.bytes = bytes;
-    d.space = space;
-    d.network = network;
-    d.mirror_of = mirror_of;
-    d.rank_token = token;
-    p.add_buf(d);
-  };
-  const uint64_t all = uint64_t(W) * uint64_t(slot_bytes), nall = uint64_t(NN) * uint64_t(nslot_bytes);
-  buf("send", all, comm::Space::kSymmetric, false);
-  buf("recv", all, comm::Space::kSymmetric, false);
-  buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, comm::kNoBuf, true);
-  buf("send_net", 0, comm::Space::kHost, false, MoeBuf::kSend);
-  buf("recv_net", 0, comm::Space::kHost, false, MoeBuf::kRecv);
-  buf("token_net", staged ? 8ull * W : 0, comm::Space::kHost, staged, MoeBuf::kToken, true);
-  buf("piece_bytes", 8ull * W * P, comm::Space::kSymmetric, false);
-  buf("nsend", nall, comm::Space::kSymmetric, direct);
-  buf("nrecv", nall, comm::Space::kSymmetric, direct);
-  buf("nsend_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNSend);
-  buf("nrecv_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNRecv);
-  buf("npiece_bytes", 8ull * NN * NP, comm::Space::kSymmetric, false);
-  p.add_region("arrived", uint32_t(W), false);
-  p.add_region("arrived_net", uint32_t(W), true);
-  p.add_region("entry", uint32_t(W), false);
-  p.add_region("entry_net", uint32_t(W), true);
-  p.add_region("src_free", 1, true);
-  p.add_region("fwd", uint32_t(W), false);
-  p.place_regions();
+  const uint64_t nall = uint64_t(NN) * uint64_t(nslot_bytes);
+  // The record slots stay on the node (no network windows, no mirrors); node slots cross.
+  declare_slots(p, uint64_t(W) * uint64_t(slot_bytes), P, false);
+  p.bufs[MoeBuf::kToken].bytes = direct ? 8ull * W : 0;
+  p.bufs[MoeBuf::kToken].network = direct;
+  p.bufs[MoeBuf::kTokenNet].bytes = staged ? 8ull * W : 0;
+  p.bufs[MoeBuf::kTokenNet].network = staged;
+  p.bufs[MoeBuf::kSendNet].network = p.bufs[MoeBuf::kRecvNet].network = false;
+  p.bufs[MoeBuf::kSendNet].bytes = p.bufs[MoeBuf::kRecvNet].bytes = 0;
+  declare(p, "nsend", nall, comm::Space::kSymmetric, direct);
+  declare(p, "nrecv", nall, comm::Space::kSymmetric, direct);
+  declare(p, "nsend_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNSend);
+  declare(p, "nrecv_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNRecv);
+  declare(p, "npiece_bytes", 8ull * NN * NP, comm::Space::kSymmetric, false);
+  declare_regions(p, true);
   p.ranks.resize(W);
   for (int me = 0; me < W; ++me) {
     comm::RankProgram& rp = p.ranks[me];
@@ -524,99 +549,45 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
     for (int n = 0; n < NN; ++n)
       if (n != N) twins.push_back(layout.node_ranks[n][L]);
     uint64_t puts = 0;
-    for (int s : mine) {
-      if (s == me) continue;
-      Op op;
-      op.kind = OpKind::kSignal;
-      op.signals = {Signal{flag(MoeRegion::kEntry, s, uint32_t(me)), 1, true}};
-      op.what = "dispatch entry signal to rank " + std::to_string(s);
-      rp.ops.push_back(op);
-    }
-    for (int s : twins) {
-      Op op;
-      const BufId tok = staged ? MoeBuf::kTokenNet : MoeBuf::kToken;
-      op.kind = OpKind::kNetPut;
-      op.srcs = {BufRef{tok, me, 8ull * me}};
-      op.dsts = {BufRef{tok, s, 8ull * me}};
-      op.bytes = 8;
-      op.peer = s;
-      op.remote_flag = flag(MoeRegion::kEntryNet, s, uint32_t(me));
-      op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
-      ++puts;
-      op.what = "dispatch entry signal to rank " + std::to_string(s) + " (network)";
-      rp.ops.push_back(op);
-    }
+    for (int s : mine)
+      if (s != me) rp.ops.push_back(entry_op(p, me, s, false, "dispatch", &puts));
+    for (int s : twins) rp.ops.push_back(entry_op(p, me, s, true, "dispatch", &puts));
     // Node slots first (the network is the long pole), then the node's own slots.
     for (int s : twins) {
       const int n = layout.node_of[s];
-      for (int pc = 0; pc < NP; ++pc) {
-        const uint64_t off = uint64_t(pc) * uint64_t(npb);
-        Op op;
-        op.kind = OpKind::kNetPut;
-        op.bytes = uint64_t(std::min<int64_t>(npb, nslot_bytes - int64_t(off)));
-        op.count_at = BufRef{MoeBuf::kNPieceBytes, me, 8ull * (uint64_t(n) * NP + pc)};
-        op.waits = {Wait{flag(MoeRegion::kEntryNet, me, uint32_t(s)), 1, s}};
-        op.srcs = {BufRef{MoeBuf::kNSend, me, uint64_t(n) * uint64_t(nslot_bytes) + off}};
-        op.dsts = {BufRef{MoeBuf::kNRecv, s, uint64_t(N) * uint64_t(nslot_bytes) + off}};
-        if (staged) {
-          op.stage_src = op.srcs[0];
-          op.srcs[0].buf = MoeBuf::kNSendNet;
-          op.dsts[0].buf = MoeBuf::kNRecvNet;
-        }
-        op.peer = s;
-        op.remote_flag = flag(MoeRegion::kArrivedNet, s, uint32_t(me));
-        op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
-        ++puts;
-        op.what = "dispatch node slot" + (NP > 1 ? " piece " + std::to_string(pc) : std::string()) + " to rank " +
-                  std::to_string(s) + " (node " + std::to_string(n) + ", network)";
-        rp.ops.push_back(op);
-      }
+      SlotMove m;
+      m.me = me, m.to = s, m.remote = true;
+      m.src = BufRef{MoeBuf::kNSend, me, uint64_t(n) * uint64_t(nslot_bytes)};
+      m.dst = BufRef{MoeBuf::kNRecv, s, uint64_t(N) * uint64_t(nslot_bytes)};
+      m.counts = BufRef{MoeBuf::kNPieceBytes, me, 8ull * uint64_t(n) * NP};
+      m.src_net = MoeBuf::kNSendNet, m.dst_net = MoeBuf::kNRecvNet;
+      m.slot_bytes = nslot_bytes, m.pieces = pieces_req;
+      m.label = "dispatch node slot";
+      m.suffix = " to rank " + std::to_string(s) + " (node " + std::to_string(n) + ", network)";
+      add_slot_pieces(p, rp, m, &puts);
     }
     for (int d = 1; d < int(mine.size()); ++d) {
       const int r = mine[(L + d) % mine.size()];
-      for (int pc = 0; pc < P; ++pc) {
-        const uint64_t off = uint64_t(pc) * uint64_t(pb);
-        Op op;
-        op.kind = OpKind::kCopy;
-        op.bytes = uint64_t(std::min<int64_t>(pb, slot_bytes - int64_t(off)));
-        op.count_at = BufRef{MoeBuf::kPieceBytes, me, 8ull * (uint64_t(r) * P + pc)};
-        op.waits = {Wait{flag(MoeRegion::kEntry, me, uint32_t(r)), 1, r}};
-        op.srcs = {BufRef{MoeBuf::kSend, me, uint64_t(r) * uint64_t(slot_bytes) + off}};
-        op.dsts = {BufRef{MoeBuf::kRecv, r, uint64_t(me) * uint64_t(slot_bytes) + off}};
-        op.signals = {Signal{flag(MoeRegion::kArrived, r, uint32_t(me)), 1, true}};
-        op.what = "dispatch slot" + (P > 1 ? " piece " + std::to_string(pc) : std::string()) + " to rank " +
-                  std::to_string(r);
-        rp.ops.push_back(op);
-      }
+      SlotMove m;
+      m.me = me, m.to = r, m.remote = false;
+      m.src = BufRef{MoeBuf::kSend, me, uint64_t(r) * uint64_t(slot_bytes)};
+      m.dst = BufRef{MoeBuf::kRecv, r, uint64_t(me) * uint64_t(slot_bytes)};
+      m.counts = BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(r) * P};
+      m.slot_bytes = slot_bytes, m.pieces = pieces_req;
+      m.label = "dispatch slot";
+      m.suffix = " to rank " + std::to_string(r);
+      add_slot_pieces(p, rp, m, &puts);
     }
     for (int s : twins) {
-      const int n = layout.node_of[s];
-      Op op;
-      op.waits = {Wait{flag(MoeRegion::kArrivedNet, me, uint32_t(s)), uint64_t(NP), s}};
-      op.signals = {Signal{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, true}};
-      if (staged) {
-        op.kind = OpKind::kCopy;
-        op.srcs = {BufRef{MoeBuf::kNRecvNet, me, uint64_t(n) * uint64_t(nslot_bytes)}};
-        op.dsts = {BufRef{MoeBuf::kNRecv, me, uint64_t(n) * uint64_t(nslot_bytes)}};
-        op.bytes = uint64_t(nslot_bytes);
-        op.count_at = op.srcs[0];
-        op.what = "dispatch node slot of rank " + std::to_string(s) + " from the host mirror";
-      } else {
-        op.kind = OpKind::kSignal;
-        op.what = "dispatch node slot of rank " + std::to_string(s) + " landed";
-      }
-      rp.ops.push_back(op);
+      const uint64_t off = uint64_t(layout.node_of[s]) * uint64_t(nslot_bytes);
+      rp.ops.push_back(relay_op(p, me, s, BufRef{MoeBuf::kNRecvNet, me, off}, BufRef{MoeBuf::kNRecv, me, off},
+                                uint64_t(nslot_bytes), uint64_t(NP), "dispatch node slot"));
     }
-    {
-      Op op;
-      op.kind = OpKind::kSignal;
-      for (int s : mine)
-        if (s != me) op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), uint64_t(P), s});
-      for (int s : twins) op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, s});
-      if (puts) op.waits.push_back(Wait{flag(MoeRegion::kSrcFree, me, 0), puts, me});
-      op.what = "dispatch: every slot of the node and every node slot arrived";
-      rp.ops.push_back(op);
-    }
+    std::vector<std::pair<int, uint64_t>> arrivals;
+    for (int s : mine)
+      if (s != me) arrivals.push_back({s, uint64_t(P)});
+    for (int s : twins) arrivals.push_back({s, 1});
+    rp.ops.push_back(final_op(me, arrivals, puts, "dispatch: every slot of the node and every node slot arrived"));
     // The kernels' pools (moe_plan.h): repack waits, layout waits, repack signals.
     for (int d : mine)
       if (d != me) rp.waits.push_back(Wait{flag(MoeRegion::kEntry, me, uint32_t(d)), 1, d});
