@@ -28,8 +28,7 @@ struct MoeState {
   // several times before a combine (the combine follows the last dispatch).
   std::unique_ptr<comm::OpSession> dses, cses;
   comm::Program dprog, cprog;
-  MoeLaunch l;
-  MoeRouteState own;  // the operator's own handle's arrays
+  MoeLaunch l;  // with the operator's own handle's routing arrays
   bool hier = false;
   MoeNodeGeometry ng;
   MoeErrorRecord* err_host = nullptr;  // pinned, mapped
@@ -90,6 +89,10 @@ Status alloc_route_state(const MoeGeometry& g, int nodes, int nchunks, bool hier
   return OkStatus();
 }
 
+// The launch of a call: the operator's own, or — for a caller's handle — a copy with that
+// handle's routing arrays (in *scratch).
+const MoeLaunch& launch_for(const MoeState& st, const MoeHandleState* h, MoeLaunch* scratch);
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 int default_pieces(int comm_ctas, int W) { return std::max(1, std::min(32, (comm_ctas + W - 2) / std::max(1, W - 1))); }
@@ -101,12 +104,11 @@ bool use_hier(const MoeConfig& cfg, MoeMode mode, int nodes, int local) {
   return cfg.max_tokens_per_rank > 256;
 }
 
-int64_t scratch_bytes(const MoeGeometry& g, int nchunks) {
-  const int64_t B = g.E + 2 * g.W;
-  const int64_t tk = g.T * g.k;
-  return 4 * (4 * tk) + 4 * tk /*weights*/ + 4 * (int64_t(nchunks) * B + B) + 4 + 4 * (2 * g.El + 1) +
-         4 * (int64_t(g.W) * g.El + 2 * g.W) + 8 * g.recv_rows;
+// Tokens per route chunk (one warp counts a chunk in order): about 128 chunks, 8..64 tokens.
+int route_chunk_tokens(const MoeGeometry& g) {
+  return int(std::max<int64_t>(8, std::min<int64_t>(64, (g.T + 127) / 128)));
 }
+int route_chunks(const MoeGeometry& g) { return int((g.T + route_chunk_tokens(g) - 1) / route_chunk_tokens(g)); }
 
 }  // namespace
 
@@ -126,9 +128,15 @@ Status MoeEp::buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool stag
     m.symmetric_bytes += nodes;
     if (staged) m.host_bytes = nodes + comb;  // node slots and combine slots cross the network
   }
-  const int ct = int(std::max<int64_t>(8, std::min<int64_t>(64, (g.T + 127) / 128)));
-  const int nchunks = int((g.T + ct - 1) / ct);
-  m.private_bytes = uint64_t(scratch_bytes(g, nchunks));
+  // The operator's own handle: what alloc_route_state takes (counted, not allocated).
+  MoeRouteState counted;
+  MK_CHECK(alloc_route_state(g, topo.num_nodes, route_chunks(g), use_hier(cfg, mode, topo.num_nodes, topo.local_size),
+                             [&](size_t bytes, void** p) {
+                               m.private_bytes += bytes;
+                               *p = nullptr;
+                               return OkStatus();
+                             },
+                             &counted));
   m.recv_rows = g.recv_rows;
   *out = m;
   return OkStatus();
@@ -182,9 +190,8 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
     l.W = W, l.me = me, l.E = g.E, l.El = g.El, l.k = g.k, l.align = g.align;
     l.H = g.H, l.T = g.T, l.row_bytes = g.row_bytes, l.rec_bytes = g.rec_bytes, l.hdr_bytes = g.hdr_bytes;
     l.slot_bytes = g.slot_bytes, l.chdr_bytes = g.chdr_bytes, l.cslot_bytes = g.cslot_bytes, l.recv_rows = g.recv_rows;
-    // Tokens per route chunk (one warp counts a chunk in order): about 128 chunks, 8..64 tokens.
-    l.chunk_tokens = int(std::max<int64_t>(8, std::min<int64_t>(64, (g.T + 127) / 128)));
-    l.nchunks = int((g.T + l.chunk_tokens - 1) / l.chunk_tokens);
+    l.chunk_tokens = route_chunk_tokens(g);
+    l.nchunks = route_chunks(g);
     l.comm_ctas = comm_ctas;
     l.dP = moe_pieces(g.slot_bytes, pieces), l.dpb = moe_piece_bytes(g.slot_bytes, pieces);
     l.cP = moe_pieces(g.cslot_bytes, pieces), l.cpb = moe_piece_bytes(g.cslot_bytes, pieces);
@@ -204,9 +211,10 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
       *p = static_cast<std::remove_reference_t<decltype(**p)>*>(v);
       return OkStatus();
     };
+    MoeRouteState own;  // the session owns the memory
     MK_CHECK(alloc_route_state(g, layout.nodes(), l.nchunks, st->hier,
-                               [&](size_t bytes, void** p) { return d.alloc_zeroed(bytes, p); }, &st->own));
-    set_route_state(l, st->own);
+                               [&](size_t bytes, void** p) { return d.alloc_zeroed(bytes, p); }, &own));
+    set_route_state(l, own);
     MK_CHECK(alloc(4, &l.err_claim));
     MK_CHECK(alloc(4, &l.scan_done));
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->err_host), sizeof(MoeErrorRecord),
@@ -248,6 +256,7 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
     }
     MK_CHECK(c.resolve(st->cprog, st->cprog.ranks[me], &r));
     l.chooks = r.hooks;
+    MK_CHECK(moe_prepare_launch(l));
     MK_CUDA_CHECK(cudaDeviceSynchronize());
     return OkStatus();
   };
@@ -307,6 +316,15 @@ Status MoeEp::check() const {
   }
 }
 
+namespace {
+const MoeLaunch& launch_for(const MoeState& st, const MoeHandleState* h, MoeLaunch* scratch) {
+  if (!h) return st.l;
+  *scratch = st.l;
+  set_route_state(*scratch, h->r);
+  return *scratch;
+}
+}  // namespace
+
 Status MoeEp::create_handle(std::unique_ptr<MoeHandle>* out) {
   MoeState* st = st_.get();
   MK_REQUIRE(out, Code::kInvalidArgument, "moe: null output");
@@ -342,9 +360,9 @@ Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaSt
   MK_REQUIRE(!handle || (handle->st_ && handle->st_->owner == st), Code::kInvalidArgument,
              "moe dispatch: the handle belongs to another operator");
   MK_CHECK(st->dses->check_call());
-  MoeLaunch l = st->l;
-  if (handle) set_route_state(l, handle->st_->r);
-  MK_CHECK(moe_dispatch_launch(l, a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens, o.recv_x, o.counts,
+  MoeLaunch with_handle;
+  MK_CHECK(moe_dispatch_launch(launch_for(*st, handle ? handle->st_.get() : nullptr, &with_handle), a.x, a.topk_ids,
+                               a.topk_weights, a.d_num_tokens, a.tokens, o.recv_x, o.counts,
                                o.offsets, stream));
   (handle ? handle->st_->dispatched : st->dispatched) = true;
   return OkStatus();
@@ -360,11 +378,11 @@ Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, c
   MK_REQUIRE(handle ? handle->st_->dispatched : st->dispatched, Code::kInvalidArgument,
              "moe combine: no dispatch into this handle before it");
   MK_REQUIRE(a.y && out, Code::kInvalidArgument, "moe combine: null y or out");
-  MK_REQUIRE(aligned16(a.y) && aligned16(out), Code::kInvalidArgument, "moe combine: y and out must be 16-byte aligned");
+  MK_REQUIRE(aligned16(a.y) && aligned16(out), Code::kInvalidArgument,
+             "moe combine: y and out must be 16-byte aligned");
   MK_CHECK(st->cses->check_call());
-  MoeLaunch l = st->l;
-  if (handle) set_route_state(l, handle->st_->r);
-  return moe_combine_launch(l, a.y, out, stream);
+  MoeLaunch with_handle;
+  return moe_combine_launch(launch_for(*st, handle ? handle->st_.get() : nullptr, &with_handle), a.y, out, stream);
 }
 
 }  // namespace ops

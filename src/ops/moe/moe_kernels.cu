@@ -39,31 +39,12 @@ __device__ void report(const MoeLaunch& l, int32_t kind, int32_t token, int32_t 
   __threadfence_system();
 }
 
-// The bytes piece p of a slot with `used` bytes in use moves (moe_piece_count on the CPU).
-__device__ __forceinline__ uint64_t piece_count(int64_t slot_bytes, int64_t pb, int p, uint64_t used) {
-  const int64_t size = min(pb, slot_bytes - int64_t(p) * pb);
-  const int64_t left = int64_t(used) - int64_t(p) * pb;
-  const int64_t v = left < size ? left : size;
-  return uint64_t(v > 16 ? v : 16);
-}
-
 __device__ __forceinline__ bool valid_expert(const MoeLaunch& l, int32_t e) { return e >= 0 && e < l.E; }
 
-// dst[0, bytes) = src[0, bytes) by the CTA, four 16-byte loads in flight per thread.
+// dst[0, bytes) = src[0, bytes) by the CTA (kThreads threads): the communication executor's copy.
 __device__ __forceinline__ void copy_row(const char* src, char* dst, int64_t bytes) {
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  const int64_t n = bytes / 16, bd = blockDim.x;
-  constexpr int kU = 4;
-  int64_t i = threadIdx.x;
-  for (; i + (kU - 1) * bd < n; i += kU * bd) {
-    int4 v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) v[u] = s[i + u * bd];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) d[i + u * bd] = v[u];
-  }
-  for (; i < n; i += bd) d[i] = s[i];
+  void* d = dst;
+  copy_words<kThreads>(src, &d, 1, uint64_t(bytes), int(threadIdx.x));
 }
 
 // A row held in the CTA's registers (rows of at most kRowRegs * 16 * blockDim bytes), written to
@@ -232,7 +213,7 @@ __device__ void write_headers(const MoeLaunch& l) {
     if (r != l.me)
       for (int pc = 0; pc < l.dP; ++pc)
         l.dpiece[r * l.dP + pc] =
-            piece_count(l.slot_bytes, l.dpb, pc, uint64_t(l.hdr_bytes + int64_t(nrec) * l.rec_bytes));
+            moe_piece_count_of(l.slot_bytes, l.dpb, pc, uint64_t(l.hdr_bytes + int64_t(nrec) * l.rec_bytes));
   }
   for (int i = threadIdx.x; i < l.W * l.El; i += blockDim.x) {
     const int r = i / l.El, le = i % l.El;
@@ -250,7 +231,7 @@ __device__ void write_headers(const MoeLaunch& l) {
     *reinterpret_cast<uint64_t*>(ns) = used;
     reinterpret_cast<uint32_t*>(ns)[2] = uint32_t(nrec);
     reinterpret_cast<uint32_t*>(ns)[3] = 0;
-    for (int pc = 0; pc < l.nP; ++pc) l.npiece[n * l.nP + pc] = piece_count(l.nslot_bytes, l.npb, pc, used);
+    for (int pc = 0; pc < l.nP; ++pc) l.npiece[n * l.nP + pc] = moe_piece_count_of(l.nslot_bytes, l.npb, pc, used);
   }
   for (int i = threadIdx.x; i < l.nodes * l.local * (l.El + 2); i += blockDim.x) {
     const int n = i / (l.local * (l.El + 2)), rest = i % (l.local * (l.El + 2));
@@ -568,7 +549,7 @@ __global__ void __launch_bounds__(kThreads) combine_pack(MoeLaunch l, const char
       const uint64_t used = uint64_t(l.chdr_bytes + int64_t(l.ncomb[s]) * l.row_bytes);
       *reinterpret_cast<uint64_t*>(combine_slot(l, s)) = used;
       if (s != l.me)
-        for (int pc = 0; pc < l.cP; ++pc) l.cpiece[s * l.cP + pc] = piece_count(l.cslot_bytes, l.cpb, pc, used);
+        for (int pc = 0; pc < l.cP; ++pc) l.cpiece[s * l.cP + pc] = moe_piece_count_of(l.cslot_bytes, l.cpb, pc, used);
     }
   const int64_t rows = min(int64_t(l.offsets[l.El]), l.recv_rows);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -640,13 +621,23 @@ Status run_program(const FusedHooks& h, int ctas, cudaStream_t stream) {
 
 }  // namespace
 
+namespace {
+size_t route_smem(const MoeLaunch& l) { return size_t(moe_buckets(l)) * 4; }   // route_local's counters
+size_t layout_smem(const MoeLaunch& l) { return size_t(2 * l.El + 1) * 4; }   // layout's counts and offsets
+}  // namespace
+
+Status moe_prepare_launch(const MoeLaunch& l) {
+  if (route_smem(l) > 48 * 1024)
+    MK_CUDA_CHECK(cudaFuncSetAttribute(route_local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(l))));
+  if (layout_smem(l) > 48 * 1024)
+    MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
+  return OkStatus();
+}
+
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
                            cudaStream_t stream) {
-  const size_t smem = size_t(moe_buckets(l)) * 4;
-  if (smem > 48 * 1024)
-    MK_CUDA_CHECK(cudaFuncSetAttribute(route_local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  route_local<<<l.nchunks, 32, smem, stream>>>(l, ids, weights, d_n, tokens);
+  route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
   MK_CUDA_CHECK(cudaGetLastError());
   route_scan_headers<<<(moe_buckets(l) + 7) / 8, 256, 0, stream>>>(l);
   MK_CUDA_CHECK(cudaGetLastError());
@@ -661,10 +652,7 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
     repack<<<dim3(gx, l.nodes), kThreads, 0, stream>>>(l);
     MK_CUDA_CHECK(cudaGetLastError());
   }
-  const size_t lsmem = size_t(2 * l.El + 1) * 4;
-  if (lsmem > 48 * 1024)
-    MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lsmem)));
-  layout<<<1, 1024, lsmem, stream>>>(l, counts, offsets);
+  layout<<<1, 1024, layout_smem(l), stream>>>(l, counts, offsets);
   MK_CUDA_CHECK(cudaGetLastError());
   const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
   unpack<<<dim3(gx, l.W), kThreads, 0, stream>>>(l, static_cast<char*>(recv_x));
@@ -673,7 +661,8 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
 }
 
 Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStream_t stream) {
-  combine_pack<<<int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid))), kThreads, 0, stream>>>(l, static_cast<const char*>(y));
+  const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
+  combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y));
   MK_CUDA_CHECK(cudaGetLastError());
   MK_CHECK(run_program(l.chooks, l.comm_ctas, stream));
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));

@@ -6,6 +6,7 @@
 namespace mk {
 namespace ops {
 
+Status moe_prepare_launch(const MoeLaunch&) { return OkStatus(); }
 Status moe_dispatch_launch(const MoeLaunch&, const void*, const int32_t*, const float*, const int32_t*, int64_t, void*,
                            int32_t*, int32_t*, cudaStream_t) {
   return make_status(Code::kNotSupported, "moe: this build has no CUTLASS headers (the MoE kernels need them)");

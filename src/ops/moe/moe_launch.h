@@ -78,8 +78,8 @@ struct MoeLaunch {
   int32_t* nrecpos = nullptr;           // [T * k] node records' local ranks (first entry of a token per node)
   char* const* peer_recv = nullptr;     // [local] every rank of the node's receive slots (peer pointers)
   uint32_t rw0 = 0, rwn = 0, lw0 = 0, lwn = 0, rs0 = 0, rsn = 0;  // the pools (dhooks.waits / .signals)
-  int* repack_done = nullptr;
-  int* scan_done = nullptr;             // CTAs of the route scan that finished (the last writes the headers)           // CTAs of the repack that finished (the last raises the flags)
+  int* repack_done = nullptr;           // CTAs of the repack that finished (the last raises the flags)
+  int* scan_done = nullptr;             // CTAs of the route scan that finished (the last writes the headers)
   // the two programs (dispatch, combine); n_ops == 0: nothing to run (W == 1)
   FusedHooks dhooks{}, chooks{};
   int comm_ctas = 1;
@@ -104,6 +104,9 @@ inline void set_route_state(MoeLaunch& l, const MoeRouteState& r) {
 // Route buckets: experts, entries per rank, records per rank, then (hier) node records per node.
 MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W + (l.hier ? l.nodes : 0); }
 
+// Once per operator, before its first call: kernel attributes its geometry needs (shared memory
+// past 48 KiB for many experts).
+Status moe_prepare_launch(const MoeLaunch& l);
 // dispatch: route, pack, the program, unpack. x/ids/weights: the caller's; d_n: device count or
 // null (tokens); recv_x/counts/offsets: the caller's outputs.
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,

@@ -441,10 +441,7 @@ int moe_pieces(int64_t slot_bytes, int pieces) {
   return int((slot_bytes + pb - 1) / pb);
 }
 uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used) {
-  const int64_t pb = moe_piece_bytes(slot_bytes, pieces);
-  const int64_t size = std::min(pb, slot_bytes - int64_t(p) * pb);
-  const int64_t left = int64_t(used) - int64_t(p) * pb;
-  return uint64_t(std::max<int64_t>(16, std::min(left, size)));
+  return moe_piece_count_of(slot_bytes, moe_piece_bytes(slot_bytes, pieces), p, used);
 }
 
 Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pieces_req, bool staged,

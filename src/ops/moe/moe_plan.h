@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "mkernel/common/status.h"
+#include "mkernel/device/command.h"  // MK_HOST_DEVICE
 #include "mkernel/ops/moe.h"
 #include "src/comm/program.h"
 
@@ -152,7 +153,14 @@ MoeHierPools moe_hier_pools(const comm::Layout& layout, int me);
 // Bytes of each piece but the last (a multiple of 16), and the number of pieces actually used.
 int64_t moe_piece_bytes(int64_t slot_bytes, int pieces);
 int moe_pieces(int64_t slot_bytes, int pieces);
-// The count piece p of a slot with `used` bytes in use moves: clamp(used - p * pb, 16, piece size).
+// The count piece p (pieces of pb bytes) of a slot with `used` bytes in use moves:
+// clamp(used - p * pb, 16, piece size). The pack kernels write exactly this (host and device).
+MK_HOST_DEVICE inline uint64_t moe_piece_count_of(int64_t slot_bytes, int64_t pb, int p, uint64_t used) {
+  const int64_t size = slot_bytes - int64_t(p) * pb < pb ? slot_bytes - int64_t(p) * pb : pb;
+  const int64_t left = int64_t(used) - int64_t(p) * pb;
+  const int64_t v = left < size ? left : size;
+  return uint64_t(v > 16 ? v : 16);
+}
 uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used);
 
 }  // namespace ops
