@@ -30,6 +30,11 @@ elseif(NOT MK_CUTLASS_DIR)
     endif()
   endif()
 endif()
+# `pip install .` without the kernels would install a package whose every call fails.
+if(SKBUILD AND NOT (MK_CUTLASS_DIR AND EXISTS "${MK_CUTLASS_DIR}/cute/tensor.hpp"))
+  message(FATAL_ERROR "mkernel: pip install needs the CUTLASS 4.2 headers: set MK_CUTLASS_DIR to their include "
+                      "folder, or let the build requirement nvidia-cutlass provide them (found: '${MK_CUTLASS_DIR}')")
+endif()
 if(MK_CUTLASS_DIR AND EXISTS "${MK_CUTLASS_DIR}/cute/tensor.hpp")
   set(MK_HAVE_CUTLASS ON)
   add_library(mk_cutlass INTERFACE)

@@ -40,5 +40,8 @@ if ! command -v nvcc >/dev/null 2>&1; then
   fi
 fi
 
+# Compiler-cache keys independent of the build folder's path (relative to the tree, no working
+# directory): build/ here and build-pip/ of `pip install .` (scripts/python_setup.sh) share them.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$root} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 cmake -S . -B "$build" -G Ninja -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" ${MK_CMAKE_ARGS:-}
 ninja -C "$build" -j "$jobs"

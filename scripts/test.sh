@@ -3,12 +3,17 @@
 # report "skipped" on a machine without a GPU. Several ranks on one GPU run side by side
 # only under MPS (nvidia-cuda-mps-control -d); see docs/testing.md.
 #   MK_TEST_LABELS=regex  run only tests whose label matches (e.g. 'cpu|mpi')
+#   MK_SKIP_PYTHON=1      leave out scripts/python_setup.sh (torch, and the package by pip
+#                         install .): the torch tests then report skipped
 #   MK_SKIP_CONSUMER=1    leave out the last step: the CMake package check
 #                         (scripts/consumer_check.sh: install this build, build tests/consumer)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 "$root/scripts/setup.sh"
+if [[ ${MK_SKIP_PYTHON:-0} != 1 ]]; then
+  "$root/scripts/python_setup.sh"
+fi
 # The include graph against the layer order of README.md ("Layers"); fails fast on an upward include.
 python3 "$root/scripts/check_layers.py"
 build=${MK_BUILD_DIR:-build}

@@ -4,41 +4,10 @@ Tensors are logically (B, S, H, D) with the head dimension contiguous; any batch
 head strides (multiples of 8 elements) work, e.g. q.transpose(1, 2) of a (B, H, S, D) tensor.
 """
 import ctypes
-import os
 
 import torch
 
-_lib = None
-
-
-class MkError(RuntimeError):
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.code = code
-
-
-def lib():
-    global _lib
-    if _lib is None:
-        path = os.environ.get("MK_CAPI")
-        if not path:
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            path = os.path.join(root, "build", "libmkernel_capi.so")
-        _lib = ctypes.CDLL(path)
-        _lib.mk_last_error.restype = ctypes.c_char_p
-        _lib.mk_attention_forward.argtypes = [ctypes.c_void_p] * 5 + [ctypes.POINTER(ctypes.c_int64)] + \
-            [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        _lib.mk_attention_merge_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
-        _lib.mk_attention_merge.argtypes = [ctypes.c_void_p] * 3 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p] + \
-            [ctypes.c_int] * 4 + [ctypes.c_void_p]
-        _lib.mk_attention_merge_finish.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)] + \
-            [ctypes.c_int] * 4 + [ctypes.c_void_p]
-    return _lib
-
-
-def _check(rc):
-    if rc != 0:
-        raise MkError(rc, lib().mk_last_error().decode())
+from ._capi import MkError, check as _check, lib  # noqa: F401
 
 
 def _strides(t):

@@ -12,7 +12,9 @@
 #   5. MoE dispatch/combine: test_gpu_moe at every W, and mkernel bench moe_dispatch (the DeepEP
 #      presets; the EP8 targets: throughput dispatch >= 150 GB/s per GPU, low-latency
 #      dispatch <= 80 us and combine <= 120 us at 128 tokens), one node and 2 emulated nodes
-#      (hierarchical over tcp_rxm).
+#      (hierarchical over tcp_rxm);
+#   6. mkernel.torch: tests/gpu/test_torch_ops.py under torchrun at every W, and
+#      bench/bench_torch.py (against symm_mem's fused ops and NCCL + matmul, one GPU per rank).
 # Binaries from MK_BUILD_DIR (default /tmp/mkb: scripts/device/suite.sh setup puts them there).
 # JSON results and logs go to $OUT (packed as multigpu_logs.tgz).
 set -uo pipefail
@@ -86,6 +88,25 @@ for w in "${ws[@]}"; do
   run "bench_moe_w$w" "$w" -- "$B/mkernel" bench moe_dispatch --json "$RESULT/moe_w$w.json"
   (( w >= 4 )) && run "bench_moe_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
     "$B/mkernel" bench moe_dispatch --json "$RESULT/moe_2nodes_w$w.json"
+done
+# 6. mkernel.torch (python/ from the tree, the carried C ABI library)
+trun() {  # name np [env...] -- script args...
+  local name=$1 np=$2; shift 2
+  local env=(); while [[ $1 != -- ]]; do env+=("$1"); shift; done; shift
+  (( shared )) && env+=(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)))
+  local t0=$(date +%s)
+  env MK_CAPI="$B/libmkernel_capi.so" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "${env[@]}" \
+    timeout 600 python3 -m torch.distributed.run --standalone --nproc-per-node "$np" "$@" > "$L/$name.log" 2>&1
+  local rc=$?
+  (( rc == 0 )) || fails=$((fails + 1))
+  printf '%-4s %-40s %4ss\n' "$([[ $rc == 0 ]] && echo PASS || echo FAIL)" "$name" "$(( $(date +%s) - t0 ))"
+  (( rc == 0 )) || grep -E "FAIL|Error" "$L/$name.log" | head -5 | sed 's/^/      /'
+}
+for w in "${ws[@]}"; do
+  trun "torch_w$w" "$w" -- tests/gpu/test_torch_ops.py
+  (( w >= 4 )) && trun "torch_2x$((w / 2))_tcp" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm \
+    MK_NET_STAGING=always -- tests/gpu/test_torch_ops.py
+  trun "bench_torch_w$w" "$w" -- bench/bench_torch.py --out "$RESULT/torch_w$w.json"
 done
 (( shared )) && echo quit | nvidia-cuda-mps-control
 grep -hE "^(ag_gemm|gemm_rs|gemm_ar|ring|deepep_ht|deepep_ll|qwen3|mixtral)" "$L"/bench_*.log | sort | uniq \

@@ -1,11 +1,22 @@
 // mkernel's C ABI (libmkernel_capi.so): what Python reaches through ctypes (python/mkernel).
 // Every function returns 0 on success or the mk::Code of the failure; mk_last_error() gives the
 // message of the calling thread's last failure.
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
 
 #include "mkernel/attention/attention.h"
+#include "mkernel/common/tunables.h"
+#include "mkernel/ops/fused.h"
+#include "mkernel/ops/ring_attention.h"
+#include "mkernel/runtime/bootstrap.h"
+#include "mkernel/runtime/communicator.h"
 
 namespace {
 thread_local std::string g_last_error;
@@ -15,6 +26,64 @@ int ret(const mk::Status& s) {
   return static_cast<int>(s.code());
 }
 mk::attention::Strides strides(const int64_t* s) { return mk::attention::Strides{s[0], s[1], s[2]}; }
+// A fused operator with the shape it was created for.
+struct FusedHandle {
+  std::unique_ptr<mk::ops::FusedGemm> op;
+  mk::ops::FusedKind kind;
+  int64_t M, N, K;
+};
+mk::ops::FusedGemm* fused(void* h) { return static_cast<FusedHandle*>(h)->op.get(); }
+
+int invalid(const std::string& what) { return ret(mk::Status(mk::Code::kInvalidArgument, what)); }
+
+// A key-value store the caller serves (PyTorch's c10d store, through ctypes). Each callback
+// returns 0 on success; on failure, non-zero, with the caller's reason readable through `why`.
+using StoreSet = int (*)(void* ctx, const char* key, const void* data, size_t len);
+// Copies the value into buf when it fits (cap bytes) and sets *len to its size; *found = 0 when
+// the key is absent. A value larger than cap: *len says how large, and the call is repeated.
+using StoreGet = int (*)(void* ctx, const char* key, void* buf, size_t cap, size_t* len, int* found);
+using StoreErase = int (*)(void* ctx, const char* key);
+using StoreWhy = const char* (*)(void* ctx);
+
+mk::Status store_failure(const char* op, const std::string& key, StoreWhy why, void* ctx) {
+  std::string reason = why ? why(ctx) : "";
+  return mk::Status(mk::Code::kSystemError,
+                    std::string("store ") + op + " '" + key + "' failed" + (reason.empty() ? "" : ": " + reason));
+}
+
+mk::StoreCallbacks store_callbacks(void* ctx, StoreSet set, StoreGet get, StoreErase erase, StoreWhy why) {
+  mk::StoreCallbacks cb;
+  cb.set = [=](const std::string& key, const std::vector<uint8_t>& value) -> mk::Status {
+    if (set(ctx, key.c_str(), value.data(), value.size()) != 0) return store_failure("set", key, why, ctx);
+    return mk::Status();
+  };
+  cb.try_get = [=](const std::string& key, std::vector<uint8_t>* value, bool* found) -> mk::Status {
+    value->resize(std::max<size_t>(value->capacity(), 256));
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      size_t len = 0;
+      int f = 0;
+      if (get(ctx, key.c_str(), value->data(), value->size(), &len, &f) != 0) return store_failure("get", key, why, ctx);
+      *found = f != 0;
+      if (!*found) {
+        value->clear();
+        return mk::Status();
+      }
+      if (len <= value->size()) {
+        value->resize(len);
+        return mk::Status();
+      }
+      value->resize(len);
+    }
+    return mk::Status(mk::Code::kInternal, "store get '" + key + "': the value kept growing between two reads");
+  };
+  if (erase) {
+    cb.erase = [=](const std::string& key) -> mk::Status {
+      if (erase(ctx, key.c_str()) != 0) return store_failure("erase", key, why, ctx);
+      return mk::Status();
+    };
+  }
+  return cb;
+}
 }  // namespace
 
 extern "C" {
@@ -58,6 +127,170 @@ __attribute__((visibility("default"))) int mk_attention_merge_finish(const float
                                                                      const int64_t* o_strides, int B, int H, int S,
                                                                      int D, void* stream) {
   return ret(mk::attention::merge_finish(o_acc, o, strides(o_strides), B, H, S, D, static_cast<cudaStream_t>(stream)));
+}
+
+// ---- communicator over a caller's key-value store ----
+
+// Collective over the `size` ranks that share `prefix` in the store. device: -2 tunable, -1
+// local rank % visible GPUs, >= 0 that GPU. ranks_per_node: -1 tunable, else emulated nodes of
+// that many ranks. The callbacks are called from this thread only, during this call and during
+// collective calls on the communicator (operator creation, destroy).
+__attribute__((visibility("default"))) int mk_comm_create_store(int rank, int size, const char* prefix, void* ctx,
+                                                                StoreSet set, StoreGet get, StoreErase erase,
+                                                                StoreWhy why, int device, int ranks_per_node,
+                                                                int require_gpu, void** out) {
+  if (!out || !set || !get || !prefix) return invalid("mk_comm_create_store: null argument");
+  *out = nullptr;
+  std::unique_ptr<mk::Bootstrap> bs;
+  mk::Status s = mk::make_store_bootstrap(rank, size, prefix, store_callbacks(ctx, set, get, erase, why), &bs);
+  if (!s.ok()) return ret(s);
+  mk::CommConfig cfg;
+  cfg.device = device;
+  cfg.ranks_per_node = ranks_per_node;
+  cfg.require_gpu = require_gpu != 0;
+  std::unique_ptr<mk::Communicator> comm;
+  s = mk::Communicator::create(std::move(bs), cfg, &comm);
+  if (!s.ok()) return ret(s);
+  *out = comm.release();
+  return 0;
+}
+
+// rank, world, node, nodes, local rank, local size, device (7 ints).
+__attribute__((visibility("default"))) int mk_comm_info(void* comm, int* info7) {
+  if (!comm || !info7) return invalid("mk_comm_info: null argument");
+  auto* c = static_cast<mk::Communicator*>(comm);
+  const mk::Topology& t = c->topology();
+  int v[7] = {c->rank(), c->world(), t.node, t.num_nodes, t.local_rank, t.local_size, c->device()};
+  std::memcpy(info7, v, sizeof(v));
+  return 0;
+}
+
+// The communicator's health: a device wait that gave up, an abort, a proxy error.
+__attribute__((visibility("default"))) int mk_comm_check(void* comm) {
+  if (!comm) return invalid("mk_comm_check: null communicator");
+  return ret(static_cast<mk::Communicator*>(comm)->check());
+}
+
+// Collective: destroys the operators still attached, then the communicator, and frees it.
+__attribute__((visibility("default"))) int mk_comm_destroy(void* comm) {
+  if (!comm) return 0;
+  auto* c = static_cast<mk::Communicator*>(comm);
+  mk::Status s = c->destroy();
+  delete c;
+  return ret(s);
+}
+
+// A tunable by name (`mkernel doctor` lists them), before the objects that read it are created.
+__attribute__((visibility("default"))) int mk_tunable_set(const char* name, const char* value) {
+  if (!name || !value) return invalid("mk_tunable_set: null argument");
+  return ret(mk::tunables::set(name, value));
+}
+
+// ---- fused GEMM collectives (include/mkernel/ops/fused.h) ----
+
+// kind: 0 ag_gemm, 1 gemm_rs, 2 gemm_ar. Collective. comm_ctas -1: tunable. staging: "" tunable.
+__attribute__((visibility("default"))) int mk_fused_create(void* comm, int kind, int64_t M, int64_t N, int64_t K,
+                                                           int deterministic, int comm_ctas, const char* staging,
+                                                           void** out) {
+  if (!comm || !out) return invalid("mk_fused_create: null argument");
+  if (kind < 0 || kind > 2) return invalid("mk_fused_create: kind " + std::to_string(kind) + " is not 0, 1 or 2");
+  *out = nullptr;
+  mk::ops::FusedOptions opt;
+  opt.deterministic = deterministic != 0;
+  opt.comm_ctas = comm_ctas;
+  opt.staging = staging ? staging : "";
+  auto h = std::make_unique<FusedHandle>();
+  h->kind = static_cast<mk::ops::FusedKind>(kind);
+  h->M = M, h->N = N, h->K = K;
+  mk::Status s = mk::ops::FusedGemm::create(static_cast<mk::Communicator*>(comm), h->kind, {M, N, K}, opt, &h->op);
+  if (!s.ok()) return ret(s);
+  *out = h.release();
+  return 0;
+}
+
+// bf16 A, B, C (fused.h: shapes per kind). Enqueues on `stream`; capturable in a CUDA graph.
+__attribute__((visibility("default"))) int mk_fused_run(void* op, const void* A, const void* B, void* C, void* stream) {
+  if (!op) return invalid("mk_fused_run: null operator");
+  mk::ops::FusedArgs a;
+  a.A = A, a.B = B, a.C = C;
+  return ret(fused(op)->run(a, static_cast<cudaStream_t>(stream)));
+}
+
+// ag_gemm: the gathered A [M, K] of the last call (valid once it completed on its stream).
+__attribute__((visibility("default"))) int mk_fused_gathered_a(void* op, const void** out) {
+  if (!op || !out) return invalid("mk_fused_gathered_a: null argument");
+  *out = fused(op)->gathered_a();
+  return 0;
+}
+
+// Copies the gathered A [M, K] bf16 of the last call into dst, on `stream` (after that call).
+__attribute__((visibility("default"))) int mk_fused_copy_gathered_a(void* op, void* dst, void* stream) {
+  if (!op || !dst) return invalid("mk_fused_copy_gathered_a: null argument");
+  auto* h = static_cast<FusedHandle*>(op);
+  if (h->kind != mk::ops::FusedKind::kAgGemm) return invalid("mk_fused_copy_gathered_a: not an ag_gemm operator");
+  cudaError_t e = cudaMemcpyAsync(dst, h->op->gathered_a(), static_cast<size_t>(h->M * h->K) * 2, cudaMemcpyDeviceToDevice,
+                                  static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // not left behind for the next launch's check
+    return ret(mk::Status(mk::Code::kCudaError, std::string("mk_fused_copy_gathered_a: ") + cudaGetErrorString(e)));
+  }
+  return 0;
+}
+
+__attribute__((visibility("default"))) int mk_fused_comm_ctas(void* op, int* out) {
+  if (!op || !out) return invalid("mk_fused_comm_ctas: null argument");
+  *out = fused(op)->comm_ctas();
+  return 0;
+}
+
+// Collective: destroys (idempotent; a no-op after its communicator was destroyed) and frees.
+__attribute__((visibility("default"))) int mk_fused_destroy(void* op) {
+  if (!op) return 0;
+  auto* h = static_cast<FusedHandle*>(op);
+  mk::Status s = h->op->destroy();
+  delete h;
+  return ret(s);
+}
+
+// ---- ring attention (include/mkernel/ops/ring_attention.h) ----
+
+// layout: 0 contiguous, 1 zigzag. Collective. scale 0: 1/sqrt(D).
+__attribute__((visibility("default"))) int mk_ring_create(void* comm, int B, int H, int Hkv, int D, int64_t S,
+                                                          int layout, int causal, float scale, int comm_ctas,
+                                                          const char* staging, void** out) {
+  if (!comm || !out) return invalid("mk_ring_create: null argument");
+  if (layout != 0 && layout != 1) return invalid("mk_ring_create: layout " + std::to_string(layout) + " is not 0 or 1");
+  *out = nullptr;
+  mk::ops::RingAttentionShape shape;
+  shape.B = B, shape.H = H, shape.Hkv = Hkv, shape.D = D, shape.S = S;
+  shape.layout = static_cast<mk::ops::SeqLayout>(layout);
+  shape.causal = causal != 0;
+  mk::ops::RingAttentionOptions opt;
+  opt.comm_ctas = comm_ctas;
+  opt.scale = scale;
+  opt.staging = staging ? staging : "";
+  std::unique_ptr<mk::ops::RingAttention> op;
+  mk::Status s = mk::ops::RingAttention::create(static_cast<mk::Communicator*>(comm), shape, opt, &op);
+  if (!s.ok()) return ret(s);
+  *out = op.release();
+  return 0;
+}
+
+// q, o [B, S/W, H, D], k, v [B, S/W, Hkv, D] bf16 contiguous; lse [B, H, S/W] fp32 or null.
+__attribute__((visibility("default"))) int mk_ring_run(void* op, const void* q, const void* k, const void* v, void* o,
+                                                       float* lse, void* stream) {
+  if (!op) return invalid("mk_ring_run: null operator");
+  mk::ops::RingAttentionArgs a;
+  a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
+  return ret(static_cast<mk::ops::RingAttention*>(op)->run(a, static_cast<cudaStream_t>(stream)));
+}
+
+__attribute__((visibility("default"))) int mk_ring_destroy(void* op) {
+  if (!op) return 0;
+  auto* o = static_cast<mk::ops::RingAttention*>(op);
+  mk::Status s = o->destroy();
+  delete o;
+  return ret(s);
 }
 
 }  // extern "C"

@@ -1,0 +1,584 @@
+"""mkernel's fused operators as PyTorch ops (namespace ``mkernel``), bootstrapped from torch.distributed.
+
+    import torch, torch.distributed as dist, mkernel.torch as mkt
+    dist.init_process_group("gloo")            # any backend: mkernel only uses the group's store
+    torch.cuda.set_device(local_rank)
+    mkt.init()                                 # collective over the group (default: WORLD)
+    ag, y = mkt.all_gather_matmul(x_shard, w.t(), gather_dim=0)   # w: nn.Linear weight [N, K]
+    z = mkt.matmul_reduce_scatter(h, w2.t(), scatter_dim=0)
+
+The ops are registered with ``torch.library`` (``torch.ops.mkernel.*``), each with a fake
+implementation (torch.compile, meta tensors) and, where one exists, autograd. They run on the
+current CUDA stream and can be captured in a CUDA graph once the shape has run outside capture
+(the operator for a shape is created, collectively, on its first call). Library failures raise
+``mkernel.MkError`` with the library's message. docs/pytorch.md has the details.
+"""
+import atexit
+import ctypes
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import _capi
+from ._capi import MkError, check
+
+__all__ = ["init", "finalize", "finalize_all", "communicator", "Communicator", "all_gather_matmul",
+           "matmul_reduce_scatter", "matmul_all_reduce", "ring_attention", "MkError"]
+
+_KIND_AG, _KIND_RS, _KIND_AR = 0, 1, 2
+_LAYOUTS = {"contiguous": 0, "zigzag": 1}
+
+_lock = threading.RLock()
+_comms = {}          # group name -> Communicator
+_generations = {}    # group name -> communicators created for it so far (store key namespace)
+_default_name = None  # the group of group=None: the first init()'s
+
+
+class _StoreBridge:
+    """Serves the library's store bootstrap from a c10d store (called back from C, this thread)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.why = b""
+        self._pending = None  # (key, value) whose value did not fit the library's buffer
+        self.set_cb = _capi.STORE_SET(self._set)
+        self.get_cb = _capi.STORE_GET(self._get)
+        self.erase_cb = _capi.STORE_ERASE(self._erase)
+        self.why_cb = _capi.STORE_WHY(self._why)
+
+    def _fail(self, e):
+        self.why = f"{type(e).__name__}: {e}".encode(errors="replace")
+        return 1
+
+    def _set(self, _ctx, key, data, length):
+        try:
+            self.store.set(key.decode(), ctypes.string_at(data, length))
+            return 0
+        except Exception as e:  # noqa: BLE001 (reported through `why`)
+            return self._fail(e)
+
+    def _get(self, _ctx, key, buf, cap, length, found):
+        try:
+            k = key.decode()
+            if self._pending is not None and self._pending[0] == k:
+                value = self._pending[1]
+            elif self.store.check([k]):
+                value = bytes(self.store.get(k))
+            else:
+                found[0] = 0
+                return 0
+            found[0] = 1
+            length[0] = len(value)
+            if len(value) <= cap:
+                ctypes.memmove(buf, value, len(value))
+                self._pending = None
+            else:
+                self._pending = (k, value)
+            return 0
+        except Exception as e:  # noqa: BLE001
+            return self._fail(e)
+
+    def _erase(self, _ctx, key):
+        try:
+            self.store.delete_key(key.decode())
+            return 0
+        except Exception as e:  # noqa: BLE001
+            return self._fail(e)
+
+    def _why(self, _ctx):
+        return self.why
+
+
+class Communicator:
+    """mkernel's communicator for one process group, and the operators created on it (per shape)."""
+
+    def __init__(self, group, name, handle, bridge):
+        self.group = group
+        self.group_name = name
+        self._handle = handle
+        self._bridge = bridge  # keeps the store and the callbacks alive as long as the communicator
+        info = (ctypes.c_int * 7)()
+        check(_capi.lib().mk_comm_info(handle, info))
+        (self.rank, self.world, self.node, self.nodes, self.local_rank, self.local_size,
+         self.device) = tuple(info)
+        self._fused = {}  # (kind, M, N, K) -> handle, in creation order
+        self._ring = {}   # (B, H, Hkv, D, S, layout, causal, scale) -> handle
+
+    def __repr__(self):
+        return (f"mkernel.torch.Communicator(group={self.group_name!r}, rank={self.rank}, world={self.world}, "
+                f"nodes={self.nodes}, device={self.device})")
+
+    @property
+    def alive(self):
+        return self._handle is not None
+
+    def _require(self):
+        if self._handle is None:
+            raise MkError(1, f"mkernel: the communicator of process group '{self.group_name}' was finalized")
+
+    def check(self):
+        """Raises MkError when a device wait gave up or a peer failed (the library's diagnosis)."""
+        self._require()
+        check(_capi.lib().mk_comm_check(self._handle))
+
+    def _creating(self, what):
+        self._require()
+        if torch.cuda.is_current_stream_capturing():
+            raise MkError(1, f"mkernel: {what} has not run outside CUDA graph capture yet: creating its operator "
+                             "allocates memory and talks to every rank, which capture forbids; run the call once "
+                             "(a warm-up, on every rank) before capturing it")
+
+    def fused(self, kind, M, N, K):
+        key = (kind, M, N, K)
+        h = self._fused.get(key)
+        if h is None:
+            self._creating(f"{('all_gather_matmul', 'matmul_reduce_scatter', 'matmul_all_reduce')[kind]} "
+                           f"with M={M} N={N} K={K}")
+            out = ctypes.c_void_p()
+            check(_capi.lib().mk_fused_create(self._handle, kind, M, N, K, 0, -1, b"", ctypes.byref(out)))
+            h = self._fused[key] = out.value
+        return h
+
+    def ring(self, B, H, Hkv, D, S, layout, causal, scale):
+        key = (B, H, Hkv, D, S, layout, causal, scale)
+        h = self._ring.get(key)
+        if h is None:
+            self._creating(f"ring_attention with B={B} H={H} Hkv={Hkv} D={D} S={S}")
+            out = ctypes.c_void_p()
+            check(_capi.lib().mk_ring_create(self._handle, B, H, Hkv, D, S, layout, int(causal), float(scale), -1, b"",
+                                             ctypes.byref(out)))
+            h = self._ring[key] = out.value
+        return h
+
+    def clear_cache(self):
+        """Collective: destroys the operators created so far (their memory), newest first."""
+        errors = []
+        lib = _capi.lib()
+        for table, destroy in ((self._ring, lib.mk_ring_destroy), (self._fused, lib.mk_fused_destroy)):
+            for h in reversed(list(table.values())):
+                if destroy(h) != 0:
+                    errors.append(lib.mk_last_error().decode(errors="replace"))
+            table.clear()
+        if errors:
+            raise MkError(8, "mkernel: destroying operators: " + "; ".join(errors))
+
+    def destroy(self):
+        """Collective: destroys every operator, then the communicator. Idempotent."""
+        if self._handle is None:
+            return
+        lib = _capi.lib()
+        try:
+            self.clear_cache()
+        finally:
+            handle, self._handle = self._handle, None
+            check(lib.mk_comm_destroy(handle))
+
+
+def _name_of(group):
+    if group is None:
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def init(group=None, *, ranks_per_node=-1, device=None, require_gpu=True):
+    """Collective over `group` (default: the WORLD group): builds mkernel's communicator from the
+    group's store. Returns it; a second call for the same group returns the same one.
+
+    ranks_per_node: -1 finds the nodes from the hosts (or the tunable ranks_per_node); n > 0
+    treats every n consecutive ranks as one node (emulated nodes: traffic between them takes the
+    network path). device: the GPU (default: torch.cuda.current_device()). require_gpu=False
+    gives, on a machine without a GPU, a communicator with bootstrap and topology only.
+    """
+    global _default_name
+    if not dist.is_available() or not dist.is_initialized():
+        raise MkError(1, "mkernel.torch.init: torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first, e.g. under torchrun)")
+    if group is None:
+        group = dist.group.WORLD
+    name = group.group_name
+    with _lock:
+        c = _comms.get(name)
+        if c is not None and c.alive:
+            return c
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise MkError(1, f"mkernel.torch.init: this process is not a member of process group '{name}'")
+        if device is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        gen = _generations.get(name, 0)
+        _generations[name] = gen + 1
+        prefix = f"mkernel/{name}/{gen}".encode()
+        bridge = _StoreBridge(dist.distributed_c10d._get_default_store())
+        out = ctypes.c_void_p()
+        check(_capi.lib().mk_comm_create_store(rank, size, prefix, None, bridge.set_cb, bridge.get_cb,
+                                                bridge.erase_cb, bridge.why_cb, int(device), int(ranks_per_node),
+                                                int(bool(require_gpu)), ctypes.byref(out)))
+        c = _comms[name] = Communicator(group, name, out.value, bridge)
+        if _default_name is None or _default_name not in _comms:
+            _default_name = name
+        _hook_group_teardown()
+        return c
+
+
+def communicator(group=None):
+    """The communicator init() made for `group` (default: the first group initialized)."""
+    name = _default_name if group is None else (group if isinstance(group, str) else group.group_name)
+    c = _comms.get(name) if name is not None else None
+    if c is None or not c.alive:
+        raise MkError(1, f"mkernel: no communicator for process group '{name}': call mkernel.torch.init(group) first")
+    return c
+
+
+def finalize(group=None):
+    """Collective: destroys the communicator of `group` (default: the first initialized) and its operators."""
+    global _default_name
+    name = _default_name if group is None else (group if isinstance(group, str) else group.group_name)
+    with _lock:
+        c = _comms.pop(name, None)
+        if name == _default_name:
+            _default_name = next(iter(_comms), None)
+    if c is not None:
+        c.destroy()
+
+
+def finalize_all():
+    """Collective: destroys every communicator, newest first (at exit, and before the WORLD group goes)."""
+    errors = []
+    for name in reversed(list(_comms)):
+        try:
+            finalize(name)
+        except MkError as e:
+            errors.append(str(e))
+    if errors:
+        raise MkError(8, "; ".join(errors))
+
+
+_hooked = False
+
+
+def _hook_group_teardown():
+    """torch.distributed.destroy_process_group(g) first destroys mkernel's communicator of g (all
+    of them for the default group), while the store still serves it; at exit, finalize_all."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    original = dist.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if group is None or group is dist.group.WORLD:
+            finalize_all()
+        elif group.group_name in _comms:
+            finalize(group.group_name)
+        return original(group)
+
+    destroy_process_group.__doc__ = original.__doc__
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
+    atexit.register(_finalize_at_exit)
+
+
+def _finalize_at_exit():
+    try:
+        finalize_all()
+    except MkError as e:
+        print(f"mkernel: at exit: {e}")
+
+
+def _world(name):
+    c = _comms.get(name)
+    if c is not None and c.alive:
+        return c.world
+    try:  # fake tensors and tracing need only the group's size
+        return dist.distributed_c10d._resolve_process_group(name).size()
+    except Exception:  # noqa: BLE001
+        raise MkError(1, f"mkernel: no communicator for process group '{name}': "
+                         "call mkernel.torch.init(group) first") from None
+
+
+def _stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def _op_comm(what, group_name, world_size, t):
+    """The communicator an op call runs on, checked against the call's world size and device."""
+    c = communicator(group_name)
+    if world_size != c.world:
+        raise MkError(1, f"mkernel.{what}: called for {world_size} ranks, but process group '{group_name}' has "
+                         f"{c.world}")
+    _device_check(c, what, t)
+    return c
+
+
+def _check_mm(what, a, b):
+    if a.dim() != 2 or b.dim() != 2:
+        raise MkError(1, f"mkernel.{what}: a and b must be 2-D (got {tuple(a.shape)} and {tuple(b.shape)})")
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise MkError(1, f"mkernel.{what}: a and b must be bfloat16 (got {a.dtype} and {b.dtype})")
+    if a.shape[1] != b.shape[0]:
+        raise MkError(1, f"mkernel.{what}: a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply")
+    if a.device != b.device:
+        raise MkError(1, f"mkernel.{what}: a is on {a.device}, b on {b.device}")
+
+
+def _weight(b):
+    """b [K, N] as the kernel's B [N, K] row-major: free for b = weight.t() of an nn.Linear weight."""
+    bt = b.t()
+    return bt if bt.is_contiguous() else bt.contiguous()
+
+
+def _device_check(c, what, t):
+    if t.device.type != "cuda" or t.device.index != c.device:
+        raise MkError(1, f"mkernel.{what}: tensors must be on cuda:{c.device}, the communicator's GPU "
+                         f"(got {t.device})")
+
+
+# ---- ops ------------------------------------------------------------------------------------
+# The GEMM ops take the group's size as an argument: their output shapes depend on it, and a
+# compiled graph (and torch.compile's caches, which key on the graph) must too — a graph traced
+# at one world size is then never reused at another.
+
+@torch.library.custom_op("mkernel::all_gather_matmul", mutates_args=(), device_types="cuda")
+def _all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group_name: str, world_size: int,
+                       return_a: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    c = _op_comm("all_gather_matmul", group_name, world_size, a)
+    _check_mm("all_gather_matmul", a, b)
+    W = c.world
+    M, K, N = a.shape[0] * W, a.shape[1], b.shape[1]
+    a = a.contiguous()
+    bt = _weight(b)
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
+    h = c.fused(_KIND_AG, M, N, K)
+    s = _stream()
+    check(_capi.lib().mk_fused_run(h, a.data_ptr(), bt.data_ptr(), out.data_ptr(), s))
+    if not return_a:
+        return a.new_empty((0,)), out
+    gathered = torch.empty((M, K), dtype=torch.bfloat16, device=a.device)
+    if W == 1:
+        gathered.copy_(a)
+    else:
+        check(_capi.lib().mk_fused_copy_gathered_a(h, gathered.data_ptr(), s))
+    return gathered, out
+
+
+@_all_gather_matmul.register_fake
+def _(a, b, group_name, world_size, return_a):
+    _check_mm("all_gather_matmul", a, b)
+    M = a.shape[0] * world_size
+    gathered = a.new_empty((M, a.shape[1])) if return_a else a.new_empty((0,))
+    return gathered, a.new_empty((M, b.shape[1]))
+
+
+def _reduced_matmul(kind, what, a, b, group_name, world_size):
+    """matmul_reduce_scatter (this rank's M/W rows) or matmul_all_reduce (all M rows)."""
+    c = _op_comm(what, group_name, world_size, a)
+    _check_mm(what, a, b)
+    W = c.world
+    M, K, N = a.shape[0], a.shape[1], b.shape[1]
+    if M % W:
+        raise MkError(1, f"mkernel.{what}: M = {M} rows do not split over {W} ranks")
+    a = a.contiguous()
+    bt = _weight(b)
+    out = torch.empty((M // W if kind == _KIND_RS else M, N), dtype=torch.bfloat16, device=a.device)
+    check(_capi.lib().mk_fused_run(c.fused(kind, M, N, K), a.data_ptr(), bt.data_ptr(), out.data_ptr(), _stream()))
+    return out
+
+
+@torch.library.custom_op("mkernel::matmul_reduce_scatter", mutates_args=(), device_types="cuda")
+def _matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return _reduced_matmul(_KIND_RS, "matmul_reduce_scatter", a, b, group_name, world_size)
+
+
+@_matmul_reduce_scatter.register_fake
+def _(a, b, group_name, world_size):
+    _check_mm("matmul_reduce_scatter", a, b)
+    W = world_size
+    torch._check(a.shape[0] % W == 0, lambda: f"mkernel.matmul_reduce_scatter: M rows do not split over {W} ranks")
+    return a.new_empty((a.shape[0] // W, b.shape[1]))
+
+
+@torch.library.custom_op("mkernel::matmul_all_reduce", mutates_args=(), device_types="cuda")
+def _matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return _reduced_matmul(_KIND_AR, "matmul_all_reduce", a, b, group_name, world_size)
+
+
+@_matmul_all_reduce.register_fake
+def _(a, b, group_name, world_size):
+    _check_mm("matmul_all_reduce", a, b)
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _check_attn(q, k, v):
+    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dim() != 4 or t.dtype != torch.bfloat16:
+            raise MkError(1, f"mkernel.ring_attention: {n} must be a 4-D [B, S/W, heads, D] bfloat16 tensor "
+                             f"(got {tuple(t.shape)} {t.dtype})")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise MkError(1, f"mkernel.ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "do not match")
+
+
+@torch.library.custom_op("mkernel::ring_attention", mutates_args=(), device_types="cuda")
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, scale: float,
+                    group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    c = communicator(group_name)
+    _check_attn(q, k, v)
+    _device_check(c, "ring_attention", q)
+    if layout not in _LAYOUTS:
+        raise MkError(1, f"mkernel.ring_attention: layout '{layout}' is not 'contiguous' or 'zigzag'")
+    B, s, H, D = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, s), dtype=torch.float32, device=q.device)
+    h = c.ring(B, H, k.shape[2], D, s * c.world, _LAYOUTS[layout], causal, scale)
+    check(_capi.lib().mk_ring_run(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                                  _stream()))
+    return o, lse
+
+
+@_ring_attention.register_fake
+def _(q, k, v, causal, layout, scale, group_name):
+    _check_attn(q, k, v)
+    if layout not in _LAYOUTS:
+        raise MkError(1, f"mkernel.ring_attention: layout '{layout}' is not 'contiguous' or 'zigzag'")
+    B, s, H, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, s), dtype=torch.float32)
+
+
+# ---- autograd -------------------------------------------------------------------------------
+# all_gather_matmul and matmul_reduce_scatter are each other's backward; matmul_all_reduce's
+# gradients are local (its output gradient is the same on every rank). The gathered A that
+# all_gather_matmul returns is not differentiable.
+
+def _ag_setup(ctx, inputs, output):
+    a, b, group_name, world_size, return_a = inputs
+    ctx.group_name, ctx.world_size = group_name, world_size
+    ctx.save_for_backward(b, output[0] if return_a else None)
+    ctx.mark_non_differentiable(output[0])
+
+
+def _ag_backward(ctx, _grad_gathered, grad_out):
+    b, gathered = ctx.saved_tensors
+    grad_out = grad_out.to(torch.bfloat16)
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size)
+    if ctx.needs_input_grad[1]:
+        if gathered is None or gathered.numel() == 0:
+            raise MkError(1, "mkernel.all_gather_matmul: b needs a gradient but the gathered A was not kept "
+                             "(call with return_a=True, or through mkernel.torch.all_gather_matmul)")
+        grad_b = gathered.t() @ grad_out
+    return grad_a, grad_b, None, None, None
+
+
+_all_gather_matmul.register_autograd(_ag_backward, setup_context=_ag_setup)
+
+
+def _rs_setup(ctx, inputs, output):
+    a, b, group_name, world_size = inputs
+    ctx.group_name, ctx.world_size = group_name, world_size
+    ctx.save_for_backward(a, b)
+
+
+def _rs_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    need_b = ctx.needs_input_grad[1]
+    full, grad_a = torch.ops.mkernel.all_gather_matmul(grad_out.to(torch.bfloat16).contiguous(), b.t(),
+                                                       ctx.group_name, ctx.world_size, need_b)
+    grad_b = a.t() @ full if need_b else None
+    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
+
+
+_matmul_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
+
+
+def _ar_setup(ctx, inputs, output):
+    a, b, _, _ = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _ar_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    grad_out = grad_out.to(torch.bfloat16)
+    grad_a = grad_out @ b.t() if ctx.needs_input_grad[0] else None
+    grad_b = a.t() @ grad_out if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None
+
+
+_matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
+
+
+# ---- the public functions: any rank of input, torch's symm_mem argument order ---------------
+
+def _group(group):
+    if group is None:
+        if _default_name is None:
+            raise MkError(1, "mkernel: call mkernel.torch.init() before using its ops")
+        return _default_name
+    return group if isinstance(group, str) else group.group_name
+
+
+def all_gather_matmul(a_shard, b, gather_dim=0, group=None, return_a=False):
+    """(A, C) with A = all_gather(a_shard, gather_dim) and C = A @ b, fused.
+
+    a_shard [..., K] bf16 (this rank's shard along gather_dim), b [K, N] bf16 — an nn.Linear
+    weight passed as weight.t() is used in place, any other b is copied once. A is returned when
+    return_a (else None); it is also kept for the backward when b needs a gradient.
+    """
+    name = _group(group)
+    nd = a_shard.dim()
+    gd = gather_dim % nd if nd else 0
+    if nd < 2 or gd == nd - 1:
+        raise MkError(1, f"mkernel.all_gather_matmul: gather_dim {gather_dim} of a {nd}-D input must not be "
+                         "the last (K) dimension")
+    x = a_shard.movedim(gd, 0) if gd else a_shard
+    lead = x.shape[:-1]
+    need_a = return_a or (torch.is_grad_enabled() and b.requires_grad)
+    W = _world(name)
+    gathered, c = torch.ops.mkernel.all_gather_matmul(x.reshape(-1, x.shape[-1]), b, name, W, need_a)
+    c = c.view(W * lead[0], *lead[1:], c.shape[-1])
+    c = c.movedim(0, gd) if gd else c
+    if not return_a:
+        return None, c
+    gathered = gathered.view(W * lead[0], *lead[1:], x.shape[-1])
+    return (gathered.movedim(0, gd) if gd else gathered), c
+
+
+def matmul_reduce_scatter(a, b, scatter_dim=0, reduce_op="sum", group=None):
+    """reduce_scatter(a @ b, scatter_dim), fused: a [..., K_loc] bf16, b [K_loc, N] bf16 (weight.t()
+    of an nn.Linear weight is used in place). Returns this rank's part, [..., N]. reduce_op: "sum"."""
+    if reduce_op != "sum":
+        raise MkError(7, f"mkernel.matmul_reduce_scatter: reduce_op '{reduce_op}' is not supported (only 'sum')")
+    name = _group(group)
+    nd = a.dim()
+    sd = scatter_dim % nd if nd else 0
+    if nd < 2 or sd == nd - 1:
+        raise MkError(1, f"mkernel.matmul_reduce_scatter: scatter_dim {scatter_dim} of a {nd}-D input must not be "
+                         "the last (K) dimension")
+    W = _world(name)
+    x = a.movedim(sd, 0) if sd else a
+    if x.shape[0] % W:
+        raise MkError(1, f"mkernel.matmul_reduce_scatter: dimension {sd} of size {x.shape[0]} does not split over "
+                         f"{W} ranks")
+    out = torch.ops.mkernel.matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), b, name, W)
+    out = out.view(x.shape[0] // W, *x.shape[1:-1], out.shape[-1])
+    return out.movedim(0, sd) if sd else out
+
+
+def matmul_all_reduce(a, b, group=None):
+    """all_reduce(a @ b), fused: a [..., K_loc] bf16, b [K_loc, N] bf16. Returns [..., N]."""
+    name = _group(group)
+    out = torch.ops.mkernel.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, name, _world(name))
+    return out.view(*a.shape[:-1], out.shape[-1])
+
+
+def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group=None):
+    """(O, LSE) of attention over the whole sequence, sharded over the group's ranks.
+
+    q [B, S/W, H, D], k and v [B, S/W, Hkv, D] bf16: this rank's tokens — chunk r of W
+    ("contiguous") or chunks r and 2W-1-r ("zigzag", balanced for causal). O is like q, LSE
+    [B, H, S/W] fp32 (natural log). Forward only: there is no backward.
+    """
+    return torch.ops.mkernel.ring_attention(q, k, v, bool(causal), layout, 0.0 if scale is None else float(scale),
+                                            _group(group))

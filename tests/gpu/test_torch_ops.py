@@ -1,0 +1,377 @@
+"""mkernel.torch on the GPU, as a user runs it: torchrun --nproc-per-node W (ranks may share one GPU
+under MPS). Every rank builds every rank's inputs from seeds, so the references need no
+communication (and no NCCL, which refuses ranks sharing a GPU).
+
+  results against fp64 references (random bf16 data) and bit-exact with small integers;
+  odd and tiny shapes, 3-D inputs with gather/scatter along another dimension, B given
+  contiguous or as an nn.Linear weight's transpose; autograd gradients against fp64 autograd;
+  torch.library.opcheck; CUDA-graph capture replayed 100 times with fresh data each replay;
+  torch.compile(fullgraph=True) of a tensor-parallel MLP, forward and backward, no graph break;
+  ring attention (contiguous and zigzag, causal and not, GQA) against a full-sequence reference;
+  library errors as MkError; teardown through torch.distributed.destroy_process_group.
+
+Tolerances (random data): the outputs are bf16, rounded once from fp32 accumulation, so an
+element may differ from the exact value by half a bf16 ulp (2^-8 relative) plus the fp32
+accumulation error; we allow 2^-7 |ref| + 2^-8 rms(ref) per element (gradients, which pass
+through one more bf16 rounding: 2^-6 |ref| + 2^-7 rms(ref)). A wrong row, rank or sum is off
+by O(rms) and fails. Integer data in {-1, 0, 1} with K <= 64 gives sums exact in bf16: those
+runs must match bit for bit.
+
+Exit 0 when every check passed on every rank, 1 otherwise; 77 when there is no GPU or torch.
+"""
+import os
+import sys
+import time
+import traceback
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:
+    print("test_torch_ops: torch is not installed: SKIPPED")
+    sys.exit(77)
+if not torch.cuda.is_available():
+    print("test_torch_ops: no GPU: SKIPPED")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import mkernel  # noqa: E402
+import mkernel.torch as mkt  # noqa: E402
+
+bf16 = torch.bfloat16
+results = []  # (name, ok, detail)
+
+
+def check(name):
+    def wrap(fn):
+        t0 = time.time()
+        try:
+            detail = fn() or ""
+            results.append((name, True, f"{detail} ({time.time() - t0:.1f} s)"))
+        except Exception as e:  # noqa: BLE001 — every check runs on every rank, failures are collected
+            results.append((name, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return fn
+    return wrap
+
+
+def gen(seed, *shape, kind="randn", scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int":
+        t = torch.randint(-1, 2, shape, generator=g).to(torch.float32)
+    else:
+        t = torch.randn(*shape, generator=g) * scale
+    return t.to(bf16).cuda()
+
+
+def close(name, got, ref, grad=False):
+    got, ref = got.double(), ref.double()
+    if got.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
+    rms = ref.pow(2).mean().sqrt().item() if ref.numel() else 0.0
+    rtol, atol = (2 ** -6, 2 ** -7 * rms) if grad else (2 ** -7, 2 ** -8 * rms)
+    err = (got - ref).abs()
+    bad = err > rtol * ref.abs() + atol
+    if not torch.isfinite(got).all() or bad.any():
+        i = int(bad.flatten().nonzero()[0]) if bad.any() else -1
+        raise AssertionError(f"{name}: {int(bad.sum())} of {got.numel()} elements off; first at flat {i}: "
+                             f"got {got.flatten()[i].item()} ref {ref.flatten()[i].item()} (rms {rms:.3g})")
+    return (err / (ref.abs() + rms + 1e-30)).max().item() if ref.numel() else 0.0
+
+
+def rel_rms(got, ref):
+    got, ref = got.double(), ref.double()
+    rms = ref.pow(2).mean().sqrt()
+    return ((got - ref).abs() / (ref.abs() + rms)).max().item()
+
+
+def exact(name, got, ref):
+    if got.shape != ref.shape or not torch.equal(got.float(), ref.float()):
+        diff = (got.float() - ref.float()).abs()
+        raise AssertionError(f"{name}: not bit-exact: {int((diff > 0).sum())} elements differ, max {diff.max()}")
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    comm = mkt.init()  # nodes: from the hosts, or emulated with MK_RANKS_PER_NODE
+    tag = f"W={W} nodes={comm.nodes}"
+    if rank == 0:
+        print(f"test_torch_ops: {tag}, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+
+    # ---- forward results, every op and shape kind ---------------------------------------------
+    @check("all_gather_matmul random (m, N, K) in (128,256,512) (40,72,136) (1,8,8), 3-D gather_dim 1")
+    def _():
+        worst = 0.0
+        for i, (m, N, K) in enumerate([(128, 256, 512), (40, 72, 136), (1, 8, 8)]):
+            shards = [gen(100 + 10 * i + r, m, K) for r in range(W)]
+            w = gen(200 + 10 * i + rank, N, K)  # this rank's nn.Linear weight
+            g, c = mkt.all_gather_matmul(shards[rank], w.t(), return_a=True)
+            full = torch.cat(shards)
+            exact("gathered A", g, full)
+            worst = max(worst, close(f"C m={m} N={N} K={K}", c, full.double() @ w.double().t()))
+            _, c2 = mkt.all_gather_matmul(shards[rank], w.t().contiguous())  # b contiguous [K, N]: copied once
+            exact("b contiguous vs weight.t()", c2, c)
+        # [B, S/W, K] gathered along the sequence
+        xs = [gen(300 + r, 2, 24, 64) for r in range(W)]
+        w = gen(310 + rank, 48, 64)
+        _, c = mkt.all_gather_matmul(xs[rank], w.t(), gather_dim=1)
+        worst = max(worst, close("3-D gather_dim=1", c, torch.cat(xs, 1).double() @ w.double().t()))
+        return f"max rel err {worst:.2e}"
+
+    @check("matmul_reduce_scatter random, 3-D scatter_dim 1")
+    def _():
+        worst = 0.0
+        for i, (M, N, K) in enumerate([(256, 384, 256), (8 * W, 40, 72), (W, 8, 8)]):
+            a = [gen(400 + 10 * i + r, M, K) for r in range(W)]
+            w = [gen(500 + 10 * i + r, N, K) for r in range(W)]
+            out = mkt.matmul_reduce_scatter(a[rank], w[rank].t())
+            s = sum(a[r].double() @ w[r].double().t() for r in range(W))
+            worst = max(worst, close(f"RS M={M} N={N} K={K}", out, s[rank * M // W:(rank + 1) * M // W]))
+        a = [gen(600 + r, 2, 8 * W, 64) for r in range(W)]
+        w = [gen(610 + r, 32, 64) for r in range(W)]
+        out = mkt.matmul_reduce_scatter(a[rank], w[rank].t(), scatter_dim=1)
+        s = sum(a[r].double() @ w[r].double().t() for r in range(W))
+        worst = max(worst, close("3-D scatter_dim=1", out, s[:, rank * 8:(rank + 1) * 8]))
+        return f"max rel err {worst:.2e}"
+
+    @check("matmul_all_reduce random, 3-D input")
+    def _():
+        a = [gen(700 + r, 3, 40, 96) for r in range(W)]
+        w = [gen(710 + r, 56, 96) for r in range(W)]
+        out = mkt.matmul_all_reduce(a[rank], w[rank].t())
+        return f"max rel err {close('AR', out, sum(a[r].double() @ w[r].double().t() for r in range(W))):.2e}"
+
+    @check("integer data: all three ops bit-exact")
+    def _():
+        m, N, K = 48, 64, 64
+        x = [gen(800 + r, m, K, kind="int") for r in range(W)]
+        w = [gen(810 + r, N, K, kind="int") for r in range(W)]
+        _, c = mkt.all_gather_matmul(x[rank], w[rank].t())
+        exact("AG", c, torch.cat(x).float() @ w[rank].float().t())
+        s = sum(x[r].float() @ w[r].float().t() for r in range(W))
+        exact("RS", mkt.matmul_reduce_scatter(x[rank], w[rank].t()), s[rank * m // W:(rank + 1) * m // W])
+        exact("AR", mkt.matmul_all_reduce(x[rank], w[rank].t()), s)
+
+    # ---- autograd ------------------------------------------------------------------------------
+    @check("autograd: all_gather_matmul and matmul_reduce_scatter (each the other's backward), matmul_all_reduce")
+    def _():
+        m, K, N = 32, 128, 96
+        xs = [gen(900 + r, m, K) for r in range(W)]
+        ws = [gen(910 + r, N, K) for r in range(W)]
+        gs = [gen(920 + r, m * W, N) for r in range(W)]
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        _, c = mkt.all_gather_matmul(x, w.t())
+        (c.float() * gs[rank].float()).sum().backward()
+        X = [t.double().requires_grad_() for t in xs]
+        Wd = [t.double().requires_grad_() for t in ws]
+        full = torch.cat(X)
+        sum(((full @ Wd[r].t()) * gs[r].double()).sum() for r in range(W)).backward()
+        e1 = close("AG d a", x.grad, X[rank].grad, grad=True)
+        e2 = close("AG d w", w.grad, Wd[rank].grad, grad=True)
+
+        M, Kl, N = 16 * W, 64, 80
+        hs = [gen(930 + r, M, Kl) for r in range(W)]
+        vs = [gen(940 + r, N, Kl) for r in range(W)]
+        gs = [gen(950 + r, M // W, N) for r in range(W)]
+        h, v = hs[rank].clone().requires_grad_(), vs[rank].clone().requires_grad_()
+        (mkt.matmul_reduce_scatter(h, v.t()).float() * gs[rank].float()).sum().backward()
+        H = [t.double().requires_grad_() for t in hs]
+        V = [t.double().requires_grad_() for t in vs]
+        S = sum(H[r] @ V[r].t() for r in range(W))
+        sum((S[r * M // W:(r + 1) * M // W] * gs[r].double()).sum() for r in range(W)).backward()
+        e3 = close("RS d a", h.grad, H[rank].grad, grad=True)
+        e4 = close("RS d w", v.grad, V[rank].grad, grad=True)
+
+        h, v = hs[rank].clone().requires_grad_(), vs[rank].clone().requires_grad_()
+        g = gen(960, M, N)  # the same on every rank, as after an all-reduce
+        (mkt.matmul_all_reduce(h, v.t()).float() * g.float()).sum().backward()
+        close("AR d a", h.grad, g.double() @ vs[rank].double(), grad=True)
+        close("AR d w", v.grad, g.double().t() @ hs[rank].double(), grad=True)
+        return f"max rel err {max(e1, e2, e3, e4):.2e}"
+
+    @check("torch.library.opcheck of the three GEMM ops")
+    def _():
+        name = comm.group_name
+        a, w = gen(970 + rank, 8 * W, 64), gen(980 + rank, 32, 64)
+        for op, args in ((torch.ops.mkernel.all_gather_matmul.default, (a, w.t(), name, W, True)),
+                         (torch.ops.mkernel.matmul_reduce_scatter.default, (a, w.t(), name, W)),
+                         (torch.ops.mkernel.matmul_all_reduce.default, (a, w.t(), name, W))):
+            res = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
+                                                              "test_autograd_registration"))
+            bad = {k: v for k, v in res.items() if v != "SUCCESS"}
+            if bad:
+                raise AssertionError(f"{op}: {bad}")
+
+    # ---- CUDA graph ----------------------------------------------------------------------------
+    @check("CUDA graph: AG, RS and AR captured once, replayed 100 times with fresh integer data, bit-exact")
+    def _():
+        m, N, K = 32, 64, 64
+        sx, sw = torch.empty(m, K, dtype=bf16, device="cuda"), torch.empty(N, K, dtype=bf16, device="cuda")
+        ra, rw = torch.empty(m * W, K, dtype=bf16, device="cuda"), torch.empty(N, K, dtype=bf16, device="cuda")
+
+        def step():
+            return (mkt.all_gather_matmul(sx, sw.t())[1], mkt.matmul_reduce_scatter(ra, rw.t()),
+                    mkt.matmul_all_reduce(ra, rw.t()))
+
+        sx.copy_(gen(1000 + rank, m, K, kind="int"))
+        sw.copy_(gen(1001 + rank, N, K, kind="int"))
+        ra.copy_(gen(1002 + rank, m * W, K, kind="int"))
+        rw.copy_(gen(1003 + rank, N, K, kind="int"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up: creates the operators (collective, outside capture)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        for it in range(100):
+            xs = [gen(2000 + 7 * it + r, m, K, kind="int") for r in range(W)]
+            wx = gen(3000 + 7 * it + rank, N, K, kind="int")
+            As = [gen(4000 + 7 * it + r, m * W, K, kind="int") for r in range(W)]
+            Ws = [gen(5000 + 7 * it + r, N, K, kind="int") for r in range(W)]
+            sx.copy_(xs[rank]), sw.copy_(wx), ra.copy_(As[rank]), rw.copy_(Ws[rank])
+            graph.replay()
+            exact(f"replay {it} AG", outs[0], torch.cat(xs).float() @ wx.float().t())
+            s = sum(As[r].float() @ Ws[r].float().t() for r in range(W))
+            exact(f"replay {it} RS", outs[1], s[rank * m:(rank + 1) * m])
+            exact(f"replay {it} AR", outs[2], s)
+        comm.check()
+        return "100 replays"
+
+    @check("capture of a shape that never ran outside capture: MkError naming the warm-up")
+    def _():
+        a, w = gen(1100, 8 * W + 8 * W, 64), gen(1101, 24, 64)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                mkt.matmul_all_reduce(a, w.t())
+        except mkernel.MkError as e:
+            if "warm-up" not in str(e):
+                raise
+            return "raised: " + str(e)[:80]
+        raise AssertionError("no error")
+
+    # ---- torch.compile ---------------------------------------------------------------------------
+    @check("torch.compile(fullgraph=True) of a tensor-parallel MLP, forward and backward, no graph break")
+    def _():
+        import torch._dynamo
+        torch._dynamo.reset()
+        S, Hd, I = 64 * W, 256, 128  # tokens (sequence parallel), hidden, this rank's intermediate
+
+        class TPMLP(torch.nn.Module):
+            def __init__(self, seed):
+                super().__init__()
+                self.gate = torch.nn.Parameter(gen(seed, I, Hd, scale=0.05))
+                self.up = torch.nn.Parameter(gen(seed + 1, I, Hd, scale=0.05))
+                self.down = torch.nn.Parameter(gen(seed + 2, Hd, I, scale=0.05))
+
+            def forward(self, x):  # x: [S/W, H] this rank's tokens
+                _, g = mkt.all_gather_matmul(x, self.gate.t())
+                _, u = mkt.all_gather_matmul(x, self.up.t())
+                return mkt.matmul_reduce_scatter(torch.nn.functional.silu(g) * u, self.down.t())
+
+        eager, compiled_mod = TPMLP(1200 + 3 * rank), TPMLP(1200 + 3 * rank)
+        compiled = torch.compile(compiled_mod, fullgraph=True)
+        x = gen(1300 + rank, S // W, Hd)
+        gout = gen(1310 + rank, S // W, Hd)
+        ye = eager(x)
+        (ye.float() * gout.float()).sum().backward()
+        yc = compiled(x)
+        (yc.float() * gout.float()).sum().backward()
+        breaks = torch._dynamo.utils.counters["graph_break"]
+        if breaks:
+            raise AssertionError(f"graph breaks: {dict(breaks)}")
+        # Inductor fuses silu(g) * u in fp32 where eager rounds each step to bf16, so the two
+        # differ by those roundings carried through the last GEMM: compared as relative to
+        # |ref| + rms(ref) (an element near zero is not held to a relative bound).
+        for what, got, ref in [("y", yc, ye)] + [(f"d{n}", getattr(compiled_mod, n).grad, getattr(eager, n).grad)
+                                                for n in ("gate", "up", "down")]:
+            e = rel_rms(got, ref)
+            if e > 2 ** -5:
+                raise AssertionError(f"compiled vs eager {what}: max err / (|ref| + rms) {e:.3g} > 2^-5")
+        # and the eager module against an fp64 reference of the whole layer over every rank
+        xs = [gen(1300 + r, S // W, Hd).double() for r in range(W)]
+        xf = torch.cat(xs)
+        acc = 0
+        for r in range(W):
+            m = TPMLP(1200 + 3 * r)
+            g, u = xf @ m.gate.double().t(), xf @ m.up.double().t()
+            acc = acc + (torch.nn.functional.silu(g) * u) @ m.down.double().t()
+        # two bf16 roundings inside (g, u; the SwiGLU product) before the last GEMM: 2^-5 relative
+        err = rel_rms(ye, acc[rank * S // W:(rank + 1) * S // W])
+        if err > 2 ** -5:
+            raise AssertionError(f"eager TP MLP vs fp64 reference: max rel err {err:.3g} > 2^-5")
+        return f"vs fp64 max rel err {err:.2e}"
+
+    # ---- ring attention ----------------------------------------------------------------------------
+    @check("ring_attention: contiguous and zigzag, causal and not, GQA, against a full-sequence fp32 reference")
+    def _():
+        B, H, Hkv, D, s = 1, 4, 2, 128, 128  # s tokens per rank
+        S = s * W
+        q, k, v = (gen(1400 + i, B, S, h, D) for i, h in ((0, H), (1, Hkv), (2, Hkv)))
+        worst = 0.0
+        for layout in ("contiguous", "zigzag"):
+            if layout == "contiguous":
+                idx = torch.arange(rank * s, (rank + 1) * s)
+            else:
+                c = S // (2 * W)
+                idx = torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                                 torch.arange((2 * W - 1 - rank) * c, (2 * W - rank) * c)])
+            idx = idx.cuda()
+            for causal in (False, True):
+                o, lse = mkt.ring_attention(q[:, idx], k[:, idx], v[:, idx], causal=causal, layout=layout)
+                qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+                kf, vf = kf.repeat_interleave(H // Hkv, 1), vf.repeat_interleave(H // Hkv, 1)
+                logits = (qf @ kf.transpose(-1, -2)) / D ** 0.5
+                if causal:
+                    logits = logits.masked_fill(torch.ones(S, S, device="cuda").triu(1).bool(), float("-inf"))
+                ref_lse = torch.logsumexp(logits, -1)
+                ref_o = (torch.softmax(logits, -1) @ vf).transpose(1, 2)
+                worst = max(worst, close(f"O {layout} causal={causal}", o, ref_o[:, idx], grad=True))
+                d = (lse - ref_lse[:, :, idx]).abs().max().item()
+                if d > 1e-3:
+                    raise AssertionError(f"LSE {layout} causal={causal}: max abs err {d:.3g} > 1e-3")
+        return f"max rel err {worst:.2e}"
+
+    # ---- errors ---------------------------------------------------------------------------------
+    @check("library errors surface as MkError with the library's message")
+    def _():
+        try:  # an op called for another world size (a graph traced elsewhere)
+            torch.ops.mkernel.matmul_all_reduce(gen(1504, 8 * W, 64), gen(1505, 16, 64).t(), comm.group_name, W + 1)
+        except mkernel.MkError as e:
+            if "ranks" not in str(e):
+                raise
+        else:
+            raise AssertionError("a wrong world size was accepted")
+        try:  # K = 12: rows are not 16-byte aligned, which the kernel cannot load
+            mkt.matmul_all_reduce(gen(1500, 8 * W, 12), gen(1501, 16, 12).t())
+        except mkernel.MkError as e:
+            msg = str(e)
+            if e.code_name != "invalid argument" or not msg:
+                raise
+        else:
+            raise AssertionError("K = 12 was accepted")
+        try:
+            mkt.all_gather_matmul(gen(1502, 8, 64).float(), gen(1503, 16, 64).t())
+        except mkernel.MkError as e:
+            return f"K=12: {msg[:90]} | fp32: {str(e)[:60]}"
+        raise AssertionError("fp32 was accepted")
+
+    # ---- teardown -------------------------------------------------------------------------------
+    comm.check()
+    dist.destroy_process_group()  # destroys mkernel's communicator first (collective)
+    results.append(("teardown through destroy_process_group", not comm.alive, "communicator destroyed"))
+
+    failed = [r for r in results if not r[1]]
+    for name, ok, detail in results:
+        if rank == 0 or not ok:
+            print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if rank == 0:
+        print(f"test_torch_ops {tag}: {len(results) - len(failed)} passed, {len(failed)} failed on rank 0", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""mkernel.torch on a machine without a GPU (CI): the ops' schemas, their fake implementations
+(shapes, dtypes, errors) at W = 4 through torch's fake process group, autograd's wiring on meta
+tensors, tracing with fake tensors (what torch.compile does first), and the store bootstrap
+between two real processes (gloo) with a CPU-only communicator.
+
+Run: python3 tests/python/test_torch_cpu.py   (exit 77: torch is not installed — skipped)
+"""
+import os
+import sys
+import tempfile
+import unittest
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+except ImportError:
+    print("test_torch_cpu: torch is not installed: SKIPPED")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+if os.environ.get("MK_TEST_INSTALLED") == "1":
+    sys.path.pop(0)  # the pip-installed package, not the source tree
+
+try:
+    import mkernel  # noqa: E402
+    import mkernel.torch as mkt  # noqa: E402
+except ImportError as e:
+    if os.environ.get("MK_TEST_INSTALLED") != "1":
+        raise
+    print(f"test_torch_cpu: the package is not installed ({e}; scripts/python_setup.sh installs it): SKIPPED")
+    sys.exit(77)
+if os.environ.get("MK_TEST_INSTALLED") == "1" and "site-packages" not in mkernel.__file__:
+    print(f"test_torch_cpu: MK_TEST_INSTALLED=1 but mkernel came from {mkernel.__file__}")
+    sys.exit(1)
+
+W = 4
+bf16 = torch.bfloat16
+
+
+def meta(*shape, dtype=bf16, requires_grad=False):
+    return torch.randn(*shape, dtype=torch.float32, device="meta").to(dtype).requires_grad_(requires_grad)
+
+
+class Schemas(unittest.TestCase):
+    def test_ops_registered_with_schemas(self):
+        want = {
+            "all_gather_matmul": "mkernel::all_gather_matmul(Tensor a, Tensor b, str group_name, SymInt world_size, "
+                                 "bool return_a) -> (Tensor, Tensor)",
+            "matmul_reduce_scatter": "mkernel::matmul_reduce_scatter(Tensor a, Tensor b, str group_name, SymInt world_size) "
+                                     "-> Tensor",
+            "matmul_all_reduce": "mkernel::matmul_all_reduce(Tensor a, Tensor b, str group_name, SymInt world_size) -> Tensor",
+            "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, bool causal, str layout, "
+                              "float scale, str group_name) -> (Tensor, Tensor)",
+        }
+        for name, schema in want.items():
+            self.assertEqual(str(getattr(torch.ops.mkernel, name).default._schema), schema)
+
+    def test_package_exports(self):
+        self.assertTrue(issubclass(mkernel.MkError, RuntimeError))
+        self.assertTrue(mkernel.library_path().endswith("libmkernel_capi.so"))
+        if os.environ.get("MK_TEST_INSTALLED") == "1":  # the library pip built, inside the package
+            self.assertEqual(os.path.dirname(mkernel.library_path()), os.path.dirname(mkernel.__file__))
+            mkernel._capi.lib()  # loads, with every function the package declares
+
+
+class FakeShapes(unittest.TestCase):
+    """At W = 4 (fake process group): shapes and dtypes of every op, on meta tensors."""
+
+    @classmethod
+    def setUpClass(cls):
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", rank=1, world_size=W, store=FakeStore())
+        mkt._default_name = dist.group.WORLD.group_name  # no communicator: the ops resolve the group's size
+        cls.name = mkt._default_name
+
+    @classmethod
+    def tearDownClass(cls):
+        mkt._default_name = None
+        dist.destroy_process_group()
+
+    def test_all_gather_matmul(self):
+        a, w = meta(96, 256), meta(512, 256)  # w: an nn.Linear weight [N, K]
+        g, c = mkt.all_gather_matmul(a, w.t(), return_a=True)
+        self.assertEqual((tuple(g.shape), tuple(c.shape), c.dtype), ((384, 256), (384, 512), bf16))
+        none, c = mkt.all_gather_matmul(a, w.t())
+        self.assertIsNone(none)
+        # 3-D input, gather along dim 1 (sequence): [B, S/W, K] -> [B, S, N]
+        _, c = mkt.all_gather_matmul(meta(2, 24, 256), w.t(), gather_dim=1)
+        self.assertEqual(tuple(c.shape), (2, 96, 512))
+        _, c = mkt.all_gather_matmul(meta(2, 24, 256), w.t(), gather_dim=-3)
+        self.assertEqual(tuple(c.shape), (8, 24, 512))
+
+    def test_matmul_reduce_scatter(self):
+        out = mkt.matmul_reduce_scatter(meta(128, 64), meta(320, 64).t())
+        self.assertEqual((tuple(out.shape), out.dtype), ((32, 320), bf16))
+        out = mkt.matmul_reduce_scatter(meta(2, 128, 64), meta(320, 64).t(), scatter_dim=1)
+        self.assertEqual(tuple(out.shape), (2, 32, 320))
+
+    def test_matmul_all_reduce(self):
+        out = mkt.matmul_all_reduce(meta(3, 40, 64), meta(64, 72))
+        self.assertEqual(tuple(out.shape), (3, 40, 72))
+
+    def test_ring_attention(self):
+        q, k = meta(2, 64, 8, 128), meta(2, 64, 2, 128)
+        o, lse = mkt.ring_attention(q, k, k, causal=True, layout="zigzag")
+        self.assertEqual((tuple(o.shape), o.dtype), ((2, 64, 8, 128), bf16))
+        self.assertEqual((tuple(lse.shape), lse.dtype), ((2, 8, 64), torch.float32))
+
+    def test_bad_inputs_raise_mkerror(self):
+        cases = [
+            lambda: mkt.all_gather_matmul(meta(8, 64, dtype=torch.float16), meta(64, 32)),   # dtype
+            lambda: mkt.all_gather_matmul(meta(8, 64), meta(48, 32)),                       # K mismatch
+            lambda: mkt.all_gather_matmul(meta(8, 64), meta(64, 32), gather_dim=1),         # gathers K
+            lambda: mkt.matmul_reduce_scatter(meta(6, 64), meta(64, 32)),                   # 6 rows over 4
+            lambda: mkt.matmul_reduce_scatter(meta(8, 64), meta(64, 32), reduce_op="avg"),  # unsupported
+            lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), layout="striped"),
+            lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 4, 2, 64), meta(1, 4, 2, 64)),
+        ]
+        for i, case in enumerate(cases):
+            with self.subTest(case=i), self.assertRaises(mkernel.MkError) as cm:
+                case()
+            self.assertIn("mkernel.", str(cm.exception))
+
+    def test_world_size_is_in_the_graph(self):
+        """Traced at W = 4, the graph holds 4: a graph (or a compile cache entry) made at one world
+        size cannot be reused at another, where the output shapes differ."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+        gm = make_fx(lambda x, w: mkt.all_gather_matmul(x, w.t())[1], tracing_mode="fake")(meta(8, 64), meta(32, 64))
+        node = [n for n in gm.graph.nodes if str(n.target) == "mkernel.all_gather_matmul.default"][0]
+        self.assertEqual(node.args[2:], (self.name, W, False))
+        self.assertEqual(tuple(node.meta["val"][1].shape), (8 * W, 32))
+
+    def test_autograd_wiring(self):
+        """Forward and backward on meta tensors: each op's backward calls the other op."""
+        a, w = meta(32, 64, requires_grad=True), meta(128, 64, requires_grad=True)
+        _, c = mkt.all_gather_matmul(a, w.t())
+        c.sum().backward()
+        self.assertEqual((tuple(a.grad.shape), tuple(w.grad.shape)), ((32, 64), (128, 64)))
+        h, w2 = meta(128, 96, requires_grad=True), meta(64, 96, requires_grad=True)
+        out = mkt.matmul_reduce_scatter(h, w2.t())
+        out.sum().backward()
+        self.assertEqual((tuple(h.grad.shape), tuple(w2.grad.shape)), ((128, 96), (64, 96)))
+        x, w3 = meta(16, 32, requires_grad=True), meta(32, 8, requires_grad=True)
+        mkt.matmul_all_reduce(x, w3).sum().backward()
+        self.assertEqual((tuple(x.grad.shape), tuple(w3.grad.shape)), ((16, 32), (32, 8)))
+
+    def test_trace_tp_mlp_with_fake_tensors(self):
+        """The tensor-parallel MLP traces to one graph holding the mkernel ops (no fallback)."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def mlp(x, w_up, w_gate, w_down):
+            _, up = mkt.all_gather_matmul(x, w_up.t())
+            _, gate = mkt.all_gather_matmul(x, w_gate.t())
+            return mkt.matmul_reduce_scatter(torch.nn.functional.silu(gate) * up, w_down.t())
+
+        args = (meta(32, 256), meta(128, 256), meta(128, 256), meta(256, 128))
+        gm = make_fx(mlp, tracing_mode="fake")(*args)
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        self.assertEqual(targets.count("mkernel.all_gather_matmul.default"), 2)
+        self.assertEqual(targets.count("mkernel.matmul_reduce_scatter.default"), 1)
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        self.assertEqual(tuple(out.meta["val"].shape), (32, 256))
+
+
+def _store_worker(rank, world, init_file, result_file):
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init_file}")
+    try:
+        c = mkt.init(require_gpu=False, ranks_per_node=1)
+        again = mkt.init()
+        info = (c.rank, c.world, c.node, c.nodes, c.local_rank, c.local_size, again is c)
+        dist.destroy_process_group()  # tears mkernel's communicator down first
+        with open(f"{result_file}.{rank}", "w") as f:
+            f.write(repr((info, c.alive)))
+    except Exception as e:  # noqa: BLE001
+        with open(f"{result_file}.{rank}", "w") as f:
+            f.write(f"error {type(e).__name__}: {e}")
+
+
+class StoreBootstrap(unittest.TestCase):
+    def test_two_processes_over_the_c10d_store(self):
+        """The library's store bootstrap, served by PyTorch's store through the ctypes bridge."""
+        try:
+            mkernel._capi.lib()
+        except mkernel.MkError as e:
+            self.skipTest(f"no library: {e}")
+        with tempfile.TemporaryDirectory() as d:
+            init_file, result = os.path.join(d, "init"), os.path.join(d, "result")
+            mp.start_processes(_store_worker, args=(2, init_file, result), nprocs=2, start_method="spawn")
+            for r in range(2):
+                with open(f"{result}.{r}") as f:
+                    text = f.read()
+                self.assertFalse(text.startswith("error"), text)
+                info, alive = eval(text)  # noqa: S307 (our own repr)
+                # ranks_per_node=1: two emulated nodes of one rank each
+                self.assertEqual(info, (r, 2, r, 2, 0, 1, True))
+                self.assertFalse(alive)
+
+    def test_bridge_values_larger_than_the_buffer(self):
+        """The get callback: absent key, a value that fits, one that does not (asked again with
+        the size it reported), and a store failure reported through `why`."""
+        import ctypes
+        store = dist.HashStore()
+        big = bytes(range(256)) * 5
+        store.set("k", big)
+        br = mkt._StoreBridge(store)
+        buf = ctypes.create_string_buffer(2048)
+        n, found = ctypes.c_size_t(), ctypes.c_int()
+        self.assertEqual(br.get_cb(None, b"absent", buf, 2048, ctypes.byref(n), ctypes.byref(found)), 0)
+        self.assertEqual(found.value, 0)
+        self.assertEqual(br.get_cb(None, b"k", buf, 100, ctypes.byref(n), ctypes.byref(found)), 0)
+        self.assertEqual((found.value, n.value), (1, len(big)))
+        self.assertEqual(br.get_cb(None, b"k", buf, n.value, ctypes.byref(n), ctypes.byref(found)), 0)
+        self.assertEqual(buf.raw[:n.value], big)
+        self.assertEqual(br.set_cb(None, b"k2", b"abc", 3), 0)
+        self.assertEqual(store.get("k2"), b"abc")
+
+        class Broken:
+            def set(self, *_):
+                raise OSError("store went away")
+        br = mkt._StoreBridge(Broken())
+        self.assertEqual(br.set_cb(None, b"x", b"1", 1), 1)
+        self.assertIn(b"store went away", br.why_cb(None))
+
+    def test_init_without_process_group(self):
+        with self.assertRaises(mkernel.MkError) as cm:
+            mkt.init()
+        self.assertIn("init_process_group", str(cm.exception))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
