@@ -4,7 +4,11 @@
 // timed in turn within every repetition (so drifting clocks hit all alike), median of --reps:
 // the static schedule (plain launches), and the fused operators' variant (dynamic scheduler,
 // communication role) without a communication program.
-//   build/bench/bench_gemm [--json FILE] [--reps N] [M N K ...]
+// Plain launches get a split-K workspace, so the automatic split-K choice applies (column
+// "split": the K ranges it chose; 1 = none).
+//   build/bench/bench_gemm [--json FILE] [--reps N] [--sweep] [M N K ...]
+// --sweep: M in {64, 128, ..., 8192} x the (N, K) of Llama-3-8B and -70B's TP8 projections
+// (qkv, o, gate+up, down), ~0.25 s of warm-up per shape.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -61,10 +65,20 @@ int main(int argc, char** argv) {
   std::string json;
   int reps = 30;
   std::vector<long long> dims;
+  bool sweep = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--sweep")) sweep = true;
     else dims.push_back(atoll(argv[i]));
+  }
+  if (sweep) {
+    // (N, K) per rank at TP8: Llama-3-8B (hidden 4096, 8 KV heads of 128, intermediate 14336)
+    // and Llama-3-70B (hidden 8192, 8 KV heads, intermediate 28672).
+    const long long nk[][2] = {{768, 4096}, {4096, 512}, {3584, 4096}, {4096, 1792},
+                               {1280, 8192}, {8192, 1024}, {7168, 8192}, {8192, 3584}};
+    for (long long m = 64; m <= 8192; m *= 2)
+      for (const auto& p : nk) dims.insert(dims.end(), {m, p[0], p[1]});
   }
   if (dims.empty())
     dims = {8192, 8192, 8192, 4096, 8192, 2048, 16384, 16384, 1024, 8192, 4096, 4096,
@@ -80,13 +94,16 @@ int main(int argc, char** argv) {
   cudaGetDeviceProperties(&prop, 0);
   printf("%s, %d SMs; mkernel persistent grid %d CTAs; median of %d after ~1 s of warm-up\n", prop.name,
          prop.multiProcessorCount, ctas, reps);
-  printf("%6s %6s %6s | %9s %9s | %9s %9s | %6s | %7s   (ratio: cuBLAS time / mkernel time)\n", "M", "N", "K",
-         "cuBLAS ms", "TFLOP/s", "mkernel", "TFLOP/s", "static", "dynamic");
+  printf("%6s %6s %6s | %9s %9s | %9s %9s | %5s | %6s | %7s   (ratio: cuBLAS time / mkernel time)\n", "M", "N",
+         "K", "cuBLAS ms", "TFLOP/s", "mkernel", "TFLOP/s", "split", "static", "dynamic");
   FILE* jf = json.empty() ? nullptr : fopen(json.c_str(), "w");
   if (jf) fprintf(jf, "{\"device\": \"%s\", \"rows\": [\n", prop.name);
   for (size_t i = 0; i + 2 < dims.size(); i += 3) {
     const long long M = dims[i], N = dims[i + 1], K = dims[i + 2];
     __nv_bfloat16 *A, *B, *C, *R;
+    void* W = nullptr;
+    const size_t ws = mk::gemm::split_k_workspace_bytes(M, N, K);
+    CK(cudaMalloc(&W, ws));
     CK(cudaMalloc(&A, M * K * 2));
     CK(cudaMalloc(&B, N * K * 2));
     CK(cudaMalloc(&C, M * N * 2));
@@ -100,6 +117,9 @@ int main(int argc, char** argv) {
     args.M = M;
     args.N = N;
     args.K = K;
+    args.workspace = W;
+    args.workspace_bytes = ws;
+    const int split = mk::gemm::split_k_for(M, N, K, ctas);
     const float one = 1, zero = 0;
     auto cublas = [&] {
       CK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, K, A, CUDA_R_16BF, K, &zero, R,
@@ -117,8 +137,11 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_counter, sizeof(int)));
     mk::gemm::FusedLaunch fused;
     fused.tile_counter = d_counter;
+    mk::gemm::Arguments fused_args = args;  // the fused variant has no split-K
+    fused_args.workspace = nullptr;
+    fused_args.workspace_bytes = 0;
     auto dynamic = [&] {
-      mk::Status st = mk::gemm::run_fused(args, fused, nullptr, mk::gemm::RunConfig{});
+      mk::Status st = mk::gemm::run_fused(fused_args, fused, nullptr, mk::gemm::RunConfig{});
       if (!st.ok()) {
         fprintf(stderr, "mkernel gemm (dynamic): %s\n", st.to_string().c_str());
         exit(1);
@@ -127,7 +150,7 @@ int main(int argc, char** argv) {
     // Warm-up: about a second of work, so clocks and caches settle before measuring.
     {
       const auto t0 = std::chrono::steady_clock::now();
-      while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 1.0) {
+      while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < (sweep ? 0.25 : 1.0)) {
         cublas();
         mine();
         CK(cudaDeviceSynchronize());
@@ -155,11 +178,13 @@ int main(int argc, char** argv) {
       den += y * y;
     }
     const double flop = 2.0 * M * N * K;
-    printf("%6lld %6lld %6lld | %9.3f %9.1f | %9.3f %9.1f | %6.3f | %7.3f  (rel. diff %.1e)\n", M, N, K, tc,
-           flop / tc / 1e9, tm, flop / tm / 1e9, tc / tm, tc / td, std::sqrt(num / den));
+    printf("%6lld %6lld %6lld | %9.3f %9.1f | %9.3f %9.1f | %5d | %6.3f | %7.3f  (rel. diff %.1e)\n", M, N, K, tc,
+           flop / tc / 1e9, tm, flop / tm / 1e9, split, tc / tm, tc / td, std::sqrt(num / den));
     if (jf)
-      fprintf(jf, "  {\"M\": %lld, \"N\": %lld, \"K\": %lld, \"cublas_ms\": %.4f, \"mkernel_ms\": %.4f, \"cublas_tflops\": %.1f, \"mkernel_tflops\": %.1f, \"ratio\": %.3f, \"dynamic_ratio\": %.3f}%s\n",
-              M, N, K, tc, tm, flop / tc / 1e9, flop / tm / 1e9, tc / tm, tc / td, i + 5 < dims.size() ? "," : "");
+      fprintf(jf, "  {\"M\": %lld, \"N\": %lld, \"K\": %lld, \"split_k\": %d, \"cublas_ms\": %.4f, \"mkernel_ms\": %.4f, \"cublas_tflops\": %.1f, \"mkernel_tflops\": %.1f, \"ratio\": %.3f, \"dynamic_ratio\": %.3f, \"rel_diff\": %.2e}%s\n",
+              M, N, K, split, tc, tm, flop / tc / 1e9, flop / tm / 1e9, tc / tm, tc / td, std::sqrt(num / den),
+              i + 5 < dims.size() ? "," : "");
+    cudaFree(W);
     cudaFree(A);
     cudaFree(B);
     cudaFree(C);

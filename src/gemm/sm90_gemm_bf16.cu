@@ -3,6 +3,9 @@
 // epilogues, schedulers and the communication-role policy each in their own header).
 #include "mkernel/gemm/gemm.h"
 
+#include <cuda_bf16.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -61,6 +64,8 @@ Status make_params(const Arguments& a, ParamsCore* out) {
   p.tiles_m = tc.m;
   p.tiles_n = tc.n;
   p.k_tiles = (K + 63) / 64;
+  p.splits = 1;  // launch() sets a split
+  p.k_per_split = p.k_tiles;
   p.sched.tiles_m = tc.m;  // the static scheduler's grouped order walks these
   p.sched.tiles_n = tc.n;
   p.sched.order = a.tile_order;
@@ -70,6 +75,31 @@ Status make_params(const Arguments& a, ParamsCore* out) {
   p.epi = EpiKind::kStore;
   if (a.trace) p.trace = *a.trace;
   return OkStatus();
+}
+}  // namespace sm90
+#endif  // MK_WITH_CUTLASS
+
+#if MK_WITH_CUTLASS
+namespace sm90 {
+// Split-K's second kernel: C[m, n..n+7] = bf16(sum over ranges r = 0, 1, ... of
+// partials[r][m][n..n+7]), each thread 8 columns (N % 8 == 0), the ranges summed in order.
+__global__ void splitk_reduce(const float* __restrict__ partials, int splits, int64_t M, int64_t N,
+                              __nv_bfloat16* __restrict__ C, int64_t ldc) {
+  const int64_t groups_per_row = N / 8, groups = M * groups_per_row, plane = M * N;
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = g / groups_per_row, n = (g - m * groups_per_row) * 8;
+    const float* p = partials + m * N + n;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int r = 0; r < splits; ++r, p += plane) {
+      const float4 x = __ldcs(reinterpret_cast<const float4*>(p)), y = __ldcs(reinterpret_cast<const float4*>(p) + 1);
+      acc[0] += x.x, acc[1] += x.y, acc[2] += x.z, acc[3] += x.w;
+      acc[4] += y.x, acc[5] += y.y, acc[6] += y.z, acc[7] += y.w;
+    }
+    uint4 out;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+    for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+    *reinterpret_cast<uint4*>(C + m * ldc + n) = out;
+  }
 }
 }  // namespace sm90
 #endif  // MK_WITH_CUTLASS
@@ -136,6 +166,49 @@ Status check_args(const Arguments& a, bool check_c) {
 }  // namespace
 
 Status can_implement(const Arguments& a) { return check_args(a, true); }
+
+namespace {
+constexpr int kMaxSplits = 16;
+constexpr int kMinSlicesPerSplit = 4;  // 256 of K per range at least
+// The K ranges a request of n gives for k_tiles slices: ranges of ceil(k_tiles / n) slices, so
+// none is empty (7 requested over 8 slices gives 4 ranges of 2).
+void split_ranges(int k_tiles, int n, int* splits, int* per) {
+  n = std::max(1, std::min(n, k_tiles));
+  *per = (k_tiles + n - 1) / n;
+  *splits = (k_tiles + *per - 1) / *per;
+}
+}  // namespace
+
+int split_k_for(int64_t M, int64_t N, int64_t K, int ctas) {
+  if (M <= 0 || N <= 0 || K <= 0 || ctas <= 0) return 1;
+  const int64_t tiles = tile_count(M, N).total();
+  const int k_tiles = int((K + 63) / 64);
+  if (tiles >= ctas) return 1;
+  // Cost in units of one 128 x 256 x 64 slice on one SM (~0.56 us on an H200): waves of work
+  // items times (slices per range + ~4 of prologue and epilogue per item), plus, when split,
+  // the partials written and read back and C written at ~3 TB/s (~1.7 MB per unit) and ~6
+  // units for the reduction kernel's launch and tail.
+  auto cost = [&](int splits, int per) {
+    const int64_t items = tiles * splits, waves = (items + ctas - 1) / ctas;
+    double c = double(waves) * (per + 4);
+    if (splits > 1) c += (8.0 * splits * M * N + 2.0 * M * N) / 1.7e6 + 6.0;
+    return c;
+  };
+  int best = 1;
+  double best_cost = cost(1, k_tiles);
+  for (int n = 2; n <= kMaxSplits && k_tiles / n >= kMinSlicesPerSplit; ++n) {
+    int splits = 0, per = 0;
+    split_ranges(k_tiles, n, &splits, &per);
+    const double c = cost(splits, per);
+    if (c < best_cost * 0.97) best = splits, best_cost = c;  // a clear gain only
+  }
+  return best;
+}
+
+size_t split_k_workspace_bytes(int64_t M, int64_t N, int64_t K) {
+  (void)K;
+  return size_t(kMaxSplits) * size_t(std::max<int64_t>(M, 0)) * size_t(std::max<int64_t>(N, 0)) * 4;
+}
 
 TileCount tile_count(int64_t M, int64_t N) {
   TileCount c;
@@ -205,12 +278,38 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
   const int tiles = tile_count(a.M, a.N).total();
   int grid = cfg.max_ctas > 0 ? cfg.max_ctas : resident;
   if (!f) {
-    if (grid > tiles) grid = tiles;
     Params<comm::NoComm> p{};
     MK_CHECK(make_params(a, &p));
+    // Split-K: asked for (cfg.split_k > 1), or chosen when a workspace is given.
+    MK_REQUIRE(cfg.split_k >= 0, Code::kInvalidArgument, "gemm: split_k %d < 0", cfg.split_k);
+    int want = cfg.split_k;
+    const bool can_split = !a.tile_flags && !a.tile_order && a.workspace;
+    if (want == 0) want = can_split ? split_k_for(a.M, a.N, a.K, grid) : 1;
+    int splits = 1, per = p.k_tiles;
+    if (want > 1) split_ranges(p.k_tiles, want, &splits, &per);
+    if (splits > 1) {
+      MK_REQUIRE(!a.tile_flags && !a.tile_order, Code::kInvalidArgument,
+                 "gemm: split-K (%d ranges) does not combine with tile_flags or tile_order", splits);
+      const size_t need = size_t(splits) * size_t(a.M) * size_t(a.N) * 4;
+      MK_REQUIRE(a.workspace && a.workspace_bytes >= need, Code::kInvalidArgument,
+                 "gemm: split-K into %d ranges needs %zu bytes of workspace (given %zu)", splits, need,
+                 a.workspace ? a.workspace_bytes : size_t(0));
+      MK_REQUIRE(aligned16(a.workspace), Code::kInvalidArgument, "gemm: the workspace must be 16-byte aligned");
+      p.splits = splits;
+      p.k_per_split = per;
+      p.partials = static_cast<float*>(a.workspace);
+    }
+    if (grid > tiles * splits) grid = tiles * splits;
     if (a.trace) persistent_gemm<true, StaticScheduler, comm::NoComm><<<grid, kThreads, kPlainSmem, stream>>>(p);
     else persistent_gemm<false, StaticScheduler, comm::NoComm><<<grid, kThreads, kPlainSmem, stream>>>(p);
     MK_CUDA_CHECK(cudaGetLastError());
+    if (splits > 1) {
+      const int64_t groups = a.M * (a.N / 8);
+      const int blocks = int(std::min<int64_t>((groups + 255) / 256, int64_t(resident) * 8));
+      splitk_reduce<<<blocks, 256, 0, stream>>>(p.partials, splits, a.M, a.N, static_cast<__nv_bfloat16*>(a.C),
+                                                a.ldc ? a.ldc : a.N);
+      MK_CUDA_CHECK(cudaGetLastError());
+    }
     return OkStatus();
   }
   // A fused launch keeps its communication CTAs even when the tiles are few.

@@ -82,6 +82,158 @@ TEST(Gemm, ExactOnSmallIntegers) {
   }
 }
 
+// Split-K: K cut into ranges whose fp32 partial tiles a second kernel sums in order. With small
+// integers every partial and every sum is exact, so each forced split count (and the automatic
+// choice) must give the unsplit answer bit for bit; C's row padding stays untouched and the
+// workspace's bytes past the partials too.
+TEST(Gemm, SplitKExactOnSmallIntegers) {
+  std::mt19937_64 rng(test_seed() + 7);
+  struct Case {
+    Shape s;
+    int split;  // RunConfig::split_k (0: automatic)
+  };
+  const Case cases[] = {{{1, 8, 8, 8}, 2},          {{1, 8, 512, 8}, 16},        {{128, 256, 512, 256}, 2},
+                        {{129, 264, 8200, 272}, 7}, {{300, 1024, 1032, 1024}, 3}, {{64, 2048, 4096, 2048}, 0},
+                        {{256, 1024, 8192, 1024}, 0}, {{96, 520, 4160, 528}, 5}};
+  for (const Case& c : cases) {
+    const Shape& s = c.s;
+    SCOPED_TRACE(testing::Message() << "M " << s.M << " N " << s.N << " K " << s.K << " split_k " << c.split);
+    std::uniform_int_distribution<int> d(-2, 2);
+    std::vector<__nv_bfloat16> A(s.M * s.K), B(s.N * s.K);
+    std::vector<float> a(A.size()), b(B.size());
+    for (size_t i = 0; i < A.size(); ++i) a[i] = float(d(rng)), A[i] = __float2bfloat16(a[i]);
+    for (size_t i = 0; i < B.size(); ++i) b[i] = float(d(rng)), B[i] = __float2bfloat16(b[i]);
+    const size_t ws = gemm::split_k_workspace_bytes(s.M, s.N, s.K);
+    DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(s.M * s.ldc * 2), dW(ws + 64);
+    cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemset(dC.p, 0xff, s.M * s.ldc * 2);
+    cudaMemset(dW.p, 0x7f, ws + 64);
+    gemm::Arguments args;
+    args.A = dA.p, args.B = dB.p, args.C = dC.p;
+    args.M = s.M, args.N = s.N, args.K = s.K, args.ldc = s.ldc;
+    args.workspace = dW.p;
+    args.workspace_bytes = ws;
+    gemm::RunConfig cfg;
+    cfg.split_k = c.split;
+    MK_ASSERT_OK(gemm::run(args, nullptr, cfg));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<__nv_bfloat16> C(s.M * s.ldc);
+    cudaMemcpy(C.data(), dC.p, C.size() * 2, cudaMemcpyDeviceToHost);
+    std::vector<uint8_t> tail(64);
+    cudaMemcpy(tail.data(), static_cast<char*>(dW.p) + ws, 64, cudaMemcpyDeviceToHost);
+    int64_t bad = 0, pad_touched = 0;
+    for (int64_t m = 0; m < s.M; ++m) {
+      for (int64_t n = 0; n < s.N; ++n) {
+        float ref = 0;
+        for (int64_t k = 0; k < s.K; ++k) ref += a[m * s.K + k] * b[n * s.K + k];
+        const float want = __bfloat162float(__float2bfloat16(ref));
+        const float got = __bfloat162float(C[m * s.ldc + n]);
+        if (!(got == want) && bad++ < 5) ADD_FAILURE() << "C[" << m << "," << n << "] = " << got << ", want " << want;
+      }
+      for (int64_t n = s.N; n < s.ldc; ++n) {
+        uint16_t raw;
+        memcpy(&raw, &C[m * s.ldc + n], 2);
+        pad_touched += raw != 0xffff;
+      }
+    }
+    EXPECT_EQ(bad, 0);
+    EXPECT_EQ(pad_touched, 0) << "the reduction wrote past N into the row padding";
+    for (uint8_t x : tail) EXPECT_EQ(x, 0x7f) << "split-K wrote past the workspace it needs";
+  }
+}
+
+// Split-K on random data against cuBLAS (as RandomNormalAgainstCublas), at the skinny shapes it
+// is for, with the automatic choice; and the same answer from two runs (the order is fixed).
+TEST(Gemm, SplitKRandomAgainstCublasAndDeterministic) {
+  cublasHandle_t h;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  int ctas = 0;
+  MK_ASSERT_OK(gemm::persistent_ctas(&ctas));
+  std::mt19937_64 rng(test_seed() + 8);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (Shape s : {Shape{128, 8192, 8192, 8192}, Shape{256, 1024, 8192, 1024}, Shape{64, 3584, 8192, 3584}}) {
+    const int splits = gemm::split_k_for(s.M, s.N, s.K, ctas);
+    SCOPED_TRACE(testing::Message() << "M " << s.M << " N " << s.N << " K " << s.K << " splits " << splits);
+    EXPECT_GT(splits, 1) << "a skinny shape the automatic choice should split";
+    std::vector<__nv_bfloat16> A(s.M * s.K), B(s.N * s.K);
+    for (auto& x : A) x = __float2bfloat16(nd(rng));
+    for (auto& x : B) x = __float2bfloat16(nd(rng));
+    const size_t ws = gemm::split_k_workspace_bytes(s.M, s.N, s.K);
+    DevBuf dA(A.size() * 2), dB(B.size() * 2), dC(s.M * s.N * 2), dC2(s.M * s.N * 2), dR(s.M * s.N * 2),
+        dF(s.M * s.N * 4), dW(ws);
+    cudaMemcpy(dA.p, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dB.p, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemset(dC.p, 0xff, s.M * s.N * 2);
+    gemm::Arguments args;
+    args.A = dA.p, args.B = dB.p, args.C = dC.p;
+    args.M = s.M, args.N = s.N, args.K = s.K;
+    args.workspace = dW.p;
+    args.workspace_bytes = ws;
+    MK_ASSERT_OK(gemm::run(args, nullptr));
+    args.C = dC2.p;
+    MK_ASSERT_OK(gemm::run(args, nullptr));
+    const float one = 1, zero = 0;
+    ASSERT_EQ(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.N, s.M, s.K, &one, dB.p, CUDA_R_16BF, s.K, dA.p,
+                           CUDA_R_16BF, s.K, &zero, dR.p, CUDA_R_16BF, s.N, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.N, s.M, s.K, &one, dB.p, CUDA_R_16BF, s.K, dA.p,
+                           CUDA_R_16BF, s.K, &zero, dF.p, CUDA_R_32F, s.N, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<__nv_bfloat16> C(s.M * s.N), C2(s.M * s.N), R(s.M * s.N);
+    std::vector<float> F(s.M * s.N);
+    cudaMemcpy(C.data(), dC.p, C.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(C2.data(), dC2.p, C2.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(R.data(), dR.p, R.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(F.data(), dF.p, F.size() * 4, cudaMemcpyDeviceToHost);
+    EXPECT_EQ(memcmp(C.data(), C2.data(), C.size() * 2), 0) << "two runs differ";
+    double ef = 0, ec = 0, er = 0;
+    int64_t nan = 0;
+    for (size_t i = 0; i < F.size(); ++i) {
+      const double f = F[i], c = __bfloat162float(C[i]), r = __bfloat162float(R[i]);
+      nan += std::isnan(c);
+      ef += f * f;
+      ec += (c - f) * (c - f);
+      er += (r - f) * (r - f);
+    }
+    const double rel_mk = std::sqrt(ec / ef), rel_cublas = std::sqrt(er / ef);
+    printf("split-K M %lld N %lld K %lld, %d ranges: relative error mkernel %.3e, cuBLAS bf16 %.3e\n",
+           (long long)s.M, (long long)s.N, (long long)s.K, splits, rel_mk, rel_cublas);
+    EXPECT_EQ(nan, 0);
+    EXPECT_LE(rel_mk, 1.5 * rel_cublas + 1e-6);
+  }
+  cublasDestroy(h);
+}
+
+// Split-K's refusals: a forced split without (enough) workspace, or with per-tile flags.
+TEST(Gemm, SplitKRejectsWhatItCannotDo) {
+  DevBuf dA(64 * 1024 * 2), dB(256 * 1024 * 2), dC(64 * 256 * 2), dW(64 * 256 * 4 * 4);
+  uint64_t* flags = nullptr;
+  ASSERT_EQ(cudaMalloc(&flags, 8), cudaSuccess);
+  gemm::Arguments args;
+  args.A = dA.p, args.B = dB.p, args.C = dC.p;
+  args.M = 64, args.N = 256, args.K = 1024;
+  gemm::RunConfig cfg;
+  cfg.split_k = 4;
+  EXPECT_EQ(gemm::run(args, nullptr, cfg).code(), Code::kInvalidArgument);  // no workspace
+  args.workspace = dW.p;
+  args.workspace_bytes = 64 * 256 * 4 * 3;
+  EXPECT_EQ(gemm::run(args, nullptr, cfg).code(), Code::kInvalidArgument);  // room for 3 ranges only
+  args.workspace_bytes = 64 * 256 * 4 * 4;
+  MK_EXPECT_OK(gemm::run(args, nullptr, cfg));
+  args.tile_flags = flags;
+  EXPECT_EQ(gemm::run(args, nullptr, cfg).code(), Code::kInvalidArgument);  // flags per tile
+  cfg.split_k = -1;
+  args.tile_flags = nullptr;
+  EXPECT_EQ(gemm::run(args, nullptr, cfg).code(), Code::kInvalidArgument);
+  cfg.split_k = 0;  // automatic with tile flags: runs unsplit
+  args.tile_flags = flags;
+  MK_EXPECT_OK(gemm::run(args, nullptr, cfg));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(flags);
+}
+
 // Random normal inputs: the kernel's error against an fp32-output cuBLAS reference must be
 // close to cuBLAS's own bf16-output error against the same reference.
 TEST(Gemm, RandomNormalAgainstCublas) {

@@ -11,6 +11,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "mkernel/common/status.h"
@@ -54,6 +55,11 @@ struct Arguments {
   // Non-null: run the traced kernel variant, which records per CTA and tile a producer
   // ("load") and a consumer ("compute") event into the buffer (see device/trace.h).
   const TraceBuffer* trace = nullptr;
+  // Split-K (plain launches): device memory for fp32 partial products, 16-byte aligned, at
+  // least split_k_workspace_bytes(M, N, K) for the automatic choice (RunConfig::split_k = 0). Without
+  // one, or with tile_flags or tile_order, the GEMM runs unsplit.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 struct TileCount {
@@ -64,7 +70,21 @@ TileCount tile_count(int64_t M, int64_t N);
 
 struct RunConfig {
   int max_ctas = 0;  // 0: every CTA that can be co-resident on the SMs this context may use
+  // Split-K: 0 chooses per shape (split_k_for; 1 when no workspace is given); 1 never splits;
+  // n > 1 splits K into n ranges (fewer when K has fewer 64-wide slices), which needs
+  // n * M * N * 4 bytes of workspace. Each range's fp32 partial tile goes to the workspace; a
+  // second kernel sums the ranges in order (deterministic) and writes C.
+  int split_k = 0;
 };
+
+// Split-K, the automatic choice: how many K ranges for an M x N x K GEMM on `ctas` persistent
+// CTAs (1: none). It splits only when the 128 x 256 tiles leave SMs idle, and picks the count
+// that minimizes waves x (K slices per range + per-item overhead) plus the reduction's memory
+// traffic (docs/gemm.md, "Split-K"). Host-only, deterministic.
+int split_k_for(int64_t M, int64_t N, int64_t K, int ctas);
+// The workspace the automatic choice may need for M x N x K: bytes for the largest split it
+// considers (16 ranges of M x N fp32).
+size_t split_k_workspace_bytes(int64_t M, int64_t N, int64_t K);
 
 // kInvalidArgument with the reason (dtype, alignment, zero K, aliasing of C with A or B);
 // kNotSupported when this build has no CUTLASS or the device is not sm_90.

@@ -116,6 +116,31 @@ __device__ __forceinline__ void route_tile(const ops::FusedHooks& h, const Probl
   }
 }
 
+// Split-K: the tile's fp32 partial products, row-major N wide, stored as they are (column
+// pairs as 8-byte stores); rows and columns past (M, N) are skipped.
+template <class Accum_>
+__device__ __forceinline__ void store_partial(float* out, const ProblemShape& problem, const Accum_& accum,
+                                              int mma_tid, int tile_m, int tile_n) {
+  TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(mma_tid);
+  const int M = get<0>(problem), N = get<1>(problem);
+  Tensor coords = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(TileShape{}),
+                             make_coord(tile_m, tile_n));
+  Tensor tc = thr_mma.partition_C(coords);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(accum); i += 2) {
+    const int m = get<0>(tc(i)), n = get<1>(tc(i)), n1 = get<1>(tc(i + 1));
+    if (m >= M) continue;
+    float* row = out + int64_t(m) * N;
+    if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(accum(i)), "f"(accum(i + 1)) : "memory");
+    } else {
+      if (n < N) row[n] = accum(i);
+      if (n1 < N) row[n1] = accum(i + 1);
+    }
+  }
+}
+
 // ---- The bulk route: per consumer warp (16 rows of the tile), 8 boxes of 16 x 32 fp32, each
 // written from the registers into one of two 2 KiB shared-memory buffers (128-byte swizzle:
 // the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so a warp's stores hit every bank

@@ -14,14 +14,15 @@ using MainloopParams = typename MainloopCollective::Params;
 using MainloopState = typename MainloopCollective::PipelineState;
 using MainloopStorage = typename MainloopCollective::TensorStorage;
 
-// Producer (one warp): the TMA loads of tile (tile_m, tile_n) over its k_tiles K slices.
-// @post `state` is advanced past the tile's stages.
+// Producer (one warp): the TMA loads of tile (tile_m, tile_n) over K slices k_begin ..
+// k_begin + k_tiles - 1 (split-K: one range of them). @post `state` is advanced past the stages.
 template <class LoadInputs_>
 __device__ __forceinline__ void load_tile(MainloopCollective& mainloop, const MainloopParams& params,
                                           MainloopPipeline& pipeline, MainloopState& state, LoadInputs_& load_inputs,
-                                          int tile_m, int tile_n, int k_tiles, int lane, uint32_t cta_rank,
-                                          MainloopStorage& smem) {
-  auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+                                          int tile_m, int tile_n, int k_begin, int k_tiles, int lane,
+                                          uint32_t cta_rank, MainloopStorage& smem) {
+  const auto k_shape = shape<3>(get<0>(load_inputs));
+  auto k_iter = cute::make_coord_iterator(idx2crd(k_begin, k_shape), k_shape);
   mainloop.load(params, pipeline, state, load_inputs, make_coord(tile_m, tile_n, _, 0), k_iter, k_tiles, lane,
                 cta_rank, smem);
   state.advance(k_tiles);

@@ -56,6 +56,11 @@ struct ParamsCore {
   typename MainloopCollective::Params mainloop;
   typename EpilogueCollective::Params epilogue;
   int tiles_m, tiles_n, k_tiles;
+  // Split-K (static scheduler only): work item i is K range i % splits of the scheduler's tile
+  // i / splits; each range is k_per_split slices (the last fewer); its fp32 tile goes to
+  // partials + range * M * N (row-major, N wide), and splitk_reduce sums the ranges.
+  int splits, k_per_split;
+  float* partials;
   SchedulerParams sched;
   TileSignal signal;
   EpiKind epi;
@@ -72,15 +77,16 @@ __device__ __forceinline__ void produce_static(const Params<Comm_>& params, Shar
                                                MainloopCollective& mainloop, LoadInputs_& load_inputs,
                                                MainloopPipeline& pipeline, MainloopState& state, int num_tiles,
                                                int lane, uint32_t cta_rank) {
-  const StaticScheduler sched{params.sched, num_tiles};
+  const StaticScheduler sched{params.sched, num_tiles * params.splits};
   for (int i = sched.first(); sched.valid(i); i = sched.next(i)) {
     uint64_t t0 = 0;
     if constexpr (kTrace_) t0 = device::trace_now_ns();
-    const int t = sched.tile_of_item(i);
+    const int t = sched.tile_of_item(i / params.splits);
+    const int k_begin = (i % params.splits) * params.k_per_split;
     load_tile(mainloop, params.mainloop, pipeline, state, load_inputs, t % params.tiles_m, t / params.tiles_m,
-              params.k_tiles, lane, cta_rank, smem.mainloop_tensors);
+              k_begin, min(params.k_per_split, params.k_tiles - k_begin), lane, cta_rank, smem.mainloop_tensors);
     if constexpr (kTrace_)
-      if (lane == 0) device::trace_record(params.trace, Role::kLoad, sched.tile_of_item(i), t0);
+      if (lane == 0) device::trace_record(params.trace, Role::kLoad, t, t0);
   }
 }
 
@@ -121,7 +127,7 @@ __device__ __forceinline__ void produce_dynamic(const Params<Comm_>& params, Sha
     uint64_t t0 = 0;
     if constexpr (kTrace_) t0 = device::trace_now_ns();
     load_tile(mainloop, params.mainloop, pipeline, state, load_inputs, item % params.tiles_m, item / params.tiles_m,
-              params.k_tiles, lane, cta_rank, smem.mainloop_tensors);
+              0, params.k_tiles, lane, cta_rank, smem.mainloop_tensors);
     if constexpr (kTrace_)
       if (lane == 0) device::trace_record(params.trace, Role::kLoad, item, t0);
   }
@@ -154,12 +160,15 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
       pending = false;
     }
   };
-  // One tile (tile id `tile`): MMA over K, then the epilogue and the signals.
-  auto do_tile = [&](int tile) {
+  // One tile (tile id `tile`): MMA over K (split-K: over K range `range`), then the epilogue
+  // and the signals.
+  auto do_tile = [&](int tile, int range) {
     uint64_t t0 = 0;
     if constexpr (kTrace_) t0 = device::trace_now_ns();
     auto accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
-    mma_tile(mainloop, params.mainloop, pipeline, ml_read, accum, params.k_tiles, mma_tid, smem.mainloop_tensors);
+    const int k_begin = range * params.k_per_split;
+    mma_tile(mainloop, params.mainloop, pipeline, ml_read, accum, min(params.k_per_split, params.k_tiles - k_begin),
+             mma_tid, smem.mainloop_tensors);
     uint64_t t_epi = 0;
     if constexpr (kTrace_) t_epi = device::trace_now_ns();
     const int tm = tile % params.tiles_m, tn = tile / params.tiles_m;
@@ -181,7 +190,10 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
         routed = true;
       }
     }
-    if (!routed) {
+    if (!routed && params.splits > 1) {
+      store_partial(params.partials + int64_t(range) * get<0>(params.problem) * get<1>(params.problem),
+                    params.problem, accum, mma_tid, tm, tn);
+    } else if (!routed) {
       store_tile(epilogue, epi_load_pipeline, el_read, epi_store_pipeline, es_write, params.problem, tm, tn, accum,
                  mma_tid, smem.epi.tensors);
       stored = true;
@@ -213,12 +225,13 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
         }
         continue;
       }
-      do_tile(item);
+      do_tile(item, 0);
       if (mma_tid == 0) Comm_::tile_done(smem.comm);
     }
   } else {
-    const StaticScheduler sched{params.sched, num_tiles};
-    for (int i = sched.first(); sched.valid(i); i = sched.next(i)) do_tile(sched.tile_of_item(i));
+    const StaticScheduler sched{params.sched, num_tiles * params.splits};
+    for (int i = sched.first(); sched.valid(i); i = sched.next(i))
+      do_tile(sched.tile_of_item(i / params.splits), i % params.splits);
   }
   flush();
   if (stored) epilogue.store_tail(epi_load_pipeline, el_read, epi_store_pipeline, es_write);
