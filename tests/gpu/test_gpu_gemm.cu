@@ -28,6 +28,53 @@ struct Shape {
   int64_t M, N, K, ldc;
 };
 
+// C[M, ldc] against the fp32 reference of small-integer A and B rounded to bf16, every element
+// (the first 5 mismatches reported), and the row padding past N (poisoned 0xffff) untouched.
+struct ExactCount {
+  int64_t bad = 0, pad_touched = 0;
+};
+ExactCount count_exact(const std::vector<float>& a, const std::vector<float>& b, const std::vector<__nv_bfloat16>& C,
+                       const Shape& s) {
+  ExactCount e;
+  for (int64_t m = 0; m < s.M; ++m) {
+    for (int64_t n = 0; n < s.N; ++n) {
+      float ref = 0;
+      for (int64_t k = 0; k < s.K; ++k) ref += a[m * s.K + k] * b[n * s.K + k];
+      const float want = __bfloat162float(__float2bfloat16(ref));
+      const float got = __bfloat162float(C[m * s.ldc + n]);
+      if (!(got == want) && e.bad++ < 5) ADD_FAILURE() << "C[" << m << "," << n << "] = " << got << ", want " << want;
+    }
+    for (int64_t n = s.N; n < s.ldc; ++n) {
+      uint16_t raw;
+      memcpy(&raw, &C[m * s.ldc + n], 2);
+      e.pad_touched += raw != 0xffff;
+    }
+  }
+  return e;
+}
+
+// Relative Frobenius errors of mkernel's C and cuBLAS's bf16 R against cuBLAS's fp32 F, and
+// C's NaNs.
+struct RelErrors {
+  double mk = 0, cublas = 0;
+  int64_t nan = 0;
+};
+RelErrors rel_errors(const std::vector<__nv_bfloat16>& C, const std::vector<__nv_bfloat16>& R,
+                     const std::vector<float>& F) {
+  double ef = 0, ec = 0, er = 0;
+  RelErrors e;
+  for (size_t i = 0; i < F.size(); ++i) {
+    const double f = F[i], c = __bfloat162float(C[i]), r = __bfloat162float(R[i]);
+    e.nan += std::isnan(c);
+    ef += f * f;
+    ec += (c - f) * (c - f);
+    er += (r - f) * (r - f);
+  }
+  e.mk = std::sqrt(ec / ef);
+  e.cublas = std::sqrt(er / ef);
+  return e;
+}
+
 // Small integers are exact in bf16 and their products sum exactly in fp32, so the kernel's
 // bf16 output must equal the fp32 reference rounded to bf16, element for element. C is
 // poisoned (NaN) first, padding columns included, and every element is checked.
@@ -62,21 +109,8 @@ TEST(Gemm, ExactOnSmallIntegers) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<__nv_bfloat16> C(s.M * s.ldc);
     cudaMemcpy(C.data(), dC.p, C.size() * 2, cudaMemcpyDeviceToHost);
-    int64_t bad = 0, pad_touched = 0;
-    for (int64_t m = 0; m < s.M; ++m) {
-      for (int64_t n = 0; n < s.N; ++n) {
-        float ref = 0;
-        for (int64_t k = 0; k < s.K; ++k) ref += a[m * s.K + k] * b[n * s.K + k];
-        const float want = __bfloat162float(__float2bfloat16(ref));
-        const float got = __bfloat162float(C[m * s.ldc + n]);
-        if (!(got == want) && bad++ < 5) ADD_FAILURE() << "C[" << m << "," << n << "] = " << got << ", want " << want;
-      }
-      for (int64_t n = s.N; n < s.ldc; ++n) {
-        uint16_t raw;
-        memcpy(&raw, &C[m * s.ldc + n], 2);
-        pad_touched += raw != 0xffff;
-      }
-    }
+    const ExactCount e = count_exact(a, b, C, s);
+    const int64_t bad = e.bad, pad_touched = e.pad_touched;
     EXPECT_EQ(bad, 0);
     EXPECT_EQ(pad_touched, 0) << "the kernel wrote past N into the row padding";
   }
@@ -122,21 +156,8 @@ TEST(Gemm, SplitKExactOnSmallIntegers) {
     cudaMemcpy(C.data(), dC.p, C.size() * 2, cudaMemcpyDeviceToHost);
     std::vector<uint8_t> tail(64);
     cudaMemcpy(tail.data(), static_cast<char*>(dW.p) + ws, 64, cudaMemcpyDeviceToHost);
-    int64_t bad = 0, pad_touched = 0;
-    for (int64_t m = 0; m < s.M; ++m) {
-      for (int64_t n = 0; n < s.N; ++n) {
-        float ref = 0;
-        for (int64_t k = 0; k < s.K; ++k) ref += a[m * s.K + k] * b[n * s.K + k];
-        const float want = __bfloat162float(__float2bfloat16(ref));
-        const float got = __bfloat162float(C[m * s.ldc + n]);
-        if (!(got == want) && bad++ < 5) ADD_FAILURE() << "C[" << m << "," << n << "] = " << got << ", want " << want;
-      }
-      for (int64_t n = s.N; n < s.ldc; ++n) {
-        uint16_t raw;
-        memcpy(&raw, &C[m * s.ldc + n], 2);
-        pad_touched += raw != 0xffff;
-      }
-    }
+    const ExactCount e = count_exact(a, b, C, s);
+    const int64_t bad = e.bad, pad_touched = e.pad_touched;
     EXPECT_EQ(bad, 0);
     EXPECT_EQ(pad_touched, 0) << "the reduction wrote past N into the row padding";
     for (uint8_t x : tail) EXPECT_EQ(x, 0x7f) << "split-K wrote past the workspace it needs";
@@ -188,16 +209,9 @@ TEST(Gemm, SplitKRandomAgainstCublasAndDeterministic) {
     cudaMemcpy(R.data(), dR.p, R.size() * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(F.data(), dF.p, F.size() * 4, cudaMemcpyDeviceToHost);
     EXPECT_EQ(memcmp(C.data(), C2.data(), C.size() * 2), 0) << "two runs differ";
-    double ef = 0, ec = 0, er = 0;
-    int64_t nan = 0;
-    for (size_t i = 0; i < F.size(); ++i) {
-      const double f = F[i], c = __bfloat162float(C[i]), r = __bfloat162float(R[i]);
-      nan += std::isnan(c);
-      ef += f * f;
-      ec += (c - f) * (c - f);
-      er += (r - f) * (r - f);
-    }
-    const double rel_mk = std::sqrt(ec / ef), rel_cublas = std::sqrt(er / ef);
+    const RelErrors re = rel_errors(C, R, F);
+    const int64_t nan = re.nan;
+    const double rel_mk = re.mk, rel_cublas = re.cublas;
     printf("split-K M %lld N %lld K %lld, %d ranges: relative error mkernel %.3e, cuBLAS bf16 %.3e\n",
            (long long)s.M, (long long)s.N, (long long)s.K, splits, rel_mk, rel_cublas);
     EXPECT_EQ(nan, 0);
@@ -272,16 +286,9 @@ TEST(Gemm, RandomNormalAgainstCublas) {
     cudaMemcpy(C.data(), dC.p, C.size() * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(R.data(), dR.p, R.size() * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(F.data(), dF.p, F.size() * 4, cudaMemcpyDeviceToHost);
-    double ef = 0, ec = 0, er = 0;
-    int64_t nan = 0;
-    for (size_t i = 0; i < F.size(); ++i) {
-      const double f = F[i], c = __bfloat162float(C[i]), r = __bfloat162float(R[i]);
-      nan += std::isnan(c);
-      ef += f * f;
-      ec += (c - f) * (c - f);
-      er += (r - f) * (r - f);
-    }
-    const double rel_mk = std::sqrt(ec / ef), rel_cublas = std::sqrt(er / ef);
+    const RelErrors re = rel_errors(C, R, F);
+    const int64_t nan = re.nan;
+    const double rel_mk = re.mk, rel_cublas = re.cublas;
     printf("M %lld N %lld K %lld: relative error mkernel %.3e, cuBLAS bf16 %.3e\n", (long long)s.M,
            (long long)s.N, (long long)s.K, rel_mk, rel_cublas);
     EXPECT_EQ(nan, 0);

@@ -67,6 +67,17 @@ __device__ __forceinline__ void signal_tile_after_tma(const TileSignal& s, int m
   if (mma_tid == 0) publish_flag(s, t);
 }
 
+// An accumulator column pair (columns n, n1 of one row) into an fp32 row N wide: one 8-byte
+// store when the pair is adjacent, aligned and inside the row, else each column that is.
+__device__ __forceinline__ void store_f32_pair(float* row, int n, int n1, int N, float x, float y) {
+  if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(x), "f"(y) : "memory");
+  } else {
+    if (n < N) row[n] = x;
+    if (n1 < N) row[n1] = y;
+  }
+}
+
 // Routed fp32 epilogue: element (m, n) of shard s = m / shard_rows goes to
 // route[s] + (m - s * shard_rows) * N + n, reduce-added (or stored when deterministic). The
 // destinations are peers' accumulation buffers on this node. Rows and columns past (M, N) are
@@ -97,12 +108,7 @@ __device__ __forceinline__ void route_tile(const ops::FusedHooks& h, const Probl
     }
     float* row = h.route[s] + int64_t(r) * N;
     if (h.route_store) {
-      if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
-        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(accum(i)), "f"(accum(i + 1)) : "memory");
-      } else {
-        if (n < N) row[n] = accum(i);
-        if (n1 < N) row[n1] = accum(i + 1);
-      }
+      store_f32_pair(row, n, n1, N, accum(i), accum(i + 1));
     } else {
       if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
         // One 8-byte vector reduction for the column pair (sm_90).
@@ -131,13 +137,7 @@ __device__ __forceinline__ void store_partial(float* out, const ProblemShape& pr
   for (int i = 0; i < size(accum); i += 2) {
     const int m = get<0>(tc(i)), n = get<1>(tc(i)), n1 = get<1>(tc(i + 1));
     if (m >= M) continue;
-    float* row = out + int64_t(m) * N;
-    if (n1 == n + 1 && (n & 1) == 0 && n1 < N) {
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(row + n), "f"(accum(i)), "f"(accum(i + 1)) : "memory");
-    } else {
-      if (n < N) row[n] = accum(i);
-      if (n1 < N) row[n1] = accum(i + 1);
-    }
+    store_f32_pair(out + int64_t(m) * N, n, n1, N, accum(i), accum(i + 1));
   }
 }
 
