@@ -6,6 +6,8 @@
 //                                [--trace PREFIX]
 //   mkernel bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]
 //                              [--reps R] [--warmup U] [--json FILE]
+//   mkernel bench moe_layer [--preset qwen3_30b|qwen3_235b|mixtral|deepseek_v3]... [--tokens T_per_rank]
+//                           [--reps R] [--warmup U] [--json FILE]
 //
 // Under mpirun one rank per process (else one rank). This file parses the arguments, creates the
 // communicator, decides whether times are comparable (one GPU per rank and NCCL) and hands over
@@ -43,7 +45,7 @@ struct BenchArgs {
   std::vector<int64_t> seqs;
   bool causal = true;
   bool sweep = false, deterministic = false;
-  std::vector<std::string> presets;  // moe_dispatch
+  std::vector<std::string> presets;  // moe_dispatch, moe_layer (checked against the operator's list after parsing)
   int64_t tokens = 0;
   std::vector<std::string> fused_only, ring_only, moe_only;  // options given that apply to one family
 };
@@ -80,14 +82,6 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     } else if (a == "--preset") {
       std::string p;
       ok = ar.value(&p);
-      if (ok) {
-        const std::vector<std::string> known = bench::moe_presets();
-        if (std::find(known.begin(), known.end(), p) == known.end()) {
-          std::string list;
-          for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
-          ok = ar.fail("--preset '" + p + "': unknown (" + list + ")");
-        }
-      }
       b->presets.push_back(p);
       b->moe_only.push_back(a);
     } else if (a == "--tokens") {
@@ -114,28 +108,38 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = ar.error();
     return false;
   }
-  static const char* kOps[] = {"ag_gemm", "gemm_rs", "gemm_ar", "all", "ring_attention", "moe_dispatch"};
+  static const char* kOps[] = {"ag_gemm", "gemm_rs", "gemm_ar", "all", "ring_attention", "moe_dispatch", "moe_layer"};
   if (b->which.empty()) b->which = "all";
   if (std::find_if(std::begin(kOps), std::end(kOps), [&](const char* o) { return b->which == o; }) == std::end(kOps)) {
-    *err = "unknown operator '" + b->which + "' (ag_gemm, gemm_rs, gemm_ar, all, ring_attention, moe_dispatch)";
+    *err = "unknown operator '" + b->which + "' (ag_gemm, gemm_rs, gemm_ar, all, ring_attention, moe_dispatch, moe_layer)";
     return false;
   }
+  if (!b->presets.empty()) {
+    const std::vector<std::string> known = b->which == "moe_layer" ? bench::moe_layer_presets() : bench::moe_presets();
+    for (const std::string& p : b->presets)
+      if (std::find(known.begin(), known.end(), p) == known.end()) {
+        std::string list;
+        for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+        *err = "--preset '" + p + "': unknown for " + b->which + " (" + list + ")";
+        return false;
+      }
+  }
   const bool ring = b->which == "ring_attention";
-  const bool moe = b->which == "moe_dispatch";
+  const bool moe = b->which == "moe_dispatch" || b->which == "moe_layer";
   if (ring && !b->fused_only.empty()) {
     *err = b->fused_only[0] + " does not apply to ring_attention (use --seq)";
     return false;
   }
   if (moe && !b->fused_only.empty()) {
-    *err = b->fused_only[0] + " does not apply to moe_dispatch (use --preset, --tokens)";
+    *err = b->fused_only[0] + " does not apply to " + b->which + " (use --preset, --tokens)";
     return false;
   }
   if (moe && !b->trace.empty()) {
-    *err = "--trace does not apply to moe_dispatch";
+    *err = "--trace does not apply to " + b->which;
     return false;
   }
   if (!moe && !b->moe_only.empty()) {
-    *err = b->moe_only[0] + " applies to moe_dispatch only, not to '" + b->which + "'";
+    *err = b->moe_only[0] + " applies to moe_dispatch and moe_layer only, not to '" + b->which + "'";
     return false;
   }
   if (b->sweep && (b->m || b->n || b->k)) {
@@ -211,6 +215,12 @@ int bench(const std::vector<std::string>& args) {
     ma.tokens = ba.tokens;
     ma.rc = ba.rc;
     rc = bench::moe_dispatch(env, ma);
+  } else if (ba.which == "moe_layer") {
+    bench::MoeBenchArgs ma;
+    ma.presets = ba.presets;
+    ma.tokens = ba.tokens;
+    ma.rc = ba.rc;
+    rc = bench::moe_layer(env, ma);
   } else {
     bench::FusedBenchOpts fo;
     fo.rc = ba.rc;

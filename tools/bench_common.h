@@ -245,5 +245,10 @@ int moe_dispatch(const Env& env, const MoeBenchArgs& a);
 // The preset names moe_dispatch knows, in its default order (the CLI checks --preset against them).
 std::vector<std::string> moe_presets();
 
+// src/ops/moe/bench_layer.cu: the MoE layer against the same layer from separate launches with
+// cuBLAS's grouped GEMM; tokens per rank 128 and 4096 unless --tokens.
+int moe_layer(const Env& env, const MoeBenchArgs& a);
+std::vector<std::string> moe_layer_presets();
+
 }  // namespace bench
 }  // namespace mk

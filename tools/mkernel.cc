@@ -115,6 +115,10 @@ void usage() {
       "                       [--reps R] [--warmup U] [--json FILE]\n"
       "                       MoE dispatch and combine (exact checks) against a device copy of\n"
       "                       the same bytes and NCCL all-to-all-v + permute (one GPU per rank)\n"
+      "  bench moe_layer [--preset qwen3_30b|qwen3_235b|mixtral|deepseek_v3]... [--tokens T_per_rank]\n"
+      "                       [--reps R] [--warmup U] [--json FILE]\n"
+      "                       the MoE layer (dispatch, expert MLPs, combine) against the same\n"
+      "                       layer from separate launches with cuBLAS's grouped GEMM\n"
       "                       (defaults: --reps 20 --warmup 3; options also as --name=value)\n"
       "  version              print the version\n"
       "Tunables: see `mkernel doctor`; set MK_<NAME> in the environment.\n");

@@ -9,7 +9,8 @@
 #      projection, GEMM+AR of the attention output) at 4096 and 16384 tokens;
 #   3. ring attention against NCCL all-gather + attention and a send/recv ring, S/rank 4096-16384;
 #   4. the same benchmarks with 2 emulated nodes (the network path between them);
-#   5. MoE dispatch/combine: test_gpu_moe at every W, and mkernel bench moe_dispatch (the DeepEP
+#   5. MoE dispatch/combine and the MoE layer: test_gpu_moe and test_gpu_moe_layer at every W, mkernel bench
+#      moe_layer, and mkernel bench moe_dispatch (the DeepEP
 #      presets; the issue's EP8 targets: throughput dispatch >= 150 GB/s per GPU, low-latency
 #      dispatch <= 80 us and combine <= 120 us at 128 tokens), one node and 2 emulated nodes
 #      (hierarchical over tcp_rxm);
@@ -62,6 +63,9 @@ for w in "${ws[@]}"; do
   run "moe_w$w" "$w" -- "$B/tests/gpu/test_gpu_moe" --gtest_filter=-MoeDeadRank.*
   (( w >= 4 )) && run "moe_2x$((w / 2))_tcp" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
     "$B/tests/gpu/test_gpu_moe" --gtest_filter=-MoeDeadRank.*
+  run "moe_layer_w$w" "$w" -- "$B/tests/gpu/test_gpu_moe_layer"
+  (( w >= 4 )) && run "moe_layer_2x$((w / 2))_tcp" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
+    "$B/tests/gpu/test_gpu_moe_layer"
 done
 
 # 2-4. benchmarks (Llama-70B: hidden 8192, intermediate 28672, TP = W)
@@ -88,6 +92,8 @@ for w in "${ws[@]}"; do
   run "bench_moe_w$w" "$w" -- "$B/mkernel" bench moe_dispatch --json "$RESULT/moe_w$w.json"
   (( w >= 4 )) && run "bench_moe_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
     "$B/mkernel" bench moe_dispatch --json "$RESULT/moe_2nodes_w$w.json"
+  # The MoE layer (issue #16's target: >= 1.3x NCCL + cuBLAS at 4096 tokens per rank, EP8).
+  run "bench_moe_layer_w$w" "$w" -- "$B/mkernel" bench moe_layer --json "$RESULT/moe_layer_w$w.json"
 done
 # 6. mkernel.torch (python/ from the tree, the carried C ABI library)
 trun() {  # name np [env...] -- script args...

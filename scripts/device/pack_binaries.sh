@@ -16,7 +16,7 @@ files=(mkernel libmkernel_capi.so CTestTestfile.cmake tests/CTestTestfile.cmake 
        tests/gpu/CTestTestfile.cmake)
 for f in "$build"/tests/gpu/test_gpu_*; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
 # The benchmarks that run on the GPU, when built.
-for f in bench/bench_gemm bench/bench_host_call bench/bench_gpu_proxy; do [[ -x $build/$f ]] && files+=("$f"); done
+for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy; do [[ -x $build/$f ]] && files+=("$f"); done
 for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done
 tar -C "$build" -cf - "${files[@]}" | xz -T2 -9e > "$out/bins.tar.xz"
 # Where this build came from: the suite rewrites these paths on the GPU machine.

@@ -158,7 +158,12 @@ class MoeEp {
   bool hierarchical() const;
 
  private:
+  friend class MoeLayer;
   MoeEp() = default;
+  // combine() without its first step, the refusal after a recorded bad input: MoeLayer enqueues
+  // a dispatch and its combine in one call, and a record the dispatch writes meanwhile must not
+  // leave this rank's combine out while the other ranks' wait for it.
+  Status combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle);
   std::unique_ptr<MoeState> st_;
 };
 

@@ -369,10 +369,15 @@ Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaSt
 }
 
 Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
+  MK_REQUIRE(st_, Code::kInvalidArgument, "moe: the operator was destroyed (or its communicator was destroyed first)");
+  MK_CHECK(check());
+  return combine_enqueue(a, out, stream, handle);
+}
+
+Status MoeEp::combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
   MoeState* st = st_.get();
   MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
              "moe: the operator was destroyed (or its communicator was destroyed first)");
-  MK_CHECK(check());
   MK_REQUIRE(!handle || (handle->st_ && handle->st_->owner == st), Code::kInvalidArgument,
              "moe combine: the handle belongs to another operator");
   MK_REQUIRE(handle ? handle->st_->dispatched : st->dispatched, Code::kInvalidArgument,

@@ -1,0 +1,382 @@
+// `mkernel bench moe_layer`: the MoE layer (include/mkernel/ops/moe_layer.h) against the same
+// layer built from separate launches with cuBLAS's grouped GEMM.
+//
+// Per preset (a model's hidden size H, expert width I, experts E, top-k) and tokens per rank:
+//   - inputs: x and the weights from a hash fill kernel (weights scaled by 1 / sqrt(fan-in)),
+//     routing uniform over the experts (k distinct per token), weights in (0, 1] / k;
+//   - layer_us: MoeLayer::run (dispatch, grouped GEMM with SwiGLU, grouped GEMM, combine);
+//   - unfused_us: mkernel dispatch, cuBLAS grouped GEMM x·W1ᵀ (cublasGemmGroupedBatchedEx; its
+//     per-expert sizes taken to the host once, outside the timing — in a real unfused layer a
+//     device-to-host copy and a synchronization per call), a SwiGLU kernel, cuBLAS grouped GEMM
+//     ·W2ᵀ, mkernel combine, as separate launches;
+//   - compute_us: mkernel's two grouped GEMMs alone on the received rows; comm_us: dispatch +
+//     combine alone. overlap = (compute + comm - layer) / min(compute, comm): 0 when the stages
+//     run one after another (they do today), 1 when the shorter one is hidden;
+//   - check: the layer's output against the unfused one (cuBLAS GEMMs, a different rounding:
+//     the 2I-wide product rounded to bf16 before SwiGLU), relative Frobenius error below 2e-2.
+// A time is the slowest rank's median (tools/bench_common.h, time_it). Ranks sharing a GPU get
+// min(tokens, 4096 / W) tokens per rank (said in the line and the JSON); their times are not
+// comparable across GPUs. Experts not a multiple of W are rounded up.
+// The NCCL all-to-all-v + cuBLAS baseline the issue names is not built yet (see docs/moe.md).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/gemm/grouped.h"
+#include "mkernel/mkernel.h"
+#include "mkernel/ops/moe_layer.h"
+#include "tools/bench_common.h"
+#if MK_HAVE_CUBLAS
+#include <cublas_v2.h>
+#endif
+
+namespace mk {
+namespace bench {
+namespace {
+
+struct LayerPreset {
+  const char* name;
+  int64_t hidden, inter;
+  int experts, topk;
+};
+constexpr LayerPreset kLayerPresets[] = {
+    {"qwen3_30b", 2048, 768, 128, 8},
+    {"qwen3_235b", 4096, 1536, 128, 8},
+    {"mixtral", 4096, 14336, 8, 2},
+    {"deepseek_v3", 7168, 2048, 256, 8},
+};
+constexpr int64_t kSharedTokens = 4096;
+
+__global__ void fill_scaled(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix(seed ^ (i * 0x9e3779b97f4a7c15ull));
+    p[i] = __float2bfloat16_rn((float(h >> 40) / 16777216.f * 2.f - 1.f) * scale);
+  }
+}
+
+// act[r, j] = silu(h[r, j]) * h[r, I + j] for rows [0, rows): the unfused layer's activation.
+__global__ void swiglu_rows(const __nv_bfloat16* h, __nv_bfloat16* act, int64_t rows, int64_t I) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * I; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / I, j = i % I;
+    const float g = __bfloat162float(h[r * 2 * I + j]), u = __bfloat162float(h[r * 2 * I + I + j]);
+    act[i] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+__global__ void rel_err(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, double* acc) {
+  double num = 0, den = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  atomicAdd(&acc[0], num);
+  atomicAdd(&acc[1], den);
+}
+
+struct LayerRow {
+  std::string preset;
+  int W = 1, nodes = 1, experts = 0, experts_preset = 0, topk = 0;
+  int64_t tokens = 0, tokens_preset = 0, hidden = 0, inter = 0;
+  bool tokens_scaled = false, shared = false, checked = false, correct = false;
+  double err = 0;
+  double layer_us = 0, unfused_us = 0, compute_us = 0, comm_us = 0;
+};
+
+#if MK_HAVE_CUBLAS
+struct Cublas {
+  cublasHandle_t h = nullptr;
+  ~Cublas() {
+    if (h) cublasDestroy(h);
+  }
+};
+// A grouped GEMM over the non-empty experts: C rows (offsets) = A rows · B_eᵀ.
+struct CublasGrouped {
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<int> m, n, k, lda, ldb, ldc, size;
+  std::vector<float> alpha, beta;
+  Buf ptrs;
+  int groups = 0;
+  Status build(Communicator* comm, const std::vector<int32_t>& counts, const std::vector<int32_t>& offsets,
+               const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C, int64_t N, int64_t K) {
+    std::vector<const void*> pa, pb;
+    std::vector<void*> pc;
+    for (size_t e = 0; e < counts.size(); ++e) {
+      if (!counts[e]) continue;
+      ta.push_back(CUBLAS_OP_T), tb.push_back(CUBLAS_OP_N);
+      m.push_back(int(N)), n.push_back(counts[e]), k.push_back(int(K));
+      lda.push_back(int(K)), ldb.push_back(int(K)), ldc.push_back(int(N));
+      alpha.push_back(1.f), beta.push_back(0.f), size.push_back(1);
+      pa.push_back(B + int64_t(e) * N * K), pb.push_back(A + int64_t(offsets[e]) * K);
+      pc.push_back(C + int64_t(offsets[e]) * N);
+    }
+    groups = int(ta.size());
+    MK_CHECK(CLI_CUDA(comm, ptrs.alloc(size_t(3 * groups) * sizeof(void*))));
+    void** d = static_cast<void**>(ptrs.p);
+    MK_CHECK(CLI_CUDA(comm, cudaMemcpy(d, pa.data(), groups * sizeof(void*), cudaMemcpyHostToDevice)));
+    MK_CHECK(CLI_CUDA(comm, cudaMemcpy(d + groups, pb.data(), groups * sizeof(void*), cudaMemcpyHostToDevice)));
+    MK_CHECK(CLI_CUDA(comm, cudaMemcpy(d + 2 * groups, pc.data(), groups * sizeof(void*), cudaMemcpyHostToDevice)));
+    return OkStatus();
+  }
+  Status run(cublasHandle_t h) {
+    if (!groups) return OkStatus();
+    void** d = static_cast<void**>(ptrs.p);
+    const cublasStatus_t s = cublasGemmGroupedBatchedEx(
+        h, ta.data(), tb.data(), m.data(), n.data(), k.data(), alpha.data(), const_cast<const void* const*>(d),
+        CUDA_R_16BF, lda.data(), const_cast<const void* const*>(d + groups), CUDA_R_16BF, ldb.data(), beta.data(),
+        d + 2 * groups, CUDA_R_16BF, ldc.data(), groups, size.data(), CUBLAS_COMPUTE_32F);
+    MK_REQUIRE(s == CUBLAS_STATUS_SUCCESS, Code::kCudaError, "cublasGemmGroupedBatchedEx failed (%d)", int(s));
+    return OkStatus();
+  }
+};
+#endif
+
+Status bench_layer_one(Communicator* comm, const RunCfg& rc, uint64_t seed, LayerRow* r) {
+  const int W = comm->world(), me = comm->rank(), k = r->topk;
+  const int64_t T = r->tokens, H = r->hidden, I = r->inter;
+  cudaStream_t st = comm->stream();
+  ops::MoeLayerConfig cfg;
+  cfg.moe.hidden = H;
+  cfg.moe.num_experts = r->experts;
+  cfg.moe.topk = k;
+  cfg.moe.max_tokens_per_rank = T;
+  cfg.intermediate = I;
+  std::unique_ptr<ops::MoeLayer> layer;
+  MK_CHECK(agreed(comm, ops::MoeLayer::create(comm, cfg, {}, &layer), "creating the MoE layer"));
+  const int El = layer->local_experts();
+  const int64_t rows = layer->recv_rows();
+  Buf x, ids, wts, w1, w2, out, out2, recv2, h2, act2, y2, gact, gy, counts2, acc;
+  Status s;
+  for (auto [b, bytes] : {std::pair<Buf*, size_t>{&x, size_t(T * H * 2)}, {&ids, size_t(T * k * 4)},
+                          {&wts, size_t(T * k * 4)}, {&w1, size_t(El) * 2 * I * H * 2}, {&w2, size_t(El) * H * I * 2},
+                          {&out, size_t(T * H * 2)}, {&out2, size_t(T * H * 2)}, {&recv2, size_t(rows * H * 2)},
+                          {&h2, size_t(rows * 2 * I * 2)}, {&act2, size_t(rows * I * 2)}, {&y2, size_t(rows * H * 2)},
+                          {&gact, size_t(rows * I * 2)}, {&gy, size_t(rows * H * 2)}, {&counts2, size_t(El + 1) * 8},
+                          {&acc, 16}})
+    if (s.ok()) s = CLI_CUDA(comm, b->alloc(bytes));
+  MK_CHECK(agreed(comm, s, "allocating the layer's inputs"));
+  // Routing: k distinct experts per token, uniform; weights (0, 1] / k.
+  std::vector<int32_t> hid(size_t(T * k));
+  std::vector<float> hw(size_t(T * k));
+  for (int64_t t = 0; t < T; ++t)
+    for (int kk = 0; kk < k; ++kk) {
+      for (uint64_t a = 0;; ++a) {
+        const int32_t e = int32_t(mix(seed ^ (uint64_t(me) << 48) ^ (uint64_t(t) << 8) ^ uint64_t(kk) ^ (a << 56)) %
+                                  uint64_t(r->experts));
+        if (std::find(&hid[size_t(t * k)], &hid[size_t(t * k + kk)], e) == &hid[size_t(t * k + kk)]) {
+          hid[size_t(t * k + kk)] = e;
+          break;
+        }
+      }
+      hw[size_t(t * k + kk)] = float((mix(seed ^ 0x77ull ^ uint64_t(t * k + kk) ^ (uint64_t(me) << 40)) >> 41) + 1) /
+                               float(1ull << 23) / float(k);
+    }
+  fill_scaled<<<1024, 256, 0, st>>>(x.bf(), size_t(T * H), mix(seed ^ uint64_t(me)), 1.f);
+  fill_scaled<<<1024, 256, 0, st>>>(w1.bf(), size_t(El) * 2 * I * H, mix(seed ^ 0x1000 ^ uint64_t(me)),
+                                    1.f / std::sqrt(float(H)));
+  fill_scaled<<<1024, 256, 0, st>>>(w2.bf(), size_t(El) * H * I, mix(seed ^ 0x2000 ^ uint64_t(me)),
+                                    1.f / std::sqrt(float(I)));
+  s = CLI_CUDA(comm, cudaGetLastError());
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemcpyAsync(ids.p, hid.data(), hid.size() * 4, cudaMemcpyHostToDevice, st));
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemcpyAsync(wts.p, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice, st));
+  if (s.ok()) s = synced(comm, st);
+  MK_CHECK(agreed(comm, s, "filling the inputs"));
+  ops::MoeLayerArgs a;
+  a.x = x.p;
+  a.topk_ids = static_cast<int32_t*>(ids.p);
+  a.topk_weights = static_cast<float*>(wts.p);
+  a.tokens = T;
+  a.w1 = w1.p;
+  a.w2 = w2.p;
+  auto layer_call = [&] { return layer->run(a, out.p, st); };
+  // One call: the expert layout (counts, offsets) the baselines reuse.
+  s = decoded(comm, layer_call());
+  if (s.ok()) s = synced(comm, st);
+  if (s.ok()) s = layer->check();
+  std::vector<int32_t> counts(El), offsets(El + 1);
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemcpy(counts.data(), layer->counts(), El * 4, cudaMemcpyDeviceToHost));
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemcpy(offsets.data(), layer->offsets(), (El + 1) * 4, cudaMemcpyDeviceToHost));
+  MK_CHECK(agreed(comm, s, "the first layer call"));
+  // compute: the two grouped GEMMs alone on the received rows.
+  gemm::GroupedArguments g1;
+  g1.A = layer->expert_inputs();
+  g1.B = w1.p;
+  g1.C = gact.p;
+  g1.groups = El;
+  g1.rows = rows;
+  g1.N = 2 * I;
+  g1.K = H;
+  g1.counts = layer->counts();
+  g1.offsets = layer->offsets();
+  g1.epilogue = gemm::GroupedEpilogue::kSwiGLU;
+  gemm::GroupedArguments g2 = g1;
+  g2.A = gact.p;
+  g2.B = w2.p;
+  g2.C = gy.p;
+  g2.N = H;
+  g2.K = I;
+  g2.epilogue = gemm::GroupedEpilogue::kStore;
+  auto compute_call = [&]() -> Status {
+    MK_CHECK(gemm::run_grouped(g1, st));
+    return gemm::run_grouped(g2, st);
+  };
+  ops::MoeEp* ep = layer->ep();
+  auto comm_call = [&]() -> Status {
+    MK_CHECK(ep->dispatch({a.x, a.topk_ids, a.topk_weights, nullptr, T},
+                          {recv2.p, static_cast<int32_t*>(counts2.p), static_cast<int32_t*>(counts2.p) + El + 1}, st));
+    return ep->combine({recv2.p}, out2.p, st);
+  };
+  Timing tl, tc, tx;
+  MK_CHECK(time_it(comm, st, rc, "moe_layer", layer_call, &tl));
+  MK_CHECK(time_it(comm, st, rc, "grouped GEMMs", compute_call, &tc));
+  MK_CHECK(time_it(comm, st, rc, "dispatch + combine", comm_call, &tx));
+  r->layer_us = tl.median_ms * 1e3;
+  r->compute_us = tc.median_ms * 1e3;
+  r->comm_us = tx.median_ms * 1e3;
+#if MK_HAVE_CUBLAS
+  Cublas cb;
+  s = cublasCreate(&cb.h) == CUBLAS_STATUS_SUCCESS ? OkStatus() : Status(Code::kCudaError, "cublasCreate failed");
+  if (s.ok()) s = cublasSetStream(cb.h, st) == CUBLAS_STATUS_SUCCESS ? OkStatus()
+                                                                     : Status(Code::kCudaError, "cublasSetStream failed");
+  CublasGrouped c1, c2;
+  if (s.ok())
+    s = c1.build(comm, counts, offsets, static_cast<const __nv_bfloat16*>(recv2.p), w1.bf(), h2.bf(), 2 * I, H);
+  if (s.ok()) s = c2.build(comm, counts, offsets, act2.bf(), w2.bf(), y2.bf(), H, I);
+  MK_CHECK(agreed(comm, s, "the cuBLAS baseline's setup"));
+  const int64_t used = offsets[El];
+  auto unfused_call = [&]() -> Status {
+    MK_CHECK(ep->dispatch({a.x, a.topk_ids, a.topk_weights, nullptr, T},
+                          {recv2.p, static_cast<int32_t*>(counts2.p), static_cast<int32_t*>(counts2.p) + El + 1}, st));
+    MK_CHECK(c1.run(cb.h));
+    swiglu_rows<<<1024, 256, 0, st>>>(h2.bf(), act2.bf(), used, I);
+    MK_CUDA_CHECK(cudaGetLastError());
+    MK_CHECK(c2.run(cb.h));
+    return ep->combine({y2.p}, out2.p, st);
+  };
+  Timing tu;
+  MK_CHECK(time_it(comm, st, rc, "unfused layer (cuBLAS grouped)", unfused_call, &tu));
+  r->unfused_us = tu.median_ms * 1e3;
+  // Check: the layer's output against the unfused one, both from the same inputs.
+  s = decoded(comm, layer_call());
+  if (s.ok()) s = decoded(comm, unfused_call());
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemsetAsync(acc.p, 0, 16, st));
+  if (s.ok()) {
+    rel_err<<<256, 256, 0, st>>>(out.bf(), out2.bf(), T * H, static_cast<double*>(acc.p));
+    s = CLI_CUDA(comm, cudaGetLastError());
+  }
+  if (s.ok()) s = synced(comm, st);
+  double e[2] = {0, 0};
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemcpy(e, acc.p, 16, cudaMemcpyDeviceToHost));
+  MK_CHECK(agreed(comm, s, "the layer check"));
+  std::vector<double> all(size_t(2) * W);
+  MK_CHECK(comm->bootstrap().allgather(e, all.data(), sizeof(e)));
+  double num = 0, den = 0;
+  for (int i = 0; i < W; ++i) num += all[size_t(2 * i)], den += all[size_t(2 * i + 1)];
+  r->err = den > 0 ? std::sqrt(num / den) : (num > 0 ? 1.0 : 0.0);
+  r->checked = true;
+  r->correct = r->err < 2e-2 && std::isfinite(r->err) && den > 0;
+#else
+  r->checked = false;
+#endif
+  return agreed(comm, layer->destroy(), "destroying the layer");
+}
+
+}  // namespace
+
+std::vector<std::string> moe_layer_presets() {
+  std::vector<std::string> v;
+  for (const LayerPreset& p : kLayerPresets) v.push_back(p.name);
+  return v;
+}
+
+int moe_layer(const Env& env, const MoeBenchArgs& a) {
+  Communicator* comm = env.comm;
+  const int W = comm->world(), me = comm->rank(), nodes = comm->topology().num_nodes;
+  const bool shared = !env.own_gpu;
+  uint64_t seed = 0;
+  if (me == 0) seed = mix(uint64_t(std::chrono::system_clock::now().time_since_epoch().count()));
+  if (!comm->bootstrap().broadcast(&seed, sizeof(seed), 0).ok()) return 1;
+  std::vector<const LayerPreset*> chosen;
+  if (a.presets.empty())
+    for (const LayerPreset& p : kLayerPresets) chosen.push_back(&p);
+  for (const std::string& name : a.presets)
+    for (const LayerPreset& p : kLayerPresets)
+      if (name == p.name && std::find(chosen.begin(), chosen.end(), &p) == chosen.end()) chosen.push_back(&p);
+  const std::vector<int64_t> token_list = a.tokens > 0 ? std::vector<int64_t>{a.tokens} : std::vector<int64_t>{128, 4096};
+  if (me == 0) {
+    printf("moe_layer: bf16, %d rank(s), %d node(s), seed 0x%016llx%s\n", W, nodes, (unsigned long long)seed,
+           shared ? "; ranks share a GPU: tokens scaled down, times not comparable across GPUs" : "");
+    printf("unfused = mkernel dispatch + cuBLAS grouped GEMM + SwiGLU kernel + cuBLAS grouped GEMM + mkernel combine "
+           "(separate launches); compute = mkernel's two grouped GEMMs alone; comm = dispatch + combine alone\n");
+    printf("%-12s %3s %6s %5s %6s %4s %2s  %-6s %10s %10s %8s %10s %10s %8s\n", "preset", "W", "tokens", "H", "I", "E",
+           "k", "check", "layer_us", "unfused_us", "speedup", "compute_us", "comm_us", "overlap");
+  }
+  std::vector<std::string> rows;
+  std::vector<CheckLine> checks;
+  bool failed = false;
+  int idx = 0;
+  for (const LayerPreset* p : chosen) {
+    for (int64_t tok : token_list) {
+      LayerRow r;
+      r.preset = p->name;
+      r.W = W, r.nodes = nodes, r.topk = p->topk, r.hidden = p->hidden, r.inter = p->inter;
+      r.experts_preset = p->experts;
+      r.experts = (p->experts + W - 1) / W * W;
+      r.tokens_preset = tok;
+      r.tokens = shared && a.tokens == 0 ? std::min(tok, std::max<int64_t>(1, kSharedTokens / W)) : tok;
+      r.tokens_scaled = r.tokens != tok;
+      r.shared = shared;
+      CheckLine c;
+      c.label = "moe_layer " + r.preset + " tokens " + std::to_string(r.tokens) + " W " + std::to_string(W);
+      const Status s = bench_layer_one(comm, a.rc, mix(seed ^ uint64_t(++idx)), &r);
+      c.done = r.checked, c.ok = r.correct;
+      if (!s.ok()) {
+        c.error = s.to_string();
+        if (me == 0) fprintf(stderr, "bench moe_layer %s: %s\n", r.preset.c_str(), c.error.c_str());
+      }
+      checks.push_back(c);
+      if (!s.ok()) {
+        if (communicator_failed(comm)) break;
+        continue;
+      }
+      const double ov = overlap_eff(W, r.compute_us, r.comm_us, r.layer_us);
+      if (me == 0) {
+        std::string notes;
+        if (r.experts != r.experts_preset) notes += "  (experts rounded up to a multiple of W)";
+        if (r.tokens_scaled) notes += "  (tokens " + std::to_string(tok) + " -> " + std::to_string(r.tokens) + ")";
+        printf("%-12s %3d %6lld %5lld %6lld %4d %2d  %-6s %10s %10s %8s %10s %10s %8s%s\n", r.preset.c_str(), W,
+               (long long)r.tokens, (long long)r.hidden, (long long)r.inter, r.experts, r.topk,
+               !r.checked ? "n/a" : r.correct ? "ok" : "WRONG", cell(r.layer_us, 1).c_str(),
+               r.unfused_us > 0 ? cell(r.unfused_us, 1).c_str() : "n/a", cell(ratio(r.unfused_us, r.layer_us), 3).c_str(),
+               cell(r.compute_us, 1).c_str(), cell(r.comm_us, 1).c_str(), eff_cell(ov).c_str(), notes.c_str());
+        fflush(stdout);
+      }
+      char b[1024];
+      snprintf(b, sizeof b,
+               "{\"op\": \"moe_layer\", \"preset\": \"%s\", \"W\": %d, \"nodes\": %d, \"tokens\": %lld, "
+               "\"tokens_preset\": %lld, \"hidden\": %lld, \"intermediate\": %lld, \"experts\": %d, \"topk\": %d, "
+               "\"checked\": %s, \"correct\": %s, \"rel_err_vs_unfused\": %s, \"layer_us\": %s, \"unfused_us\": %s, "
+               "\"speedup_vs_unfused\": %s, \"compute_us\": %s, \"comm_us\": %s, \"overlap\": %s, \"shared_gpu\": %s}",
+               r.preset.c_str(), W, nodes, (long long)r.tokens, (long long)tok, (long long)r.hidden, (long long)r.inter,
+               r.experts, r.topk, r.checked ? "true" : "false", r.correct ? "true" : "false", jnum(r.err, 5).c_str(),
+               jnum(r.layer_us, 2).c_str(), jnum(r.unfused_us, 2).c_str(), jnum(ratio(r.unfused_us, r.layer_us), 4).c_str(),
+               jnum(r.compute_us, 2).c_str(), jnum(r.comm_us, 2).c_str(), eff_json(ov).c_str(),
+               shared ? "true" : "false");
+      rows.push_back(b);
+    }
+  }
+  if (me == 0 && !env.json.empty() && !write_json(env.json, W, nodes, env.comparable, rows)) failed = true;
+  return summarize(comm, checks, "the layer's output against the unfused layer's (cuBLAS GEMMs), rel. error < 2e-2",
+                   failed);
+}
+
+}  // namespace bench
+}  // namespace mk

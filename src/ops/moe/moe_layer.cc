@@ -1,0 +1,168 @@
+// The MoE layer (include/mkernel/ops/moe_layer.h): MoeEp's dispatch and combine around two
+// grouped GEMMs (SwiGLU in the first one's epilogue), all on the caller's stream.
+#include "mkernel/ops/moe_layer.h"
+
+#include <cuda_runtime_api.h>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/common/log.h"
+#include "mkernel/gemm/grouped.h"
+#include "mkernel/runtime/communicator.h"
+
+namespace mk {
+namespace ops {
+
+struct MoeLayer::State {
+  MoeLayerConfig cfg;
+  std::unique_ptr<MoeEp> ep;
+  int El = 0;
+  int64_t rows = 0;
+  void* recv_x = nullptr;  // [rows, H]
+  void* act = nullptr;     // [rows, I]
+  void* y = nullptr;       // [rows, H]
+  int32_t* counts = nullptr;   // [El]
+  int32_t* offsets = nullptr;  // [El + 1]
+  // 0, or 1 + the first expert whose range a GEMM refused: written on the device, copied to
+  // pinned host memory at the end of each call (stream-ordered, capturable).
+  int32_t* gemm_err_dev = nullptr;
+  int32_t* gemm_err_host = nullptr;
+  ~State() {
+    cudaFree(recv_x);
+    cudaFree(act);
+    cudaFree(y);
+    cudaFree(counts);
+    cudaFree(offsets);
+    cudaFree(gemm_err_dev);
+    if (gemm_err_host) cudaFreeHost(gemm_err_host);
+  }
+};
+
+namespace {
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+Status check_config(const MoeLayerConfig& cfg) {
+  MK_REQUIRE(cfg.intermediate > 0 && cfg.intermediate % 8 == 0, Code::kInvalidArgument,
+             "moe layer: intermediate size %lld must be a positive multiple of 8 (16-byte activation rows)",
+             (long long)cfg.intermediate);
+  MK_REQUIRE(cfg.moe.hidden > 0 && cfg.moe.hidden % 8 == 0, Code::kInvalidArgument,
+             "moe layer: hidden size %lld must be a positive multiple of 8", (long long)cfg.moe.hidden);
+  return OkStatus();
+}
+
+uint64_t intermediate_bytes(const MoeLayerConfig& cfg, int El, int64_t rows) {
+  return uint64_t(rows) * uint64_t(cfg.moe.hidden) * 2 * 2 + uint64_t(rows) * uint64_t(cfg.intermediate) * 2 +
+         uint64_t(2 * El + 1) * 4;
+}
+}  // namespace
+
+Status MoeLayer::buffer_bytes(const MoeLayerConfig& cfg, const Topology& topo, bool staged, MoeLayerMemory* out,
+                              MoeMode mode) {
+  MK_REQUIRE(out, Code::kInvalidArgument, "moe layer: null output");
+  MK_CHECK(check_config(cfg));
+  MK_CHECK(MoeEp::buffer_bytes(cfg.moe, topo, staged, &out->ep, mode));
+  const int El = cfg.moe.num_experts / topo.world;
+  out->intermediate_bytes = intermediate_bytes(cfg, El, out->ep.recv_rows);
+  return OkStatus();
+}
+
+Status MoeLayer::create(Communicator* comm, const MoeLayerConfig& cfg, const MoeOptions& opt,
+                        std::unique_ptr<MoeLayer>* out) {
+  MK_REQUIRE(comm && out, Code::kInvalidArgument, "moe layer: null communicator or output");
+  // Checked before the collective create, the same on every rank: no rank enters it alone.
+  MK_CHECK(check_config(cfg));
+  std::unique_ptr<MoeLayer> layer(new MoeLayer());
+  layer->st_ = std::make_unique<State>();
+  State& st = *layer->st_;
+  st.cfg = cfg;
+  MK_CHECK(MoeEp::create(comm, cfg.moe, opt, &st.ep));
+  MK_REQUIRE(st.ep->local_experts() <= gemm::kMaxGroups, Code::kInvalidArgument,
+             "moe layer: %d local experts, the grouped GEMM takes at most %d", st.ep->local_experts(),
+             gemm::kMaxGroups);
+  st.El = st.ep->local_experts();
+  st.rows = st.ep->recv_rows();
+  const int64_t H = cfg.moe.hidden, I = cfg.intermediate;
+  MK_CUDA_CHECK(cudaMalloc(&st.recv_x, size_t(st.rows) * H * 2 + 16));
+  MK_CUDA_CHECK(cudaMalloc(&st.act, size_t(st.rows) * I * 2 + 16));
+  MK_CUDA_CHECK(cudaMalloc(&st.y, size_t(st.rows) * H * 2 + 16));
+  MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.counts), size_t(st.El) * 4));
+  MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.offsets), size_t(st.El + 1) * 4));
+  MK_CUDA_CHECK(cudaMemset(st.counts, 0, size_t(st.El) * 4));
+  MK_CUDA_CHECK(cudaMemset(st.offsets, 0, size_t(st.El + 1) * 4));
+  MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.gemm_err_dev), 16));
+  MK_CUDA_CHECK(cudaMemset(st.gemm_err_dev, 0, 16));
+  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st.gemm_err_host), 16, cudaHostAllocDefault));
+  *st.gemm_err_host = 0;
+  MK_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream
+  *out = std::move(layer);
+  return OkStatus();
+}
+
+MoeLayer::~MoeLayer() {
+  Status s = destroy();
+  if (!s.ok()) MK_WARN(kSubsysInit, "moe layer: destroy: %s", s.to_string().c_str());
+}
+
+Status MoeLayer::destroy() {
+  if (!st_ || !st_->ep) return OkStatus();
+  return st_->ep->destroy();
+}
+
+Status MoeLayer::check() const {
+  MK_REQUIRE(st_ && st_->ep, Code::kInvalidArgument, "moe layer: not created");
+  MK_CHECK(st_->ep->check());
+  const int32_t g = *reinterpret_cast<const volatile int32_t*>(st_->gemm_err_host);
+  if (g != 0)
+    return make_status(Code::kInternal,
+                       "moe layer: the expert GEMMs found local expert %d's rows outside the receive buffer (%lld rows)",
+                       g - 1, (long long)st_->rows);
+  return OkStatus();
+}
+
+Status MoeLayer::run(const MoeLayerArgs& a, void* out, cudaStream_t stream) {
+  MK_REQUIRE(st_ && st_->ep, Code::kInvalidArgument, "moe layer: not created");
+  State& st = *st_;
+  MK_CHECK(check());
+  MK_REQUIRE(a.w1 && a.w2 && out, Code::kInvalidArgument, "moe layer: null w1, w2 or out");
+  MK_REQUIRE(aligned16(a.w1) && aligned16(a.w2), Code::kInvalidArgument,
+             "moe layer: w1 and w2 must be 16-byte aligned");
+  const int64_t H = st.cfg.moe.hidden, I = st.cfg.intermediate;
+  MK_CHECK(st.ep->dispatch({a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens}, {st.recv_x, st.counts, st.offsets},
+                           stream));
+  gemm::GroupedArguments g1;
+  g1.A = st.recv_x;
+  g1.B = a.w1;
+  g1.C = st.act;
+  g1.groups = st.El;
+  g1.rows = st.rows;
+  g1.N = 2 * I;
+  g1.K = H;
+  g1.counts = st.counts;
+  g1.offsets = st.offsets;
+  g1.epilogue = gemm::GroupedEpilogue::kSwiGLU;
+  g1.error = st.gemm_err_dev;
+  MK_CHECK(gemm::run_grouped(g1, stream));
+  gemm::GroupedArguments g2 = g1;
+  g2.A = st.act;
+  g2.B = a.w2;
+  g2.C = st.y;
+  g2.N = H;
+  g2.K = I;
+  g2.epilogue = gemm::GroupedEpilogue::kStore;
+  MK_CHECK(gemm::run_grouped(g2, stream));
+  MK_CUDA_CHECK(cudaMemcpyAsync(st.gemm_err_host, st.gemm_err_dev, 4, cudaMemcpyDeviceToHost, stream));
+  // Not combine(): it refuses once a bad input was recorded, and this call's dispatch may record
+  // one while we enqueue — the other ranks' combines would then wait for this rank's in vain.
+  return st.ep->combine_enqueue({st.y}, out, stream, nullptr);
+}
+
+const MoeLayerConfig& MoeLayer::config() const { return st_->cfg; }
+MoeEp* MoeLayer::ep() const { return st_->ep.get(); }
+int MoeLayer::local_experts() const { return st_->El; }
+int64_t MoeLayer::recv_rows() const { return st_->rows; }
+const int32_t* MoeLayer::counts() const { return st_->counts; }
+const int32_t* MoeLayer::offsets() const { return st_->offsets; }
+const void* MoeLayer::expert_inputs() const { return st_->recv_x; }
+
+}  // namespace ops
+}  // namespace mk

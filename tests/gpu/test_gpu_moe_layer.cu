@@ -1,0 +1,373 @@
+// The MoE layer (include/mkernel/ops/moe_layer.h) on the GPU through the public API, every rank
+// a process (MPS on one GPU), in the layouts ctest launches.
+//
+// Reference: each token's output computed on the host in double from the same bf16 inputs and
+// weights — for every top-k slot the expert's gated MLP (silu(gate) * up, then the down
+// projection) times the routing weight — independently of the layout and of which rank holds
+// the expert (every rank derives every expert's weights from the seed).
+//
+// Tolerance, per element c of token t: |out - ref| <= 2^-7 * S + 2^-8 * |ref|, with
+// S = sum_k |w_k| * sum_j |W2_e[c, j]| * |h_j| (h: the activations). The layer rounds three
+// times: the activations h to bf16 (each off by <= 2^-9 |h_j|, so the down projection by
+// <= 2^-9 S), the expert outputs to bf16 (<= 2^-9 S again) and the output (<= 2^-9 |ref|); fp32
+// accumulation and __expf add ~1e-6 relative. The bound is twice that worst case, and a wrong
+// expert, weight, slot or row is off by the order of S itself.
+//
+// Cases: routings uniform, Zipf-skewed, all-local, sparse (-1 slots, empty experts), empty ranks;
+// both cross-node modes; I a multiple of 128 and not; token counts from the device. Then CUDA-
+// graph replays with fresh routings, a bad expert id (named on its rank, later calls refused),
+// and configurations the layer refuses before any collective step.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mkernel/common/check.h"
+#include "mkernel/ops/moe_layer.h"
+#include "tests/common/moe_routing.h"
+#include "tests/gpu/mpi_fixture.h"
+
+namespace mk {
+namespace test {
+namespace {
+
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~DevBuf() { cudaFree(p); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+// Weights of global expert e (bf16 bits): uniform in [-1, 1) / sqrt(fan_in), a function of
+// (seed, e, matrix, index).
+uint16_t weight_bits(uint64_t seed, int e, int which, int64_t i, int64_t fan_in) {
+  const uint64_t v = mix(mix(seed, uint64_t(e) * 4 + uint64_t(which)), uint64_t(i));
+  const double u = double(v >> 11) / double(1ull << 53) * 2.0 - 1.0;
+  return float_to_bf16(float(u / std::sqrt(double(fan_in))));
+}
+
+struct Weights {
+  int E;
+  int64_t H, I;
+  std::vector<std::vector<uint16_t>> w1, w2;  // per global expert: [2I, H], [H, I]
+};
+Weights make_weights(uint64_t seed, int E, int64_t H, int64_t I) {
+  Weights w{E, H, I, {}, {}};
+  w.w1.resize(E);
+  w.w2.resize(E);
+  for (int e = 0; e < E; ++e) {
+    w.w1[e].resize(size_t(2 * I * H));
+    w.w2[e].resize(size_t(H * I));
+    for (int64_t i = 0; i < 2 * I * H; ++i) w.w1[e][size_t(i)] = weight_bits(seed, e, 1, i, H);
+    for (int64_t i = 0; i < H * I; ++i) w.w2[e][size_t(i)] = weight_bits(seed, e, 2, i, I);
+  }
+  return w;
+}
+
+// The reference output of one token (double) and its tolerance per column.
+void reference_token(const Weights& w, const uint16_t* x, const int32_t* ids, const float* wts, int k,
+                     std::vector<double>* ref, std::vector<double>* tol) {
+  const int64_t H = w.H, I = w.I;
+  ref->assign(size_t(H), 0.0);
+  std::vector<double> scale(static_cast<size_t>(H), 0.0), xf(static_cast<size_t>(H)), h(static_cast<size_t>(I));
+  for (int64_t c = 0; c < H; ++c) xf[size_t(c)] = bf16_to_float(x[c]);
+  for (int kk = 0; kk < k; ++kk) {
+    const int e = ids[kk];
+    if (e < 0) continue;
+    const uint16_t* w1 = w.w1[e].data();
+    const uint16_t* w2 = w.w2[e].data();
+    for (int64_t j = 0; j < I; ++j) {
+      double g = 0, u = 0;
+      for (int64_t c = 0; c < H; ++c) {
+        g += bf16_to_float(w1[j * H + c]) * xf[size_t(c)];
+        u += bf16_to_float(w1[(I + j) * H + c]) * xf[size_t(c)];
+      }
+      h[size_t(j)] = g / (1.0 + std::exp(-g)) * u;
+    }
+    for (int64_t c = 0; c < H; ++c) {
+      double y = 0, s = 0;
+      for (int64_t j = 0; j < I; ++j) {
+        const double a = bf16_to_float(w2[c * I + j]);
+        y += a * h[size_t(j)];
+        s += std::fabs(a * h[size_t(j)]);
+      }
+      (*ref)[size_t(c)] += double(wts[kk]) * y;
+      scale[size_t(c)] += std::fabs(double(wts[kk])) * s;
+    }
+  }
+  tol->resize(size_t(H));
+  for (int64_t c = 0; c < H; ++c)
+    (*tol)[size_t(c)] = std::ldexp(scale[size_t(c)], -7) + std::ldexp(std::fabs((*ref)[size_t(c)]), -8) + 1e-6;
+}
+
+// The layer's device inputs for one rank: x, routing, token count, and its local experts' weights.
+struct Inputs {
+  DevBuf x, ids, w, n, w1, w2, out;
+  Inputs(int64_t T, int64_t H, int64_t I, int k, int El)
+      : x(size_t(T) * H * 2), ids(size_t(T) * k * 4), w(size_t(T) * k * 4), n(4), w1(size_t(El) * 2 * I * H * 2),
+        w2(size_t(El) * H * I * 2), out(size_t(T) * H * 2) {}
+};
+
+void upload_weights(const Weights& wt, int me, int El, Inputs* in) {
+  const size_t s1 = size_t(2 * wt.I * wt.H), s2 = size_t(wt.H * wt.I);
+  for (int le = 0; le < El; ++le) {
+    ASSERT_EQ(cudaMemcpy(in->w1.as<uint16_t>() + le * s1, wt.w1[me * El + le].data(), s1 * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(in->w2.as<uint16_t>() + le * s2, wt.w2[me * El + le].data(), s2 * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+}
+
+// out [T, H] (bits) against the reference for the first n tokens; rows past n must keep the
+// 0xffff poison. Returns the number of bad elements (the first few reported).
+int64_t check_output(const Weights& wt, const std::vector<uint16_t>& x, const std::vector<int32_t>& ids,
+                     const std::vector<float>& w, int k, int64_t n, int64_t T, const std::vector<uint16_t>& out,
+                     const std::string& what) {
+  const int64_t H = wt.H;
+  int64_t bad = 0;
+  std::vector<double> ref, tol;
+  for (int64_t t = 0; t < T; ++t) {
+    if (t >= n) {
+      for (int64_t c = 0; c < H; ++c)
+        if (out[size_t(t * H + c)] != 0xffff && bad++ < 5)
+          ADD_FAILURE() << what << ": token " << t << " past the call's " << n << " tokens was written";
+      continue;
+    }
+    reference_token(wt, &x[size_t(t * H)], &ids[size_t(t * k)], &w[size_t(t * k)], k, &ref, &tol);
+    for (int64_t c = 0; c < H; ++c) {
+      const double got = bf16_to_float(out[size_t(t * H + c)]);
+      if (!(std::fabs(got - ref[size_t(c)]) <= tol[size_t(c)]) && bad++ < 5)
+        ADD_FAILURE() << what << ": token " << t << " col " << c << ": got " << got << " want " << ref[size_t(c)]
+                      << " (tolerance " << tol[size_t(c)] << ")";
+    }
+  }
+  return bad;
+}
+
+struct Case {
+  int64_t H, I;
+  int experts_per_rank, k;
+  int64_t T;
+};
+
+TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  const Case cases[] = {{256, 128, 4, 4, 77}, {512, 200, 3, 2, 130}};
+  int ci = 0;
+  for (const Case& c : cases) {
+    for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
+      ops::MoeLayerConfig cfg;
+      cfg.moe.hidden = c.H;
+      cfg.moe.num_experts = c.experts_per_rank * W;
+      cfg.moe.topk = c.k;
+      cfg.moe.max_tokens_per_rank = c.T;
+      cfg.intermediate = c.I;
+      ops::MoeOptions opt;
+      opt.mode = mode;
+      std::unique_ptr<ops::MoeLayer> layer;
+      MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, opt, &layer));
+      const int El = layer->local_experts(), k = c.k;
+      const int64_t T = c.T, H = c.H;
+      const uint64_t wseed = mix(test_seed(), 0x776569ull + uint64_t(ci));
+      const Weights wt = make_weights(wseed, cfg.moe.num_experts, H, c.I);
+      Inputs in(T, H, c.I, k, El);
+      upload_weights(wt, me, El, &in);
+      for (MoeRouting kind : {MoeRouting::kUniform, MoeRouting::kZipf, MoeRouting::kLocal, MoeRouting::kSparse,
+                              MoeRouting::kEmptyRanks}) {
+        const uint64_t seed = mix(wseed, uint64_t(kind) + 1);
+        std::vector<int32_t> ids;
+        std::vector<float> w;
+        int64_t n;
+        make_moe_routing(kind, seed, me, W, cfg.moe.num_experts, k, T, &ids, &w, &n);
+        std::vector<uint16_t> x(size_t(T * H));
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t col = 0; col < H; ++col) x[size_t(t * H + col)] = moe_x_bits(seed, me, t, col);
+        const int32_t n32 = int32_t(n);
+        ASSERT_EQ(cudaMemcpy(in.x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(in.n.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemset(in.out.p, 0xff, in.out.bytes), cudaSuccess);  // NaN poison
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        ops::MoeLayerArgs a;
+        a.x = in.x.p;
+        a.topk_ids = in.ids.as<int32_t>();
+        a.topk_weights = in.w.as<float>();
+        a.d_num_tokens = in.n.as<int32_t>();
+        a.tokens = T;
+        a.w1 = in.w1.p;
+        a.w2 = in.w2.p;
+        MK_ASSERT_OK(layer->run(a, in.out.p, comm->stream()));
+        MK_ASSERT_OK(comm->sync(comm->stream()));
+        MK_ASSERT_OK(layer->check());
+        std::vector<uint16_t> out(size_t(T * H));
+        ASSERT_EQ(cudaMemcpy(out.data(), in.out.p, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        const std::string what = "case " + std::to_string(ci / 2) + (layer->ep()->hierarchical() ? " hierarchical " : " ") +
+                                 moe_routing_name(kind) + " rank " + std::to_string(me);
+        EXPECT_EQ(check_output(wt, x, ids, w, k, n, T, out, what), 0) << what;
+        if (HasFailure()) break;
+      }
+      MK_EXPECT_OK(layer->destroy());
+      ++ci;
+      if (HasFailure()) return;
+    }
+  }
+}
+
+// One captured call replayed with fresh routings, token counts and inputs; every replay checked.
+TEST(MoeLayer, GraphReplaysWithFreshRoutings) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  ops::MoeLayerConfig cfg;
+  cfg.moe.hidden = 256;
+  cfg.moe.num_experts = 4 * W;
+  cfg.moe.topk = 3;
+  cfg.moe.max_tokens_per_rank = 48;
+  cfg.intermediate = 136;
+  std::unique_ptr<ops::MoeLayer> layer;
+  MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, {}, &layer));
+  const int El = layer->local_experts(), k = cfg.moe.topk;
+  const int64_t T = cfg.moe.max_tokens_per_rank, H = cfg.moe.hidden, I = cfg.intermediate;
+  const uint64_t seed = mix(test_seed(), 0x6c6179ull);
+  const Weights wt = make_weights(seed, cfg.moe.num_experts, H, I);
+  Inputs in(T, H, I, k, El);
+  upload_weights(wt, me, El, &in);
+  ASSERT_EQ(cudaMemset(in.ids.p, 0xff, in.ids.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(in.n.p, 0, 4), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  ops::MoeLayerArgs a;
+  a.x = in.x.p;
+  a.topk_ids = in.ids.as<int32_t>();
+  a.topk_weights = in.w.as<float>();
+  a.d_num_tokens = in.n.as<int32_t>();
+  a.tokens = T;
+  a.w1 = in.w1.p;
+  a.w2 = in.w2.p;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  MK_ASSERT_OK(layer->run(a, in.out.p, st));
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const int kReplays = 12;
+  for (int rep = 0; rep < kReplays; ++rep) {
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    int64_t n;
+    const MoeRouting kind = MoeRouting(rep % 5);
+    make_moe_routing(kind, mix(seed, uint64_t(rep)), me, W, cfg.moe.num_experts, k, T, &ids, &w, &n);
+    n = (n + rep) % (T + 1);
+    const int32_t n32 = int32_t(n);
+    std::vector<uint16_t> x(size_t(T * H));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < H; ++c) x[size_t(t * H + c)] = moe_x_bits(mix(seed, 77 + rep), me, t, c);
+    ASSERT_EQ(cudaMemcpyAsync(in.x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(in.n.p, &n32, 4, cudaMemcpyHostToDevice, st), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(in.out.p, 0xff, in.out.bytes, st), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    std::vector<uint16_t> out(size_t(T * H));
+    ASSERT_EQ(cudaMemcpyAsync(out.data(), in.out.p, out.size() * 2, cudaMemcpyDeviceToHost, st), cudaSuccess);
+    MK_ASSERT_OK(comm->sync(st));
+    MK_ASSERT_OK(layer->check());
+    const std::string what = "replay " + std::to_string(rep) + " " + moe_routing_name(kind) + " (" +
+                             std::to_string(n) + " tokens) rank " + std::to_string(me);
+    ASSERT_EQ(check_output(wt, x, ids, w, k, n, T, out, what), 0) << what;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  MK_EXPECT_OK(layer->destroy());
+}
+
+// A bad expert id on the last rank: every rank's call completes, that rank's check() names
+// it, and its later calls are refused with the same error.
+TEST(MoeLayer, BadExpertIdIsNamed) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  ops::MoeLayerConfig cfg;
+  cfg.moe.hidden = 128;
+  cfg.moe.num_experts = 2 * W;
+  cfg.moe.topk = 2;
+  cfg.moe.max_tokens_per_rank = 16;
+  cfg.intermediate = 64;
+  std::unique_ptr<ops::MoeLayer> layer;
+  MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, {}, &layer));
+  const int El = layer->local_experts(), k = 2;
+  const int64_t T = 16, H = 128;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  int64_t n;
+  make_moe_routing(MoeRouting::kUniform, mix(test_seed(), 0xbad), me, W, cfg.moe.num_experts, k, T, &ids, &w, &n);
+  const int bad = W - 1;
+  if (me == bad) ids[5 * 2 + 1] = 2 * W + 3;
+  Inputs in(T, H, cfg.intermediate, k, El);
+  ASSERT_EQ(cudaMemset(in.x.p, 0x3c, in.x.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(in.w1.p, 0x3c, in.w1.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(in.w2.p, 0x3c, in.w2.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ops::MoeLayerArgs a;
+  a.x = in.x.p;
+  a.topk_ids = in.ids.as<int32_t>();
+  a.topk_weights = in.w.as<float>();
+  a.tokens = T;
+  a.w1 = in.w1.p;
+  a.w2 = in.w2.p;
+  MK_ASSERT_OK(layer->run(a, in.out.p, comm->stream()));
+  MK_ASSERT_OK(comm->sync(comm->stream()));
+  const Status s = layer->check();
+  if (me == bad) {
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find("expert " + std::to_string(2 * W + 3)), std::string::npos) << s.to_string();
+    EXPECT_EQ(layer->run(a, in.out.p, comm->stream()).code(), Code::kInvalidArgument);
+  } else {
+    MK_EXPECT_OK(s);
+  }
+  MK_ASSERT_OK(comm->bootstrap().barrier());
+  MK_EXPECT_OK(layer->destroy());
+}
+
+// Refused before any collective step (the same answer on every rank, so none waits alone),
+// and null weights refused by run().
+TEST(MoeLayer, HostChecks) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world();
+  ops::MoeLayerConfig cfg;
+  cfg.moe.hidden = 128;
+  cfg.moe.num_experts = 2 * W;
+  cfg.moe.topk = 2;
+  cfg.moe.max_tokens_per_rank = 16;
+  cfg.intermediate = 12;  // not a multiple of 8
+  std::unique_ptr<ops::MoeLayer> layer;
+  EXPECT_EQ(ops::MoeLayer::create(comm, cfg, {}, &layer).code(), Code::kInvalidArgument);
+  cfg.intermediate = 0;
+  EXPECT_EQ(ops::MoeLayer::create(comm, cfg, {}, &layer).code(), Code::kInvalidArgument);
+  cfg.intermediate = 64;
+  MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, {}, &layer));
+  DevBuf x(16 * 128 * 2), ids(16 * 2 * 4), w(16 * 2 * 4), out(16 * 128 * 2);
+  ops::MoeLayerArgs a;
+  a.x = x.p;
+  a.topk_ids = ids.as<int32_t>();
+  a.topk_weights = w.as<float>();
+  a.tokens = 16;
+  EXPECT_EQ(layer->run(a, out.p, comm->stream()).code(), Code::kInvalidArgument) << "null weights";
+  MK_EXPECT_OK(layer->destroy());
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace mk
