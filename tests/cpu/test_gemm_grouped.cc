@@ -34,15 +34,27 @@ void expect_refused(const gemm::GroupedArguments& g, const std::string& words) {
   EXPECT_NE(s.message().find(words), std::string::npos) << s.to_string();
 }
 
+// Accepted: OK, or — in a build without the CUTLASS headers (the sanitizer builds) — the one
+// refusal such a build gives after every argument check passed; the test then reports skipped.
 TEST(GroupedArgs, AcceptsValidShapes) {
-  EXPECT_TRUE(gemm::can_implement_grouped(valid()).ok()) << gemm::can_implement_grouped(valid()).to_string();
+  bool no_cutlass = false;
+  auto expect_accepted = [&](const gemm::GroupedArguments& g, const char* what) {
+    const Status s = gemm::can_implement_grouped(g);
+    if (s.code() == Code::kNotSupported && s.message().find("without CUTLASS") != std::string::npos) {
+      no_cutlass = true;
+      return;
+    }
+    EXPECT_TRUE(s.ok()) << what << ": " << s.to_string();
+  };
+  expect_accepted(valid(), "plain");
   gemm::GroupedArguments g = valid();
   g.epilogue = gemm::GroupedEpilogue::kSwiGLU;  // N = 2I, I = 32
-  EXPECT_TRUE(gemm::can_implement_grouped(g).ok());
+  expect_accepted(g, "SwiGLU");
   g = valid();
   g.rows = 0;  // nothing to do: pointers are not needed
   g.A = g.B = g.C = nullptr;
-  EXPECT_TRUE(gemm::can_implement_grouped(g).ok());
+  expect_accepted(g, "no rows");
+  if (no_cutlass) GTEST_SKIP() << "built without CUTLASS: valid arguments end in kNotSupported";
 }
 
 TEST(GroupedArgs, RefusesWithReasons) {

@@ -116,6 +116,29 @@ struct Inputs {
         w2(size_t(El) * H * I * 2), out(size_t(T) * H * 2) {}
 };
 
+ops::MoeLayerConfig layer_config(int64_t H, int64_t I, int experts, int k, int64_t T) {
+  ops::MoeLayerConfig cfg;
+  cfg.moe.hidden = H;
+  cfg.moe.num_experts = experts;
+  cfg.moe.topk = k;
+  cfg.moe.max_tokens_per_rank = T;
+  cfg.intermediate = I;
+  return cfg;
+}
+
+// The layer's arguments over `in` (d_num_tokens: the device count, or null for all T rows).
+ops::MoeLayerArgs layer_args(const Inputs& in, int64_t T, bool device_count) {
+  ops::MoeLayerArgs a;
+  a.x = in.x.p;
+  a.topk_ids = in.ids.as<int32_t>();
+  a.topk_weights = in.w.as<float>();
+  a.d_num_tokens = device_count ? in.n.as<int32_t>() : nullptr;
+  a.tokens = T;
+  a.w1 = in.w1.p;
+  a.w2 = in.w2.p;
+  return a;
+}
+
 void upload_weights(const Weights& wt, int me, int El, Inputs* in) {
   const size_t s1 = size_t(2 * wt.I * wt.H), s2 = size_t(wt.H * wt.I);
   for (int le = 0; le < El; ++le) {
@@ -165,12 +188,7 @@ TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
   int ci = 0;
   for (const Case& c : cases) {
     for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
-      ops::MoeLayerConfig cfg;
-      cfg.moe.hidden = c.H;
-      cfg.moe.num_experts = c.experts_per_rank * W;
-      cfg.moe.topk = c.k;
-      cfg.moe.max_tokens_per_rank = c.T;
-      cfg.intermediate = c.I;
+      const ops::MoeLayerConfig cfg = layer_config(c.H, c.I, c.experts_per_rank * W, c.k, c.T);
       ops::MoeOptions opt;
       opt.mode = mode;
       std::unique_ptr<ops::MoeLayer> layer;
@@ -198,15 +216,7 @@ TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
         ASSERT_EQ(cudaMemcpy(in.n.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
         ASSERT_EQ(cudaMemset(in.out.p, 0xff, in.out.bytes), cudaSuccess);  // NaN poison
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        ops::MoeLayerArgs a;
-        a.x = in.x.p;
-        a.topk_ids = in.ids.as<int32_t>();
-        a.topk_weights = in.w.as<float>();
-        a.d_num_tokens = in.n.as<int32_t>();
-        a.tokens = T;
-        a.w1 = in.w1.p;
-        a.w2 = in.w2.p;
-        MK_ASSERT_OK(layer->run(a, in.out.p, comm->stream()));
+        MK_ASSERT_OK(layer->run(layer_args(in, T, true), in.out.p, comm->stream()));
         MK_ASSERT_OK(comm->sync(comm->stream()));
         MK_ASSERT_OK(layer->check());
         std::vector<uint16_t> out(size_t(T * H));
@@ -227,12 +237,7 @@ TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
 TEST(MoeLayer, GraphReplaysWithFreshRoutings) {
   Communicator* comm = shared_comm();
   const int W = comm->world(), me = comm->rank();
-  ops::MoeLayerConfig cfg;
-  cfg.moe.hidden = 256;
-  cfg.moe.num_experts = 4 * W;
-  cfg.moe.topk = 3;
-  cfg.moe.max_tokens_per_rank = 48;
-  cfg.intermediate = 136;
+  const ops::MoeLayerConfig cfg = layer_config(256, 136, 4 * W, 3, 48);
   std::unique_ptr<ops::MoeLayer> layer;
   MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, {}, &layer));
   const int El = layer->local_experts(), k = cfg.moe.topk;
@@ -246,14 +251,7 @@ TEST(MoeLayer, GraphReplaysWithFreshRoutings) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaStream_t st;
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  ops::MoeLayerArgs a;
-  a.x = in.x.p;
-  a.topk_ids = in.ids.as<int32_t>();
-  a.topk_weights = in.w.as<float>();
-  a.d_num_tokens = in.n.as<int32_t>();
-  a.tokens = T;
-  a.w1 = in.w1.p;
-  a.w2 = in.w2.p;
+  const ops::MoeLayerArgs a = layer_args(in, T, true);
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
@@ -297,12 +295,7 @@ TEST(MoeLayer, GraphReplaysWithFreshRoutings) {
 TEST(MoeLayer, BadExpertIdIsNamed) {
   Communicator* comm = shared_comm();
   const int W = comm->world(), me = comm->rank();
-  ops::MoeLayerConfig cfg;
-  cfg.moe.hidden = 128;
-  cfg.moe.num_experts = 2 * W;
-  cfg.moe.topk = 2;
-  cfg.moe.max_tokens_per_rank = 16;
-  cfg.intermediate = 64;
+  const ops::MoeLayerConfig cfg = layer_config(128, 64, 2 * W, 2, 16);
   std::unique_ptr<ops::MoeLayer> layer;
   MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, {}, &layer));
   const int El = layer->local_experts(), k = 2;
@@ -320,13 +313,7 @@ TEST(MoeLayer, BadExpertIdIsNamed) {
   ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  ops::MoeLayerArgs a;
-  a.x = in.x.p;
-  a.topk_ids = in.ids.as<int32_t>();
-  a.topk_weights = in.w.as<float>();
-  a.tokens = T;
-  a.w1 = in.w1.p;
-  a.w2 = in.w2.p;
+  const ops::MoeLayerArgs a = layer_args(in, T, false);
   MK_ASSERT_OK(layer->run(a, in.out.p, comm->stream()));
   MK_ASSERT_OK(comm->sync(comm->stream()));
   const Status s = layer->check();
@@ -346,12 +333,7 @@ TEST(MoeLayer, BadExpertIdIsNamed) {
 TEST(MoeLayer, HostChecks) {
   Communicator* comm = shared_comm();
   const int W = comm->world();
-  ops::MoeLayerConfig cfg;
-  cfg.moe.hidden = 128;
-  cfg.moe.num_experts = 2 * W;
-  cfg.moe.topk = 2;
-  cfg.moe.max_tokens_per_rank = 16;
-  cfg.intermediate = 12;  // not a multiple of 8
+  ops::MoeLayerConfig cfg = layer_config(128, 12, 2 * W, 2, 16);  // I not a multiple of 8
   std::unique_ptr<ops::MoeLayer> layer;
   EXPECT_EQ(ops::MoeLayer::create(comm, cfg, {}, &layer).code(), Code::kInvalidArgument);
   cfg.intermediate = 0;

@@ -17,7 +17,10 @@
 // A time is the slowest rank's median (tools/bench_common.h, time_it). Ranks sharing a GPU get
 // min(tokens, 4096 / W) tokens per rank (said in the line and the JSON); their times are not
 // comparable across GPUs. Experts not a multiple of W are rounded up.
-// The NCCL all-to-all-v + cuBLAS baseline the issue names is not built yet (see docs/moe.md).
+//   - nccl_us (every rank its own GPU, NCCL built): NCCL all-to-all-v of one row per (token,
+//     expert) entry with permute kernels, the cuBLAS grouped GEMMs and SwiGLU kernel, the way
+//     back and a weighted sum — maps and counts built on the host outside the timing; its output
+//     is checked against the layer's too.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -36,6 +39,12 @@
 #include "tools/bench_common.h"
 #if MK_HAVE_CUBLAS
 #include <cublas_v2.h>
+#endif
+#if MK_HAVE_NCCL && MK_HAVE_CUBLAS
+#include "tools/baseline/baseline.h"
+#define MK_LAYER_NCCL 1
+#else
+#define MK_LAYER_NCCL 0
 #endif
 
 namespace mk {
@@ -82,13 +91,61 @@ __global__ void rel_err(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t 
   atomicAdd(&acc[1], den);
 }
 
+// Rank `rank`'s routing: k distinct experts per token, uniform; weights (0, 1] / k. A function of
+// (seed, rank): every rank can regenerate every rank's.
+void make_routing(uint64_t seed, int rank, int64_t T, int k, int E, std::vector<int32_t>* ids, std::vector<float>* w) {
+  ids->assign(size_t(T * k), -1);
+  w->assign(size_t(T * k), 0.f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int kk = 0; kk < k; ++kk) {
+      int32_t* row = ids->data() + t * k;
+      for (uint64_t a = 0;; ++a) {
+        const int32_t e =
+            int32_t(mix(seed ^ (uint64_t(rank) << 48) ^ (uint64_t(t) << 8) ^ uint64_t(kk) ^ (a << 56)) % uint64_t(E));
+        if (std::find(row, row + kk, e) == row + kk) {
+          row[kk] = e;
+          break;
+        }
+      }
+      (*w)[size_t(t * k + kk)] =
+          float((mix(seed ^ 0x77ull ^ uint64_t(t * k + kk) ^ (uint64_t(rank) << 40)) >> 41) + 1) / float(1ull << 23) /
+          float(k);
+    }
+}
+
+// dst row map[i].y = src row map[i].x (rows of row_bytes, a multiple of 16); the NCCL baseline's
+// permutations.
+__global__ void permute_rows(const char* src, char* dst, const int2* map, int64_t n, int64_t row_bytes) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const int4* a = reinterpret_cast<const int4*>(src + int64_t(map[i].x) * row_bytes);
+    int4* b = reinterpret_cast<int4*>(dst + int64_t(map[i].y) * row_bytes);
+    for (int64_t j = threadIdx.x; j < row_bytes / 16; j += blockDim.x) b[j] = a[j];
+  }
+}
+
+// out[t, c] = bf16(sum over slots kk (in order) of w[t, kk] * back[pos[t, kk], c]), fp32; pos -1:
+// no expert. The NCCL baseline's combine.
+__global__ void weighted_sum(const __nv_bfloat16* back, const int32_t* pos, const float* w, int64_t T, int k,
+                             int64_t H, __nv_bfloat16* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < T * H; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / H, c = i % H;
+    float acc = 0.f;
+    for (int kk = 0; kk < k; ++kk) {
+      const int32_t p = pos[t * k + kk];
+      if (p >= 0) acc = fmaf(w[t * k + kk], __bfloat162float(back[int64_t(p) * H + c]), acc);
+    }
+    out[i] = __float2bfloat16_rn(acc);
+  }
+}
+
 struct LayerRow {
   std::string preset;
   int W = 1, nodes = 1, experts = 0, experts_preset = 0, topk = 0;
   int64_t tokens = 0, tokens_preset = 0, hidden = 0, inter = 0;
   bool tokens_scaled = false, shared = false, checked = false, correct = false;
   double err = 0;
-  double layer_us = 0, unfused_us = 0, compute_us = 0, comm_us = 0;
+  double layer_us = 0, unfused_us = 0, compute_us = 0, comm_us = 0, nccl_us = 0;
+  double nccl_err = 0;  // the NCCL baseline's output against the layer's (relative Frobenius)
 };
 
 #if MK_HAVE_CUBLAS
@@ -139,7 +196,12 @@ struct CublasGrouped {
 };
 #endif
 
-Status bench_layer_one(Communicator* comm, const RunCfg& rc, uint64_t seed, LayerRow* r) {
+#if MK_LAYER_NCCL
+Status nccl_layer(Communicator* comm, const RunCfg& rc, uint64_t seed, cublasHandle_t cb, const Buf& x,
+                  const Buf& wts, const Buf& w1, const Buf& w2, const Buf& layer_out, LayerRow* r);
+#endif
+
+Status bench_layer_one(Communicator* comm, const RunCfg& rc, uint64_t seed, bool comparable, LayerRow* r) {
   const int W = comm->world(), me = comm->rank(), k = r->topk;
   const int64_t T = r->tokens, H = r->hidden, I = r->inter;
   cudaStream_t st = comm->stream();
@@ -163,22 +225,9 @@ Status bench_layer_one(Communicator* comm, const RunCfg& rc, uint64_t seed, Laye
                           {&acc, 16}})
     if (s.ok()) s = CLI_CUDA(comm, b->alloc(bytes));
   MK_CHECK(agreed(comm, s, "allocating the layer's inputs"));
-  // Routing: k distinct experts per token, uniform; weights (0, 1] / k.
-  std::vector<int32_t> hid(size_t(T * k));
-  std::vector<float> hw(size_t(T * k));
-  for (int64_t t = 0; t < T; ++t)
-    for (int kk = 0; kk < k; ++kk) {
-      for (uint64_t a = 0;; ++a) {
-        const int32_t e = int32_t(mix(seed ^ (uint64_t(me) << 48) ^ (uint64_t(t) << 8) ^ uint64_t(kk) ^ (a << 56)) %
-                                  uint64_t(r->experts));
-        if (std::find(&hid[size_t(t * k)], &hid[size_t(t * k + kk)], e) == &hid[size_t(t * k + kk)]) {
-          hid[size_t(t * k + kk)] = e;
-          break;
-        }
-      }
-      hw[size_t(t * k + kk)] = float((mix(seed ^ 0x77ull ^ uint64_t(t * k + kk) ^ (uint64_t(me) << 40)) >> 41) + 1) /
-                               float(1ull << 23) / float(k);
-    }
+  std::vector<int32_t> hid;
+  std::vector<float> hw;
+  make_routing(seed, me, T, k, r->experts, &hid, &hw);
   fill_scaled<<<1024, 256, 0, st>>>(x.bf(), size_t(T * H), mix(seed ^ uint64_t(me)), 1.f);
   fill_scaled<<<1024, 256, 0, st>>>(w1.bf(), size_t(El) * 2 * I * H, mix(seed ^ 0x1000 ^ uint64_t(me)),
                                     1.f / std::sqrt(float(H)));
@@ -283,11 +332,139 @@ Status bench_layer_one(Communicator* comm, const RunCfg& rc, uint64_t seed, Laye
   r->err = den > 0 ? std::sqrt(num / den) : (num > 0 ? 1.0 : 0.0);
   r->checked = true;
   r->correct = r->err < 2e-2 && std::isfinite(r->err) && den > 0;
+#if MK_LAYER_NCCL
+  if (comparable) {
+    MK_CHECK(nccl_layer(comm, rc, seed, cb.h, x, wts, w1, w2, out, r));
+    r->correct = r->correct && r->nccl_err < 2e-2;
+  }
 #else
+  (void)comparable;
+#endif
+#else
+  (void)comparable;
   r->checked = false;
 #endif
   return agreed(comm, layer->destroy(), "destroying the layer");
 }
+
+
+#if MK_LAYER_NCCL
+// The NCCL baseline (every rank its own GPU): one row per (token, expert) entry, sent to the
+// expert's rank in (expert, token, slot) order — gather kernel, NCCL all-to-all-v, scatter into
+// the expert-major layout, cuBLAS grouped GEMM, SwiGLU kernel, cuBLAS grouped GEMM, gather back,
+// NCCL all-to-all-v back, a weighted sum per token. Every map and count is built on the host
+// from every rank's routing (regenerated here), outside the timing.
+Status nccl_layer(Communicator* comm, const RunCfg& rc, uint64_t seed, cublasHandle_t cb, const Buf& x,
+                  const Buf& wts, const Buf& w1, const Buf& w2, const Buf& layer_out, LayerRow* r) {
+  using ops::baseline::Baselines;
+  const int W = comm->world(), me = comm->rank(), k = r->topk, E = r->experts, El = E / W;
+  const int64_t T = r->tokens, H = r->hidden, I = r->inter;
+  cudaStream_t st = comm->stream();
+  std::vector<std::vector<int32_t>> ids(W);
+  std::vector<float> unused_weights;  // the device's copy (wts) is what the baseline uses
+  for (int src = 0; src < W; ++src) make_routing(seed, src, T, k, E, &ids[src], &unused_weights);
+  // A source's entries (t * k + kk) to each destination, in (expert, token, slot) order.
+  auto entries_to = [&](int src, int dst) {
+    std::vector<int32_t> v;
+    for (int64_t i = 0; i < T * k; ++i)
+      if (ids[src][size_t(i)] >= 0 && ids[src][size_t(i)] / El == dst) v.push_back(int32_t(i));
+    std::stable_sort(v.begin(), v.end(), [&](int32_t a, int32_t b) { return ids[src][size_t(a)] < ids[src][size_t(b)]; });
+    return v;
+  };
+  std::vector<int64_t> send_rows(W), send_off(W + 1, 0), recv_rows(W), recv_off(W + 1, 0);
+  std::vector<int2> gmap;               // x row -> send row
+  std::vector<int32_t> pos(size_t(T * k), -1);  // entry -> its row in the returned buffer (= send row)
+  for (int dst = 0; dst < W; ++dst) {
+    const std::vector<int32_t> v = entries_to(me, dst);
+    send_rows[dst] = int64_t(v.size());
+    send_off[dst + 1] = send_off[dst] + send_rows[dst];
+    for (size_t j = 0; j < v.size(); ++j) {
+      gmap.push_back(make_int2(v[j] / k, int(send_off[dst] + int64_t(j))));
+      pos[size_t(v[j])] = int32_t(send_off[dst] + int64_t(j));
+    }
+  }
+  // Received from each source in its order; expert-major rows: by local expert, then source, then
+  // the source's order.
+  std::vector<int32_t> counts(El, 0), offsets(El + 1, 0);
+  std::vector<std::vector<int32_t>> from(W);
+  for (int src = 0; src < W; ++src) {
+    from[src] = entries_to(src, me);
+    recv_rows[src] = int64_t(from[src].size());
+    recv_off[src + 1] = recv_off[src] + recv_rows[src];
+    for (int32_t i : from[src]) ++counts[ids[src][size_t(i)] - me * El];
+  }
+  for (int le = 0; le < El; ++le) offsets[le + 1] = offsets[le] + counts[le];
+  std::vector<int32_t> fill(offsets.begin(), offsets.end() - 1);
+  std::vector<int2> smap, rmap;  // recv row -> expert row, and back
+  for (int src = 0; src < W; ++src)
+    for (size_t j = 0; j < from[src].size(); ++j) {
+      const int32_t row = fill[ids[src][size_t(from[src][j])] - me * El]++;
+      smap.push_back(make_int2(int(recv_off[src] + int64_t(j)), row));
+      rmap.push_back(make_int2(row, int(recv_off[src] + int64_t(j))));
+    }
+  const int64_t ns = send_off[W], nr = recv_off[W];
+  std::unique_ptr<Baselines> bl;
+  MK_CHECK(agreed(comm, Baselines::create(comm->bootstrap(), comm->device(), &bl), "creating the NCCL baselines"));
+  Buf sendb, recvb, xe, h, act, ye, yr, back, gm, sm, rm, dpos, out, acc;
+  Status s;
+  for (auto [b, bytes] : {std::pair<Buf*, size_t>{&sendb, size_t(ns * H * 2)}, {&recvb, size_t(nr * H * 2)},
+                          {&xe, size_t(nr * H * 2)}, {&h, size_t(nr * 2 * I * 2)}, {&act, size_t(nr * I * 2)},
+                          {&ye, size_t(nr * H * 2)}, {&yr, size_t(nr * H * 2)}, {&back, size_t(ns * H * 2)},
+                          {&gm, gmap.size() * sizeof(int2)}, {&sm, smap.size() * sizeof(int2)},
+                          {&rm, rmap.size() * sizeof(int2)}, {&dpos, pos.size() * 4}, {&out, size_t(T * H * 2)},
+                          {&acc, 16}})
+    if (s.ok()) s = CLI_CUDA(comm, b->alloc(bytes));
+  auto up = [&](const Buf& b, const void* src, size_t bytes) {
+    if (s.ok() && bytes) s = CLI_CUDA(comm, cudaMemcpy(b.p, src, bytes, cudaMemcpyHostToDevice));
+  };
+  up(gm, gmap.data(), gmap.size() * sizeof(int2));
+  up(sm, smap.data(), smap.size() * sizeof(int2));
+  up(rm, rmap.data(), rmap.size() * sizeof(int2));
+  up(dpos, pos.data(), pos.size() * 4);
+  CublasGrouped c1, c2;
+  if (s.ok()) s = c1.build(comm, counts, offsets, xe.bf(), w1.bf(), h.bf(), 2 * I, H);
+  if (s.ok()) s = c2.build(comm, counts, offsets, act.bf(), w2.bf(), ye.bf(), H, I);
+  MK_CHECK(agreed(comm, s, "the NCCL baseline's setup"));
+  auto grid = [](int64_t n) { return int(std::max<int64_t>(1, std::min<int64_t>(n, 1024))); };
+  const int64_t rb = H * 2;
+  auto call = [&]() -> Status {
+    permute_rows<<<grid(ns), 128, 0, st>>>(static_cast<const char*>(x.p), static_cast<char*>(sendb.p),
+                                           static_cast<const int2*>(gm.p), ns, rb);
+    MK_CHECK(bl->alltoallv(sendb.p, send_rows.data(), send_off.data(), recvb.p, recv_rows.data(), recv_off.data(), H,
+                           st));
+    permute_rows<<<grid(nr), 128, 0, st>>>(static_cast<const char*>(recvb.p), static_cast<char*>(xe.p),
+                                           static_cast<const int2*>(sm.p), nr, rb);
+    MK_CHECK(c1.run(cb));
+    swiglu_rows<<<1024, 256, 0, st>>>(h.bf(), act.bf(), nr, I);
+    MK_CHECK(c2.run(cb));
+    permute_rows<<<grid(nr), 128, 0, st>>>(static_cast<const char*>(ye.p), static_cast<char*>(yr.p),
+                                           static_cast<const int2*>(rm.p), nr, rb);
+    MK_CHECK(bl->alltoallv(yr.p, recv_rows.data(), recv_off.data(), back.p, send_rows.data(), send_off.data(), H, st));
+    weighted_sum<<<1024, 256, 0, st>>>(back.bf(), static_cast<const int32_t*>(dpos.p), static_cast<const float*>(wts.p),
+                                       T, k, H, out.bf());
+    return CLI_CUDA(comm, cudaGetLastError());
+  };
+  s = decoded(comm, call());
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemsetAsync(acc.p, 0, 16, st));
+  if (s.ok()) {
+    rel_err<<<256, 256, 0, st>>>(out.bf(), layer_out.bf(), T * H, static_cast<double*>(acc.p));
+    s = CLI_CUDA(comm, cudaGetLastError());
+  }
+  if (s.ok()) s = synced(comm, st);
+  double e[2] = {0, 0};
+  if (s.ok()) s = CLI_CUDA(comm, cudaMemcpy(e, acc.p, 16, cudaMemcpyDeviceToHost));
+  MK_CHECK(agreed(comm, s, "the NCCL baseline's check"));
+  std::vector<double> all(size_t(2) * W);
+  MK_CHECK(comm->bootstrap().allgather(e, all.data(), sizeof(e)));
+  double num = 0, den = 0;
+  for (int i = 0; i < W; ++i) num += all[size_t(2 * i)], den += all[size_t(2 * i + 1)];
+  r->nccl_err = den > 0 ? std::sqrt(num / den) : 1.0;
+  Timing t;
+  MK_CHECK(time_it(comm, st, rc, "NCCL all-to-all-v + cuBLAS grouped layer", call, &t));
+  r->nccl_us = t.median_ms * 1e3;
+  return OkStatus();
+}
+#endif
 
 }  // namespace
 
@@ -316,8 +493,11 @@ int moe_layer(const Env& env, const MoeBenchArgs& a) {
            shared ? "; ranks share a GPU: tokens scaled down, times not comparable across GPUs" : "");
     printf("unfused = mkernel dispatch + cuBLAS grouped GEMM + SwiGLU kernel + cuBLAS grouped GEMM + mkernel combine "
            "(separate launches); compute = mkernel's two grouped GEMMs alone; comm = dispatch + combine alone\n");
-    printf("%-12s %3s %6s %5s %6s %4s %2s  %-6s %10s %10s %8s %10s %10s %8s\n", "preset", "W", "tokens", "H", "I", "E",
-           "k", "check", "layer_us", "unfused_us", "speedup", "compute_us", "comm_us", "overlap");
+    printf("nccl = NCCL all-to-all-v of one row per (token, expert) + permute kernels + cuBLAS grouped GEMMs + SwiGLU "
+           "kernel + weighted sum (one GPU per rank only)\n");
+    printf("%-12s %3s %6s %5s %6s %4s %2s  %-6s %10s %10s %8s %10s %8s %10s %10s %8s\n", "preset", "W", "tokens", "H",
+           "I", "E", "k", "check", "layer_us", "unfused_us", "vs_unf", "nccl_us", "vs_nccl", "compute_us", "comm_us",
+           "overlap");
   }
   std::vector<std::string> rows;
   std::vector<CheckLine> checks;
@@ -336,7 +516,7 @@ int moe_layer(const Env& env, const MoeBenchArgs& a) {
       r.shared = shared;
       CheckLine c;
       c.label = "moe_layer " + r.preset + " tokens " + std::to_string(r.tokens) + " W " + std::to_string(W);
-      const Status s = bench_layer_one(comm, a.rc, mix(seed ^ uint64_t(++idx)), &r);
+      const Status s = bench_layer_one(comm, a.rc, mix(seed ^ uint64_t(++idx)), env.comparable, &r);
       c.done = r.checked, c.ok = r.correct;
       if (!s.ok()) {
         c.error = s.to_string();
@@ -352,23 +532,26 @@ int moe_layer(const Env& env, const MoeBenchArgs& a) {
         std::string notes;
         if (r.experts != r.experts_preset) notes += "  (experts rounded up to a multiple of W)";
         if (r.tokens_scaled) notes += "  (tokens " + std::to_string(tok) + " -> " + std::to_string(r.tokens) + ")";
-        printf("%-12s %3d %6lld %5lld %6lld %4d %2d  %-6s %10s %10s %8s %10s %10s %8s%s\n", r.preset.c_str(), W,
-               (long long)r.tokens, (long long)r.hidden, (long long)r.inter, r.experts, r.topk,
+        printf("%-12s %3d %6lld %5lld %6lld %4d %2d  %-6s %10s %10s %8s %10s %8s %10s %10s %8s%s\n", r.preset.c_str(),
+               W, (long long)r.tokens, (long long)r.hidden, (long long)r.inter, r.experts, r.topk,
                !r.checked ? "n/a" : r.correct ? "ok" : "WRONG", cell(r.layer_us, 1).c_str(),
                r.unfused_us > 0 ? cell(r.unfused_us, 1).c_str() : "n/a", cell(ratio(r.unfused_us, r.layer_us), 3).c_str(),
+               r.nccl_us > 0 ? cell(r.nccl_us, 1).c_str() : "n/a", cell(ratio(r.nccl_us, r.layer_us), 3).c_str(),
                cell(r.compute_us, 1).c_str(), cell(r.comm_us, 1).c_str(), eff_cell(ov).c_str(), notes.c_str());
         fflush(stdout);
       }
-      char b[1024];
+      char b[1536];
       snprintf(b, sizeof b,
                "{\"op\": \"moe_layer\", \"preset\": \"%s\", \"W\": %d, \"nodes\": %d, \"tokens\": %lld, "
                "\"tokens_preset\": %lld, \"hidden\": %lld, \"intermediate\": %lld, \"experts\": %d, \"topk\": %d, "
                "\"checked\": %s, \"correct\": %s, \"rel_err_vs_unfused\": %s, \"layer_us\": %s, \"unfused_us\": %s, "
-               "\"speedup_vs_unfused\": %s, \"compute_us\": %s, \"comm_us\": %s, \"overlap\": %s, \"shared_gpu\": %s}",
+               "\"speedup_vs_unfused\": %s, \"nccl_us\": %s, \"speedup_vs_nccl\": %s, \"rel_err_nccl_vs_layer\": %s, "
+               "\"compute_us\": %s, \"comm_us\": %s, \"overlap\": %s, \"shared_gpu\": %s}",
                r.preset.c_str(), W, nodes, (long long)r.tokens, (long long)tok, (long long)r.hidden, (long long)r.inter,
                r.experts, r.topk, r.checked ? "true" : "false", r.correct ? "true" : "false", jnum(r.err, 5).c_str(),
                jnum(r.layer_us, 2).c_str(), jnum(r.unfused_us, 2).c_str(), jnum(ratio(r.unfused_us, r.layer_us), 4).c_str(),
-               jnum(r.compute_us, 2).c_str(), jnum(r.comm_us, 2).c_str(), eff_json(ov).c_str(),
+               jnum(r.nccl_us, 2).c_str(), jnum(ratio(r.nccl_us, r.layer_us), 4).c_str(),
+               r.nccl_us > 0 ? jnum(r.nccl_err, 5).c_str() : "null", jnum(r.compute_us, 2).c_str(), jnum(r.comm_us, 2).c_str(), eff_json(ov).c_str(),
                shared ? "true" : "false");
       rows.push_back(b);
     }
