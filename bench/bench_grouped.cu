@@ -8,7 +8,9 @@
 // column is mkernel's first GEMM with the SwiGLU epilogue (output [rows, I]).
 // Timed with events, cuBLAS and mkernel alternating within every repetition, median of --reps
 // after ~0.3 s of warm-up per shape.
-//   build/bench/bench_grouped [--json FILE] [--reps N] [--tokens T]
+// --store 1|2: the epilogue (GroupedConfig::store: register stores, or staged through shared
+// memory; default: the library's).
+//   build/bench/bench_grouped [--json FILE] [--reps N] [--tokens T] [--store 1|2]
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -94,12 +96,14 @@ int main(int argc, char** argv) {
   std::string json;
   int reps = 30;
   std::vector<int64_t> token_list = {128, 4096};
+  int store = 0;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) token_list = {atoll(argv[++i])};
+    else if (!strcmp(argv[i], "--store") && i + 1 < argc) store = atoi(argv[++i]);
     else {
-      fprintf(stderr, "usage: bench_grouped [--json FILE] [--reps N] [--tokens T]\n");
+      fprintf(stderr, "usage: bench_grouped [--json FILE] [--reps N] [--tokens T] [--store 1|2]\n");
       return 2;
     }
   }
@@ -115,11 +119,16 @@ int main(int argc, char** argv) {
                           {"qwen3-235b-a22b", 128, 8, 4096, 1536},
                           {"mixtral-8x7b", 8, 2, 4096, 14336},
                           {"deepseek-v3", 256, 8, 7168, 2048}};
-  printf("%s, %d SMs; EP%d local experts; median of %d\n", prop.name, prop.multiProcessorCount, ep, reps);
+  printf("%s, %d SMs; EP%d local experts; median of %d; epilogue store %d\n", prop.name, prop.multiProcessorCount, ep,
+         reps, store);
+  mk::gemm::GroupedConfig gcfg;
+  gcfg.store = store;
   printf("%-16s %6s %4s %-8s %-5s %6s %6s %6s %9s %9s %9s %9s %7s %7s\n", "model", "tokens", "E_loc", "routing",
          "gemm", "rows", "N", "K", "mk_us", "cublasG", "dense_us", "swiglu_us", "vs_grp", "vs_dense");
   FILE* jf = json.empty() ? nullptr : fopen(json.c_str(), "w");
-  if (jf) fprintf(jf, "{\"device\": \"%s\", \"ep\": %d, \"reps\": %d, \"rows\": [\n", prop.name, ep, reps);
+  if (jf)
+    fprintf(jf, "{\"device\": \"%s\", \"ep\": %d, \"reps\": %d, \"store\": %d, \"rows\": [\n", prop.name, ep, reps,
+            store);
   bool first_row = true;
   cublasHandle_t h;
   CK(cublasCreate(&h));
@@ -185,8 +194,8 @@ int main(int argc, char** argv) {
           CK(cudaMemcpyAsync(dptr + ng, pb.data(), ng * sizeof(void*), cudaMemcpyHostToDevice, s));
           CK(cudaMemcpyAsync(dptr + 2 * ng, pc.data(), ng * sizeof(void*), cudaMemcpyHostToDevice, s));
           CK(cudaStreamSynchronize(s));
-          auto mk_run = [&] { MKCK(mk::gemm::run_grouped(g, s)); };
-          auto mk_swiglu = [&] { MKCK(mk::gemm::run_grouped(gs, s)); };
+          auto mk_run = [&] { MKCK(mk::gemm::run_grouped(g, s, gcfg)); };
+          auto mk_swiglu = [&] { MKCK(mk::gemm::run_grouped(gs, s, gcfg)); };
           auto cublas_grouped = [&] {
             CK(cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), mm.data(), nn.data(), kk.data(), alpha.data(),
                                           const_cast<const void* const*>(dptr), CUDA_R_16BF, lda.data(),

@@ -172,6 +172,9 @@ Status run_grouped(const GroupedArguments& a, cudaStream_t stream, const Grouped
   p.k_tiles = int((a.K + kTileK - 1) / kTileK);
   p.tiles_n = int(swiglu ? (n_out + kTileN / 2 - 1) / (kTileN / 2) : (a.N + kTileN - 1) / kTileN);
   p.swiglu = swiglu ? 1 : 0;
+  MK_REQUIRE(cfg.store >= 0 && cfg.store <= 2, Code::kInvalidArgument, "grouped gemm: store %d outside 0..2",
+             cfg.store);
+  p.staged = cfg.store == 1 ? 0 : 1;  // 0: the default, staged
   // The tile count is known only on the device: launch every resident CTA, but no more than
   // the tiles can use when every row were one group's.
   const int64_t max_tiles = ((a.rows + kTileM - 1) / kTileM + a.groups) * int64_t(p.tiles_n);

@@ -77,7 +77,7 @@ struct Problem {
 // Runs the grouped GEMM on host data a [rows, K], b [groups, N, K] (as bf16) into a poisoned C;
 // returns C. `graph`: captured once and replayed twice.
 std::vector<__nv_bfloat16> run(const Problem& pr, const std::vector<float>& a, const std::vector<float>& b,
-                               int32_t* err_out = nullptr) {
+                               int32_t* err_out = nullptr, int store = 0) {
   const Layout& l = pr.layout;
   const int G = int(l.counts.size());
   const int64_t n_out = pr.swiglu ? pr.N / 2 : pr.N;
@@ -103,7 +103,9 @@ std::vector<__nv_bfloat16> run(const Problem& pr, const std::vector<float>& a, c
   g.offsets = pr.pass_offsets ? doff.as<int32_t>() : nullptr;
   g.epilogue = pr.swiglu ? gemm::GroupedEpilogue::kSwiGLU : gemm::GroupedEpilogue::kStore;
   g.error = derr.as<int32_t>();
-  EXPECT_TRUE(gemm::run_grouped(g, nullptr).ok());
+  gemm::GroupedConfig cfg;
+  cfg.store = store;
+  EXPECT_TRUE(gemm::run_grouped(g, nullptr, cfg).ok());
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   if (err_out) *err_out = download<int32_t>(derr, 1)[0];
   else EXPECT_EQ(download<int32_t>(derr, 1)[0], 0);
@@ -155,6 +157,7 @@ double bf16r(double x) { return double(__bfloat162float(__float2bfloat16(float(x
 TEST(Grouped, ExactOnSmallIntegers) {
   std::mt19937_64 rng(test_seed());
   const std::vector<int32_t> counts = {0, 1, 127, 128, 129, 0, 300, 7};
+  for (int store : {1, 2})  // both epilogues: register stores and staged through shared memory
   for (int gap : {0, 5}) {
     for (const auto& nk : {std::pair<int64_t, int64_t>{264, 72}, {256, 64}, {1032, 520}, {8, 8}}) {
       const int64_t N = nk.first, K = nk.second;
@@ -163,12 +166,12 @@ TEST(Grouped, ExactOnSmallIntegers) {
       pr.N = N;
       pr.K = K;
       pr.pass_offsets = gap != 0;
-      SCOPED_TRACE(testing::Message() << "gap " << gap << " N " << N << " K " << K);
+      SCOPED_TRACE(testing::Message() << "store " << store << " gap " << gap << " N " << N << " K " << K);
       const int G = int(counts.size());
       std::vector<float> a(pr.layout.rows * K), b(G * N * K);
       fill_ints(rng, a, -3, 3);
       fill_ints(rng, b, -3, 3);
-      const auto C = run(pr, a, b);
+      const auto C = run(pr, a, b, nullptr, store);
       check_all(pr, C, [&](int64_t r, int g, int64_t n) {
         return bf16r(dot(&a[r * K], &b[(g * N + n) * K], K));
       }, 0.0);
@@ -182,6 +185,7 @@ TEST(Grouped, SwigluAgainstDoubleReference) {
   std::mt19937_64 rng(test_seed() + 1);
   std::normal_distribution<float> nd(0.f, 1.f);
   const std::vector<int32_t> counts = {3, 0, 200, 128, 1, 64};
+  for (int store : {1, 2})
   for (const auto& ik : {std::pair<int64_t, int64_t>{128, 64}, {136, 200}, {768, 256}, {8, 16}}) {
     const int64_t I = ik.first, K = ik.second;
     Problem pr;
@@ -189,13 +193,13 @@ TEST(Grouped, SwigluAgainstDoubleReference) {
     pr.N = 2 * I;
     pr.K = K;
     pr.swiglu = true;
-    SCOPED_TRACE(testing::Message() << "I " << I << " K " << K);
+    SCOPED_TRACE(testing::Message() << "store " << store << " I " << I << " K " << K);
     const int G = int(counts.size());
     std::vector<float> a(pr.layout.rows * K), b(G * 2 * I * K);
     const float sa = 1.0f / std::sqrt(float(K));
     for (float& x : a) x = __bfloat162float(__float2bfloat16(nd(rng)));
     for (float& x : b) x = __bfloat162float(__float2bfloat16(nd(rng) * sa * 2));
-    const auto C = run(pr, a, b);
+    const auto C = run(pr, a, b, nullptr, store);
     check_all(pr, C, [&](int64_t r, int g, int64_t j) {
       const double gt = dot(&a[r * K], &b[(g * 2 * I + j) * K], K);
       const double up = dot(&a[r * K], &b[(g * 2 * I + I + j) * K], K);

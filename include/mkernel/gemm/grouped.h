@@ -52,6 +52,10 @@ constexpr int kMaxGroups = 1024;
 
 struct GroupedConfig {
   int max_ctas = 0;  // 0: every CTA that can be resident on this context's SMs
+  // How the epilogue writes C: 0 the default (2), 1 bf16 pairs straight from the accumulators,
+  // 2 staged through shared memory (16-byte row pieces, full sectors; 1.05-1.3x faster on an
+  // H200 where K is short). Same values either way.
+  int store = 0;
 };
 
 // kInvalidArgument with the reason (shapes, alignment, null pointers, group count, epilogue);
