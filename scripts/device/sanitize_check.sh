@@ -2,7 +2,7 @@
 # compute-sanitizer over the GPU tests, on the GPU machine, inside a time budget (issue 21):
 #   memcheck1  every GPU test binary (ctest label gpu) as one process
 #   memcheck2  every MPI GPU test binary at -np 2, ranks sharing the GPU under MPS (50 % each)
-#   racecheck  the GEMM (np 1), attention (test_gpu_ring at np 1: the attention kernel) and
+#   racecheck  the GEMM and the grouped GEMM (np 1), attention (test_gpu_ring at np 1: the attention kernel) and
 #              fused (np 2, comm roles active) tests: shared-memory hazards
 #   synccheck  the same three: barrier and warp-sync misuse
 # (tests/gpu/test_attention.py is not run: torch under compute-sanitizer does not fit the budget;
@@ -59,6 +59,9 @@ declare -A filter=(
   [racecheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.DynamicSchedulerWithoutProgram"
   [synccheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.DynamicSchedulerWithoutProgram"
   [racecheck:test_gpu_ring]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
+  [memcheck:test_gpu_grouped]="-Grouped.RandomAgainstCublasFp32"
+  [racecheck:test_gpu_grouped]="Grouped.ExactOnSmallIntegers:Grouped.SwigluAgainstDoubleReference"
+  [synccheck:test_gpu_grouped]="Grouped.ExactOnSmallIntegers:Grouped.SwigluAgainstDoubleReference"
   [synccheck:test_gpu_ring]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
   # racecheck replays every shared-memory access: ~100 s per fused test at W = 2 on the H200.
   [racecheck:test_gpu_fused]="Fused.GemmRsMatchesReference"
@@ -193,7 +196,7 @@ for step in $steps; do
       memcheck2) ((mpi)) && run memcheck "$name" "$exe" 1 2 "$envs" ;;
       racecheck|synccheck)
         case $name in
-          test_gpu_gemm|test_gpu_ring) run "$step" "$name" "$exe" "$mpi" 1 "$envs" ;;
+          test_gpu_gemm|test_gpu_grouped|test_gpu_ring) run "$step" "$name" "$exe" "$mpi" 1 "$envs" ;;
           test_gpu_fused) run "$step" "$name" "$exe" 1 2 "$envs" ;;
         esac ;;
       *) echo "unknown step $step" ;;

@@ -22,6 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -287,6 +288,53 @@ TEST(MoeLayer, GraphReplaysWithFreshRoutings) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
+  MK_EXPECT_OK(layer->destroy());
+}
+
+// run_experts() alone on the last call's rows redoes what run() did between dispatch and combine:
+// the expert outputs come out bit for bit the same (the GEMMs are deterministic), and a rank
+// whose received rows are poisoned first gets them back.
+TEST(MoeLayer, RunExpertsRedoesTheExpertOutputs) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  const ops::MoeLayerConfig cfg = layer_config(256, 128, 3 * W, 2, 40);
+  std::unique_ptr<ops::MoeLayer> layer;
+  MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, {}, &layer));
+  const int El = layer->local_experts(), k = 2;
+  const int64_t T = 40, H = 256, I = 128;
+  const uint64_t seed = mix(test_seed(), 0x72756eull);
+  const Weights wt = make_weights(seed, cfg.moe.num_experts, H, I);
+  Inputs in(T, H, I, k, El);
+  upload_weights(wt, me, El, &in);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  int64_t n;
+  make_moe_routing(MoeRouting::kUniform, seed, me, W, cfg.moe.num_experts, k, T, &ids, &w, &n);
+  std::vector<uint16_t> x(size_t(T * H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < H; ++c) x[size_t(t * H + c)] = moe_x_bits(seed, me, t, c);
+  ASSERT_EQ(cudaMemcpy(in.x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MK_ASSERT_OK(layer->run(layer_args(in, T, false), in.out.p, comm->stream()));
+  MK_ASSERT_OK(comm->sync(comm->stream()));
+  MK_ASSERT_OK(layer->check());
+  const size_t bytes = size_t(layer->recv_rows()) * H * 2;
+  std::vector<uint8_t> y1(bytes), y2(bytes);
+  ASSERT_EQ(cudaMemcpy(y1.data(), layer->expert_outputs(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemset(const_cast<void*>(layer->expert_outputs()), 0xff, bytes), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MK_ASSERT_OK(layer->run_experts(in.w1.p, in.w2.p, comm->stream()));
+  MK_ASSERT_OK(comm->sync(comm->stream()));
+  MK_ASSERT_OK(layer->check());
+  ASSERT_EQ(cudaMemcpy(y2.data(), layer->expert_outputs(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  std::vector<int32_t> offsets(El + 1);
+  ASSERT_EQ(cudaMemcpy(offsets.data(), layer->offsets(), (El + 1) * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  const size_t used = size_t(offsets[El]) * H * 2;  // rows in use (the rest is never written)
+  ASSERT_LE(used, bytes);
+  EXPECT_EQ(memcmp(y1.data(), y2.data(), used), 0) << "rank " << me;
+  EXPECT_EQ(layer->run_experts(nullptr, in.w2.p, comm->stream()).code(), Code::kInvalidArgument);
   MK_EXPECT_OK(layer->destroy());
 }
 

@@ -72,6 +72,10 @@ class MoeLayer {
   // out: [tokens, H] bf16 (rows past the call's token count are not written). Local checks, then
   // enqueues every stage on `stream`.
   Status run(const MoeLayerArgs& a, void* out, cudaStream_t stream);
+  // The expert MLPs alone (what run() does between dispatch and combine) on the last call's
+  // received rows, into the layer's buffers (expert_outputs()): for timing the compute part, or
+  // for a caller that dispatches and combines through ep() itself.
+  Status run_experts(const void* w1, const void* w2, cudaStream_t stream);
   // After the stream completed: OK, or the first bad input a call met on the device (MoeEp's
   // record, or an expert range the GEMMs refused). Once set, calls are refused.
   Status check() const;
@@ -85,9 +89,11 @@ class MoeLayer {
   const int32_t* counts() const;
   const int32_t* offsets() const;
   const void* expert_inputs() const;
+  const void* expert_outputs() const;  // [recv_rows, H] bf16, what combine sends back
 
  private:
   MoeLayer() = default;
+  Status enqueue_experts(const void* w1, const void* w2, cudaStream_t stream);
   struct State;
   std::unique_ptr<State> st_;
 };

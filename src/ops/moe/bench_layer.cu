@@ -215,13 +215,13 @@ Status bench_layer_one(Communicator* comm, const RunCfg& rc, uint64_t seed, bool
   MK_CHECK(agreed(comm, ops::MoeLayer::create(comm, cfg, {}, &layer), "creating the MoE layer"));
   const int El = layer->local_experts();
   const int64_t rows = layer->recv_rows();
-  Buf x, ids, wts, w1, w2, out, out2, recv2, h2, act2, y2, gact, gy, counts2, acc;
+  Buf x, ids, wts, w1, w2, out, out2, recv2, h2, act2, y2, counts2, acc;
   Status s;
   for (auto [b, bytes] : {std::pair<Buf*, size_t>{&x, size_t(T * H * 2)}, {&ids, size_t(T * k * 4)},
                           {&wts, size_t(T * k * 4)}, {&w1, size_t(El) * 2 * I * H * 2}, {&w2, size_t(El) * H * I * 2},
                           {&out, size_t(T * H * 2)}, {&out2, size_t(T * H * 2)}, {&recv2, size_t(rows * H * 2)},
                           {&h2, size_t(rows * 2 * I * 2)}, {&act2, size_t(rows * I * 2)}, {&y2, size_t(rows * H * 2)},
-                          {&gact, size_t(rows * I * 2)}, {&gy, size_t(rows * H * 2)}, {&counts2, size_t(El + 1) * 8},
+                          {&counts2, size_t(El + 1) * 8},
                           {&acc, 16}})
     if (s.ok()) s = CLI_CUDA(comm, b->alloc(bytes));
   MK_CHECK(agreed(comm, s, "allocating the layer's inputs"));
@@ -255,28 +255,7 @@ Status bench_layer_one(Communicator* comm, const RunCfg& rc, uint64_t seed, bool
   if (s.ok()) s = CLI_CUDA(comm, cudaMemcpy(offsets.data(), layer->offsets(), (El + 1) * 4, cudaMemcpyDeviceToHost));
   MK_CHECK(agreed(comm, s, "the first layer call"));
   // compute: the two grouped GEMMs alone on the received rows.
-  gemm::GroupedArguments g1;
-  g1.A = layer->expert_inputs();
-  g1.B = w1.p;
-  g1.C = gact.p;
-  g1.groups = El;
-  g1.rows = rows;
-  g1.N = 2 * I;
-  g1.K = H;
-  g1.counts = layer->counts();
-  g1.offsets = layer->offsets();
-  g1.epilogue = gemm::GroupedEpilogue::kSwiGLU;
-  gemm::GroupedArguments g2 = g1;
-  g2.A = gact.p;
-  g2.B = w2.p;
-  g2.C = gy.p;
-  g2.N = H;
-  g2.K = I;
-  g2.epilogue = gemm::GroupedEpilogue::kStore;
-  auto compute_call = [&]() -> Status {
-    MK_CHECK(gemm::run_grouped(g1, st));
-    return gemm::run_grouped(g2, st);
-  };
+  auto compute_call = [&]() -> Status { return layer->run_experts(w1.p, w2.p, st); };
   ops::MoeEp* ep = layer->ep();
   auto comm_call = [&]() -> Status {
     MK_CHECK(ep->dispatch({a.x, a.topk_ids, a.topk_weights, nullptr, T},

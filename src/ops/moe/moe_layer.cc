@@ -126,12 +126,21 @@ Status MoeLayer::run(const MoeLayerArgs& a, void* out, cudaStream_t stream) {
   MK_REQUIRE(a.w1 && a.w2 && out, Code::kInvalidArgument, "moe layer: null w1, w2 or out");
   MK_REQUIRE(aligned16(a.w1) && aligned16(a.w2), Code::kInvalidArgument,
              "moe layer: w1 and w2 must be 16-byte aligned");
-  const int64_t H = st.cfg.moe.hidden, I = st.cfg.intermediate;
   MK_CHECK(st.ep->dispatch({a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens}, {st.recv_x, st.counts, st.offsets},
                            stream));
+  MK_CHECK(enqueue_experts(a.w1, a.w2, stream));
+  MK_CUDA_CHECK(cudaMemcpyAsync(st.gemm_err_host, st.gemm_err_dev, 4, cudaMemcpyDeviceToHost, stream));
+  // Not combine(): it refuses once a bad input was recorded, and this call's dispatch may record
+  // one while we enqueue — the other ranks' combines would then wait for this rank's in vain.
+  return st.ep->combine_enqueue({st.y}, out, stream, nullptr);
+}
+
+Status MoeLayer::enqueue_experts(const void* w1, const void* w2, cudaStream_t stream) {
+  State& st = *st_;
+  const int64_t H = st.cfg.moe.hidden, I = st.cfg.intermediate;
   gemm::GroupedArguments g1;
   g1.A = st.recv_x;
-  g1.B = a.w1;
+  g1.B = w1;
   g1.C = st.act;
   g1.groups = st.El;
   g1.rows = st.rows;
@@ -144,16 +153,22 @@ Status MoeLayer::run(const MoeLayerArgs& a, void* out, cudaStream_t stream) {
   MK_CHECK(gemm::run_grouped(g1, stream));
   gemm::GroupedArguments g2 = g1;
   g2.A = st.act;
-  g2.B = a.w2;
+  g2.B = w2;
   g2.C = st.y;
   g2.N = H;
   g2.K = I;
   g2.epilogue = gemm::GroupedEpilogue::kStore;
-  MK_CHECK(gemm::run_grouped(g2, stream));
-  MK_CUDA_CHECK(cudaMemcpyAsync(st.gemm_err_host, st.gemm_err_dev, 4, cudaMemcpyDeviceToHost, stream));
-  // Not combine(): it refuses once a bad input was recorded, and this call's dispatch may record
-  // one while we enqueue — the other ranks' combines would then wait for this rank's in vain.
-  return st.ep->combine_enqueue({st.y}, out, stream, nullptr);
+  return gemm::run_grouped(g2, stream);
+}
+
+Status MoeLayer::run_experts(const void* w1, const void* w2, cudaStream_t stream) {
+  MK_REQUIRE(st_ && st_->ep, Code::kInvalidArgument, "moe layer: not created");
+  MK_CHECK(check());
+  MK_REQUIRE(w1 && w2 && aligned16(w1) && aligned16(w2), Code::kInvalidArgument,
+             "moe layer: w1 and w2 must be non-null and 16-byte aligned");
+  MK_CHECK(enqueue_experts(w1, w2, stream));
+  MK_CUDA_CHECK(cudaMemcpyAsync(st_->gemm_err_host, st_->gemm_err_dev, 4, cudaMemcpyDeviceToHost, stream));
+  return OkStatus();
 }
 
 const MoeLayerConfig& MoeLayer::config() const { return st_->cfg; }
@@ -163,6 +178,7 @@ int64_t MoeLayer::recv_rows() const { return st_->rows; }
 const int32_t* MoeLayer::counts() const { return st_->counts; }
 const int32_t* MoeLayer::offsets() const { return st_->offsets; }
 const void* MoeLayer::expert_inputs() const { return st_->recv_x; }
+const void* MoeLayer::expert_outputs() const { return st_->y; }
 
 }  // namespace ops
 }  // namespace mk
