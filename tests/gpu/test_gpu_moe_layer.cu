@@ -234,6 +234,100 @@ TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
   }
 }
 
+// Integer-exact: data chosen so that every stage is exact and the output must equal the integer
+// reference bit for bit. x[t, 0] = 1 and x[t, c > 0] in [-2, 2]; every gate row is 32 at column
+// 0 and 0 elsewhere (gate = 32: silu(32) = 32 / (1 + e^-32) is 32 in fp32); up rows have two
+// entries of +-1 (|up| <= 4, h = 32 up: a multiple of 32 up to 128, exact in bf16); down rows
+// have two entries of +-1 (|y| <= 256, a multiple of 32: exact); routing weights 1, 1/2, 1/4
+// (the weighted sums are multiples of 8 below 448: exact in fp32 and in bf16). A wrong expert,
+// slot, weight or row changes the integers.
+TEST(MoeLayer, IntegerExact) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  const int64_t H = 128, I = 64, T = 50;
+  const int k = 3, E = 3 * W;
+  const ops::MoeLayerConfig cfg = layer_config(H, I, E, k, T);
+  std::unique_ptr<ops::MoeLayer> layer;
+  MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, {}, &layer));
+  const int El = layer->local_experts();
+  const uint64_t seed = mix(test_seed(), 0x696e74ull);
+  // Every expert's weights (every rank builds all of them: the reference needs any expert).
+  Weights wt{E, H, I, {}, {}};
+  wt.w1.resize(E);
+  wt.w2.resize(E);
+  for (int e = 0; e < E; ++e) {
+    wt.w1[e].assign(size_t(2 * I * H), float_to_bf16(0.f));
+    wt.w2[e].assign(size_t(H * I), float_to_bf16(0.f));
+    uint64_t h = mix(seed, uint64_t(e));
+    auto next = [&]() { return h = mix(h, 0x9e3779b97f4a7c15ull); };
+    for (int64_t j = 0; j < I; ++j) {
+      wt.w1[e][size_t(j * H)] = float_to_bf16(32.f);  // gate
+      for (int d = 0; d < 2; ++d)                      // up
+        wt.w1[e][size_t((I + j) * H + 1 + int64_t(next() % uint64_t(H - 1)))] = float_to_bf16(next() & 1 ? 1.f : -1.f);
+    }
+    for (int64_t c = 0; c < H; ++c)
+      for (int d = 0; d < 2; ++d) {
+        const int64_t j = int64_t(next() % uint64_t(I));
+        wt.w2[e][size_t(c * I + j)] = float_to_bf16(next() & 1 ? 1.f : -1.f);
+      }
+  }
+  Inputs in(T, H, I, k, El);
+  upload_weights(wt, me, El, &in);
+  for (MoeRouting kind : {MoeRouting::kUniform, MoeRouting::kZipf, MoeRouting::kSparse}) {
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    int64_t n;
+    make_moe_routing(kind, mix(seed, uint64_t(kind)), me, W, E, k, T, &ids, &w, &n);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = i % 3 == 0 ? 1.f : i % 3 == 1 ? 0.5f : 0.25f;
+    std::vector<uint16_t> x(size_t(T * H));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < H; ++c)
+        x[size_t(t * H + c)] = float_to_bf16(c == 0 ? 1.f : float(int(mix(seed + 7, uint64_t(me * T + t) * H + c) % 5) - 2));
+    const int32_t n32 = int32_t(n);
+    ASSERT_EQ(cudaMemcpy(in.x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(in.n.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(in.out.p, 0xff, in.out.bytes), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    MK_ASSERT_OK(layer->run(layer_args(in, T, true), in.out.p, comm->stream()));
+    MK_ASSERT_OK(comm->sync(comm->stream()));
+    MK_ASSERT_OK(layer->check());
+    std::vector<uint16_t> out(size_t(T * H));
+    ASSERT_EQ(cudaMemcpy(out.data(), in.out.p, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> want(size_t(H), 0.0);
+      for (int kk = 0; kk < k && t < n; ++kk) {
+        const int e = ids[size_t(t * k + kk)];
+        if (e < 0) continue;
+        std::vector<double> h(static_cast<size_t>(I));
+        for (int64_t j = 0; j < I; ++j) {
+          double up = 0;
+          for (int64_t c = 0; c < H; ++c)
+            up += double(bf16_to_float(wt.w1[e][size_t((I + j) * H + c)])) * bf16_to_float(x[size_t(t * H + c)]);
+          h[size_t(j)] = 32.0 * up;
+        }
+        for (int64_t c = 0; c < H; ++c) {
+          double y = 0;
+          for (int64_t j = 0; j < I; ++j) y += double(bf16_to_float(wt.w2[e][size_t(c * I + j)])) * h[size_t(j)];
+          want[size_t(c)] += double(w[size_t(t * k + kk)]) * y;
+        }
+      }
+      for (int64_t c = 0; c < H; ++c) {
+        const uint16_t wb = t < n ? float_to_bf16(float(want[size_t(c)])) : uint16_t(0xffff);
+        if (t < n) EXPECT_EQ(double(bf16_to_float(wb)), want[size_t(c)]) << "the reference itself is not exact";
+        if (out[size_t(t * H + c)] != wb && bad++ < 5)
+          ADD_FAILURE() << moe_routing_name(kind) << " rank " << me << " token " << t << " col " << c << ": got "
+                        << bf16_to_float(out[size_t(t * H + c)]) << " want " << want[size_t(c)];
+      }
+    }
+    EXPECT_EQ(bad, 0) << moe_routing_name(kind) << " rank " << me;
+    if (HasFailure()) break;
+  }
+  MK_EXPECT_OK(layer->destroy());
+}
+
 // One captured call replayed with fresh routings, token counts and inputs; every replay checked.
 TEST(MoeLayer, GraphReplaysWithFreshRoutings) {
   Communicator* comm = shared_comm();
