@@ -150,19 +150,6 @@ void upload_weights(const Weights& wt, int me, int El, Inputs* in) {
   }
 }
 
-// One call's inputs to the device (synchronously; the layer then runs on another stream): x,
-// routing, the device token count, and the output poisoned with 0xffff (NaN in bf16).
-void upload_call(Inputs* in, const std::vector<uint16_t>& x, const std::vector<int32_t>& ids,
-                 const std::vector<float>& w, int64_t n) {
-  const int32_t n32 = int32_t(n);
-  ASSERT_EQ(cudaMemcpy(in->x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(in->ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(in->w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(in->n.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemset(in->out.p, 0xff, in->out.bytes), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-}
-
 // out [T, H] (bits) against the reference for the first n tokens; rows past n must keep the
 // 0xffff poison. Returns the number of bad elements (the first few reported).
 int64_t check_output(const Weights& wt, const std::vector<uint16_t>& x, const std::vector<int32_t>& ids,
@@ -223,8 +210,13 @@ TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
         std::vector<uint16_t> x(size_t(T * H));
         for (int64_t t = 0; t < T; ++t)
           for (int64_t col = 0; col < H; ++col) x[size_t(t * H + col)] = moe_x_bits(seed, me, t, col);
-        upload_call(&in, x, ids, w, n);
-        if (HasFatalFailure()) return;
+        const int32_t n32 = int32_t(n);
+        ASSERT_EQ(cudaMemcpy(in.x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(in.n.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemset(in.out.p, 0xff, in.out.bytes), cudaSuccess);  // NaN poison
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         MK_ASSERT_OK(layer->run(layer_args(in, T, true), in.out.p, comm->stream()));
         MK_ASSERT_OK(comm->sync(comm->stream()));
         MK_ASSERT_OK(layer->check());
@@ -291,8 +283,13 @@ TEST(MoeLayer, IntegerExact) {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t c = 0; c < H; ++c)
         x[size_t(t * H + c)] = float_to_bf16(c == 0 ? 1.f : float(int(mix(seed + 7, uint64_t(me * T + t) * H + c) % 5) - 2));
-    upload_call(&in, x, ids, w, n);
-    if (HasFatalFailure()) return;
+    const int32_t n32 = int32_t(n);
+    ASSERT_EQ(cudaMemcpy(in.x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(in.n.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(in.out.p, 0xff, in.out.bytes), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     MK_ASSERT_OK(layer->run(layer_args(in, T, true), in.out.p, comm->stream()));
     MK_ASSERT_OK(comm->sync(comm->stream()));
     MK_ASSERT_OK(layer->check());
@@ -410,9 +407,11 @@ TEST(MoeLayer, RunExpertsRedoesTheExpertOutputs) {
   std::vector<uint16_t> x(size_t(T * H));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < H; ++c) x[size_t(t * H + c)] = moe_x_bits(seed, me, t, c);
-  upload_call(&in, x, ids, w, n);
-  if (HasFatalFailure()) return;
-  MK_ASSERT_OK(layer->run(layer_args(in, T, true), in.out.p, comm->stream()));
+  ASSERT_EQ(cudaMemcpy(in.x.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(in.ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(in.w.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MK_ASSERT_OK(layer->run(layer_args(in, T, false), in.out.p, comm->stream()));
   MK_ASSERT_OK(comm->sync(comm->stream()));
   MK_ASSERT_OK(layer->check());
   const size_t bytes = size_t(layer->recv_rows()) * H * 2;
