@@ -26,7 +26,15 @@
 #include "tests/common/test_util.h"
 
 #ifndef MK_NET_TEST_LOOPBACK
+#include <fcntl.h>
 #include <mpi.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "mkernel/runtime/bootstrap_mpi.h"
 #endif
@@ -578,6 +586,107 @@ TEST_F(NetMpi, OtherKinds) {
     EXPECT_EQ(s.code(), Code::kNotSupported) << s.to_string();
     EXPECT_NE(s.message().find("process"), std::string::npos) << s.message();
   }
+}
+
+// A bare shm endpoint of libfabric's own, with the provider's default name (the test's tool
+// for planting regions; mkernel's backend is what is under test).
+struct RawShmEndpoint {
+  fi_info* info = nullptr;
+  fid_fabric* fabric = nullptr;
+  fid_domain* domain = nullptr;
+  fid_cq* cq = nullptr;
+  fid_av* av = nullptr;
+  fid_ep* ep = nullptr;
+  int enable_ret = 1;  // fi_enable's return; 1 = not reached
+  std::string why;     // what failed before fi_enable
+
+  RawShmEndpoint() {
+    fi_info* hints = fi_allocinfo();
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_MSG;
+    hints->fabric_attr->prov_name = strdup("shm");
+    int ret = fi_getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints, &info);
+    fi_freeinfo(hints);
+    if (ret || !info) { why = "fi_getinfo(shm): " + std::to_string(ret); return; }
+    if ((ret = fi_fabric(info->fabric_attr, &fabric, nullptr))) { why = "fi_fabric"; return; }
+    if ((ret = fi_domain(fabric, info, &domain, nullptr))) { why = "fi_domain"; return; }
+    fi_cq_attr cqa;
+    memset(&cqa, 0, sizeof(cqa));
+    cqa.format = FI_CQ_FORMAT_CONTEXT;
+    if ((ret = fi_cq_open(domain, &cqa, &cq, nullptr))) { why = "fi_cq_open"; return; }
+    fi_av_attr ava;
+    memset(&ava, 0, sizeof(ava));
+    ava.type = FI_AV_TABLE;
+    if ((ret = fi_av_open(domain, &ava, &av, nullptr))) { why = "fi_av_open"; return; }
+    if ((ret = fi_endpoint(domain, info, &ep, nullptr))) { why = "fi_endpoint"; return; }
+    if (fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) || fi_ep_bind(ep, &av->fid, 0)) {
+      why = "fi_ep_bind";
+      return;
+    }
+    enable_ret = fi_enable(ep);
+  }
+  std::string name() const {
+    char b[256] = {0};
+    size_t len = sizeof(b) - 1;
+    return ep && fi_getname(&ep->fid, b, &len) == 0 ? std::string(b) : std::string();
+  }
+  ~RawShmEndpoint() {
+    for (fid* f : {ep ? &ep->fid : nullptr, av ? &av->fid : nullptr, cq ? &cq->fid : nullptr,
+                   domain ? &domain->fid : nullptr, fabric ? &fabric->fid : nullptr})
+      if (f) (void)fi_close(f);
+    if (info) fi_freeinfo(info);
+  }
+};
+
+// A process that died without closing its shm endpoint leaves the endpoint's region behind,
+// named by the provider after its pid. When the pid comes back (containers recycle pids
+// quickly) the provider refuses the default name (EBUSY: the recorded owner is alive), and so,
+// before the backend named its endpoints itself, did create(). Planted here: copies of the
+// head of this process's own live region under the names its next endpoints would take.
+TEST_F(NetMpi, LeftoverShmRegionOfARecycledPid) {
+  if (provider_under_test() != "shm") GTEST_SKIP() << "shm provider only";
+  RawShmEndpoint live;
+  ASSERT_EQ(live.enable_ret, 0) << live.why << " / fi_enable: " << fi_strerror(-live.enable_ret);
+  // The default name: "<prefix>://<pid>:<uid>:<endpoint index>"; the region is its tail.
+  const std::string name = live.name();
+  const size_t scheme = name.find("://");
+  const size_t colon = name.rfind(':');
+  if (scheme == std::string::npos || colon == std::string::npos || colon <= scheme + 3)
+    GTEST_SKIP() << "this libfabric names shm endpoints differently: '" << name << "'";
+  const std::string base = name.substr(scheme + 3, colon - scheme - 3);
+  const int index = atoi(name.c_str() + colon + 1);
+  std::vector<char> head(4096);
+  {
+    const int fd = shm_open(name.substr(scheme + 3).c_str(), O_RDONLY, 0);
+    ASSERT_GE(fd, 0) << "shm_open(" << name << "): " << strerror(errno);
+    const ssize_t n = pread(fd, head.data(), head.size(), 0);
+    close(fd);
+    ASSERT_EQ(n, static_cast<ssize_t>(head.size()));
+  }
+  std::vector<std::string> planted;
+  for (int k = 1; k <= 4; ++k) {
+    const std::string n = base + ":" + std::to_string(index + k);
+    const int fd = shm_open(n.c_str(), O_RDWR | O_CREAT | O_EXCL, S_IRUSR | S_IWUSR);
+    ASSERT_GE(fd, 0) << "shm_open(" << n << ", O_EXCL): " << strerror(errno);
+    const ssize_t w = pwrite(fd, head.data(), head.size(), 0);
+    close(fd);
+    planted.push_back(n);
+    ASSERT_EQ(w, static_cast<ssize_t>(head.size()));
+  }
+  {
+    // The trap is armed: an endpoint with the default name is refused.
+    RawShmEndpoint trapped;
+    if (trapped.enable_ret != -FI_EBUSY) {
+      for (const auto& n : planted) shm_unlink(n.c_str());
+      GTEST_SKIP() << "this libfabric does not refuse a live owner's region (fi_enable: "
+                   << trapped.enable_ret << ")";
+    }
+  }
+  Status s = create();
+  for (const auto& n : planted) shm_unlink(n.c_str());
+  MK_ASSERT_OK(s);
+  expect_empty_everywhere(run_windows(*bs_, *be_, /*expect_cuda_refused=*/true));
+  MK_EXPECT_OK(be_->finalize());
 }
 
 #else  // MK_NET_TEST_LOOPBACK

@@ -2,8 +2,10 @@
 // SIGKILL mid-run. Every survivor must fail within the timeout with an error naming it.
 // Processes are forked here (mpirun would tear the whole job down); they bootstrap through
 // a key-value store kept in files of a private directory.
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,7 +16,9 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/cpu/proxy_harness.h"
 
@@ -124,6 +128,22 @@ int child(const std::string& dir, int rank, int W, int victim, int64_t timeout_m
   _exit(err.ok() || named < 0 ? 1 : named == victim ? 0 : 10 + named);
 }
 
+// No rank closes its endpoint (one is killed, the others leave through _exit), so the shm
+// provider's regions stay in /dev/shm, 16 MiB each, named "<pid>:...": removed here.
+void remove_leftover_shm_regions(const std::vector<pid_t>& pids) {
+  DIR* d = opendir("/dev/shm");
+  if (!d) return;
+  std::vector<std::string> gone;
+  while (dirent* e = readdir(d)) {
+    for (pid_t p : pids) {
+      const std::string prefix = std::to_string(p) + ":";
+      if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) gone.push_back(e->d_name);
+    }
+  }
+  closedir(d);
+  for (const auto& n : gone) shm_unlink(n.c_str());
+}
+
 TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
   const int W = 3, victim = 2;
   const int64_t timeout_ms = 2000;
@@ -179,6 +199,7 @@ TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
       waitpid(pids[r], nullptr, 0);
     }
   }
+  remove_leftover_shm_regions(pids);
   // Every survivor fails in time, naming the victim — or, when its puts to another survivor
   // stalled behind that survivor's own failure (the shm provider can stop progressing a rank's
   // incoming puts once one of its peers died), naming that survivor, which itself named the

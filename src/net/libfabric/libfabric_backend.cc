@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -276,6 +277,7 @@ class LibfabricBackend final : public Backend {
 
   Status choose_provider(const Topology& topo, const std::string& requested, std::string* prov);
   Status open_endpoint(const Topology& topo, const std::string& prov);
+  Status name_shm_endpoint();
   Status exchange_addresses();
   Status reg(void* base, size_t bytes, uint64_t access, MemKind kind, fid_mr** mr);
   void post_recv(OpCtx* c);
@@ -434,6 +436,45 @@ Status LibfabricBackend::choose_provider(const Topology& topo, const std::string
                      tried.c_str(), mine, have.empty() ? "none" : have.c_str());
 }
 
+// The shm provider names an endpoint's shared-memory region after the process id and a
+// per-process endpoint count, and refuses (fi_enable: EBUSY) to take over a region of that name
+// whose recorded owner is alive. A process that died without closing its endpoint (killed, or
+// left through _exit) leaves its region behind; once the pid is recycled (quickly in
+// containers), the new process with that pid can no longer open an endpoint. A nonce in the
+// name makes every endpoint's region its own, whatever was left behind.
+Status LibfabricBackend::name_shm_endpoint() {
+  const char* p = info_->fabric_attr ? info_->fabric_attr->prov_name : nullptr;
+  if (!p || strcmp(p, "shm") != 0) return OkStatus();
+  // A provider that cannot be renamed keeps its default name: it works unless a leftover is
+  // in the way, and then fi_enable says so.
+  char base[kAddrMax] = {0};
+  size_t len = sizeof(base) - 1;
+  int ret = fi_getname(&ep_->fid, base, &len);
+  if (ret != 0) {
+    MK_INFO(kSubsysNet, "%s: keeps the provider's endpoint name (fi_getname before enable: %s)",
+            name_.c_str(), fi_err(ret).c_str());
+    return OkStatus();
+  }
+  base[sizeof(base) - 1] = 0;
+  std::random_device rd;
+  const uint64_t nonce =
+      ((static_cast<uint64_t>(rd()) << 32) ^ rd()) ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  char name[kAddrMax];
+  const int n = snprintf(name, sizeof(name), "%s-mk%016llx", base,
+                         static_cast<unsigned long long>(nonce));
+  if (n <= 0 || static_cast<size_t>(n) >= 200) {
+    MK_INFO(kSubsysNet, "%s: keeps the provider's endpoint name ('%s' too long for a nonce)",
+            name_.c_str(), base);
+    return OkStatus();
+  }
+  ret = fi_setname(&ep_->fid, name, static_cast<size_t>(n) + 1);
+  if (ret != 0)
+    MK_INFO(kSubsysNet, "%s: keeps the provider's endpoint name (fi_setname: %s)", name_.c_str(),
+            fi_err(ret).c_str());
+  return OkStatus();
+}
+
 Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& prov) {
   prov_ = prov;
   name_ = "libfabric/" + prov;
@@ -510,8 +551,12 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
   MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_ep_bind(cq): %s", name_.c_str(), fi_err(ret).c_str());
   ret = fi_ep_bind(ep_, &av_->fid, 0);
   MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_ep_bind(av): %s", name_.c_str(), fi_err(ret).c_str());
+  MK_CHECK(name_shm_endpoint());
   ret = fi_enable(ep_);
-  MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_enable: %s", name_.c_str(), fi_err(ret).c_str());
+  MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_enable: %s%s", name_.c_str(), fi_err(ret).c_str(),
+             ret == -FI_EBUSY && prov == "shm"
+                 ? " (a region of this endpoint's name is in /dev/shm, owned by a live process)"
+                 : "");
 
   // The control area and the scratch region.
   ctrl_buf_.assign((static_cast<size_t>(kRecvPool) + 2 * static_cast<size_t>(world_)) * kSlot, 0);
