@@ -1,0 +1,212 @@
+// mkernel — the SM-partition controller's rule (host and device code, no CUDA headers needed).
+//
+// A fused operator's persistent grid runs two kinds of work items: the GEMM's (or attention's)
+// compute tiles and the communication program's ops. The first role_counts[0] CTAs take ops
+// first (comm_role.cuh, take_op); the others take tiles. The controller — one thread of the
+// grid, at its own work-item boundaries — samples progress the kernel keeps anyway and moves
+// that count in both directions. This header is the rule alone: plain arithmetic on a sample,
+// shared by the device controller and the CPU tests, which drive it from a simulated kernel
+// (tests/cpu/test_split_control.cc).
+//
+// The signals (SplitSample):
+//   ops_ready    of the next kSplitPeek ops not yet taken, how many have their waits met:
+//                communication work that no CTA has picked up (a backlog);
+//   stalls       tile loads that found their input not there yet (cumulative): compute waiting
+//                for communication;
+//   ring_queued  commands pushed to the proxy and not yet taken by it: when the ring is mostly
+//                full the network is the bottleneck, and more communication CTAs would only
+//                wait for ring space;
+//   tiles_taken / ops_taken of tiles_total / ops_total.
+//
+// The rule (split_step):
+//   - nothing moves once all tiles or all ops are taken: the kernel's tail already gives every
+//     CTA to the remaining work (help_op);
+//   - after a change, hold kSplitHold samples: its effect shows first;
+//   - starving — a backlog of at least kSplitBacklog ready ops in two consecutive samples, or
+//     new stalls since the last sample — and the network not saturated: grow by max(1, comm/2);
+//   - network saturated: shrink by one per sample (down to the floor);
+//   - idle — no ready op, no new stall — for kSplitIdle consecutive samples: shrink by one;
+//   - always within [lo, hi] (hi <= grid - 1: one CTA always computes).
+// Growth is fast and shrinking slow: a starved communication role leaves the network idle now
+// and exposes its transfers at the end, while a few surplus communication CTAs still compute
+// between ops (peek mode) or cost a few SMs.
+//
+// The state also keeps the time-weighted mean split of the call (mean_comm): the split the
+// controller settled on, which the host keeps as the next call's starting point.
+#pragma once
+
+#include <cstdint>
+
+#include "mkernel/device/command.h"  // MK_HOST_DEVICE
+
+namespace mk {
+namespace comm {
+
+constexpr int kSplitPeek = 8;      // ops examined for the backlog
+constexpr int kSplitBacklog = 2;   // a backlog of this many ready ops counts as starving
+constexpr int kSplitHold = 2;      // samples to wait after a change
+constexpr int kSplitIdle = 3;      // idle samples before shrinking
+
+struct SplitSample {
+  int64_t now_ns = 0;
+  int32_t tiles_taken = 0, tiles_total = 0;
+  int32_t ops_taken = 0, ops_total = 0;
+  int32_t ops_done = 0;       // ops finished by their CTAs (cumulative)
+  int32_t ops_ready = 0;      // 0 .. kSplitPeek
+  int32_t stalls = 0;         // cumulative
+  int32_t ring_queued = 0;    // 0 when the call has no network puts
+  int32_t ring_capacity = 0;  // 0: no ring
+};
+
+struct SplitLimits {
+  int32_t lo = 1, hi = 1;  // the count stays in [lo, hi]
+  int32_t grid = 2;        // CTAs of the persistent grid
+  // How the op program and the tiles depend on each other:
+  //   false (peek; GEMM+RS/AR): ops wait for tiles; communication CTAs compute a tile while no op
+  //         is ready; what is left at the end, every CTA helps with;
+  //   true  (in order; AG, ring attention): tiles wait for ops, taken in program order.
+  bool in_order = false;
+};
+
+struct SplitState {
+  int32_t comm = 1;          // the current count (what role_counts[0] holds)
+  int32_t samples = 0;
+  int32_t hold = 0;          // samples left before the next change
+  int32_t backlog_run = 0;   // consecutive samples with a backlog
+  int32_t idle_run = 0;      // consecutive idle samples
+  int32_t last_stalls = 0;
+  int32_t changes = 0;       // role switches made
+  int32_t ceiling = 0;       // growth past this did not pay (0: none found)
+  int32_t probe_from = -1;   // the count before the last growth, until it is judged
+  int32_t mark_ops = 0;      // ops done at the last change (its window's start)
+  int32_t mark_tiles = 0;    // tiles taken then
+  float link_rate = 0.f;     // ops per ns past which growth did not pay (0: none found)
+  float best_rate = 0.f;     // the highest op rate (ops per ns) seen in a window with a backlog
+  int64_t mark_ns = 0;
+  float base_rate = 0.f;     // ops done per ns in the window before the last growth
+  int64_t last_ns = 0;
+  int64_t weighted = 0;      // sum of comm * dt (ns)
+  int64_t span_ns = 0;       // sum of dt
+};
+
+MK_HOST_DEVICE inline int32_t split_clamp(int32_t v, const SplitLimits& lim) {
+  return v < lim.lo ? lim.lo : v > lim.hi ? lim.hi : v;
+}
+
+MK_HOST_DEVICE inline void split_begin(SplitState* s, int32_t start, const SplitLimits& lim, int64_t now_ns,
+                                       int32_t stalls = 0) {
+  *s = SplitState{};
+  s->comm = split_clamp(start, lim);
+  s->last_ns = now_ns;
+  s->last_stalls = stalls;
+  s->mark_ns = now_ns;
+}
+
+// The time-weighted mean of the split so far, rounded; the current count before any time passed.
+MK_HOST_DEVICE inline int32_t split_mean(const SplitState& s) {
+  return s.span_ns > 0 ? static_cast<int32_t>((s.weighted + s.span_ns / 2) / s.span_ns) : s.comm;
+}
+
+MK_HOST_DEVICE inline void split_change(SplitState* s, const SplitSample& x, int32_t next) {
+  s->comm = next;
+  ++s->changes;
+  s->hold = kSplitHold;
+  s->idle_run = 0;
+  s->mark_ops = x.ops_done;
+  s->mark_tiles = x.tiles_taken;
+  s->mark_ns = x.now_ns;
+}
+
+// Peek mode: the predicted time (ns) to the end of the call with c communication CTAs, from the
+// window's per-CTA rates: the tiles left at (grid - c) CTAs; meanwhile the ops at c CTAs (capped
+// by the link rate once found); then the rest. The rest is priced at the best op rate seen so
+// far (or the link rate), not at every CTA's: what is left at the end is bound by the links or
+// the network, which sat idle during the tiles — the traffic the fused kernel exists to hide.
+MK_HOST_DEVICE inline float split_predict(const SplitState& s, const SplitSample& x, const SplitLimits& lim,
+                                          float tile_rate, float op_rate, int32_t c) {
+  const float tiles_left = static_cast<float>(x.tiles_total - x.tiles_taken);
+  const float ops_left = static_cast<float>(x.ops_total - x.ops_done);
+  const float compute = tiles_left / (tile_rate * static_cast<float>(lim.grid - c));
+  float during = op_rate * static_cast<float>(c);
+  float tail = s.best_rate > during ? s.best_rate : during;
+  if (s.link_rate > 0.f) {
+    during = during < s.link_rate ? during : s.link_rate;
+    tail = s.link_rate;
+  }
+  const float rest = ops_left - during * compute;
+  return compute + (rest > 0.f ? rest / tail : 0.f);
+}
+
+// One sample: updates the state and returns the new count (s->comm).
+MK_HOST_DEVICE inline int32_t split_step(SplitState* s, const SplitSample& x, const SplitLimits& lim) {
+  const int64_t dt = x.now_ns > s->last_ns ? x.now_ns - s->last_ns : 0;
+  s->weighted += static_cast<int64_t>(s->comm) * dt;
+  s->span_ns += dt;
+  s->last_ns = x.now_ns > s->last_ns ? x.now_ns : s->last_ns;
+  ++s->samples;
+  const int32_t new_stalls = x.stalls - s->last_stalls;
+  s->last_stalls = x.stalls;
+  s->backlog_run = x.ops_ready >= kSplitBacklog ? s->backlog_run + 1 : 0;
+  s->idle_run = x.ops_ready == 0 && new_stalls <= 0 ? s->idle_run + 1 : 0;
+  if (x.tiles_taken >= x.tiles_total || x.ops_taken >= x.ops_total) return s->comm;
+  if (s->hold > 0) --s->hold;
+  if (s->hold > 0) return s->comm;
+  // In order, only stalls beside ready ops mean the communication role is short: without ready
+  // ops the tiles wait for data still on its way, which more CTAs would not bring sooner; and
+  // ready ops without stalls are ahead of the tiles that need them.
+  const bool starving =
+      lim.in_order ? new_stalls > 0 && x.ops_ready > 0 : s->backlog_run >= 2;
+  const int64_t window = x.now_ns - s->mark_ns;
+  const float op_rate_all = window > 0 ? static_cast<float>(x.ops_done - s->mark_ops) / static_cast<float>(window) : 0.f;
+  if (starving && op_rate_all > s->best_rate) s->best_rate = op_rate_all;
+  // Judge the last growth on about one op per communication CTA: did the ops go faster, by at
+  // least half the CTAs added? If not, the role is bound elsewhere (links, the network).
+  if (s->probe_from > 0) {
+    if (starving && x.ops_done - s->mark_ops < s->comm) return s->comm;
+    const int32_t from = s->probe_from;
+    s->probe_from = -1;
+    const float gain = static_cast<float>(s->comm - from) / static_cast<float>(from);
+    if (starving && op_rate_all < s->base_rate * (1.f + 0.5f * gain)) {
+      s->ceiling = from;
+      s->link_rate = s->base_rate > op_rate_all ? s->base_rate : op_rate_all;
+      split_change(s, x, split_clamp(from, lim));
+      return s->comm;
+    }
+  }
+  const bool saturated = x.ring_capacity > 0 && 4 * static_cast<int64_t>(x.ring_queued) >=
+                                                    3 * static_cast<int64_t>(x.ring_capacity);
+  const int32_t step = s->comm / 2 > 1 ? s->comm / 2 : 1;
+  int32_t up = s->comm + step;
+  if (s->ceiling > 0 && up > s->ceiling) up = s->ceiling;
+  up = split_clamp(up, lim);
+  int32_t next = s->comm;
+  if (saturated) {
+    next = s->comm - 1;
+  } else if (starving && up > s->comm) {
+    if (lim.in_order) {
+      next = up;
+    } else if (window > 0 && x.tiles_taken > s->mark_tiles && x.ops_done > s->mark_ops) {
+      // Grow only if the prediction says the call ends sooner (by 1%).
+      const float tile_rate = static_cast<float>(x.tiles_taken - s->mark_tiles) /
+                              (static_cast<float>(window) * static_cast<float>(lim.grid - s->comm));
+      const float op_rate = op_rate_all / static_cast<float>(s->comm);
+      const float now_t = split_predict(*s, x, lim, tile_rate, op_rate, s->comm);
+      if (split_predict(*s, x, lim, tile_rate, op_rate, up) < 0.99f * now_t) next = up;
+    }
+  } else if (s->idle_run >= kSplitIdle) {
+    next = s->comm - 1;
+  }
+  next = split_clamp(next, lim);
+  if (next != s->comm) {
+    const int32_t from = s->comm;
+    split_change(s, x, next);
+    if (next > from) {
+      s->probe_from = from;
+      s->base_rate = op_rate_all;
+    }
+  }
+  return s->comm;
+}
+
+}  // namespace comm
+}  // namespace mk
