@@ -1,0 +1,303 @@
+// The controller's host side: the learned starting split (src/ops/control/split_memory.h) and
+// policy auto's choice between the fused and the unfused path (src/ops/control/path_policy.h),
+// with injected timings.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "src/ops/control/path_policy.h"
+#include "src/ops/control/split_memory.h"
+#include "tests/common/test_util.h"
+
+namespace mk {
+namespace ops {
+namespace {
+
+std::string temp_dir() {
+  char tmpl[] = "/tmp/mk-split-XXXXXX";
+  const char* d = mkdtemp(tmpl);
+  return d ? d : "";
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// ---------------------------------------------------------------------------------------
+// SplitMemory
+
+TEST(SplitMemory, KeyNamesEveryPart) {
+  const std::string k = split_key("gemm_rs", 8192, 4096, 2048, 4, 2, "tcp;ofi_rxm", 3);
+  EXPECT_EQ(k, "gemm_rs M=8192 N=4096 K=2048 W=4 nodes=2 provider=tcp;ofi_rxm rank=3");
+  EXPECT_NE(k, split_key("gemm_rs", 8192, 4096, 2048, 4, 2, "tcp;ofi_rxm", 2));
+  EXPECT_NE(k, split_key("gemm_ar", 8192, 4096, 2048, 4, 2, "tcp;ofi_rxm", 3));
+  EXPECT_EQ(split_key("ag_gemm", 1, 2, 3, 1, 1, "", 0), "ag_gemm M=1 N=2 K=3 W=1 nodes=1 provider=none rank=0");
+  EXPECT_EQ(split_key("x", 1, 1, 1, 1, 1, "a b\tc", 0), "x M=1 N=1 K=1 W=1 nodes=1 provider=a_b_c rank=0");
+}
+
+TEST(SplitMemory, InMemory) {
+  SplitMemory m;
+  int c = -1;
+  EXPECT_FALSE(m.lookup("a", &c));
+  MK_EXPECT_OK(m.record("a", 12));
+  ASSERT_TRUE(m.lookup("a", &c));
+  EXPECT_EQ(c, 12);
+  MK_EXPECT_OK(m.record("a", 5));
+  ASSERT_TRUE(m.lookup("a", &c));
+  EXPECT_EQ(c, 5);
+  EXPECT_EQ(m.size(), 1u);
+  EXPECT_EQ(m.record("b", 0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(m.record("b\tc", 3).code(), Code::kInvalidArgument);
+  EXPECT_EQ(m.record("#b", 3).code(), Code::kInvalidArgument);
+  EXPECT_EQ(m.record("", 3).code(), Code::kInvalidArgument);
+  EXPECT_EQ(m.size(), 1u);
+  m.clear();
+  EXPECT_FALSE(m.lookup("a", &c));
+}
+
+TEST(SplitMemory, FileRoundTripAndMerge) {
+  const std::string dir = temp_dir();
+  ASSERT_FALSE(dir.empty());
+  const std::string file = dir + "/splits.txt";
+  std::mt19937 rng(static_cast<uint32_t>(test::test_seed()));
+  std::vector<std::pair<std::string, int>> want;
+  {
+    SplitMemory m;
+    MK_ASSERT_OK(m.attach(file));  // no file yet: fine
+    for (int i = 0; i < 20; ++i) {
+      const std::string k = split_key("gemm_rs", 128 * (1 + rng() % 64), 4096, 1024, 4, 2, "shm", i % 4);
+      const int c = 1 + static_cast<int>(rng() % 32);
+      MK_ASSERT_OK(m.record(k, c));
+      want.emplace_back(k, c);
+    }
+  }
+  // A second memory (another process's) reads them all back.
+  SplitMemory r;
+  MK_ASSERT_OK(r.attach(file));
+  for (const auto& [k, c] : want) {
+    int got = -1;
+    ASSERT_TRUE(r.lookup(k, &got)) << k;
+    int last = -1;
+    for (const auto& w : want)
+      if (w.first == k) last = w.second;
+    EXPECT_EQ(got, last) << k;
+  }
+  // Its writes keep the other's entries.
+  MK_ASSERT_OK(r.record("ring_attention M=1 N=1 K=1 W=2 nodes=1 provider=none rank=0", 3));
+  SplitMemory again;
+  MK_ASSERT_OK(again.attach(file));
+  EXPECT_EQ(again.size(), r.size());
+  // An entry already in memory keeps its value when a file is attached.
+  SplitMemory mine;
+  MK_ASSERT_OK(mine.record(want[0].first, 31));
+  MK_ASSERT_OK(mine.attach(file));
+  int c = 0;
+  ASSERT_TRUE(mine.lookup(want[0].first, &c));
+  EXPECT_EQ(c, 31);
+  EXPECT_EQ(slurp(file).rfind("# mkernel split memory v1", 0), 0u);
+}
+
+TEST(SplitMemory, MalformedFilesAreNamed) {
+  const std::string dir = temp_dir();
+  const std::string file = dir + "/bad.txt";
+  const char* cases[] = {"k\tabc\n", "k\t0\n", "k\t-3\n", "no tab here\n", "\t5\n", "k\t5x\n", "k\t\n"};
+  for (const char* body : cases) {
+    {
+      std::ofstream f(file, std::ios::trunc);
+      f << "# header\nfine key\t4\n" << body;
+    }
+    SplitMemory m;
+    MK_ASSERT_OK(m.record("kept", 7));
+    Status s = m.attach(file);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << body;
+    EXPECT_NE(s.message().find("line 3"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(file), std::string::npos) << s.message();
+    EXPECT_EQ(m.size(), 1u) << "a bad file leaves the memory as it was";
+    EXPECT_TRUE(m.path().empty());
+  }
+  // Comments, blank lines and CRLF endings are fine.
+  {
+    std::ofstream f(file, std::ios::trunc);
+    f << "# c\r\n\r\nkey one\t9\r\n";
+  }
+  SplitMemory m;
+  MK_ASSERT_OK(m.attach(file));
+  int c = 0;
+  ASSERT_TRUE(m.lookup("key one", &c));
+  EXPECT_EQ(c, 9);
+}
+
+TEST(SplitMemory, UnwritableFileIsAnErrorNotALoss) {
+  SplitMemory m;
+  MK_ASSERT_OK(m.attach("/nonexistent-dir-mk/splits.txt"));
+  Status s = m.record("a", 4);
+  EXPECT_EQ(s.code(), Code::kSystemError);
+  EXPECT_NE(s.message().find("/nonexistent-dir-mk/splits.txt"), std::string::npos) << s.message();
+  int c = 0;
+  ASSERT_TRUE(m.lookup("a", &c)) << "the memory keeps it";
+  EXPECT_EQ(c, 4);
+}
+
+// Ranks of a job write one file at once: every entry of every writer survives.
+TEST(SplitMemory, ConcurrentWritersMerge) {
+  const std::string dir = temp_dir();
+  const std::string file = dir + "/shared.txt";
+  const int kProcs = 4, kEach = 25;
+  std::vector<pid_t> kids;
+  for (int p = 0; p < kProcs; ++p) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      SplitMemory m;
+      if (!m.attach(file).ok()) _exit(2);
+      for (int i = 0; i < kEach; ++i)
+        if (!m.record("op rank=" + std::to_string(p) + " i=" + std::to_string(i), 1 + p * 100 + i).ok()) _exit(3);
+      _exit(0);
+    }
+    kids.push_back(pid);
+  }
+  for (pid_t k : kids) {
+    int st = 0;
+    ASSERT_EQ(waitpid(k, &st, 0), k);
+    ASSERT_TRUE(WIFEXITED(st));
+    EXPECT_EQ(WEXITSTATUS(st), 0);
+  }
+  SplitMemory r;
+  MK_ASSERT_OK(r.attach(file));
+  EXPECT_EQ(r.size(), static_cast<size_t>(kProcs * kEach));
+  for (int p = 0; p < kProcs; ++p)
+    for (int i = 0; i < kEach; ++i) {
+      int c = 0;
+      ASSERT_TRUE(r.lookup("op rank=" + std::to_string(p) + " i=" + std::to_string(i), &c));
+      EXPECT_EQ(c, 1 + p * 100 + i);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// PathChooser
+
+// Runs calls of `key` until decided, reporting each timed call's injected time at once.
+Path run_until_decided(PathChooser& ch, const std::string& key, double fused_ms, double unfused_ms,
+                       std::mt19937& rng, int* calls) {
+  std::uniform_real_distribution<double> noise(0.97, 1.03);
+  Path p;
+  *calls = 0;
+  while (!ch.decided(key, &p) && *calls < 1000) {
+    bool timed = false;
+    const Path q = ch.next(key, &timed);
+    ++*calls;
+    if (timed) {
+      EXPECT_TRUE(ch.report(key, q, (q == Path::kFused ? fused_ms : unfused_ms) * noise(rng)).ok());
+    }
+  }
+  return p;
+}
+
+TEST(PathPolicy, PicksTheFasterPath) {
+  std::mt19937 rng(static_cast<uint32_t>(test::test_seed()));
+  PathChooser ch({1, 5});
+  int calls = 0;
+  EXPECT_EQ(run_until_decided(ch, "fast fused", 1.0, 1.3, rng, &calls), Path::kFused);
+  EXPECT_EQ(calls, 12) << "1 warm-up and 5 timed calls of each";
+  EXPECT_EQ(run_until_decided(ch, "fast unfused", 1.3, 1.0, rng, &calls), Path::kUnfused);
+  // Decided: every later call takes the choice, untimed.
+  for (int i = 0; i < 50; ++i) {
+    bool timed = true;
+    EXPECT_EQ(ch.next("fast unfused", &timed), Path::kUnfused);
+    EXPECT_FALSE(timed);
+  }
+  double f = 0, u = 0;
+  ch.medians("fast unfused", &f, &u);
+  EXPECT_NEAR(f, 1.3, 0.05);
+  EXPECT_NEAR(u, 1.0, 0.05);
+}
+
+TEST(PathPolicy, TiesGoToFusedAndOutliersDoNotDecide) {
+  PathChooser ch({0, 5});
+  const std::string k = "k";
+  // Fused: four fast calls and one awful one; unfused: steady and a little slower than fused's
+  // median. The median ignores the outlier: fused.
+  const double fused[] = {1.0, 1.0, 50.0, 1.0, 1.0};
+  const double unfused[] = {1.1, 1.1, 1.1, 1.1, 1.1};
+  int fi = 0, ui = 0;
+  Path p;
+  while (!ch.decided(k, &p)) {
+    bool timed = false;
+    const Path q = ch.next(k, &timed);
+    ASSERT_TRUE(timed);
+    MK_ASSERT_OK(ch.report(k, q, q == Path::kFused ? fused[fi++] : unfused[ui++]));
+  }
+  EXPECT_EQ(p, Path::kFused);
+  // An exact tie: fused.
+  PathChooser tie({0, 3});
+  while (!tie.decided("t", &p)) {
+    bool timed = false;
+    const Path q = tie.next("t", &timed);
+    MK_ASSERT_OK(tie.report("t", q, 2.0));
+  }
+  EXPECT_EQ(p, Path::kFused);
+}
+
+TEST(PathPolicy, LateTimingsKeepItAlternating) {
+  PathChooser ch({1, 3});
+  const std::string k = "late";
+  struct Pending {
+    Path p;
+    double ms;
+  };
+  std::vector<Pending> queue;
+  std::vector<Path> order;
+  Path p;
+  // Timings arrive 4 calls after their call (events read later).
+  for (int call = 0; call < 40 && !ch.decided(k, &p); ++call) {
+    bool timed = false;
+    const Path q = ch.next(k, &timed);
+    order.push_back(q);
+    if (timed) queue.push_back({q, q == Path::kFused ? 2.0 : 1.5});
+    if (queue.size() > 4) {
+      MK_ASSERT_OK(ch.report(k, queue.front().p, queue.front().ms));
+      queue.erase(queue.begin());
+    }
+  }
+  while (!queue.empty() && !ch.decided(k, &p)) {
+    MK_ASSERT_OK(ch.report(k, queue.front().p, queue.front().ms));
+    queue.erase(queue.begin());
+  }
+  ASSERT_TRUE(ch.decided(k, &p));
+  EXPECT_EQ(p, Path::kUnfused);
+  // Warm-ups first (fused, unfused), then strictly alternating.
+  ASSERT_GE(order.size(), 8u);
+  EXPECT_EQ(order[0], Path::kFused);
+  EXPECT_EQ(order[1], Path::kUnfused);
+  for (size_t i = 2; i < order.size(); ++i) EXPECT_NE(order[i], order[i - 1]) << "call " << i;
+}
+
+TEST(PathPolicy, BadReportsAreRefused) {
+  PathChooser ch({0, 2});
+  EXPECT_EQ(ch.report("never", Path::kFused, 1.0).code(), Code::kInvalidArgument);
+  bool timed = false;
+  const Path q = ch.next("k", &timed);
+  ASSERT_TRUE(timed);
+  EXPECT_EQ(ch.report("k", q, 0.0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(ch.report("k", q, -1.0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(ch.report("k", q, std::nan("")).code(), Code::kInvalidArgument);
+  const Path other = q == Path::kFused ? Path::kUnfused : Path::kFused;
+  EXPECT_EQ(ch.report("k", other, 1.0).code(), Code::kInvalidArgument) << "that path never ran timed";
+  MK_EXPECT_OK(ch.report("k", q, 1.0));
+  EXPECT_EQ(ch.report("k", q, 1.0).code(), Code::kInvalidArgument) << "one timing per timed call";
+}
+
+}  // namespace
+}  // namespace ops
+}  // namespace mk
