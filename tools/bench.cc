@@ -1,7 +1,7 @@
 // `mkernel bench <op>`: the fused operators against their unfused baselines on the local GPUs.
 //
 //   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K | --sweep] [--deterministic]
-//                                             [--reps R] [--warmup U] [--json FILE] [--trace PREFIX]
+//                                             [--splits] [--reps R] [--warmup U] [--json FILE] [--trace PREFIX]
 //   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
 //                                [--trace PREFIX]
 //   mkernel bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]
@@ -44,7 +44,7 @@ struct BenchArgs {
   bench::RunCfg rc;
   std::vector<int64_t> seqs;
   bool causal = true;
-  bool sweep = false, deterministic = false;
+  bool sweep = false, deterministic = false, splits = false;
   std::vector<std::string> presets;  // moe_dispatch, moe_layer (checked against the operator's list after parsing)
   int64_t tokens = 0;
   std::vector<std::string> fused_only, ring_only, moe_only;  // options given that apply to one family
@@ -89,9 +89,9 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       b->moe_only.push_back(a);
     } else if (a == "--trace") {
       ok = ar.value(&b->trace);
-    } else if (a == "--sweep" || a == "--deterministic") {
+    } else if (a == "--sweep" || a == "--deterministic" || a == "--splits") {
       ok = ar.no_value();
-      (a == "--sweep" ? b->sweep : b->deterministic) = true;
+      (a == "--sweep" ? b->sweep : a == "--splits" ? b->splits : b->deterministic) = true;
       b->fused_only.push_back(a);
     } else if (a == "--dtype") {
       std::string d;
@@ -226,6 +226,7 @@ int bench(const std::vector<std::string>& args) {
     fo.rc = ba.rc;
     fo.sweep = ba.sweep;
     fo.deterministic = ba.deterministic;
+    fo.splits = ba.splits;
     fo.trace = ba.trace;
     rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k, fo);
   }

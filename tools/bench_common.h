@@ -226,6 +226,7 @@ struct FusedBenchOpts {
   RunCfg rc;
   bool sweep = false;          // --sweep
   bool deterministic = false;  // --deterministic (RS/AR)
+  bool splits = false;         // --splits: static splits {1..32} against the SM-partition controller
   std::string trace;           // --trace PREFIX: one traced call per shape and rank
 };
 int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o);

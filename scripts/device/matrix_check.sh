@@ -12,6 +12,8 @@
 #   MK_MATRIX_LOGS=dir     logs (default /tmp/mk-matrix)
 #   MK_MATRIX_ONLY=regex   run only the launches whose name matches (e.g. '2x2|1x4')
 #   MK_MATRIX_FILTER=...   gtest filter passed to every launch
+#   MK_MATRIX_SPLIT="static auto"  the fused operators' split modes (MK_FUSED_SPLIT): every launch
+#                          runs once per mode listed (auto: the on-GPU SM-partition controller)
 # Prints one line per launch and a summary; exits non-zero if any launch failed.
 set -uo pipefail
 B=${MK_BUILD_DIR:-/tmp/mkb}
@@ -37,13 +39,19 @@ for i in "${!layouts[@]}"; do
   done
 done
 
+modes=(${MK_MATRIX_SPLIT:-static auto})
+all=()
+for m in "${modes[@]}"; do for l in "${launches[@]}"; do all+=("$l-$m"); done; done
+
 pass=0; fail=0; failed=()
 t_all=$(date +%s)
-for name in "${launches[@]}"; do
+for name in "${all[@]}"; do
   [[ -n ${MK_MATRIX_ONLY:-} && ! $name =~ ${MK_MATRIX_ONLY} ]] && continue
-  IFS=- read -r layout prov st <<<"$name"
+  split=${name##*-}
+  IFS=- read -r layout prov st <<<"${name%-*}"
   nodes=${layout%x*}; per=${layout#*x}; np=$((nodes * per))
-  env=(-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)) -x MK_TEST_SEED=${MK_TEST_SEED:-$RANDOM$RANDOM})
+  env=(-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)) -x MK_TEST_SEED=${MK_TEST_SEED:-$RANDOM$RANDOM}
+       -x MK_FUSED_SPLIT=$split)
   if (( nodes > 1 )); then
     env+=(-x MK_RANKS_PER_NODE=$per -x MK_NET_PROVIDER=$prov -x MK_NET_STAGING=$st)
   fi

@@ -15,7 +15,9 @@
 #      dispatch <= 80 us and combine <= 120 us at 128 tokens), one node and 2 emulated nodes
 #      (hierarchical over tcp_rxm);
 #   6. mkernel.torch: tests/gpu/test_torch_ops.py under torchrun at every W, and
-#      bench/bench_torch.py (against symm_mem's fused ops and NCCL + matmul, one GPU per rank).
+#      bench/bench_torch.py (against symm_mem's fused ops and NCCL + matmul, one GPU per rank);
+#   7. the SM-partition controller: the matrix again with MK_FUSED_SPLIT=auto, and `mkernel bench
+#      all --splits` (static splits 1..32 against the controller) at every W and 2 nodes x W/2.
 # Binaries from MK_BUILD_DIR (default /tmp/mkb: scripts/device/suite.sh setup puts them there).
 # JSON results and logs go to $OUT (packed as multigpu_logs.tgz).
 set -uo pipefail
@@ -58,6 +60,13 @@ for w in "${ws[@]}"; do
   fi
 done
 
+# 7a. the controller's correctness: the matrix with the controller on
+for w in "${ws[@]}"; do
+  run "matrix_auto_w$w" "$w" MK_FUSED_SPLIT=auto -- "$B/tests/gpu/test_gpu_matrix"
+  (( w >= 4 )) && run "matrix_auto_2x$((w / 2))_tcp" "$w" MK_FUSED_SPLIT=auto MK_RANKS_PER_NODE=$((w / 2)) \
+    MK_NET_PROVIDER=tcp_rxm -- "$B/tests/gpu/test_gpu_matrix"
+done
+
 # 5a. MoE correctness (every routing, both modes, graph replays, bad inputs)
 for w in "${ws[@]}"; do
   run "moe_w$w" "$w" -- "$B/tests/gpu/test_gpu_moe" --gtest_filter=-MoeDeadRank.*
@@ -86,6 +95,12 @@ for w in "${ws[@]}"; do
     run "bench_ring_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- "$B/mkernel" bench \
       ring_attention --seq 8192 --json "$RESULT/ring_2nodes_w$w.json"
   fi
+done
+# 7b. static splits against the controller
+for w in "${ws[@]}"; do
+  run "bench_splits_w$w" "$w" -- "$B/mkernel" bench all --splits --json "$RESULT/splits_w$w.json"
+  (( w >= 4 )) && run "bench_splits_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
+    "$B/mkernel" bench all --splits --json "$RESULT/splits_2nodes_w$w.json"
 done
 # 5b. MoE benchmarks: every preset (DeepEP's throughput and low-latency shapes, Qwen3, Mixtral)
 for w in "${ws[@]}"; do

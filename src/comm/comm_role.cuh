@@ -37,6 +37,7 @@
 #include "mkernel/device/trace.cuh"
 #include "src/comm/device_program.h"
 #include "src/comm/executor.cuh"
+#include "src/comm/split_control.h"
 
 namespace mk {
 namespace comm {
@@ -78,7 +79,7 @@ struct NoComm {
   __device__ __forceinline__ static int help_op(const Params&, RoleState&) { return kItemDone; }
   template <int kThreads_, uint32_t kBarrier_>
   __device__ __forceinline__ static void run_op(const Params&, int, int, uint64_t) {}
-  __device__ __forceinline__ static void op_done(SharedStorage&) {}
+  __device__ __forceinline__ static void op_done(const Params&, SharedStorage&) {}
   __device__ __forceinline__ static Role trace_role(const Params&, int) { return Role::kComm; }
 
   __device__ __forceinline__ static void load_waits(const Params&, int, uint64_t) {}
@@ -98,6 +99,8 @@ struct CommRole {
     ops::FusedHooks hooks{};           // the program and its tile-row hooks (device_program.h)
     const int* role_counts = nullptr;  // take_op(): [0] = CTAs in the role (device memory)
     int dedicated_ctas = 0;            // dedicated_cta(): CTAs that run ops only
+    SplitCtl* split = nullptr;         // non-null: the controller moves role_counts[0] (take_op)
+    TraceBuffer trace{};               // events non-null: the controller records its switches
   };
   // Ops this CTA's consumers finished (take_op's CTAs hand ops to their consumers).
   struct SharedStorage {
@@ -168,9 +171,56 @@ struct CommRole {
   // By the scheduling thread, before each work item: true with `item` = an op item when this
   // CTA takes an op next; false when it takes a tile (sched.tiles_left() peeks at the tiles).
   // At least one CTA always computes, whatever the count says: progress is guaranteed.
+  // The SM-partition controller (split_control.h), by the scheduling thread of any CTA at a
+  // work-item boundary: at most one runs the rule at a time (the others go on at once), at most
+  // once per interval. It samples the signals, applies a forced switch due (tests) or the rule,
+  // and publishes the count for the next items of every CTA.
+  template <class Sched_>
+  __device__ __forceinline__ static void control(const Params& p, const Sched_& sched, uint64_t epoch) {
+    SplitCtl* c = p.split;
+    const int64_t now = static_cast<int64_t>(device::trace_now_ns());
+    if (now - *reinterpret_cast<volatile int64_t*>(&c->state.last_ns) < c->interval_ns) return;
+    if (atomicCAS(&c->lock, 0, 1) != 0) return;
+    __threadfence();
+    SplitSample x;
+    x.now_ns = now;
+    x.tiles_total = sched.num_tiles;
+    x.tiles_taken = min(*reinterpret_cast<volatile int*>(sched.p.counter), sched.num_tiles);
+    x.ops_total = p.hooks.n_ops;
+    x.ops_taken = min(*reinterpret_cast<volatile int*>(p.hooks.op_counter), p.hooks.n_ops);
+    x.ops_done = *reinterpret_cast<volatile int*>(&c->ops_done);
+    int ready = 0;
+    for (int i = x.ops_taken; i < min(p.hooks.n_ops, x.ops_taken + kSplitPeek); ++i)
+      ready += ops::op_ready(p.hooks, i, epoch) ? 1 : 0;
+    x.ops_ready = ready;
+    x.stalls = *reinterpret_cast<volatile int*>(&c->stalls);
+    if (p.hooks.ring.head) {
+      const uint64_t head = *reinterpret_cast<volatile unsigned long long*>(p.hooks.ring.head);
+      const uint64_t tail = *reinterpret_cast<const volatile uint64_t*>(p.hooks.ring.tail);
+      x.ring_queued = head > tail ? static_cast<int32_t>(min(head - tail, uint64_t(1) << 30)) : 0;
+      x.ring_capacity = static_cast<int32_t>(min(p.hooks.ring.capacity, uint64_t(1) << 30));
+    }
+    const int32_t before = c->state.comm;
+    int32_t after = split_step(&c->state, x, c->limits);
+    if (c->next_force < c->n_force && x.tiles_taken >= c->force_at[c->next_force]) {
+      after = split_clamp(c->force_to[c->next_force++], c->limits);
+      c->state.comm = after;
+      c->state.hold = kSplitHold;
+    }
+    if (after != before) {
+      atomicExch(const_cast<int*>(p.role_counts), after);
+      if (p.trace.events) device::trace_record(p.trace, Role::kController, after, static_cast<uint64_t>(now));
+    }
+    c->last_mean = split_mean(c->state);
+    c->has_mean = 1;
+    __threadfence();
+    atomicExch(&c->lock, 0);
+  }
+
   template <class Sched_>
   __device__ __forceinline__ static bool take_op(const Params& p, RoleState& s, const Sched_& sched, uint64_t epoch,
                                                  int& item) {
+    if (p.split) control(p, sched, epoch);
     const int comm = p.role_counts
                          ? min(*reinterpret_cast<const volatile int*>(p.role_counts), static_cast<int>(gridDim.x) - 1)
                          : 0;
@@ -238,8 +288,11 @@ struct CommRole {
   __device__ __forceinline__ static void run_op(const Params& p, int op, int tid, uint64_t epoch) {
     ops::run_comm_op<kThreads_, kBarrier_>(p.hooks, op, tid, epoch);
   }
-  // By one consumer thread after run_op (read by finish_handed_ops).
-  __device__ __forceinline__ static void op_done(SharedStorage& sh) { atomicAdd_block(&sh.ops_done, 1); }
+  // By one consumer thread after run_op (read by finish_handed_ops; the controller's op count).
+  __device__ __forceinline__ static void op_done(const Params& p, SharedStorage& sh) {
+    atomicAdd_block(&sh.ops_done, 1);
+    if (p.split) atomicAdd(&p.split->ops_done, 1);
+  }
   __device__ __forceinline__ static Role trace_role(const Params& p, int op) {
     return p.hooks.ops[op].kind == ops::kDevNetPut ? Role::kNetSend : Role::kComm;
   }
@@ -253,6 +306,7 @@ struct CommRole {
     if (!p.hooks.rows) return;
     const ops::DevRowHooks h = p.hooks.rows[row];
     if (h.load_waits) {
+      if (p.split && !ops::waits_met(p.hooks, h.load_wait0, h.load_waits, epoch)) atomicAdd(&p.split->stalls, 1);
       ops::hook_waits<true>(p.hooks, h.load_wait0, h.load_waits, epoch);
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }

@@ -47,6 +47,15 @@ __device__ __forceinline__ char* op_ptr(const FusedHooks& h, uint64_t v) {
 }
 
 // Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
+// Whether waits [w0, w0 + n) are already met (no waiting).
+__device__ __forceinline__ bool waits_met(const FusedHooks& h, uint32_t w0, uint32_t n, uint64_t epoch) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const DevWait& w = h.waits[w0 + i];
+    if (w.mul && device::ld_relaxed_sys(w.flag) < w.mul * epoch) return false;
+  }
+  return true;
+}
+
 __device__ __forceinline__ bool op_ready(const FusedHooks& h, int idx, uint64_t epoch) {
   const DevOp& op = h.ops[idx];
   for (uint32_t i = 0; i < op.nwait; ++i) {

@@ -56,6 +56,8 @@ class OpSession : public CommAttachment {
   uint32_t op_tag() const { return tag_; }
   bool networked() const { return net_ != nullptr; }
   bool staged() const { return net_ && net_->staged(); }
+  // The network backend ("libfabric/tcp;ofi_rxm", with ", staged" when staged), or "" without one.
+  std::string net_name() const { return net_ ? net_->backend_name() + (net_->staged() ? ", staged" : "") : ""; }
   // Non-null while the session lives and the communicator was not destroyed first.
   bool alive() const { return !destroyed_; }
 

@@ -208,5 +208,25 @@ MK_HOST_DEVICE inline int32_t split_step(SplitState* s, const SplitSample& x, co
   return s->comm;
 }
 
+// The controller's device state, one per operator (device memory). The launch resets the
+// per-call part (fused_begin); the rule runs under `lock`, at most once per interval_ns, by
+// whichever CTA's scheduling thread reaches a work-item boundary first.
+constexpr int kSplitForceMax = 4;
+struct SplitCtl {
+  int32_t lock;             // 0 free, 1 a thread runs the rule
+  int32_t ops_done;         // ops finished by their CTAs, this call
+  int32_t stalls;           // tile loads that found their inputs not there yet, this call
+  int32_t last_mean;        // the split settled on so far: the next call's start
+  int32_t has_mean;         // last_mean was set by a call
+  int32_t hi_auto;          // limits.hi from the grid at launch: min(grid - 1, max(32, grid / 2))
+  int64_t interval_ns;      // the rule runs at most this often
+  // Tests: at force_at[i] tiles taken, the count becomes force_to[i] (in order; the rule then
+  // carries on from there). n_force 0: none.
+  int32_t n_force, next_force;
+  int32_t force_at[kSplitForceMax], force_to[kSplitForceMax];
+  SplitLimits limits;
+  SplitState state;
+};
+
 }  // namespace comm
 }  // namespace mk

@@ -60,6 +60,14 @@ const std::vector<TunableDef> kTable = {
     {"fused_route", "MK_FUSED_ROUTE", TunableType::kString, "bulk",
      "how GEMM+RS/AR tiles reach their reducer: bulk (TMA boxes from shared memory: reduce-add, or "
      "store when deterministic) or red (a system-scope reduce-add or store per register pair)"},
+    {"fused_split", "MK_FUSED_SPLIT", TunableType::kString, "static",
+     "how a fused GEMM collective splits its grid between communication and compute when "
+     "FusedOptions::comm_ctas is -1: static (fused_comm_ctas CTAs for the whole call) or auto (an "
+     "on-GPU controller moves CTAs between the roles during the call, starting where the last call "
+     "with that shape settled)"},
+    {"split_memory_file", "MK_SPLIT_MEMORY_FILE", TunableType::kString, "",
+     "with fused_split=auto: a text file where each rank keeps, per operator and shape, the split "
+     "the controller settled on (read at first use; \"\": kept in memory only)"},
     {"ring_comm_ctas", "MK_RING_COMM_CTAS", TunableType::kInt, "4",
      "CTAs of ring attention's persistent grid that forward K/V blocks (the others compute)", 1},
     {"moe_comm_ctas", "MK_MOE_COMM_CTAS", TunableType::kInt, "16",

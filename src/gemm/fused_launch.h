@@ -6,6 +6,7 @@
 
 #include "mkernel/gemm/gemm.h"
 #include "src/comm/device_program.h"
+#include "src/comm/split_control.h"
 
 namespace mk {
 namespace gemm {
@@ -16,6 +17,9 @@ struct FusedLaunch {
   int* tile_counter = nullptr;       // device, zeroed on the stream by the launch
   const int* tile_order = nullptr;   // device: every tile id once (the plan's order)
   bool route = false;  // RS/AR: the routed fp32 epilogue (hooks.route); else a TMA store into C
+  // Non-null: the SM-partition controller moves role_counts[0] during the call (split_control.h);
+  // the launch resets its per-call state and sets the starting count.
+  comm::SplitCtl* split = nullptr;
 };
 
 // The tensor maps of the routed bulk epilogue (FusedHooks::route_maps): one per destination

@@ -260,6 +260,31 @@ Status persistent_ctas(int* out) {
 
 namespace {
 
+#if MK_WITH_CUTLASS
+// Before a fused launch with the controller (one thread): zeroes the op and tile counters and
+// starts the controller's call — from the split the last call settled on, else from the count
+// role_counts[0] holds (the option, the learned start or set_comm_ctas) — within
+// [1, min(grid - 1, max(32, grid / 2))].
+__global__ void fused_begin(int* op_counter, int* tile_counter, int* role_counts, comm::SplitCtl* c, int grid) {
+  if (op_counter) *op_counter = 0;
+  *tile_counter = 0;
+  comm::SplitLimits lim = c->limits;
+  lim.grid = grid;
+  lim.lo = max(lim.lo, 1);
+  if (c->hi_auto) lim.hi = min(grid - 1, max(32, grid / 2));
+  lim.hi = max(min(lim.hi, grid - 1), lim.lo);
+  c->limits = lim;
+  const int start = comm::split_clamp(c->has_mean ? c->last_mean : *role_counts, lim);
+  *role_counts = start;
+  comm::split_begin(&c->state, start, lim, static_cast<int64_t>(device::trace_now_ns()));
+  c->ops_done = 0;
+  c->stalls = 0;
+  c->next_force = 0;
+  c->lock = 0;
+  __threadfence();
+}
+#endif
+
 Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, const RunConfig& cfg) {
   MK_CHECK(check_args(a, !(f && f->route)));
   if (a.M == 0 || a.N == 0) return OkStatus();
@@ -324,8 +349,17 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
   p.comm.hooks = f->hooks;
   p.comm.role_counts = f->role_counts;
   if (f->route) p.epi = EpiKind::kRoute;
-  if (f->hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(f->hooks.op_counter, 0, sizeof(int), stream));
-  MK_CUDA_CHECK(cudaMemsetAsync(f->tile_counter, 0, sizeof(int), stream));
+  if (f->split && f->hooks.n_ops > 0) {
+    // The controller: its per-call reset and the starting count, with the counters' zeroing.
+    p.comm.split = f->split;
+    if (a.trace) p.comm.trace = *a.trace;
+    fused_begin<<<1, 1, 0, stream>>>(f->hooks.op_counter, f->tile_counter, const_cast<int*>(f->role_counts),
+                                     f->split, grid);
+    MK_CUDA_CHECK(cudaGetLastError());
+  } else {
+    if (f->hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(f->hooks.op_counter, 0, sizeof(int), stream));
+    MK_CUDA_CHECK(cudaMemsetAsync(f->tile_counter, 0, sizeof(int), stream));
+  }
   // Traced: compute tiles, TMA loads and communication ops on one timeline.
   if (a.trace) persistent_gemm<true, DynamicScheduler, comm::CommRole><<<grid, kThreads, kFusedSmem, stream>>>(p);
   else persistent_gemm<false, DynamicScheduler, comm::CommRole><<<grid, kThreads, kFusedSmem, stream>>>(p);

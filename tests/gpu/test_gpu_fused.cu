@@ -13,7 +13,9 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "mkernel/common/check.h"
@@ -23,6 +25,7 @@
 #include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/ops/fused.h"
+#include "src/ops/collectives/fused_testing.h"
 #include "src/ops/collectives/plan.h"
 #include "tests/gpu/mpi_fixture.h"
 
@@ -276,6 +279,58 @@ class Fused : public ::testing::Test {
                            << " (row " << first / s.N << ", col " << first % s.N << ")";
     }
   }
+  struct GraphKind {
+    FusedKind kind;
+    bool det;
+  };
+  // One operator captured in a graph and replayed `replays` times back to back (see below).
+  void graph_replays(GraphKind k, int replays) {
+    const char* name = ops::fused_kind_name(k.kind);
+    Case c{comm, k.kind, {int64_t(comm->world()) * 192, 776, 200}, k.det};
+    MK_ASSERT_OK(c.init());
+    cudaStream_t st = comm->stream();
+    MK_ASSERT_OK(c.prepare(0, st));
+    MK_ASSERT_OK(c.op->run(c.args(), st));  // checked first call (agrees on the arguments)
+    MK_ASSERT_OK(comm->sync(st));
+    unsigned long long bad = 0, first = 0;
+    MK_ASSERT_OK(c.check(st, &bad, &first));
+    ASSERT_EQ(bad, 0ull) << name << " first call, rank " << comm->rank() << ": first wrong element " << first;
+    // Calls 1..replays: the graph bumps the counter (0 now) first.
+    ASSERT_EQ(cudaMemsetAsync(c.d_call, 0, sizeof(uint64_t), st), cudaSuccess);
+    MK_ASSERT_OK(c.reset_bad(st));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    bump<<<1, 1, 0, st>>>(c.d_call);
+    Status cap = c.prepare(0, st, c.d_call);
+    if (cap.ok()) cap = c.op->enqueue(c.args(), st);
+    if (cap.ok()) c.enqueue_compare(st, c.d_call);
+    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    MK_ASSERT_OK(cap);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    MK_ASSERT_OK(comm->bootstrap().barrier());  // the last barrier: every rank's graph is ready
+    for (int rep = 0; rep < replays; ++rep) ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    MK_ASSERT_OK(comm->sync(st));
+    unsigned long long h[3];
+    MK_ASSERT_OK(c.take_bad(st, h));
+    uint64_t calls = 0;
+    ASSERT_EQ(cudaMemcpy(&calls, c.d_call, sizeof(calls), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(calls, uint64_t(replays)) << name << ": replays that ran";
+    EXPECT_EQ(h[2], uint64_t(replays)) << name << ": replays compared";
+    EXPECT_EQ(h[0], 0ull) << name << (k.det ? " deterministic" : "") << " rank " << comm->rank() << ": " << h[0]
+                          << " wrong elements over " << replays << " replays, the first in call "
+                          << (h[1] >> 32) << " at element " << (h[1] & 0xffffffffull) << " of " << c.c_elems;
+    // The graph's last reference (call replays) on the host; and the final C once more.
+    int wrong = 0;
+    std::string first_ref;
+    MK_ASSERT_OK(c.check_reference(replays, kRefSamples, &wrong, &first_ref));
+    EXPECT_EQ(wrong, 0) << "the reference kernel is wrong: " << first_ref;
+    MK_ASSERT_OK(c.check(st, &bad, &first));
+    EXPECT_EQ(bad, 0ull) << name << ": the last replay's C";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    MK_ASSERT_OK(comm->bootstrap().barrier());
+  }
   Communicator* comm = nullptr;
 };
 
@@ -317,58 +372,9 @@ TEST_F(Fused, OneAndManyCommCtas) {
 constexpr int kGraphReplays = 200;
 
 TEST_F(Fused, GraphReplaysBackToBack) {
-  struct Kind {
-    FusedKind kind;
-    bool det;
-  };
-  for (Kind k : {Kind{FusedKind::kAgGemm, false}, Kind{FusedKind::kGemmRs, false}, Kind{FusedKind::kGemmAr, false},
-                 Kind{FusedKind::kGemmAr, true}}) {
-    const char* name = ops::fused_kind_name(k.kind);
-    Case c{comm, k.kind, {int64_t(comm->world()) * 192, 776, 200}, k.det};
-    MK_ASSERT_OK(c.init());
-    cudaStream_t st = comm->stream();
-    MK_ASSERT_OK(c.prepare(0, st));
-    MK_ASSERT_OK(c.op->run(c.args(), st));  // checked first call (agrees on the arguments)
-    MK_ASSERT_OK(comm->sync(st));
-    unsigned long long bad = 0, first = 0;
-    MK_ASSERT_OK(c.check(st, &bad, &first));
-    ASSERT_EQ(bad, 0ull) << name << " first call, rank " << comm->rank() << ": first wrong element " << first;
-    // Calls 1..kGraphReplays: the graph bumps the counter (0 now) first.
-    ASSERT_EQ(cudaMemsetAsync(c.d_call, 0, sizeof(uint64_t), st), cudaSuccess);
-    MK_ASSERT_OK(c.reset_bad(st));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    bump<<<1, 1, 0, st>>>(c.d_call);
-    Status cap = c.prepare(0, st, c.d_call);
-    if (cap.ok()) cap = c.op->enqueue(c.args(), st);
-    if (cap.ok()) c.enqueue_compare(st, c.d_call);
-    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
-    MK_ASSERT_OK(cap);
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    MK_ASSERT_OK(comm->bootstrap().barrier());  // the last barrier: every rank's graph is ready
-    for (int rep = 0; rep < kGraphReplays; ++rep) ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
-    MK_ASSERT_OK(comm->sync(st));
-    unsigned long long h[3];
-    MK_ASSERT_OK(c.take_bad(st, h));
-    uint64_t calls = 0;
-    ASSERT_EQ(cudaMemcpy(&calls, c.d_call, sizeof(calls), cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(calls, uint64_t(kGraphReplays)) << name << ": replays that ran";
-    EXPECT_EQ(h[2], uint64_t(kGraphReplays)) << name << ": replays compared";
-    EXPECT_EQ(h[0], 0ull) << name << (k.det ? " deterministic" : "") << " rank " << comm->rank() << ": " << h[0]
-                          << " wrong elements over " << kGraphReplays << " replays, the first in call "
-                          << (h[1] >> 32) << " at element " << (h[1] & 0xffffffffull) << " of " << c.c_elems;
-    // The graph's last reference (call kGraphReplays) on the host; and the final C once more.
-    int wrong = 0;
-    std::string first_ref;
-    MK_ASSERT_OK(c.check_reference(kGraphReplays, kRefSamples, &wrong, &first_ref));
-    EXPECT_EQ(wrong, 0) << "the reference kernel is wrong: " << first_ref;
-    MK_ASSERT_OK(c.check(st, &bad, &first));
-    EXPECT_EQ(bad, 0ull) << name << ": the last replay's C";
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    MK_ASSERT_OK(comm->bootstrap().barrier());
-  }
+  for (GraphKind k : {GraphKind{FusedKind::kAgGemm, false}, GraphKind{FusedKind::kGemmRs, false},
+                      GraphKind{FusedKind::kGemmAr, false}, GraphKind{FusedKind::kGemmAr, true}})
+    graph_replays(k, kGraphReplays);
 }
 
 // The traced fused kernel: every tile computed once, every communication op run once, on one
@@ -407,6 +413,7 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
       else if (e.role == uint32_t(Role::kEpilogue)) ++epilogues.at(e.item);
       else if (e.role == uint32_t(Role::kLoad)) ++loaded.at(e.item);
       else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
+      else if (e.role == uint32_t(Role::kController)) EXPECT_GE(e.item, 1) << "a switch to no communication CTA";
       else ADD_FAILURE() << "unexpected role " << e.role;
     }
     for (int t = 0; t < tiles; ++t) EXPECT_EQ(computed[t], 1) << "tile " << t;
@@ -419,6 +426,132 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
       MK_ASSERT_OK(write_chrome_trace(ev, path));
     }
   }
+}
+
+// ---- the SM-partition controller (fused_split=auto) ----
+
+// Sets a tunable for the scope of a test, then drops the override.
+struct ScopedTunable {
+  std::string name;
+  ScopedTunable(const std::string& n, const std::string& v) : name(n) { EXPECT_TRUE(tunables::set(n, v).ok()); }
+  ~ScopedTunable() { (void)tunables::reset(name); }
+};
+
+// Every operator with the controller on, the unit's shapes, several calls each (each call
+// starts where the last settled): exact, and the controller is on wherever there is traffic.
+TEST_F(Fused, ControllerMatchesReference) {
+  ScopedTunable auto_split("fused_split", "auto");
+  struct K {
+    FusedKind kind;
+    bool det;
+  };
+  for (K k : {K{FusedKind::kAgGemm, false}, K{FusedKind::kGemmRs, false}, K{FusedKind::kGemmRs, true},
+              K{FusedKind::kGemmAr, false}, K{FusedKind::kGemmAr, true}}) {
+    for (auto s : shapes(comm->world())) {
+      run_calls(k.kind, s, k.det, 3);
+      if (HasFatalFailure()) return;
+    }
+    Case c{comm, k.kind, shapes(comm->world())[0], k.det};
+    MK_ASSERT_OK(c.init());
+    EXPECT_EQ(c.op->split_controlled(), comm->world() > 1);
+  }
+  // A fixed count is an override: no controller.
+  Case c{comm, FusedKind::kGemmRs, shapes(comm->world())[0], false};
+  MK_ASSERT_OK(c.init(4));
+  EXPECT_FALSE(c.op->split_controlled());
+}
+
+// Role switches forced at known points of each call — down to one communication CTA, up to
+// 24, down to 2 — under the trace: the result stays exact, the switches are on the timeline in
+// order, and every tile and op still runs once.
+TEST_F(Fused, ForcedRoleSwitchesMidCall) {
+  if (comm->world() == 1) GTEST_SKIP() << "one rank: no communication, no controller";
+  ScopedTunable auto_split("fused_split", "auto");
+  for (FusedKind kind : {FusedKind::kGemmRs, FusedKind::kAgGemm, FusedKind::kGemmAr}) {
+    const ops::PlanShape shape{int64_t(comm->world()) * 1024, 4096, 512};
+    Case c{comm, kind, shape, false};
+    MK_ASSERT_OK(c.init());
+    ASSERT_TRUE(c.op->split_controlled());
+    const auto& plan = c.op->plan();
+    const int tiles = plan.tiles_m * plan.tiles_n;
+    const int n_ops = int(plan.ranks[comm->rank()].ops.size());
+    const int at[3] = {tiles / 8, tiles / 3, (2 * tiles) / 3};
+    const int to[3] = {1, 24, 2};
+    cudaStream_t st = comm->stream();
+    MK_ASSERT_OK(ops::fused_force_splits(c.op.get(), at, to, 3, st));
+    for (int call = 0; call < 3; ++call) {
+      TraceRecorder rec;
+      MK_ASSERT_OK(TraceRecorder::create(uint32_t(4 * tiles + n_ops + 4096), &rec));
+      MK_ASSERT_OK(c.prepare(call, st));
+      ops::FusedArgs a = c.args();
+      a.trace = rec.device();
+      MK_ASSERT_OK(c.op->run(a, st));
+      MK_ASSERT_OK(comm->sync(st));
+      unsigned long long bad = 0, first = 0;
+      MK_ASSERT_OK(c.check(st, &bad, &first));
+      ASSERT_EQ(bad, 0ull) << ops::fused_kind_name(kind) << " call " << call << " rank " << comm->rank()
+                           << ": first wrong element " << first;
+      std::vector<TraceEvent> ev;
+      uint64_t dropped = 0;
+      MK_ASSERT_OK(rec.fetch(&ev, &dropped));
+      EXPECT_EQ(dropped, 0u);
+      std::sort(ev.begin(), ev.end(), [](const TraceEvent& x, const TraceEvent& y) { return x.t0_ns < y.t0_ns; });
+      std::vector<int> switches, computed(tiles, 0), ran(n_ops, 0);
+      for (const auto& e : ev) {
+        if (e.role == uint32_t(Role::kController)) switches.push_back(e.item);
+        else if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
+        else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
+      }
+      for (int t = 0; t < tiles; ++t) ASSERT_EQ(computed[t], 1) << "tile " << t;
+      for (int o = 0; o < n_ops; ++o) ASSERT_EQ(ran[o], 1) << "op " << o;
+      // The forced counts appear in order among the switches (the rule may switch between them).
+      size_t next = 0;
+      for (int v : switches)
+        if (next < 3 && v == to[next]) ++next;
+      std::string seen;
+      for (int v : switches) seen += std::to_string(v) + " ";
+      EXPECT_EQ(next, 3u) << ops::fused_kind_name(kind) << " call " << call << " rank " << comm->rank()
+                          << ": switches seen " << seen;
+    }
+    MK_ASSERT_OK(ops::fused_force_splits(c.op.get(), nullptr, nullptr, 0, st));
+  }
+}
+
+// The controller in CUDA graphs replayed back to back: it restarts each replay from the split
+// the last one settled on, on the device.
+TEST_F(Fused, ControllerGraphReplays) {
+  ScopedTunable auto_split("fused_split", "auto");
+  for (GraphKind k : {GraphKind{FusedKind::kAgGemm, false}, GraphKind{FusedKind::kGemmRs, false},
+                      GraphKind{FusedKind::kGemmAr, true}})
+    graph_replays(k, 50);
+}
+
+// Host-side refusals of the forced-split hook, and a bad fused_split value.
+TEST_F(Fused, ControllerRefusals) {
+  {
+    Case c{comm, FusedKind::kGemmRs, shapes(comm->world())[0], false};
+    MK_ASSERT_OK(c.init(4));
+    const int at[1] = {0}, to[1] = {2};
+    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, to, 1, comm->stream()).code(), Code::kInvalidArgument)
+        << "controller off";
+  }
+  if (comm->world() > 1) {
+    ScopedTunable auto_split("fused_split", "auto");
+    Case c{comm, FusedKind::kGemmRs, shapes(comm->world())[0], false};
+    MK_ASSERT_OK(c.init());
+    const int at[2] = {10, 5}, to[2] = {2, 3}, zero[1] = {0};
+    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, to, 2, comm->stream()).code(), Code::kInvalidArgument)
+        << "tiles not ascending";
+    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, zero, 1, comm->stream()).code(), Code::kInvalidArgument)
+        << "count 0";
+    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, to, 5, comm->stream()).code(), Code::kInvalidArgument)
+        << "too many";
+  }
+  ScopedTunable bad("fused_split", "sometimes");
+  std::unique_ptr<FusedGemm> op;
+  Status s = FusedGemm::create(comm, FusedKind::kGemmRs, shapes(comm->world())[0], {}, &op);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("sometimes"), std::string::npos) << s.message();
 }
 
 // Bad input is the same clear error on every rank.

@@ -48,7 +48,10 @@ struct Plan;  // the operator's plan (library-internal: src/ops/collectives/plan
 
 struct FusedOptions {
   bool deterministic = false;  // RS/AR: fixed reduction order (per-rank partials, summed in order)
-  int comm_ctas = -1;          // -1: tunable fused_comm_ctas; at least 1 when the op communicates
+  // Communication CTAs, fixed for every call (>= 1). -1: the tunable fused_split decides —
+  // static: fused_comm_ctas CTAs; auto: an on-GPU controller moves CTAs between the roles during
+  // each call, starting where the last call with this shape settled (docs/controller.md).
+  int comm_ctas = -1;
   int max_ctas = 0;            // persistent grid; 0: every co-resident CTA
   std::string staging;         // network staging "auto" | "always" | "never"; "": tunable net_staging
 };
@@ -90,18 +93,25 @@ class FusedGemm {
 
   FusedKind kind() const;
   const Plan& plan() const;
+  // Communication CTAs: the fixed count; with the controller, the split the latest finished
+  // call settled on (its starting count before any call finished).
   int comm_ctas() const;
   // RS/AR: whether the reduction order is fixed (results reproducible bit for bit): asked for
   // (FusedOptions::deterministic), or implied by the layout (at most two ranks per node).
   bool deterministic() const;
-  // Changes the number of communication CTAs for later calls (device memory, no relaunch).
+  // Fixes the number of communication CTAs for later calls (device memory, no relaunch); the
+  // controller, if on, is off from then on.
   Status set_comm_ctas(int n, cudaStream_t stream);
+  // Whether the controller moves the split during calls (fused_split=auto, no fixed count).
+  bool split_controlled() const;
   // AG: the gathered A [M, K] (valid after a call completes). With one rank it is the caller's A
   // of the last call (nothing is gathered, nothing copied).
   const void* gathered_a() const;
 
  private:
   FusedGemm() = default;
+  friend Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n,
+                                   cudaStream_t stream);  // tests (src/ops/collectives/fused_testing.h)
   std::unique_ptr<FusedState> st_;
 };
 

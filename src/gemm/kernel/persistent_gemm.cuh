@@ -221,7 +221,7 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
         Comm_::template run_op<kMmaThreads, kHookBarrier>(params.comm, op, mma_tid, epoch);
         if (mma_tid == 0) {
           if constexpr (kTrace_) device::trace_record(params.trace, Comm_::trace_role(params.comm, op), op, t0);
-          Comm_::op_done(smem.comm);
+          Comm_::op_done(params.comm, smem.comm);
         }
         continue;
       }

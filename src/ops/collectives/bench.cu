@@ -72,6 +72,11 @@ struct Row {
   double fused = 0, compute = 0, seq = 0, pipe = 0, coll = 0;  // ms, medians (0: not run)
   double fused_min = 0, compute_min = 0;                       // ms, fastest call
   double flops = 0;
+  // --splits: the fused call per static split (CTAs, median ms) and with the controller.
+  std::vector<std::pair<int, double>> statics;
+  double ctl = 0;
+  int ctl_split = 0;
+  int default_split = 0;
 };
 
 // Rank 0's traced call, summarized: what a tile costs and where the call's time goes.
@@ -116,8 +121,39 @@ TraceSummary summarize_trace(const std::vector<TraceEvent>& ev) {
 // The flops of the whole operator (all ranks' GEMMs) per call, per rank's share.
 double flops_of(FusedKind, int64_t M, int64_t N, int64_t K) { return 2.0 * double(M) * double(N) * double(K); }
 
+// --splits: the fused call at each static split (the operator's own, set_comm_ctas) and a second
+// operator with the controller (fused_split=auto; the warm-up calls let it settle).
+Status split_sweep(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64_t M, int64_t N, int64_t K,
+                   bool deterministic, const RunCfg& rc, const ops::FusedArgs& fa, Row* row) {
+  cudaStream_t st = comm->stream();
+  int resident = 0;
+  MK_CHECK(agreed(comm, gemm::persistent_ctas(&resident), "the persistent grid"));
+  row->default_split = int(tunables::fused_comm_ctas());
+  Timing t;
+  for (int n : {1, 2, 4, 8, 16, 24, 32}) {
+    if (n >= resident) break;
+    MK_CHECK(agreed(comm, op->set_comm_ctas(n, st), "set_comm_ctas"));
+    MK_CHECK(time_it(comm, st, rc, "timing a static split", [&] { return op->enqueue(fa, st); }, &t));
+    row->statics.emplace_back(n, t.median_ms);
+  }
+  MK_CHECK(agreed(comm, tunables::set("fused_split", "auto"), "fused_split=auto"));
+  std::unique_ptr<ops::FusedGemm> ctl;
+  ops::FusedOptions fo;
+  fo.deterministic = deterministic;
+  Status s = ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &ctl);
+  (void)tunables::reset("fused_split");
+  MK_CHECK(s);
+  s = time_it(comm, st, rc, "timing the controller", [&] { return ctl->enqueue(fa, st); }, &t);
+  if (s.ok()) {
+    row->ctl = t.median_ms;
+    row->ctl_split = ctl->comm_ctas();
+  }
+  const Status d = ctl->destroy();
+  return s.ok() ? d : s;
+}
+
 Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64_t M, int64_t N, int64_t K,
-                      const RunCfg& rc, const std::string& trace, Row* row) {
+                      const RunCfg& rc, const std::string& trace, bool splits, Row* row) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
   const int64_t a_rows = kind == FusedKind::kAgGemm ? M / W : M;
@@ -196,6 +232,7 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   MK_CHECK(time_it(comm, st, rc, "timing the GEMM alone", [&] { return gemm::run(g, st); }, &t));
   row->compute = t.median_ms;
   row->compute_min = t.min_ms;
+  if (splits && W > 1) MK_CHECK(split_sweep(comm, op, kind, M, N, K, op->deterministic(), rc, fa, row));
   if (!trace.empty() && W > 1) {
     // One traced fused call per rank (FusedArgs::trace records where the fused kernel runs: W > 1);
     // room for three events per tile and the communication ops (a plan has far fewer than 16384).
@@ -279,7 +316,7 @@ Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64
   fo.deterministic = o.deterministic;
   MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &op));
   row->deterministic = op->deterministic();
-  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, row);
+  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, o.splits, row);
   // Every rank gets here on the same path (the body's failures are agreed): destroy is collective.
   const Status d = op->destroy();
   return s.ok() ? d : s;
@@ -294,7 +331,7 @@ std::string row_json(const Row& r) {
            "\"cublas_nccl_ms\": %s, \"cublas_nccl_pipelined_ms\": %s, \"nccl_only_ms\": %s, "
            "\"fused_tflops_per_rank\": %s, \"speedup_vs_sequential\": %s, \"speedup_vs_pipelined\": %s, "
            "\"overlap_efficiency\": %s, \"fused_over_compute\": %s, \"deterministic\": %s, \"route\": \"%s\", "
-           "\"fused_min_ms\": %s, \"compute_only_min_ms\": %s}",
+           "\"fused_min_ms\": %s, \"compute_only_min_ms\": %s",
            r.op.c_str(), (long long)r.M, (long long)r.N, (long long)r.K, r.W, r.correct ? "true" : "false", r.bad,
            r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(), jnum(r.compute, 4).c_str(),
            jnum(r.seq, 4).c_str(), jnum(r.pipe, 4).c_str(), jnum(r.coll, 4).c_str(), jnum(tf(r.fused), 1).c_str(),
@@ -302,7 +339,23 @@ std::string row_json(const Row& r) {
            eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str(),
            jnum(r.compute > 0 ? r.fused / r.compute : 0, 3).c_str(), r.deterministic ? "true" : "false",
            r.route.c_str(), jnum(r.fused_min, 4).c_str(), jnum(r.compute_min, 4).c_str());
-  return b;
+  std::string out = b;
+  if (!r.statics.empty()) {
+    double best = 0, dflt = 0;
+    int best_at = 0;
+    out += ", \"static_splits_ms\": {";
+    for (size_t i = 0; i < r.statics.size(); ++i) {
+      out += (i ? ", \"" : "\"") + std::to_string(r.statics[i].first) + "\": " + jnum(r.statics[i].second, 4);
+      if (best == 0 || r.statics[i].second < best) best = r.statics[i].second, best_at = r.statics[i].first;
+      if (r.statics[i].first == r.default_split) dflt = r.statics[i].second;
+    }
+    out += "}, \"best_static_split\": " + std::to_string(best_at) + ", \"default_split\": " +
+           std::to_string(r.default_split) + ", \"controller_ms\": " + jnum(r.ctl, 4) +
+           ", \"controller_split\": " + std::to_string(r.ctl_split) +
+           ", \"controller_vs_best\": " + jnum(ratio(best, r.ctl), 3) +
+           ", \"controller_vs_default\": " + jnum(ratio(dflt, r.ctl), 3);
+  }
+  return out + "}";
 }
 
 struct Shape {
@@ -386,6 +439,19 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
                  cell(ratio(r.seq, r.fused), 2).c_str(), cell(ratio(r.pipe, r.fused), 2).c_str(),
                  eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                  comparable ? "" : "  (not comparable)");
+          if (!r.statics.empty()) {
+            double best = 0, dflt = 0;
+            int best_at = 0;
+            std::string line = "  splits:";
+            for (const auto& [n, ms] : r.statics) {
+              line += " " + std::to_string(n) + ":" + cell(ms, 3);
+              if (best == 0 || ms < best) best = ms, best_at = n;
+              if (n == r.default_split) dflt = ms;
+            }
+            printf("%s  controller: %s (settled at %d)  ctl/best %s (best %d)  ctl/default %s\n", line.c_str(),
+                   cell(r.ctl, 3).c_str(), r.ctl_split, cell(ratio(best, r.ctl), 3).c_str(), best_at,
+                   cell(ratio(dflt, r.ctl), 3).c_str());
+          }
           fflush(stdout);
         }
       } else if (me == 0 && r.checked && !r.correct) {

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
@@ -15,6 +16,9 @@
 #include "mkernel/runtime/communicator.h"
 #include "src/gemm/fused_launch.h"
 #include "src/comm/session.h"
+#include "src/comm/split_control.h"
+#include "src/ops/control/split_memory.h"
+#include "src/ops/collectives/fused_testing.h"
 
 namespace mk {
 namespace ops {
@@ -32,9 +36,20 @@ struct FusedState {
   int* d_role = nullptr;   // communication CTAs (device; set_comm_ctas changes it)
   int* d_tile_counter = nullptr;
   int* d_order = nullptr;
+  // The SM-partition controller (fused_split=auto and no comm_ctas option): its device state,
+  // on until set_comm_ctas fixes a count; the split the last call settled on, copied after each
+  // call into pinned memory and kept (SplitMemory) under split_key.
+  bool split_on = false;
+  comm::SplitCtl* d_split = nullptr;
+  int* h_mean = nullptr;
+  int recorded = 0;
+  std::string split_key;
 };
 
 namespace {
+
+// The controller runs at most this often (its samples; split_control.h).
+constexpr int64_t kSplitIntervalNs = 2000;
 
 struct Request {
   int32_t kind, deterministic;
@@ -124,6 +139,17 @@ Status resolve(FusedState* st) {
   MK_CHECK(ses.upload(counters, &dc));
   st->d_role = dc;
   st->d_tile_counter = dc + 1;
+  if (st->split_on) {
+    comm::SplitCtl c{};
+    c.hi_auto = 1;
+    c.interval_ns = kSplitIntervalNs;
+    c.limits.lo = 1;
+    c.limits.hi = 1;
+    c.limits.in_order = h.peek_ops == 0;
+    MK_CHECK(ses.upload(std::vector<comm::SplitCtl>{c}, &st->d_split));
+    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->h_mean), sizeof(int), cudaHostAllocDefault));
+    *st->h_mean = 0;
+  }
   MK_REQUIRE(int(rp.tile_order.size()) == p.tiles_m * p.tiles_n, Code::kInternal, "plan: tile order incomplete");
   MK_CHECK(ses.upload(rp.tile_order, &st->d_order));
   return OkStatus();
@@ -150,11 +176,25 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   MK_CHECK(comm::OpSession::create(comm, name, opt.staging, &st->session));
   const std::string route = tunables::fused_route();
   st->route_bulk = route != "red";
+  const std::string split = tunables::fused_split();
   int64_t cc = opt.comm_ctas;
+  st->split_on = cc < 0 && split == "auto" && comm->world() > 1;
   if (cc < 0) cc = tunables::fused_comm_ctas();
+  if (st->split_on) {
+    // The learned start: the split the controller settled on for this key (an earlier operator
+    // of this process, or the split memory file).
+    st->split_key = split_key(name, shape.M, shape.N, shape.K, comm->world(), comm->topology().num_nodes,
+                              st->session->networked() ? st->session->net_name() : "nvlink", comm->rank());
+    int learned = 0;
+    if (SplitMemory::process().lookup(st->split_key, &learned)) cc = learned;
+  }
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int resident = 0;
   Status rs = gemm::persistent_ctas(&resident);
+  if (rs.ok() && split != "static" && split != "auto")
+    rs = make_status(Code::kInvalidArgument, "%s: MK_FUSED_SPLIT '%s' is not one of static, auto", name,
+                     split.c_str());
+  if (rs.ok() && st->split_on && st->comm_ctas >= resident) st->comm_ctas = std::max(resident - 1, 1);
   if (rs.ok() && st->comm_ctas >= resident)
     rs = make_status(Code::kInvalidArgument,
                      "%s: %d communication CTAs leave none of the %d co-resident CTAs to compute", name,
@@ -179,15 +219,45 @@ FusedGemm::~FusedGemm() {
   if (!s.ok()) MK_WARN(kSubsysInit, "fused: destroy: %s", s.to_string().c_str());
 }
 
+namespace {
+// The split the controller settled on in the latest finished call (pinned, written by the
+// copy after each call; 0 before the first), kept for the next operator with this key.
+void remember_split(FusedState* st, bool write_now) {
+  if (!st->h_mean) return;
+  const int v = *reinterpret_cast<volatile int*>(st->h_mean);
+  if (v >= 1 && v != st->recorded) {
+    Status s = SplitMemory::process().record(st->split_key, v, false);
+    if (!s.ok()) MK_WARN(kSubsysTune, "%s", s.message().c_str());
+    st->recorded = v;
+  }
+  if (write_now) {
+    Status s = SplitMemory::process().flush();
+    if (!s.ok()) MK_WARN(kSubsysTune, "%s", s.message().c_str());
+  }
+}
+}  // namespace
+
 Status FusedGemm::destroy() {
   FusedState* st = st_.get();
   if (!st || !st->session) return OkStatus();
+  if (st->h_mean) {
+    // The last call's copy first (destroy is collective and follows the calls' streams).
+    if (cudaDeviceSynchronize() == cudaSuccess) remember_split(st, true);
+    (void)cudaFreeHost(st->h_mean);
+    st->h_mean = nullptr;
+  }
   return st->session->destroy();
 }
 
 FusedKind FusedGemm::kind() const { return st_->kind; }
 const Plan& FusedGemm::plan() const { return st_->plan; }
-int FusedGemm::comm_ctas() const { return st_->comm_ctas; }
+int FusedGemm::comm_ctas() const {
+  if (st_->split_on && st_->h_mean) {
+    const int v = *reinterpret_cast<volatile int*>(st_->h_mean);
+    if (v >= 1) return v;
+  }
+  return st_->comm_ctas;
+}
 bool FusedGemm::deterministic() const { return st_->plan.deterministic; }
 const void* FusedGemm::gathered_a() const {
   if (!st_->session || !st_->session->alive()) return nullptr;
@@ -199,7 +269,35 @@ Status FusedGemm::set_comm_ctas(int n, cudaStream_t stream) {
   MK_REQUIRE(n >= 1, Code::kInvalidArgument, "fused: at least one communication CTA");
   MK_CHECK(st_->session->check_call());
   st_->comm_ctas = n;
+  st_->split_on = false;  // a fixed count from now on: the controller is off
   MK_CUDA_CHECK(cudaMemcpyAsync(st_->d_role, &st_->comm_ctas, sizeof(int), cudaMemcpyHostToDevice, stream));
+  return OkStatus();
+}
+
+bool FusedGemm::split_controlled() const { return st_->split_on; }
+
+Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream) {
+  MK_REQUIRE(op && op->st_ && op->st_->split_on && op->st_->d_split, Code::kInvalidArgument,
+             "fused: forced splits need the controller on (fused_split=auto, comm_ctas -1, W > 1)");
+  MK_REQUIRE(n >= 0 && n <= comm::kSplitForceMax && (n == 0 || (at_tiles && counts)), Code::kInvalidArgument,
+             "fused: 0..%d forced splits (got %d)", comm::kSplitForceMax, n);
+  struct Block {
+    int32_t n_force, next_force;
+    int32_t at[comm::kSplitForceMax], to[comm::kSplitForceMax];
+  } b{};
+  static_assert(offsetof(comm::SplitCtl, force_to) - offsetof(comm::SplitCtl, n_force) ==
+                    offsetof(Block, to) - offsetof(Block, n_force), "SplitCtl's forced-split block");
+  b.n_force = n;
+  for (int i = 0; i < n; ++i) {
+    MK_REQUIRE(counts[i] >= 1 && at_tiles[i] >= 0 && (i == 0 || at_tiles[i] >= at_tiles[i - 1]),
+               Code::kInvalidArgument, "fused: forced split %d: %d CTAs at %d tiles (counts >= 1, tiles ascending)",
+               i, counts[i], at_tiles[i]);
+    b.at[i] = at_tiles[i];
+    b.to[i] = counts[i];
+  }
+  char* dst = reinterpret_cast<char*>(op->st_->d_split) + offsetof(comm::SplitCtl, n_force);
+  MK_CUDA_CHECK(cudaMemcpyAsync(dst, &b, sizeof(b), cudaMemcpyHostToDevice, stream));
+  MK_CUDA_CHECK(cudaStreamSynchronize(stream));  // b lives on this stack
   return OkStatus();
 }
 
@@ -284,7 +382,14 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
   }
   gemm::RunConfig cfg;
   cfg.max_ctas = st->opt.max_ctas;
-  return gemm::run_fused(g, f, stream, cfg);
+  if (st->split_on) {
+    remember_split(st, false);
+    f.split = st->d_split;
+  }
+  MK_CHECK(gemm::run_fused(g, f, stream, cfg));
+  if (st->split_on)
+    MK_CUDA_CHECK(cudaMemcpyAsync(st->h_mean, &st->d_split->last_mean, sizeof(int), cudaMemcpyDeviceToHost, stream));
+  return OkStatus();
 }
 
 }  // namespace ops

@@ -15,6 +15,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
 
 namespace mk {
 namespace ops {
@@ -83,6 +84,19 @@ std::string split_key(const std::string& op, int64_t M, int64_t N, int64_t K, in
   return op + b + prov + " rank=" + std::to_string(rank);
 }
 
+SplitMemory& SplitMemory::process() {
+  static SplitMemory* m = [] {
+    auto* s = new SplitMemory();  // never destroyed: operators may record while the process exits
+    const std::string file = tunables::split_memory_file();
+    if (!file.empty()) {
+      Status st = s->attach(file);
+      if (!st.ok()) MK_WARN(kSubsysTune, "%s (starting from the defaults)", st.message().c_str());
+    }
+    return s;
+  }();
+  return *m;
+}
+
 std::string SplitMemory::format(const std::map<std::string, int>& entries) {
   std::string out = std::string(kHeader) + "\n";
   for (const auto& e : entries) out += e.first + "\t" + std::to_string(e.second) + "\n";
@@ -139,7 +153,7 @@ bool SplitMemory::lookup(const std::string& key, int* comm) const {
   return true;
 }
 
-Status SplitMemory::record(const std::string& key, int comm) {
+Status SplitMemory::record(const std::string& key, int comm, bool write_now) {
   MK_REQUIRE(comm >= 1, Code::kInvalidArgument, "split memory: count %d for '%s' (must be >= 1)", comm,
              key.c_str());
   MK_REQUIRE(key.find_first_of("\t\n") == std::string::npos && !key.empty() && key[0] != '#',
@@ -149,6 +163,13 @@ Status SplitMemory::record(const std::string& key, int comm) {
   if (it != entries_.end() && it->second == comm) return OkStatus();
   entries_[key] = comm;
   if (path_.empty()) return OkStatus();
+  dirty_ = true;
+  return write_now ? write_locked() : OkStatus();
+}
+
+Status SplitMemory::flush() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (path_.empty() || !dirty_) return OkStatus();
   return write_locked();
 }
 
@@ -188,6 +209,7 @@ Status SplitMemory::write_locked() {
     return make_status(Code::kSystemError, "split memory: rename %s -> %s: %s", tmp.c_str(), path_.c_str(),
                        strerror(e));
   }
+  dirty_ = false;
   return OkStatus();
 }
 

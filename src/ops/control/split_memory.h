@@ -2,8 +2,8 @@
 //
 // Per key — operator, shape, world size, nodes, provider, rank — the split (communication
 // CTAs) the controller settled on in the last call; the next call with that key starts there.
-// Kept in memory, and, when a file is attached, read from it and written back whenever a value
-// changes.
+// Kept in memory, and, when a file is attached, read from it and written back when a value
+// changed (the operators write at destroy).
 //
 // The file is text, one "key<TAB>count" line per entry under a header line, so a user can
 // read it, edit it or ship it with a model. Writers on one host — the ranks of a job — merge:
@@ -27,6 +27,10 @@ std::string split_key(const std::string& op, int64_t M, int64_t N, int64_t K, in
 class SplitMemory {
  public:
   SplitMemory() = default;
+  // The process-wide memory the operators use, attached to the split_memory_file tunable's
+  // file when first used (a bad file is logged and left alone: the operators start from the
+  // defaults).
+  static SplitMemory& process();
 
   // Names the file (""  : none) and reads it: entries there join the memory (an entry already
   // in memory keeps its value). A missing file is not an error; a malformed one is (kInvalidArgument
@@ -36,8 +40,11 @@ class SplitMemory {
 
   // The remembered split of `key`, or false.
   bool lookup(const std::string& key, int* comm) const;
-  // Remembers `comm` (>= 1) for `key`; with a file, writes it when the value changed.
-  Status record(const std::string& key, int comm);
+  // Remembers `comm` (>= 1) for `key`. With a file: written now when write_now and the value
+  // changed; else at the next flush().
+  Status record(const std::string& key, int comm, bool write_now = true);
+  // Writes the file when a value changed since it was last written.
+  Status flush();
   size_t size() const;
   void clear();
 
@@ -51,6 +58,7 @@ class SplitMemory {
   mutable std::mutex mu_;
   std::map<std::string, int> entries_;
   std::string path_;
+  bool dirty_ = false;
 };
 
 }  // namespace ops
