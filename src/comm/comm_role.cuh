@@ -178,10 +178,18 @@ struct CommRole {
   template <class Sched_>
   __device__ __forceinline__ static void control(const Params& p, const Sched_& sched, uint64_t epoch) {
     SplitCtl* c = p.split;
-    const int64_t now = static_cast<int64_t>(device::trace_now_ns());
-    if (now - *reinterpret_cast<volatile int64_t*>(&c->state.last_ns) < c->interval_ns) return;
+    if (static_cast<int64_t>(device::trace_now_ns()) - *reinterpret_cast<volatile int64_t*>(&c->state.last_ns) <
+        c->interval_ns)
+      return;
     if (atomicCAS(&c->lock, 0, 1) != 0) return;
     __threadfence();
+    // Under the lock: the clock and the interval again (another thread may have sampled between
+    // the first check and the lock).
+    const int64_t now = static_cast<int64_t>(device::trace_now_ns());
+    if (now - c->state.last_ns < c->interval_ns) {
+      atomicExch(&c->lock, 0);
+      return;
+    }
     SplitSample x;
     x.now_ns = now;
     x.tiles_total = sched.num_tiles;
@@ -202,12 +210,14 @@ struct CommRole {
     }
     const int32_t before = c->state.comm;
     int32_t after = split_step(&c->state, x, c->limits);
+    bool forced = false;
     if (c->next_force < c->n_force && x.tiles_taken >= c->force_at[c->next_force]) {
       after = split_clamp(c->force_to[c->next_force++], c->limits);
-      c->state.comm = after;
-      c->state.hold = kSplitHold;
+      split_change(&c->state, x, after);  // a change like the rule's (hold, window), judged by none
+      c->state.probe_from = -1;
+      forced = true;                      // recorded even when the count was already there
     }
-    if (after != before) {
+    if (after != before || forced) {
       atomicExch(const_cast<int*>(p.role_counts), after);
       if (p.trace.events) device::trace_record(p.trace, Role::kController, after, static_cast<uint64_t>(now));
     }

@@ -46,8 +46,7 @@ __device__ __forceinline__ char* op_ptr(const FusedHooks& h, uint64_t v) {
                            : reinterpret_cast<char*>(v);
 }
 
-// Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
-// Whether waits [w0, w0 + n) are already met (no waiting).
+// Whether waits [w0, w0 + n) are already met (a peek: relaxed loads, no acquire).
 __device__ __forceinline__ bool waits_met(const FusedHooks& h, uint32_t w0, uint32_t n, uint64_t epoch) {
   for (uint32_t i = 0; i < n; ++i) {
     const DevWait& w = h.waits[w0 + i];
@@ -56,6 +55,7 @@ __device__ __forceinline__ bool waits_met(const FusedHooks& h, uint32_t w0, uint
   return true;
 }
 
+// Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
 __device__ __forceinline__ bool op_ready(const FusedHooks& h, int idx, uint64_t epoch) {
   const DevOp& op = h.ops[idx];
   for (uint32_t i = 0; i < op.nwait; ++i) {

@@ -261,6 +261,18 @@ class Fused : public ::testing::Test {
   void run_calls(FusedKind kind, ops::PlanShape s, bool det, int calls, int comm_ctas = -1) {
     Case c{comm, kind, s, det};
     MK_ASSERT_OK(c.init(comm_ctas));
+    // With the controller on: it ran (a call set its settled split) and kept the count in range.
+    struct AfterCalls {
+      Case& c;
+      ~AfterCalls() {
+        if (::testing::Test::HasFailure() || !c.op->split_controlled()) return;
+        int has = 0, mean = 0, changes = 0;
+        MK_EXPECT_OK(ops::fused_split_state(c.op.get(), &has, &mean, &changes, c.comm->stream()));
+        EXPECT_EQ(has, 1) << "the controller never ran";
+        EXPECT_GE(mean, 1);
+        EXPECT_GE(c.op->comm_ctas(), 1);
+      }
+    } after{c};
     cudaStream_t st = comm->stream();
     for (int call = 0; call < calls; ++call) {
       MK_ASSERT_OK(c.prepare(call, st));
@@ -327,6 +339,11 @@ class Fused : public ::testing::Test {
     EXPECT_EQ(wrong, 0) << "the reference kernel is wrong: " << first_ref;
     MK_ASSERT_OK(c.check(st, &bad, &first));
     EXPECT_EQ(bad, 0ull) << name << ": the last replay's C";
+    if (c.op->split_controlled()) {
+      int has = 0, mean = 0, changes = 0;
+      MK_EXPECT_OK(ops::fused_split_state(c.op.get(), &has, &mean, &changes, st));
+      EXPECT_EQ(has, 1) << name << ": the controller never ran in the replays";
+    }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     MK_ASSERT_OK(comm->bootstrap().barrier());
@@ -373,8 +390,10 @@ constexpr int kGraphReplays = 200;
 
 TEST_F(Fused, GraphReplaysBackToBack) {
   for (GraphKind k : {GraphKind{FusedKind::kAgGemm, false}, GraphKind{FusedKind::kGemmRs, false},
-                      GraphKind{FusedKind::kGemmAr, false}, GraphKind{FusedKind::kGemmAr, true}})
+                      GraphKind{FusedKind::kGemmAr, false}, GraphKind{FusedKind::kGemmAr, true}}) {
     graph_replays(k, kGraphReplays);
+    if (HasFatalFailure()) return;  // not into the next kind's collectives
+  }
 }
 
 // The traced fused kernel: every tile computed once, every communication op run once, on one
@@ -475,8 +494,12 @@ TEST_F(Fused, ForcedRoleSwitchesMidCall) {
     const auto& plan = c.op->plan();
     const int tiles = plan.tiles_m * plan.tiles_n;
     const int n_ops = int(plan.ranks[comm->rank()].ops.size());
+    // The controller's ceiling on this grid (fused_begin): min(grid - 1, max(32, grid / 2)).
+    int resident = 0;
+    MK_ASSERT_OK(gemm::persistent_ctas(&resident));
+    const int hi = std::min(resident - 1, std::max(32, resident / 2));
     const int at[3] = {tiles / 8, tiles / 3, (2 * tiles) / 3};
-    const int to[3] = {1, 24, 2};
+    const int to[3] = {1, std::min(24, hi), 2};
     cudaStream_t st = comm->stream();
     MK_ASSERT_OK(ops::fused_force_splits(c.op.get(), at, to, 3, st));
     for (int call = 0; call < 3; ++call) {
@@ -522,8 +545,10 @@ TEST_F(Fused, ForcedRoleSwitchesMidCall) {
 TEST_F(Fused, ControllerGraphReplays) {
   ScopedTunable auto_split("fused_split", "auto");
   for (GraphKind k : {GraphKind{FusedKind::kAgGemm, false}, GraphKind{FusedKind::kGemmRs, false},
-                      GraphKind{FusedKind::kGemmAr, true}})
+                      GraphKind{FusedKind::kGemmAr, true}}) {
     graph_replays(k, 50);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // Host-side refusals of the forced-split hook, and a bad fused_split value.

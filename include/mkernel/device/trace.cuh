@@ -1,5 +1,6 @@
 // mkernel — device side of the per-CTA timelines (device/trace.h): stamps and one event per
-// work item. Only traced kernel variants include calls to these.
+// work item. Traced kernel variants call these per item; the SM-partition controller records its
+// role switches in any variant when the launch was given a trace buffer.
 #pragma once
 
 #include <cstdint>

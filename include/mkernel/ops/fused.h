@@ -79,7 +79,8 @@ class FusedGemm {
   ~FusedGemm();
   FusedGemm(const FusedGemm&) = delete;
   FusedGemm& operator=(const FusedGemm&) = delete;
-  // Collective, idempotent: flushes and stops the proxy, frees the workspaces.
+  // Collective, idempotent: flushes and stops the proxy, frees the workspaces. CUDA graphs that
+  // captured calls of the operator must be destroyed first.
   Status destroy();
 
   // Local checks: dtypes, null or misaligned pointers, C overlapping A or B.
@@ -110,8 +111,11 @@ class FusedGemm {
 
  private:
   FusedGemm() = default;
+  // Test hooks (src/ops/collectives/fused_testing.h).
   friend Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n,
-                                   cudaStream_t stream);  // tests (src/ops/collectives/fused_testing.h)
+                                   cudaStream_t stream);
+  friend Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes,
+                                  cudaStream_t stream);
   std::unique_ptr<FusedState> st_;
 };
 

@@ -240,13 +240,16 @@ void remember_split(FusedState* st, bool write_now) {
 Status FusedGemm::destroy() {
   FusedState* st = st_.get();
   if (!st || !st->session) return OkStatus();
+  const Status s = st->session->destroy();
   if (st->h_mean) {
-    // The last call's copy first (destroy is collective and follows the calls' streams).
-    if (cudaDeviceSynchronize() == cudaSuccess) remember_split(st, true);
+    // The last call's copy of its split lands before the word is read and freed. (A graph that
+    // captured calls must be destroyed before the operator, as for its device buffers.)
+    (void)cudaDeviceSynchronize();
+    remember_split(st, true);
     (void)cudaFreeHost(st->h_mean);
     st->h_mean = nullptr;
   }
-  return st->session->destroy();
+  return s;
 }
 
 FusedKind FusedGemm::kind() const { return st_->kind; }
@@ -275,6 +278,17 @@ Status FusedGemm::set_comm_ctas(int n, cudaStream_t stream) {
 }
 
 bool FusedGemm::split_controlled() const { return st_->split_on; }
+
+Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream) {
+  MK_REQUIRE(op && op->st_ && op->st_->d_split, Code::kInvalidArgument, "fused: the controller was never on");
+  comm::SplitCtl c{};
+  MK_CUDA_CHECK(cudaMemcpyAsync(&c, op->st_->d_split, sizeof(c), cudaMemcpyDeviceToHost, stream));
+  MK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  *has_mean = c.has_mean;
+  *last_mean = c.last_mean;
+  *changes = c.state.changes;
+  return OkStatus();
+}
 
 Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream) {
   MK_REQUIRE(op && op->st_ && op->st_->split_on && op->st_->d_split, Code::kInvalidArgument,

@@ -15,5 +15,9 @@ namespace ops {
 // is off or the lists are bad.
 Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream);
 
+// The controller's device state after the calls on `stream` (synchronizes it): whether a call
+// ran the rule (has_mean), the split it settled on, the switches of the latest call.
+Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream);
+
 }  // namespace ops
 }  // namespace mk
