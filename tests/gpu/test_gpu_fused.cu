@@ -214,6 +214,21 @@ struct Case {
     }
     return OkStatus();
   }
+  // Call `call` (fresh inputs) traced into a buffer of `capacity` events, then C checked: the
+  // events, how many did not fit, C's mismatches and the first one.
+  Status traced_call(uint64_t call, uint32_t capacity, std::vector<TraceEvent>* ev, uint64_t* dropped,
+                     unsigned long long* bad, unsigned long long* first) {
+    cudaStream_t st = comm->stream();
+    TraceRecorder rec;
+    MK_CHECK(TraceRecorder::create(capacity, &rec));
+    MK_CHECK(prepare(call, st));
+    ops::FusedArgs a = args();
+    a.trace = rec.device();
+    MK_CHECK(op->run(a, st));
+    MK_CHECK(comm->sync(st));
+    MK_CHECK(check(st, bad, first));
+    return rec.fetch(ev, dropped);
+  }
   ops::FusedArgs args() const {
     ops::FusedArgs a;
     a.A = A->p;
@@ -406,23 +421,14 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
     const ops::PlanShape shape{int64_t(comm->world()) * 512, 2048, 1024};
     Case c{comm, kind, shape, false};
     MK_ASSERT_OK(c.init());
-    TraceRecorder rec;
     const auto& plan = c.op->plan();
     const int tiles = plan.tiles_m * plan.tiles_n;
     const int n_ops = int(plan.ranks[comm->rank()].ops.size());
-    MK_ASSERT_OK(TraceRecorder::create(uint32_t(4 * tiles + n_ops + 64), &rec));
-    cudaStream_t st = comm->stream();
-    MK_ASSERT_OK(c.prepare(0, st));
-    ops::FusedArgs a = c.args();
-    a.trace = rec.device();
-    MK_ASSERT_OK(c.op->run(a, st));
-    MK_ASSERT_OK(comm->sync(st));
-    unsigned long long bad = 0, first = 0;
-    MK_ASSERT_OK(c.check(st, &bad, &first));
-    ASSERT_EQ(bad, 0ull) << "traced " << ops::fused_kind_name(kind);
     std::vector<TraceEvent> ev;
     uint64_t dropped = 0;
-    MK_ASSERT_OK(rec.fetch(&ev, &dropped));
+    unsigned long long bad = 0, first = 0;
+    MK_ASSERT_OK(c.traced_call(0, uint32_t(4 * tiles + n_ops + 64), &ev, &dropped, &bad, &first));
+    ASSERT_EQ(bad, 0ull) << "traced " << ops::fused_kind_name(kind);
     if (one) continue;  // FusedArgs::trace records only where the fused kernel runs (W > 1)
     EXPECT_EQ(dropped, 0u);
     std::vector<int> computed(tiles, 0), epilogues(tiles, 0), loaded(tiles, 0), ran(n_ops, 0);
@@ -503,20 +509,12 @@ TEST_F(Fused, ForcedRoleSwitchesMidCall) {
     cudaStream_t st = comm->stream();
     MK_ASSERT_OK(ops::fused_force_splits(c.op.get(), at, to, 3, st));
     for (int call = 0; call < 3; ++call) {
-      TraceRecorder rec;
-      MK_ASSERT_OK(TraceRecorder::create(uint32_t(4 * tiles + n_ops + 4096), &rec));
-      MK_ASSERT_OK(c.prepare(call, st));
-      ops::FusedArgs a = c.args();
-      a.trace = rec.device();
-      MK_ASSERT_OK(c.op->run(a, st));
-      MK_ASSERT_OK(comm->sync(st));
-      unsigned long long bad = 0, first = 0;
-      MK_ASSERT_OK(c.check(st, &bad, &first));
-      ASSERT_EQ(bad, 0ull) << ops::fused_kind_name(kind) << " call " << call << " rank " << comm->rank()
-                           << ": first wrong element " << first;
       std::vector<TraceEvent> ev;
       uint64_t dropped = 0;
-      MK_ASSERT_OK(rec.fetch(&ev, &dropped));
+      unsigned long long bad = 0, first = 0;
+      MK_ASSERT_OK(c.traced_call(call, uint32_t(4 * tiles + n_ops + 4096), &ev, &dropped, &bad, &first));
+      ASSERT_EQ(bad, 0ull) << ops::fused_kind_name(kind) << " call " << call << " rank " << comm->rank()
+                           << ": first wrong element " << first;
       EXPECT_EQ(dropped, 0u);
       std::sort(ev.begin(), ev.end(), [](const TraceEvent& x, const TraceEvent& y) { return x.t0_ns < y.t0_ns; });
       std::vector<int> switches, computed(tiles, 0), ran(n_ops, 0);
