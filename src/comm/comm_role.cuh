@@ -68,6 +68,9 @@ struct NoComm {
   template <bool kTrace_, int kThreads_, uint32_t kBarrier_, size_t kSmemBytes_>
   __device__ __forceinline__ static void run_dedicated(const Params&, char*, int, uint64_t, const TraceBuffer&) {}
 
+  // By the scheduling thread, before each work item: true with `item` = an op item when this
+  // CTA takes an op next; false when it takes a tile (sched.tiles_left() peeks at the tiles).
+  // At least one CTA always computes, whatever the count says: progress is guaranteed.
   template <class Sched_>
   __device__ __forceinline__ static bool take_op(const Params&, RoleState&, const Sched_&, uint64_t, int&) {
     return false;
@@ -168,9 +171,6 @@ struct CommRole {
 
   // ---- communication CTAs that move between roles, per work item ----
 
-  // By the scheduling thread, before each work item: true with `item` = an op item when this
-  // CTA takes an op next; false when it takes a tile (sched.tiles_left() peeks at the tiles).
-  // At least one CTA always computes, whatever the count says: progress is guaranteed.
   // The SM-partition controller (split_control.h), by the scheduling thread of any CTA at a
   // work-item boundary: at most one runs the rule at a time (the others go on at once), at most
   // once per interval. It samples the signals, applies a forced switch due (tests) or the rule,

@@ -52,7 +52,6 @@ Status NetSession::create(Communicator* comm, const std::string& staging, std::u
     s->staged_ = true;
     reason = "rank " + std::to_string(refuses) + ": " + all[refuses].why;
   }
-  s->backend_name_ = s->be_->name();
   s->what_ = std::string(s->be_->name()) +
              (s->staged_ ? ", staged through pinned host memory (" + reason + ")" : ", GPU memory registered (direct)");
   MK_INFO(kSubsysNet, "rank %d: network %s", comm->rank(), s->what_.c_str());

@@ -40,7 +40,7 @@ class NetSession {
   NetSession& operator=(const NetSession&) = delete;
 
   bool staged() const { return staged_; }
-  const std::string& backend_name() const { return backend_name_; }
+  std::string backend_name() const { return be_->name(); }
   // "libfabric/tcp;ofi_rxm, staged through pinned host memory (rank 1: ...)"
   const std::string& describe() const { return what_; }
 
@@ -66,7 +66,6 @@ class NetSession {
   NetSession() = default;
   Communicator* comm_ = nullptr;
   bool staged_ = false;
-  std::string backend_name_;
   std::string what_;
   std::unique_ptr<net::Backend> be_;
   std::unique_ptr<ProxyWindows> wins_;

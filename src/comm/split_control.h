@@ -13,26 +13,31 @@
 //                communication work that no CTA has picked up (a backlog);
 //   stalls       tile loads that found their input not there yet (cumulative): compute waiting
 //                for communication;
+//   ops_done     ops finished (cumulative): the communication role's rate;
 //   ring_queued  commands pushed to the proxy and not yet taken by it: when the ring is mostly
 //                full the network is the bottleneck, and more communication CTAs would only
 //                wait for ring space;
 //   tiles_taken / ops_taken of tiles_total / ops_total.
 //
-// The rule (split_step):
+// The rule (split_step; docs/controller.md has it in prose):
 //   - nothing moves once all tiles or all ops are taken: the kernel's tail already gives every
 //     CTA to the remaining work (help_op);
 //   - after a change, hold kSplitHold samples: its effect shows first;
-//   - starving — a backlog of at least kSplitBacklog ready ops in two consecutive samples, or
-//     new stalls since the last sample — and the network not saturated: grow by max(1, comm/2);
-//   - network saturated: shrink by one per sample (down to the floor);
+//   - a growth is judged on about one op per communication CTA: if the op rate did not rise by
+//     half the CTAs added while still starving, it is undone and that count becomes a ceiling
+//     (and that rate the link rate);
+//   - network saturated (ring 3/4 full): shrink by one;
+//   - starving — peek mode: a backlog of kSplitBacklog ready ops in two consecutive samples; in
+//     order: new stalls beside ready ops — grow by max(1, comm/2) up to the ceiling (peek mode:
+//     only if split_predict says the call ends sooner);
 //   - idle — no ready op, no new stall — for kSplitIdle consecutive samples: shrink by one;
 //   - always within [lo, hi] (hi <= grid - 1: one CTA always computes).
 // Growth is fast and shrinking slow: a starved communication role leaves the network idle now
 // and exposes its transfers at the end, while a few surplus communication CTAs still compute
 // between ops (peek mode) or cost a few SMs.
 //
-// The state also keeps the time-weighted mean split of the call (mean_comm): the split the
-// controller settled on, which the host keeps as the next call's starting point.
+// The state also keeps the time-weighted mean split of the call (split_mean): the split the
+// controller settled on, which the next call starts from.
 #pragma once
 
 #include <cstdint>
@@ -70,7 +75,6 @@ struct SplitLimits {
 
 struct SplitState {
   int32_t comm = 1;          // the current count (what role_counts[0] holds)
-  int32_t samples = 0;
   int32_t hold = 0;          // samples left before the next change
   int32_t backlog_run = 0;   // consecutive samples with a backlog
   int32_t idle_run = 0;      // consecutive idle samples
@@ -143,7 +147,6 @@ MK_HOST_DEVICE inline int32_t split_step(SplitState* s, const SplitSample& x, co
   s->weighted += static_cast<int64_t>(s->comm) * dt;
   s->span_ns += dt;
   s->last_ns = x.now_ns > s->last_ns ? x.now_ns : s->last_ns;
-  ++s->samples;
   const int32_t new_stalls = x.stalls - s->last_stalls;
   s->last_stalls = x.stalls;
   s->backlog_run = x.ops_ready >= kSplitBacklog ? s->backlog_run + 1 : 0;
@@ -220,6 +223,8 @@ struct SplitCtl {
   int32_t has_mean;         // last_mean was set by a call
   int32_t hi_auto;          // limits.hi from the grid at launch: min(grid - 1, max(32, grid / 2))
   int64_t interval_ns;      // the rule runs at most this often
+  int32_t* host_mean;       // pinned host word, mapped: each launch's fused_begin writes the
+                            // previous call's settled split there for the host (no copy per call)
   // Tests: at force_at[i] tiles taken, the count becomes force_to[i] (in order; the rule then
   // carries on from there). n_force 0: none.
   int32_t n_force, next_force;

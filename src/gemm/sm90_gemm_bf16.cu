@@ -261,13 +261,15 @@ Status persistent_ctas(int* out) {
 namespace {
 
 #if MK_WITH_CUTLASS
-// Before a fused launch with the controller (one thread): zeroes the op and tile counters and
-// starts the controller's call — from the split the last call settled on, else from the count
+// Before a fused launch with the controller (one thread): hands the last call's settled split
+// to the host (SplitCtl::host_mean), zeroes the op and tile counters and starts the controller's
+// call — from the split the last call settled on, else from the count
 // role_counts[0] holds (the option, the learned start or set_comm_ctas) — within
 // [1, min(grid - 1, max(32, grid / 2))].
 __global__ void fused_begin(int* op_counter, int* tile_counter, int* role_counts, comm::SplitCtl* c, int grid) {
   if (op_counter) *op_counter = 0;
   *tile_counter = 0;
+  if (c->has_mean && c->host_mean) *reinterpret_cast<volatile int32_t*>(c->host_mean) = c->last_mean;
   comm::SplitLimits lim = c->limits;
   lim.grid = grid;
   lim.lo = max(lim.lo, 1);

@@ -94,8 +94,8 @@ class FusedGemm {
 
   FusedKind kind() const;
   const Plan& plan() const;
-  // Communication CTAs: the fixed count; with the controller, the split the latest finished
-  // call settled on (its starting count before any call finished).
+  // Communication CTAs: the fixed count; with the controller, the split the calls settled on as
+  // the latest launch reported it (one call behind; the starting count before that).
   int comm_ctas() const;
   // RS/AR: whether the reduction order is fixed (results reproducible bit for bit): asked for
   // (FusedOptions::deterministic), or implied by the layout (at most two ranks per node).

@@ -277,7 +277,7 @@ class LibfabricBackend final : public Backend {
 
   Status choose_provider(const Topology& topo, const std::string& requested, std::string* prov);
   Status open_endpoint(const Topology& topo, const std::string& prov);
-  Status name_shm_endpoint();
+  void name_shm_endpoint();
   Status exchange_addresses();
   Status reg(void* base, size_t bytes, uint64_t access, MemKind kind, fid_mr** mr);
   void post_recv(OpCtx* c);
@@ -442,9 +442,9 @@ Status LibfabricBackend::choose_provider(const Topology& topo, const std::string
 // left through _exit) leaves its region behind; once the pid is recycled (quickly in
 // containers), the new process with that pid can no longer open an endpoint. A nonce in the
 // name makes every endpoint's region its own, whatever was left behind.
-Status LibfabricBackend::name_shm_endpoint() {
+void LibfabricBackend::name_shm_endpoint() {
   const char* p = info_->fabric_attr ? info_->fabric_attr->prov_name : nullptr;
-  if (!p || strcmp(p, "shm") != 0) return OkStatus();
+  if (!p || strcmp(p, "shm") != 0) return;
   // A provider that cannot be renamed keeps its default name: it works unless a leftover is
   // in the way, and then fi_enable says so.
   char base[kAddrMax] = {0};
@@ -453,7 +453,7 @@ Status LibfabricBackend::name_shm_endpoint() {
   if (ret != 0) {
     MK_INFO(kSubsysNet, "%s: keeps the provider's endpoint name (fi_getname before enable: %s)",
             name_.c_str(), fi_err(ret).c_str());
-    return OkStatus();
+    return;
   }
   base[sizeof(base) - 1] = 0;
   std::random_device rd;
@@ -466,13 +466,12 @@ Status LibfabricBackend::name_shm_endpoint() {
   if (n <= 0 || static_cast<size_t>(n) >= 200) {
     MK_INFO(kSubsysNet, "%s: keeps the provider's endpoint name ('%s' too long for a nonce)",
             name_.c_str(), base);
-    return OkStatus();
+    return;
   }
   ret = fi_setname(&ep_->fid, name, static_cast<size_t>(n) + 1);
   if (ret != 0)
     MK_INFO(kSubsysNet, "%s: keeps the provider's endpoint name (fi_setname: %s)", name_.c_str(),
             fi_err(ret).c_str());
-  return OkStatus();
 }
 
 Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& prov) {
@@ -551,7 +550,7 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
   MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_ep_bind(cq): %s", name_.c_str(), fi_err(ret).c_str());
   ret = fi_ep_bind(ep_, &av_->fid, 0);
   MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_ep_bind(av): %s", name_.c_str(), fi_err(ret).c_str());
-  MK_CHECK(name_shm_endpoint());
+  name_shm_endpoint();
   ret = fi_enable(ep_);
   MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_enable: %s%s", name_.c_str(), fi_err(ret).c_str(),
              ret == -FI_EBUSY && prov == "shm"

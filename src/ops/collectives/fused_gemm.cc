@@ -37,8 +37,8 @@ struct FusedState {
   int* d_tile_counter = nullptr;
   int* d_order = nullptr;
   // The SM-partition controller (fused_split=auto and no comm_ctas option): its device state,
-  // on until set_comm_ctas fixes a count; the split the last call settled on, copied after each
-  // call into pinned memory and kept (SplitMemory) under split_key.
+  // on until set_comm_ctas fixes a count; the split the calls settled on, written by each launch
+  // into a mapped pinned word (one call behind) and kept (SplitMemory) under split_key.
   bool split_on = false;
   comm::SplitCtl* d_split = nullptr;
   int* h_mean = nullptr;
@@ -146,9 +146,10 @@ Status resolve(FusedState* st) {
     c.limits.lo = 1;
     c.limits.hi = 1;
     c.limits.in_order = h.peek_ops == 0;
-    MK_CHECK(ses.upload(std::vector<comm::SplitCtl>{c}, &st->d_split));
-    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->h_mean), sizeof(int), cudaHostAllocDefault));
+    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->h_mean), sizeof(int), cudaHostAllocMapped));
     *st->h_mean = 0;
+    MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&c.host_mean), st->h_mean, 0));
+    MK_CHECK(ses.upload(std::vector<comm::SplitCtl>{c}, &st->d_split));
   }
   MK_REQUIRE(int(rp.tile_order.size()) == p.tiles_m * p.tiles_n, Code::kInternal, "plan: tile order incomplete");
   MK_CHECK(ses.upload(rp.tile_order, &st->d_order));
@@ -220,8 +221,8 @@ FusedGemm::~FusedGemm() {
 }
 
 namespace {
-// The split the controller settled on in the latest finished call (pinned, written by the
-// copy after each call; 0 before the first), kept for the next operator with this key.
+// The split the controller settled on (the mapped word fused_begin writes, one call behind; 0
+// before the second call), kept for the next operator with this key.
 void remember_split(FusedState* st, bool write_now) {
   if (!st->h_mean) return;
   const int v = *reinterpret_cast<volatile int*>(st->h_mean);
@@ -240,12 +241,15 @@ void remember_split(FusedState* st, bool write_now) {
 Status FusedGemm::destroy() {
   FusedState* st = st_.get();
   if (!st || !st->session) return OkStatus();
+  if (st->h_mean) {
+    // The last call's split, from the device state while it still exists (the calls done first).
+    // A graph that captured calls must be destroyed before the operator, as for its buffers.
+    if (st->d_split && st->session->alive() && cudaDeviceSynchronize() == cudaSuccess)
+      (void)cudaMemcpy(st->h_mean, &st->d_split->last_mean, sizeof(int), cudaMemcpyDeviceToHost);
+    remember_split(st, true);
+  }
   const Status s = st->session->destroy();
   if (st->h_mean) {
-    // The last call's copy of its split lands before the word is read and freed. (A graph that
-    // captured calls must be destroyed before the operator, as for its device buffers.)
-    (void)cudaDeviceSynchronize();
-    remember_split(st, true);
     (void)cudaFreeHost(st->h_mean);
     st->h_mean = nullptr;
   }
@@ -400,10 +404,7 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
     remember_split(st, false);
     f.split = st->d_split;
   }
-  MK_CHECK(gemm::run_fused(g, f, stream, cfg));
-  if (st->split_on)
-    MK_CUDA_CHECK(cudaMemcpyAsync(st->h_mean, &st->d_split->last_mean, sizeof(int), cudaMemcpyDeviceToHost, stream));
-  return OkStatus();
+  return gemm::run_fused(g, f, stream, cfg);
 }
 
 }  // namespace ops
