@@ -22,7 +22,10 @@
 // timed out ... on flag 5 from rank 1 ...") says so; a result is read only after that check.
 // Every step a rank runs on its own ends in agree(): every rank learns the first failing
 // rank's error at the same point and leaves by the same path (operator and communicator
-// teardown are collective), so no rank waits in a collective for one that left.
+// teardown are collective), so no rank waits in a collective for one that left. When the job
+// itself fails (a device wait gave up, the network failed, a rank died or stopped), agree()
+// stops waiting (Bootstrap::fail); each rank prints "mkernel bench: rank R: job failed:
+// culprit rank C: ..." and exits 1 after a teardown that waits for nobody.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -230,9 +233,18 @@ int bench(const std::vector<std::string>& args) {
     fo.trace = ba.trace;
     rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k, fo);
   }
-  // Collective teardown: every rank gets here (failures above were agreed across ranks).
+  // A failed job: every rank says, in one line, who the culprit was and what this rank saw
+  // (Communicator::failure), before tearing down. The teardown then waits for nobody.
+  const Status job = comm->failure();
+  if (!job.ok()) {
+    fprintf(stderr, "mkernel bench: rank %d: %s\n", me, job.to_string().c_str());
+    fflush(stderr);
+    rc = 1;
+  }
+  // Collective teardown: every rank gets here (failures above were agreed across ranks, or the
+  // job failed and the teardown's collective steps return at once).
   Status d = comm->destroy();
-  if (!d.ok()) {
+  if (!d.ok() && job.ok()) {
     fprintf(stderr, "mkernel bench: rank %d: teardown: %s\n", me, d.to_string().c_str());
     rc = 1;
   }

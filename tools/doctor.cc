@@ -30,6 +30,7 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/net/backend.h"
+#include "src/common/env_defaults.h"
 #include "tools/cli.h"
 
 namespace mk {
@@ -378,6 +379,8 @@ void report_fabric() {
 #ifdef MK_HAVE_LIBFABRIC
   uint32_t v = fi_version();
   printf("libfabric %u.%u\n", FI_MAJOR(v), FI_MINOR(v));
+  apply_env_defaults();  // as the library's own first fi_getinfo does
+  printf("udp;ofi_rxd window: FI_OFI_RXD_MAX_UNACKED=%d\n", rxd_max_unacked());
   fi_info* hints = fi_allocinfo();
   hints->ep_attr->type = FI_EP_RDM;
   fi_info* info = nullptr;

@@ -14,7 +14,7 @@ grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/ex
 rm -rf "$out" && mkdir -p "$out"
 files=(mkernel libmkernel_capi.so CTestTestfile.cmake tests/CTestTestfile.cmake tests/cpu/CTestTestfile.cmake
        tests/gpu/CTestTestfile.cmake)
-for f in "$build"/tests/gpu/test_gpu_*; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
+for f in "$build"/tests/gpu/test_gpu_* "$build"/tests/gpu/fault_rank; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
 # The benchmarks that run on the GPU, when built.
 for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy; do [[ -x $build/$f ]] && files+=("$f"); done
 for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done

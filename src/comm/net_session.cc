@@ -124,11 +124,12 @@ Status NetSession::destroy() {
     if (first.ok() && !s.ok()) first = s;
   };
   if (proxy_ && started_) {
-    // After a failure the puts in flight may never complete (a dead peer): a short drain.
-    const bool failed = comm_->failed();
+    // After a failure (this rank's, or one a peer reported) the puts in flight may never
+    // complete (a dead peer): a short drain; the collective steps below then return at once.
+    const bool failed = comm_->failed() || !comm_->bootstrap().poll_failure().ok();
     Status f = proxy_->flush(failed ? 200 : -1);
     if (!failed) keep(f);
-    keep(comm_->bootstrap().barrier());
+    keep(comm_->bootstrap().teardown_barrier());
     keep(proxy_->stop());
   }
   if (wins_) keep(wins_->destroy());

@@ -7,6 +7,7 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
+#include "src/common/fault.h"
 
 namespace mk {
 namespace comm {
@@ -138,7 +139,15 @@ Status OpSession::check_call() const {
              "%s: the operator was destroyed (or its communicator was destroyed first)", name_.c_str());
   // A failed communicator (a device wait gave up, the network failed) runs nothing more: its
   // flags and epochs are no longer consistent across ranks. Destroy it and create a new one.
-  return comm_->check();
+  MK_CHECK(comm_->check());
+  // Fault-injection tests (src/common/fault.h): this call is refused here alone, or the
+  // process dies or stops while its kernel and its peers' are in flight.
+  const fault::Action f = fault::at(fault::Site::kCall, comm_->rank());
+  if (f == fault::Action::kBadInput)
+    return make_status(Code::kInvalidArgument, "%s: rank %d: bad input on this rank alone (%s)", name_.c_str(),
+                       comm_->rank(), fault::planted(fault::Site::kCall, comm_->rank()).c_str());
+  fault::carry_out_later(f);
+  return OkStatus();
 }
 
 Status OpSession::agree_on_call(const Status& local, const std::string& what) {

@@ -32,6 +32,9 @@ const std::vector<TunableDef> kTable = {
      "log to this file instead of stderr (%h host, %p pid expanded)"},
     {"bootstrap_timeout_ms", "MK_BOOTSTRAP_TIMEOUT_MS", TunableType::kInt, "60000",
      "how long a bootstrap collective waits for every rank before failing with the missing ranks", 1},
+    {"failure_grace_ms", "MK_FAILURE_GRACE_MS", TunableType::kInt, "2000",
+     "after a failure, how long a rank waits for every peer's failure notice before it names the "
+     "ranks that said nothing as the culprits (then it tears down without waiting for anyone)", 0},
     {"ipc_timeout_ms", "MK_IPC_TIMEOUT_MS", TunableType::kInt, "30000",
      "how long a handle exchange over the node-local socket may take", 1},
     {"signal_timeout_ms", "MK_SIGNAL_TIMEOUT_MS", TunableType::kInt, "10000",
@@ -73,6 +76,9 @@ const std::vector<TunableDef> kTable = {
     {"moe_comm_ctas", "MK_MOE_COMM_CTAS", TunableType::kInt, "16",
      "CTAs that move MoE dispatch/combine records between ranks (each slot travels in pieces, so "
      "several CTAs share one destination)", 1},
+    {"fault", "MK_FAULT", TunableType::kString, "",
+     "test hook: plant a failure, <site>:<action>@<rank>[#<n>] (call:kill|stop|badinput, "
+     "put:error, completion:error, register:error; the rank's n-th such event; docs/testing.md)"},
     {"check_calls", "MK_CHECK_CALLS", TunableType::kInt, "0",
      "debug: every fused operator's run() agrees on its argument checks across ranks (a host "
      "collective per call; 0: run() checks locally only)", 0},

@@ -8,6 +8,7 @@
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
+#include "src/common/fault.h"
 #include "src/runtime/heap_context.h"
 #include "src/runtime/ipc_socket.h"
 
@@ -46,6 +47,9 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   bs_ = std::move(bs);
   const int rank = bs_->rank(), world = bs_->size();
   log_set_rank(rank);
+
+  // 0. settings every rank must read the same way
+  MK_CHECK(agree(*bs_, fault::validate(), "communicator: the tunable fault (MK_FAULT)"));
 
   // 1. hosts, so each rank can pick its GPU by its index on its host
   std::vector<RankInfo> infos(world);
@@ -184,6 +188,9 @@ void Communicator::detach(CommAttachment* a) {
 
 Status Communicator::destroy() {
   if (destroyed_) return OkStatus();
+  // After a failure every collective step below returns at once (the bootstrap has failed):
+  // the teardown releases this rank's resources without waiting for peers that may be gone.
+  (void)check();
   // Operators still alive go first (newest first; each detaches itself): they hold symmetric
   // buffers, proxies and streams of this communicator.
   for (;;) {
@@ -271,6 +278,8 @@ void Communicator::abort(const Status& why) {
     if (abort_status_.ok()) abort_status_ = why;
   }
   if (abort_word_) __atomic_store_n(abort_word_, uint64_t(1), __ATOMIC_RELEASE);
+  // The job has failed: collectives stop waiting, the peers hear of it (thread-safe, no wait).
+  if (bs_) bs_->fail(Status(why.code(), "rank " + std::to_string(topo_.rank) + ": " + why.message()));
 }
 
 Status Communicator::abort_status() const {
@@ -286,8 +295,9 @@ Status Communicator::check_device(cudaError_t err) const {
     if (err != cudaSuccess) msg += std::string(" (kernel: ") + cudaGetErrorName(err) + ")";
     Status why = abort_status();
     if (d.reason == kDiagAborted && !why.ok()) msg += "; cause: " + why.to_string();
-    return Status(d.reason == kDiagAborted ? (why.ok() ? Code::kRemoteError : why.code()) : Code::kTimeout,
-                  msg);
+    Status st(d.reason == kDiagAborted ? (why.ok() ? Code::kRemoteError : why.code()) : Code::kTimeout, msg);
+    if (bs_) bs_->fail(st);  // the job has failed (see check())
+    return st;
   }
   if (err != cudaSuccess)
     return make_status(err == cudaErrorMemoryAllocation ? Code::kOutOfMemory : Code::kCudaError,
@@ -298,6 +308,13 @@ Status Communicator::check_device(cudaError_t err) const {
 Status Communicator::sync(cudaStream_t s) const { return check_device(cudaStreamSynchronize(s)); }
 
 Status Communicator::check() const {
+  Status s = health();
+  // A failed communicator fails the job: its bootstrap stops waiting for peers and tells them.
+  if (!s.ok() && bs_) bs_->fail(s);
+  return s;
+}
+
+Status Communicator::health() const {
   if (wait_timed_out()) return check_device(cudaSuccess);
   Status why = abort_status();
   if (!why.ok())
@@ -307,6 +324,12 @@ Status Communicator::check() const {
   if (abort_word_ && __atomic_load_n(abort_word_, __ATOMIC_ACQUIRE) != 0)
     return make_status(Code::kTimeout, "rank %d: a device wait of this communicator gave up", topo_.rank);
   return OkStatus();
+}
+
+Status Communicator::failure(const Status& mine) {
+  (void)check();
+  if (bs_ && !mine.ok()) bs_->fail(mine);
+  return bs_ ? bs_->failure_report() : mine;
 }
 
 }  // namespace mk

@@ -451,10 +451,10 @@ Status SymmetricHeap::free(SymmetricBuffer* b) {
     if (!sync.ok()) break;
     sync = sync_stream_bounded(st, bound, "symmetric free");
   }
-  Status s1 = ctx_->bs->barrier();
+  Status s1 = ctx_->bs->teardown_barrier();
   release_peers(b);
   // Nobody maps this rank's copy any more once every rank has released its peers.
-  Status s2 = s1.ok() ? ctx_->bs->barrier() : s1;
+  Status s2 = s1.ok() ? ctx_->bs->teardown_barrier() : s1;
   release_local(b);
   b->freed_ = true;
   MK_CHECK(sync);

@@ -131,5 +131,37 @@ Status make_one_rank_comm(std::unique_ptr<Communicator>* out) {
   return Communicator::create(std::move(world[0]), cfg, out);
 }
 
+StoreCallbacks file_store(const std::string& dir) {
+  auto path_of = [dir](const std::string& key) {
+    std::string k = key;
+    for (auto& c : k)
+      if (c == '/') c = '_';
+    return dir + "/" + k;
+  };
+  StoreCallbacks cb;
+  cb.set = [path_of](const std::string& key, const std::vector<uint8_t>& v) -> Status {
+    const std::string path = path_of(key), tmp = path + ".tmp";
+    FILE* f = fopen(tmp.c_str(), "wb");
+    if (!f) return make_status(Code::kSystemError, "file store: cannot write %s", tmp.c_str());
+    const bool ok = fwrite(v.data(), 1, v.size(), f) == v.size();
+    if (fclose(f) != 0 || !ok) return make_status(Code::kSystemError, "file store: cannot write %s", tmp.c_str());
+    if (rename(tmp.c_str(), path.c_str()) != 0)  // atomic: readers see all or nothing
+      return make_status(Code::kSystemError, "file store: cannot rename %s", tmp.c_str());
+    return OkStatus();
+  };
+  cb.try_get = [path_of](const std::string& key, std::vector<uint8_t>* v, bool* found) -> Status {
+    FILE* f = fopen(path_of(key).c_str(), "rb");
+    *found = f != nullptr;
+    if (!f) return OkStatus();
+    v->clear();
+    uint8_t buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) v->insert(v->end(), buf, buf + n);
+    fclose(f);
+    return OkStatus();
+  };
+  return cb;
+}
+
 }  // namespace test
 }  // namespace mk

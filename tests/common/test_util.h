@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mkernel/common/status.h"
+#include "mkernel/runtime/bootstrap.h"
 #include "mkernel/runtime/communicator.h"
 
 namespace mk {
@@ -48,6 +49,11 @@ bool have_gpu();
 
 // A communicator of one rank (a thread world of one) on a GPU this process can use.
 Status make_one_rank_comm(std::unique_ptr<Communicator>* out);
+
+// A key-value store kept as files of `dir` (atomic renames), for processes of one host that
+// bootstrap without MPI (make_store_bootstrap): fault tests fork or spawn their ranks, so that
+// no launcher tears the job down for them.
+StoreCallbacks file_store(const std::string& dir);
 
 // Exit code that ctest (SKIP_RETURN_CODE) reports as "skipped".
 constexpr int kSkipExitCode = 77;

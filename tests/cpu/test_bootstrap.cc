@@ -679,6 +679,191 @@ TEST(StoreBootstrap, BadArguments) {
   EXPECT_EQ(b->broadcast(buf, 2, 2, kOpTimeoutMs).code(), Code::kInvalidArgument);
 }
 
+// ---------------------------------------------------------------------------------------
+// Job failure (Bootstrap::fail, failure notices, failure_report), on both in-process kinds.
+
+enum class WorldKind { kThreads, kStore };
+
+struct FailWorld {
+  MemStore store;
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  Status make(WorldKind k, int W) {
+    if (k == WorldKind::kThreads) return make_thread_world(W, &bs);
+    return make_store_world(store, W, "fail" + std::to_string(test::test_seed() % 997), &bs);
+  }
+};
+
+class JobFailure : public ::testing::TestWithParam<WorldKind> {};
+
+// Rank 1 fails with a cause of its own while the others wait in an allgather with a long
+// bound: they leave as soon as its notice arrives (not at their bound), with an error naming it
+// and its cause; every later collective on every rank returns at once.
+TEST_P(JobFailure, NoticeEndsThePeersWaits) {
+  const int W = 4, culprit = 1;
+  const int64_t long_ms = 20000;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  const std::string cause = "bad input on rank 1 #" + std::to_string(mix(test::test_seed(), 11) % 100000);
+  std::vector<Status> st(W), later(W);
+  std::vector<int64_t> took(W, 0), later_ms(W, 0);
+  run_ranks(W, [&](int rank) {
+    Bootstrap& b = *w.bs[rank];
+    std::vector<uint8_t> send = payload(21, rank, 16), recv(16 * W);
+    auto t0 = Clock::now();
+    if (rank == culprit) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the others are waiting by now
+      b.fail(Status(Code::kInvalidArgument, cause));
+      EXPECT_TRUE(b.failed());
+      st[rank] = b.allgather(send.data(), recv.data(), 16, long_ms);  // sends the notice, returns at once
+    } else {
+      st[rank] = b.allgather(send.data(), recv.data(), 16, long_ms);
+    }
+    took[rank] = ms_since(t0);
+    auto t1 = Clock::now();
+    later[rank] = b.barrier(long_ms);
+    later_ms[rank] = ms_since(t1);
+  });
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_FALSE(st[r].ok());
+    EXPECT_NE(st[r].message().find(cause), std::string::npos) << st[r].to_string();
+    if (r == culprit) {
+      EXPECT_EQ(st[r].code(), Code::kInvalidArgument) << st[r].to_string();
+    } else {
+      EXPECT_EQ(st[r].code(), Code::kRemoteError) << st[r].to_string();
+      EXPECT_NE(st[r].message().find("rank 1 failed: " + cause), std::string::npos) << st[r].to_string();
+      EXPECT_GE(took[r], 150);
+    }
+    EXPECT_LT(took[r], 3000) << "waited for a failed job";
+    EXPECT_FALSE(later[r].ok());
+    EXPECT_LT(later_ms[r], 500) << "a collective after the failure waited";
+    EXPECT_TRUE(w.bs[r]->failed());
+  }
+}
+
+// Rank 2 says nothing (dead or stopped); the others fail with waits that expired and report:
+// after the grace period every one names rank 2 as the culprit, with its own view after it.
+TEST_P(JobFailure, ReportNamesTheSilentRank) {
+  const int W = 4, silent = 2;
+  const int64_t grace = 400;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  std::vector<Status> rep(W);
+  std::vector<int64_t> took(W, 0);
+  run_ranks(W, [&](int rank) {
+    if (rank == silent) return;
+    Bootstrap& b = *w.bs[rank];
+    auto t0 = Clock::now();
+    b.fail(make_status(Code::kTimeout, "rank %d waited 3000 ms on flag 7 from rank %d", rank, (rank + 1) % W));
+    rep[rank] = b.failure_report(grace);
+    took[rank] = ms_since(t0);
+    Status again = b.failure_report(grace);  // the same report, without waiting again
+    EXPECT_EQ(again.message(), rep[rank].message());
+  });
+  for (int r = 0; r < W; ++r) {
+    if (r == silent) continue;
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(rep[r].code(), Code::kTimeout) << rep[r].to_string();
+    EXPECT_NE(rep[r].message().find("culprit rank(s) 2: did not report within 400 ms"), std::string::npos)
+        << rep[r].to_string();
+    EXPECT_NE(rep[r].message().find("rank " + std::to_string(r) + " saw: rank " + std::to_string(r) + " waited"),
+              std::string::npos)
+        << rep[r].to_string();
+    EXPECT_GE(took[r], grace - 50);
+    EXPECT_LT(took[r], grace + 1500);
+  }
+}
+
+// A cause of a rank's own beats waits that expired, whatever the ranks' order; a rank that only
+// heard of the failure is never the culprit; everyone reported, so nobody waits out the grace.
+TEST_P(JobFailure, ReportNamesTheRankWithACauseOfItsOwn) {
+  const int W = 4, culprit = 2, listener = 3;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  std::vector<Status> rep(W);
+  std::vector<int64_t> took(W, 0);
+  run_ranks(W, [&](int rank) {
+    Bootstrap& b = *w.bs[rank];
+    auto t0 = Clock::now();
+    if (rank == listener) {
+      // Healthy, in a collective: hears the failure, then reports what it heard.
+      std::vector<uint8_t> send = payload(22, rank, 8), recv(8 * W);
+      EXPECT_FALSE(b.allgather(send.data(), recv.data(), 8, 20000).ok());
+    } else if (rank == culprit) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      b.fail(Status(Code::kSystemError, "libfabric/tcp: the provider failed: Input/output error"));
+    } else {
+      b.fail(make_status(Code::kTimeout, "rank %d waited on flag 3 from rank 2", rank));
+    }
+    rep[rank] = b.failure_report(5000);
+    took[rank] = ms_since(t0);
+  });
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(rep[r].code(), Code::kSystemError) << rep[r].to_string();
+    EXPECT_NE(rep[r].message().find("culprit rank 2: libfabric/tcp: the provider failed"), std::string::npos)
+        << rep[r].to_string();
+    EXPECT_LT(took[r], 3000) << "every rank reported: no need to wait out the grace";
+  }
+  EXPECT_NE(rep[listener].message().find("rank 3 heard: rank "), std::string::npos) << rep[listener].to_string();
+}
+
+// A collective that times out fails the job: the next one returns at once, on every rank that
+// waited, and the late rank learns of it instead of waiting.
+TEST_P(JobFailure, TimeoutFailsTheJob) {
+  const int W = 3, late = 2;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  std::vector<int64_t> next_ms(W, 0);
+  std::vector<Status> next(W);
+  run_ranks(W, [&](int rank) {
+    Bootstrap& b = *w.bs[rank];
+    if (rank != late) {
+      // The first waiter out times out; the other may hear of it from the first one's notice
+      // an instant before its own bound (the first one's next collective sends it).
+      std::vector<uint8_t> send = payload(23, rank, 8), recv(8 * W);
+      Status s = b.allgather(send.data(), recv.data(), 8, 300);
+      EXPECT_TRUE(s.code() == Code::kTimeout || s.code() == Code::kRemoteError) << s.to_string();
+      EXPECT_NE(s.message().find("rank(s) 2 did not arrive"), std::string::npos) << s.to_string();
+      EXPECT_TRUE(b.failed());
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    }
+    auto t0 = Clock::now();
+    next[rank] = b.barrier(20000);
+    next_ms[rank] = ms_since(t0);
+  });
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_FALSE(next[r].ok());
+    EXPECT_LT(next_ms[r], 2000) << next[r].to_string();
+  }
+}
+
+// agree() on a failed job returns the report at once instead of gathering.
+TEST_P(JobFailure, AgreeOnAFailedJobReports) {
+  const int W = 2;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  std::vector<Status> st(W);
+  run_ranks(W, [&](int rank) {
+    Bootstrap& b = *w.bs[rank];
+    if (rank == 0) b.fail(Status(Code::kCudaError, "rank 0: an illegal address"));
+    else std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    st[rank] = agree(b, OkStatus(), "after the call", 20000);
+  });
+  for (int r = 0; r < W; ++r) {
+    EXPECT_EQ(st[r].code(), Code::kCudaError) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("culprit rank 0: rank 0: an illegal address"), std::string::npos)
+        << st[r].to_string();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, JobFailure, ::testing::Values(WorldKind::kThreads, WorldKind::kStore),
+                         [](const ::testing::TestParamInfo<WorldKind>& i) {
+                           return i.param == WorldKind::kThreads ? std::string("threads") : std::string("store");
+                         });
+
 TEST(Bootstrap, LaunchedByMpiFollowsEnvironment) {
   // This binary runs without mpirun; the check reads well-known launcher variables.
   const char* vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"};

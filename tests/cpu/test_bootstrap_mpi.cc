@@ -208,6 +208,75 @@ TEST_F(MpiBootstrapTest, SizeMismatchIsAnErrorOnEveryRank) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// The last rank fails with a cause of its own while the others wait in an allgather with a
+// long bound: its notice ends their waits at once, and every rank's report names it.
+TEST_F(MpiBootstrapTest, FailureNoticeEndsThePeersWaits) {
+  if (size_ == 1) GTEST_SKIP() << "needs two ranks";
+  const int culprit = size_ - 1;
+  ASSERT_TRUE(bs_->barrier(kOpTimeoutMs).ok());
+  const std::string cause = "bad input on rank " + std::to_string(culprit) + " #" +
+                            std::to_string(mix(test::test_seed(), 31) % 100000);
+  auto t0 = std::chrono::steady_clock::now();
+  Status st;
+  if (rank_ == culprit) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    bs_->fail(Status(Code::kInvalidArgument, cause));
+  } else {
+    std::vector<uint8_t> send = payload(7000, rank_, 32), recv(32 * size_);
+    st = bs_->allgather(send.data(), recv.data(), 32, 30000);
+    EXPECT_EQ(st.code(), Code::kRemoteError) << st.to_string();
+    EXPECT_NE(st.message().find("rank " + std::to_string(culprit) + " failed: " + cause), std::string::npos)
+        << st.to_string();
+  }
+  const Status rep = bs_->failure_report(5000);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(rep.code(), Code::kInvalidArgument) << rep.to_string();
+  EXPECT_NE(rep.message().find("culprit rank " + std::to_string(culprit) + ": " + cause), std::string::npos)
+      << rep.to_string();
+  EXPECT_LT(ms, 4000) << "a rank waited out a bound although every rank had reported";
+  EXPECT_FALSE(bs_->barrier(30000).ok());  // at once: the job has failed
+}
+
+// The last rank says nothing (dead, stopped): after the grace every other rank names it.
+TEST_F(MpiBootstrapTest, FailureReportNamesTheSilentRank) {
+  if (size_ == 1) GTEST_SKIP() << "needs two ranks";
+  const int silent = size_ - 1;
+  if (rank_ != silent) {
+    auto t0 = std::chrono::steady_clock::now();
+    bs_->fail(make_status(Code::kTimeout, "rank %d waited 3000 ms on flag 2 from rank %d", rank_, silent));
+    const Status rep = bs_->failure_report(600);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(rep.code(), Code::kTimeout) << rep.to_string();
+    EXPECT_NE(rep.message().find("culprit rank(s) " + std::to_string(silent) + ": did not report within 600 ms"),
+              std::string::npos)
+        << rep.to_string();
+    EXPECT_GE(ms, 550);
+    EXPECT_LT(ms, 3000);
+  }
+  // The silent rank stays off its bootstrap until the others have reported (its destructor
+  // would read their notices and answer that it only heard).
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A rank that was not in the call (alive, but it only hears of the failure when it next
+// touches the bootstrap) is named as such.
+TEST_F(MpiBootstrapTest, FailureReportNamesTheRankThatOnlyHeard) {
+  if (size_ == 1) GTEST_SKIP() << "needs two ranks";
+  const int absent = size_ - 1;
+  Status rep;
+  if (rank_ != absent) {
+    bs_->fail(make_status(Code::kTimeout, "rank %d waited 3000 ms on flag 2 from rank %d", rank_, absent));
+    rep = bs_->failure_report(20000);
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_FALSE(bs_->barrier(20000).ok());  // hears of it here
+    rep = bs_->failure_report(20000);
+  }
+  EXPECT_EQ(rep.code(), Code::kTimeout) << rep.to_string();
+  EXPECT_NE(rep.message().find("culprit rank(s) " + std::to_string(absent) + ": not in the call"), std::string::npos)
+      << rep.to_string();
+}
+
 TEST(MpiBootstrapArgs, RequiresInitializedMpi) {
   // MPI is initialized by the test main; a bad communicator is an error, not a crash.
   int init = 0;

@@ -8,6 +8,7 @@
 #include "mkernel/common/log.h"
 #include "mkernel/common/status.h"
 #include "mkernel/common/tunables.h"
+#include "src/common/fault.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -481,6 +482,66 @@ TEST(Log, SubsystemMaskAndExclusion) {
   MK_ASSERT_OK(tunables::reset("debug"));
   EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysMem));
   EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+}
+
+}  // namespace
+}  // namespace mk
+
+namespace mk {
+namespace {
+
+// The fault tunable (src/common/fault.h): what parses, what is refused and why.
+TEST(Fault, SpecsParseOrSayWhy) {
+  for (const char* ok : {"", "call:kill@1", "call:stop@0#3", "call:badinput@2#1", "put:error@1#200",
+                         "completion:error@0", "register:error@3#2", "call:kill@1,put:error@2#5"}) {
+    std::string why;
+    EXPECT_TRUE(fault::parse(ok, &why).ok()) << ok << ": " << why;
+  }
+  struct Bad {
+    const char* spec;
+    const char* why;
+  };
+  for (const Bad& b : {Bad{"call", "malformed"}, Bad{"call:kill", "malformed"}, Bad{"cal:kill@1", "unknown site"},
+                       Bad{"call:explode@1", "unknown action"}, Bad{"put:kill@1", "does not apply"},
+                       Bad{"call:error@1", "does not apply"}, Bad{"call:kill@x", "rank is not a number"},
+                       Bad{"call:kill@1#0", "count after # must be"}, Bad{"call:kill@1#", "count after # must be"},
+                       Bad{"call:kill@1,", "malformed"}, Bad{"call:kill@-1", "rank is not a number"}}) {
+    std::string why;
+    Status s = fault::parse(b.spec, &why);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << b.spec;
+    EXPECT_NE(why.find(b.why), std::string::npos) << b.spec << ": " << why;
+    EXPECT_NE(why.find(b.spec[0] ? std::string(b.spec).substr(0, 4) : ""), std::string::npos) << why;
+  }
+}
+
+// The n-th event of a site on the planted rank, and only it, gets the action.
+TEST(Fault, FiresAtTheNthEventOfItsRankOnly) {
+  MK_ASSERT_OK(tunables::set("fault", "put:error@2#3,call:badinput@0#2"));
+  fault::reload();
+  std::vector<fault::Action> r2, r1, c0;
+  for (int i = 0; i < 5; ++i) {
+    r2.push_back(fault::at(fault::Site::kPut, 2));
+    r1.push_back(fault::at(fault::Site::kPut, 1));
+    c0.push_back(fault::at(fault::Site::kCall, 0));
+  }
+  EXPECT_EQ(fault::at(fault::Site::kCompletion, 2), fault::Action::kNone);
+  MK_ASSERT_OK(tunables::reset("fault"));
+  fault::reload();
+  EXPECT_EQ(fault::at(fault::Site::kPut, 2), fault::Action::kNone);
+  using A = fault::Action;
+  EXPECT_EQ(r2, (std::vector<A>{A::kNone, A::kNone, A::kError, A::kNone, A::kNone}));
+  EXPECT_EQ(r1, (std::vector<A>(5, A::kNone)));
+  EXPECT_EQ(c0, (std::vector<A>{A::kNone, A::kBadInput, A::kNone, A::kNone, A::kNone}));
+}
+
+// A malformed value is refused where a job starts (the communicator agrees on validate()).
+TEST(Fault, ValidateReadsTheTunable) {
+  MK_ASSERT_OK(tunables::set("fault", "call:kill@one"));
+  Status s = fault::validate();
+  MK_ASSERT_OK(tunables::reset("fault"));
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("call:kill@one"), std::string::npos) << s.to_string();
+  MK_EXPECT_OK(fault::validate());
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "mkernel/net/backend.h"
 #include "mkernel/runtime/bootstrap.h"
 #include "mkernel/runtime/topology.h"
+#include "src/common/fault.h"
 #include "tests/common/test_util.h"
 
 #ifndef MK_NET_TEST_LOOPBACK
@@ -637,6 +638,29 @@ struct RawShmEndpoint {
     if (info) fi_freeinfo(info);
   }
 };
+
+// A window registration refused on one rank (MK_FAULT register:error, as a provider out of
+// registrable memory would): every rank's register_window returns the same error naming that
+// rank, nothing is registered, and the backend goes on (the next registration works).
+TEST_F(NetMpi, RegistrationRefusedOnOneRankIsNamedEverywhere) {
+  if (size_ < 2) GTEST_SKIP() << "needs two ranks";
+  const int culprit = size_ - 1;
+  MK_ASSERT_OK(tunables::set("fault", "register:error@" + std::to_string(culprit) + "#1"));
+  fault::reload();
+  MK_ASSERT_OK(create());
+  std::vector<uint8_t> buf(4096, 1);
+  WindowId id = 7;
+  Status s = be_->register_window(buf.data(), buf.size(), MemKind::kHost, &id);
+  MK_ASSERT_OK(tunables::reset("fault"));
+  fault::reload();
+  EXPECT_EQ(s.code(), Code::kSystemError) << s.to_string();
+  EXPECT_NE(s.message().find("failed on rank(s) " + std::to_string(culprit) + ":"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("refused 4096 bytes (planted by MK_FAULT=register:error@"), std::string::npos)
+      << s.to_string();
+  EXPECT_EQ(id, net::kNoWindow);
+  MK_EXPECT_OK(be_->register_window(buf.data(), buf.size(), MemKind::kHost, &id));
+  EXPECT_EQ(id, 0u);
+}
 
 // A process that died without closing its shm endpoint leaves the endpoint's region behind,
 // named by the provider after its pid. When the pid comes back (containers recycle pids

@@ -1,7 +1,9 @@
-// Fault: W processes stream puts to each other through their proxies; one is killed with
-// SIGKILL mid-run. Every survivor must fail within the timeout with an error naming it.
-// Processes are forked here (mpirun would tear the whole job down); they bootstrap through
-// a key-value store kept in files of a private directory.
+// Faults: W processes stream puts to each other through their proxies; one fails mid-run —
+// killed (SIGKILL), stopped (SIGSTOP), or its provider fails a put or a completion (MK_FAULT).
+// Every other rank must leave by itself through the ordinary teardown within the timeout + 5 s,
+// naming the culprit, and leave nothing behind. Processes are forked here (mpirun would tear
+// the whole job down); they bootstrap through a key-value store kept in files of a private
+// directory.
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -10,7 +12,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "mkernel/common/tunables.h"
 #include "tests/cpu/proxy_harness.h"
 
 namespace mk {
@@ -28,55 +33,39 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string file_key(const std::string& dir, const std::string& key) {
-  std::string k = key;
-  for (auto& c : k)
-    if (c == '/') c = '_';
-  return dir + "/" + k;
-}
-
-StoreCallbacks file_store(const std::string& dir) {
-  StoreCallbacks cb;
-  cb.set = [dir](const std::string& key, const std::vector<uint8_t>& v) -> Status {
-    std::string path = file_key(dir, key), tmp = path + ".tmp";
-    FILE* f = fopen(tmp.c_str(), "wb");
-    if (!f) return make_status(Code::kSystemError, "store: cannot write %s", tmp.c_str());
-    fwrite(v.data(), 1, v.size(), f);
-    fclose(f);
-    rename(tmp.c_str(), path.c_str());  // atomic: readers see all or nothing
-    return OkStatus();
-  };
-  cb.try_get = [dir](const std::string& key, std::vector<uint8_t>* v, bool* found) -> Status {
-    std::ifstream f(file_key(dir, key), std::ios::binary);
-    *found = static_cast<bool>(f);
-    if (*found) v->assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    return OkStatus();
-  };
-  return cb;
-}
-
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;
 }
 
-// The peer an error names ("a put to rank P", "no arrivals from rank P"), or -1.
-int named_peer(const std::string& m) {
-  for (const char* key : {"to rank ", "from rank "}) {
-    const size_t at = m.find(key);
-    if (at != std::string::npos) return atoi(m.c_str() + at + strlen(key));
+enum class Fault { kKill, kStop, kPutError, kCompletionError };
+const char* fault_name(Fault f) {
+  switch (f) {
+    case Fault::kKill: return "kill";
+    case Fault::kStop: return "stop";
+    case Fault::kPutError: return "put_error";
+    case Fault::kCompletionError: return "completion_error";
   }
-  return -1;
+  return "?";
 }
 
-// One rank: exits 0 when it failed with an error naming `victim`, 10 + P when it failed naming
-// another peer P, 1 when it did not fail.
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// One rank: streams puts to every peer until the job fails (its proxy fails, or a peer's
+// arrivals stop for timeout_ms), then does what an application does after a failed call — asks
+// for the job's report, tears everything down through the ordinary collective path (proxy
+// flush and stop, a barrier, windows, backend finalize) — and exits: 0 when the report named
+// `victim` as the culprit, 2 when it named someone else, 1 when the job did not fail. Writes
+// "<report>\n<ms when it saw the failure>\n<ms when its teardown ended>" to result_<rank>.
 int child(const std::string& dir, int rank, int W, int victim, int64_t timeout_ms) {
+  (void)tunables::set("failure_grace_ms", "1000");
   std::unique_ptr<Bootstrap> bs;
   if (!make_store_bootstrap(rank, W, "fault", file_store(dir), &bs).ok()) return 1;
   ProxyWorld w;
   Status s = w.init(bs.get(), net::BackendConfig{}, 65536, 65536);
   if (!s.ok()) {
-    write_file(dir + "/result_" + std::to_string(rank), "init: " + s.to_string());
+    write_file(dir + "/result_" + std::to_string(rank), "init: " + s.to_string() + "\n0\n0");
     return 1;
   }
   std::vector<uint64_t> flags(W, 0);
@@ -85,10 +74,10 @@ int child(const std::string& dir, int rank, int W, int victim, int64_t timeout_m
   ProxyConfig pc;
   pc.timeout_ms = timeout_ms;
   if (!Proxy::create(w.wins.get(), &sink, pc, &proxy).ok() || !proxy->start().ok()) return 1;
+  Bootstrap* b = bs.get();
+  proxy->on_error([b](const Status& e) { b->fail(e); });  // as the communicator does
   (void)bs->barrier();
   write_file(dir + "/ready_" + std::to_string(rank), "ready");
-  // Stream puts to every peer; watch every peer's arrivals. A peer whose arrivals stop for
-  // timeout_ms, or a proxy error, ends the run.
   std::vector<uint64_t> last(W, 0);
   std::vector<Clock::time_point> moved(W, Clock::now());
   Status err;
@@ -117,46 +106,78 @@ int child(const std::string& dir, int rank, int W, int victim, int64_t timeout_m
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
-  write_file(dir + "/result_" + std::to_string(rank), err.to_string());
-  // Stay alive (the proxy keeps serving) until every survivor has reported, so no survivor
-  // mistakes another's exit for the failure. No collective teardown: a peer is dead.
-  auto linger = Clock::now() + std::chrono::seconds(20);
-  while (access((dir + "/done").c_str(), F_OK) != 0 && Clock::now() < linger)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  const int named = err.ok() ? -2 : named_peer(err.message());
-  // Leave at once: a collective teardown would wait for the dead rank (and time out).
-  _exit(err.ok() || named < 0 ? 1 : named == victim ? 0 : 10 + named);
+  const int64_t failed_at = now_ms();
+  if (err.ok()) {
+    write_file(dir + "/result_" + std::to_string(rank), "the job did not fail\n0\n0");
+    return 1;
+  }
+  // The application's side of a failure: the report, then the ordinary teardown.
+  bs->fail(err);
+  const Status rep = bs->failure_report();
+  (void)proxy->flush(200);
+  (void)bs->barrier();  // returns at once: the job has failed
+  (void)proxy->stop();
+  (void)w.finish();
+  proxy.reset();
+  w.wins.reset();
+  w.be.reset();
+  bs.reset();
+  const std::string named = "culprit rank " + std::to_string(victim) + ":";
+  const std::string named_silent = "culprit rank(s) " + std::to_string(victim) + ":";
+  write_file(dir + "/result_" + std::to_string(rank),
+             rep.to_string() + "\n" + std::to_string(failed_at) + "\n" + std::to_string(now_ms()));
+  const std::string m = rep.message();
+  return m.find(named) != std::string::npos || m.find(named_silent) != std::string::npos ? 0 : 2;
 }
 
-// No rank closes its endpoint (one is killed, the others leave through _exit), so the shm
-// provider's regions stay in /dev/shm, 16 MiB each, named "<pid>:...": removed here.
-void remove_leftover_shm_regions(const std::vector<pid_t>& pids) {
+// Ranks whose endpoints were never closed leave the shm provider's regions in /dev/shm,
+// 16 MiB each, named "<pid>:...". Returns the names of those of `pids`.
+std::vector<std::string> shm_regions_of(const std::vector<pid_t>& pids) {
+  std::vector<std::string> found;
   DIR* d = opendir("/dev/shm");
-  if (!d) return;
-  std::vector<std::string> gone;
+  if (!d) return found;
   while (dirent* e = readdir(d)) {
     for (pid_t p : pids) {
       const std::string prefix = std::to_string(p) + ":";
-      if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) gone.push_back(e->d_name);
+      if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) found.push_back(e->d_name);
     }
   }
   closedir(d);
-  for (const auto& n : gone) shm_unlink(n.c_str());
+  return found;
 }
 
-TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+class JobFault : public ::testing::TestWithParam<Fault> {};
+
+// W processes stream puts to each other through their proxies; one fails (killed, stopped, or
+// its provider fails a put or a completion). Every other rank — and the failing one itself when
+// it lives — must leave by itself through the ordinary teardown within the timeout + 5 s of the
+// fault, name the failing rank as the culprit, and close its endpoints (no shm region left).
+TEST_P(JobFault, EveryRankLeavesAndNamesTheCulprit) {
+  const Fault fault = GetParam();
   const int W = 3, victim = 2;
   const int64_t timeout_ms = 2000;
+  const bool signal_fault = fault == Fault::kKill || fault == Fault::kStop;
   char tmpl[] = "/tmp/mk-fault-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
+  // Each process reads the plant at its first put or completion; only the victim's matches.
+  if (fault == Fault::kPutError) setenv("MK_FAULT", ("put:error@" + std::to_string(victim) + "#300").c_str(), 1);
+  if (fault == Fault::kCompletionError)
+    setenv("MK_FAULT", ("completion:error@" + std::to_string(victim) + "#300").c_str(), 1);
   std::vector<pid_t> pids(W);
   for (int r = 0; r < W; ++r) {
     pids[r] = fork();
     ASSERT_GE(pids[r], 0);
     if (pids[r] == 0) _exit(child(dir, r, W, victim, timeout_ms));
   }
-  // Kill the victim once every rank streams.
+  unsetenv("MK_FAULT");
   auto deadline = Clock::now() + std::chrono::seconds(30);
   bool ready = false;
   while (!ready && Clock::now() < deadline) {
@@ -165,69 +186,78 @@ TEST(ProxyFault, KilledPeerIsNamedBySurvivors) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_TRUE(ready) << "ranks did not start";
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  kill(pids[victim], SIGKILL);
-  auto killed = Clock::now();
-  // A survivor has reported when its result file exists.
-  std::vector<double> took(W, -1);
-  for (int left = W - 1; left > 0 && Clock::now() < killed + std::chrono::seconds(30);) {
-    for (int r = 0; r < W; ++r) {
-      if (r == victim || took[r] >= 0) continue;
-      if (access((dir + "/result_" + std::to_string(r)).c_str(), F_OK) == 0) {
-        took[r] = std::chrono::duration<double, std::milli>(Clock::now() - killed).count();
-        --left;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  int64_t fault_at = 0;
+  if (signal_fault) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    kill(pids[victim], fault == Fault::kKill ? SIGKILL : SIGSTOP);
+    fault_at = now_ms();
   }
-  write_file(dir + "/done", "done");
+  // Every process that can leave must leave by itself.
   std::vector<int> status(W, -1);
-  for (int left = W; left > 0 && Clock::now() < killed + std::chrono::seconds(60);) {
+  std::vector<int64_t> exit_at(W, 0);
+  auto give_up = Clock::now() + std::chrono::seconds(40);
+  auto must_leave = [&](int r) { return !(signal_fault && r == victim); };
+  for (;;) {
+    bool all = true;
     for (int r = 0; r < W; ++r) {
-      if (status[r] != -1) continue;
+      if (status[r] != -1 || !must_leave(r)) continue;
       int st = 0;
       if (waitpid(pids[r], &st, WNOHANG) == pids[r]) {
         status[r] = st;
-        --left;
+        exit_at[r] = now_ms();
+      } else {
+        all = false;
       }
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (all || Clock::now() > give_up) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  // The victim of a signal (stopped or dead) is ended here, as a launcher would; stragglers too.
   for (int r = 0; r < W; ++r) {
-    if (status[r] == -1) {
-      kill(pids[r], SIGKILL);
-      waitpid(pids[r], nullptr, 0);
+    if (status[r] != -1) continue;
+    kill(pids[r], SIGKILL);
+    int st = 0;
+    waitpid(pids[r], &st, 0);
+    if (must_leave(r)) ADD_FAILURE() << "rank " << r << " did not leave by itself within 40 s";
+    status[r] = st;
+  }
+  if (!signal_fault) {
+    // The fault's moment: when the first rank saw it.
+    fault_at = INT64_MAX;
+    for (int r = 0; r < W; ++r) {
+      std::istringstream in(read_file(dir + "/result_" + std::to_string(r)));
+      std::string line;
+      std::getline(in, line);
+      int64_t t = 0;
+      in >> t;
+      if (t > 0) fault_at = std::min(fault_at, t);
     }
   }
-  remove_leftover_shm_regions(pids);
-  // Every survivor fails in time, naming the victim — or, when its puts to another survivor
-  // stalled behind that survivor's own failure (the shm provider can stop progressing a rank's
-  // incoming puts once one of its peers died), naming that survivor, which itself named the
-  // victim. At least one survivor names the victim directly.
-  auto code = [&](int r) { return WIFEXITED(status[r]) ? WEXITSTATUS(status[r]) : -1; };
-  int direct = 0;
-  for (int r = 0; r < W; ++r) direct += r != victim && code(r) == 0;
-  EXPECT_GE(direct, 1) << "no survivor named rank " << victim;
+  std::vector<pid_t> leavers;
   for (int r = 0; r < W; ++r) {
-    if (r == victim) {
-      EXPECT_TRUE(WIFSIGNALED(status[r])) << "the victim was not killed";
+    if (!must_leave(r)) {
+      EXPECT_TRUE(WIFSIGNALED(status[r])) << "the victim was not ended by its signal";
       continue;
     }
-    std::ifstream f(dir + "/result_" + std::to_string(r));
-    std::stringstream msg;
-    msg << f.rdbuf();
-    printf("rank %d (after %.0f ms): %s\n", r, took[r], msg.str().c_str());
-    const int c = code(r);
-    const int via = c >= 10 ? c - 10 : -1;
-    EXPECT_TRUE(c == 0 || (via >= 0 && via < W && via != victim && via != r && code(via) == 0))
-        << "rank " << r << " did not fail naming rank " << victim << " (or a survivor that named it): "
-        << msg.str();
-    EXPECT_GE(took[r], 0.0) << "rank " << r << " never reported";
-    EXPECT_LT(took[r], timeout_ms + 5000.0) << "rank " << r << " took too long";
+    leavers.push_back(pids[r]);
+    const std::string res = read_file(dir + "/result_" + std::to_string(r));
+    printf("[%s] rank %d left %.1f s after the fault, exit %d: %s\n", fault_name(fault), r,
+           (exit_at[r] - fault_at) / 1000.0, WIFEXITED(status[r]) ? WEXITSTATUS(status[r]) : -1,
+           res.substr(0, res.find('\n')).c_str());
+    EXPECT_TRUE(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)
+        << "rank " << r << " did not name rank " << victim << " as the culprit: " << res;
+    EXPECT_LE(exit_at[r] - fault_at, timeout_ms + 5000) << "rank " << r << " took too long to leave";
   }
+  // Every rank that left closed its endpoint; the victim's region (if it never closed one) goes.
+  EXPECT_EQ(shm_regions_of(leavers).size(), 0u) << "a rank that left kept its shm region";
+  for (const auto& n : shm_regions_of(pids)) shm_unlink(n.c_str());
   std::string cmd = "rm -rf " + dir;
   (void)!system(cmd.c_str());
 }
+
+INSTANTIATE_TEST_SUITE_P(Faults, JobFault,
+                         ::testing::Values(Fault::kKill, Fault::kStop, Fault::kPutError, Fault::kCompletionError),
+                         [](const ::testing::TestParamInfo<Fault>& i) { return std::string(fault_name(i.param)); });
 
 }  // namespace
 }  // namespace test

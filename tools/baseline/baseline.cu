@@ -209,7 +209,9 @@ Baselines::Baselines() : impl_(new Impl) {}
 
 Baselines::~Baselines() {
   Impl& m = *impl_;
-  if (m.comm != nullptr) ncclCommDestroy(m.comm);
+  // Abort, not destroy: nothing of ours is in flight any more (every call was synchronized),
+  // and after a failed job a destroy could wait for a peer that is gone.
+  if (m.comm != nullptr) ncclCommAbort(m.comm);
   if (m.blas != nullptr) cublasDestroy(m.blas);
   for (cudaEvent_t e : m.chunk_ready) cudaEventDestroy(e);
   for (cudaEvent_t e : {m.fork, m.compute_done, m.comm_done})

@@ -58,6 +58,7 @@ std::string string_or_default(const std::string& name);
   STRING_(debug_subsys)                      \
   STRING_(debug_file)                        \
   INT_(bootstrap_timeout_ms)                 \
+  INT_(failure_grace_ms)                     \
   INT_(ipc_timeout_ms)                       \
   INT_(signal_timeout_ms)                    \
   INT_(ranks_per_node)                       \
@@ -75,7 +76,8 @@ std::string string_or_default(const std::string& name);
   STRING_(split_memory_file)                 \
   INT_(ring_comm_ctas)                       \
   INT_(moe_comm_ctas)                        \
-  INT_(check_calls)
+  INT_(check_calls)                          \
+  STRING_(fault)
 #define MK_TUNABLE_DECLARE_INT_(name_) int64_t name_();
 #define MK_TUNABLE_DECLARE_STRING_(name_) std::string name_();
 MK_TUNABLE_ACCESSORS(MK_TUNABLE_DECLARE_INT_, MK_TUNABLE_DECLARE_STRING_)

@@ -94,8 +94,19 @@ class Communicator {
   // record) or abort()'s cause. Once it fails it stays failed: operators refuse new calls;
   // destroy the communicator and create a new one. Use it after synchronizing a stream that
   // ran the library's kernels: a wait that gave up does not fail the launch itself.
+  // A failure also fails the job (Bootstrap::fail): collectives stop waiting and every peer
+  // hears of it, so every rank's teardown runs through within the bounds.
   Status check() const;
   bool failed() const { return !check().ok(); }
+  // The job's failure as this rank reports it (Bootstrap::failure_report: waits once, up to
+  // the tunable failure_grace_ms, for the peers' notices, then names the culprit: the rank
+  // with a cause of its own, or the ranks that said nothing). OK while the job has not failed.
+  // `mine`, when not OK, is this rank's cause (a call it refused: its peers may be waiting for
+  // it in theirs) and fails the job first. After it, destroy() waits for nobody. Owning thread.
+  //   Status s = op->run(args, stream);
+  //   if (s.ok()) s = comm->sync(stream);
+  //   if (!s.ok()) { fprintf(stderr, "%s\n", comm->failure(s).to_string().c_str()); /* destroy, exit */ }
+  Status failure(const Status& mine = OkStatus());
   // True once a device wait has written the diagnostic record.
   bool wait_timed_out() const;
   // Marks the communicator failed (first cause wins): every bounded device wait of its
@@ -106,6 +117,7 @@ class Communicator {
 
  private:
   Communicator();
+  Status health() const;  // check() without failing the job
   Status init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg);
 
   std::unique_ptr<Bootstrap> bs_;

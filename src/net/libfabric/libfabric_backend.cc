@@ -37,6 +37,8 @@
 #include "mkernel/net/backend.h"
 #include "mkernel/runtime/bootstrap.h"
 #include "mkernel/runtime/topology.h"
+#include "src/common/env_defaults.h"
+#include "src/common/fault.h"
 #include "src/net/net_internal.h"
 
 namespace mk {
@@ -382,9 +384,38 @@ class LibfabricBackend final : public Backend {
 
 // ---- setup ----------------------------------------------------------------------------------
 
+// udp;ofi_rxd keeps up to FI_OFI_RXD_MAX_UNACKED datagrams per peer in flight; what all peers
+// have in flight to one rank must fit its UDP socket buffer, or a rank that is descheduled
+// drops them and rxd's recovery can fail for good (docs/backend-contract.md). A datagram of
+// 1472 bytes takes about 2 KiB of the buffer (the kernel counts its whole allocation).
+Status rxd_fits(const Topology& topo, const std::string& prov) {
+  if (prov != "udp;ofi_rxd") return OkStatus();
+  int smallest_node = topo.world;
+  for (const auto& n : topo.node_ranks) smallest_node = std::min<int>(smallest_node, static_cast<int>(n.size()));
+  const int64_t peers = topo.world - smallest_node;  // ranks on other nodes, at most
+  const int64_t window = rxd_max_unacked();
+  int64_t rmem = 212992;  // Linux's usual net.core.rmem_default
+  if (FILE* f = fopen("/proc/sys/net/core/rmem_default", "r")) {
+    long long v = 0;
+    if (fscanf(f, "%lld", &v) == 1 && v > 0) rmem = v;
+    fclose(f);
+  }
+  const int64_t need = peers * window * 2048;
+  if (peers > 0 && need > rmem)
+    return make_status(Code::kNotSupported,
+                       "udp;ofi_rxd cannot carry this job reliably: %lld peer(s) on other nodes x %lld unacknowledged "
+                       "datagrams each (FI_OFI_RXD_MAX_UNACKED) x ~2 KiB = %lld bytes in flight to one rank, more "
+                       "than its UDP receive buffer (net.core.rmem_default = %lld); use tcp;ofi_rxm, raise "
+                       "net.core.rmem_default, or set a smaller FI_OFI_RXD_MAX_UNACKED before the process starts",
+                       (long long)peers, (long long)window, (long long)need, (long long)rmem);
+  return OkStatus();
+}
+
 Status LibfabricBackend::init(const Topology& topo, const std::string& requested) {
+  apply_env_defaults();  // before this process's first fi_getinfo (libfabric reads them once)
   std::string prov;
   MK_CHECK(choose_provider(topo, requested, &prov));
+  MK_CHECK(agree(bs_, rxd_fits(topo, prov), "libfabric provider " + prov));
   Status opened = open_endpoint(topo, prov);
   if (!opened.ok()) MK_INFO(kSubsysNet, "%s", opened.message().c_str());
   MK_CHECK(agree(bs_, opened, "libfabric endpoint (" + prov + ")"));
@@ -726,6 +757,9 @@ Status LibfabricBackend::register_window(void* base, size_t bytes, MemKind kind,
                         "%s: GPU windows need FI_HMEM, which this provider does not offer here "
                         "(or net_staging=always, or this rank has no GPU): stage through host memory",
                         name_.c_str());
+  } else if (fault::at(fault::Site::kRegister, rank_) == fault::Action::kError) {  // tests
+    local = make_status(Code::kSystemError, "%s register_window: the provider refused %zu bytes (%s)", name_.c_str(),
+                        bytes, fault::planted(fault::Site::kRegister, rank_).c_str());
   } else if (bytes > 0) {
     local = reg(base, bytes, FI_WRITE | FI_REMOTE_WRITE, kind, &mr);
   }
@@ -801,6 +835,10 @@ Status LibfabricBackend::put(int peer, WindowId src, uint64_t src_off, WindowId 
                  windows_[dst].live,
              Code::kInvalidArgument, "%s: put to rank %d: window %u or %u not registered",
              name_.c_str(), peer, src, dst);
+  if (fault::at(fault::Site::kPut, rank_) == fault::Action::kError)  // tests: a provider error here
+    return fail(make_status(Code::kSystemError, "%s: posting a put (%llu bytes, peer %d): provider error (%s)",
+                            name_.c_str(), static_cast<unsigned long long>(bytes), peer,
+                            fault::planted(fault::Site::kPut, rank_).c_str()));
   const Window& s = windows_[src];
   const WinMsg& d = windows_[dst].remote[peer];
   // A zero-byte window has no memory of its own: the scratch region stands in (some providers
@@ -914,6 +952,12 @@ Status LibfabricBackend::poll(std::vector<LocalDone>* done, std::vector<Arrival>
         post_recv(c);
         continue;
       }
+      if ((c->kind == CtxKind::kPut || c->kind == CtxKind::kPutInjected) &&
+          fault::at(fault::Site::kCompletion, rank_) == fault::Action::kError)  // tests: as read_error() reports
+        return fail(make_status(Code::kRemoteError,
+                                "%s: the completion of a put (cookie %llu, peer %d) reports a provider error (%s)",
+                                name_.c_str(), static_cast<unsigned long long>(c->cookie), c->peer,
+                                fault::planted(fault::Site::kCompletion, rank_).c_str()));
       switch (c->kind) {
         case CtxKind::kPut:
           done->push_back(LocalDone{c->cookie});
@@ -1042,6 +1086,24 @@ Status LibfabricBackend::send_quiet(int peer, uint32_t epoch, Clock::time_point 
 Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
   const uint32_t epoch = ++epoch_;
   if (s.ok()) s = error_;
+  // A failed job has no collective steps left: the peers may be gone (Bootstrap::fail), and
+  // the caller only releases this rank's resources.
+  // In a teardown (own_puts: deregister, finalize) that is no error: the caller closes what is
+  // this rank's own.
+  {
+    Status f = bs_.poll_failure();
+    if (!f.ok()) {
+      bs_.fail(s);
+      if (own_puts) return OkStatus();
+      return Status(f.code(), name_ + " " + what + ": skipped, the job has failed: " + f.message());
+    }
+  }
+  // Polled in the loops below, every 20 ms: another rank's failure ends the wait.
+  auto job_failed = [&, next = Clock::now()]() mutable -> Status {
+    if (Clock::now() < next) return OkStatus();
+    next = Clock::now() + std::chrono::milliseconds(20);
+    return bs_.poll_failure();
+  };
   Pause pause;
   // 1. (teardown) This rank's puts complete; their targets keep progressing meanwhile, being
   //    in step 1 or 3 themselves or still in their own work loop.
@@ -1059,8 +1121,11 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
       s = make_status(Code::kTimeout, "%s %s: %llu put(s) of rank %d still incomplete after %lld ms",
                       name_.c_str(), what, static_cast<unsigned long long>(outstanding_), rank_,
                       static_cast<long long>(net_ms));
+      bs_.fail(s);  // a peer stopped taking this rank's puts: the job cannot go on
       break;
     }
+    Status f = job_failed();
+    if (!f.ok()) return own_puts ? OkStatus() : f;
     pause.idle();
   }
   // 2. Tell every peer (even after a local failure, so that peers do not wait on this rank).
@@ -1104,8 +1169,11 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
                      : make_status(Code::kTimeout, "%s %s: rank(s) %s did not arrive within %lld ms",
                                    name_.c_str(), what, list.c_str(), static_cast<long long>(boot_ms));
       if (s.ok()) s = t;
+      bs_.fail(t);
       break;
     }
+    Status f = job_failed();
+    if (!f.ok()) return own_puts ? OkStatus() : f;
     pause.idle();
   }
   // 4. Every rank returns the same outcome; this is also the barrier.
@@ -1182,6 +1250,7 @@ Status create_libfabric_backend(Bootstrap& bs, const Topology& topo, const std::
 }
 
 std::vector<std::string> libfabric_providers() {
+  apply_env_defaults();
   std::vector<std::string> names;
   fi_info* hints = fi_allocinfo();
   if (!hints) return names;

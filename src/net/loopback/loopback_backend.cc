@@ -90,7 +90,7 @@ class LoopbackBackend final : public Backend {
     MK_REQUIRE(id < windows_.size(), Code::kInvalidArgument,
                "loopback deregister_window: unknown window %u", id);
     if (!live_[id] || finalized_) return OkStatus();
-    MK_CHECK(bs_.barrier());  // no rank still writes into it
+    MK_CHECK(bs_.teardown_barrier());  // no rank still writes into it
     live_[id] = false;
     return OkStatus();
   }
@@ -158,7 +158,7 @@ class LoopbackBackend final : public Backend {
     if (finalized_) return OkStatus();
     finalized_ = true;
     // After this barrier no rank puts into this one, so the object may be destroyed.
-    return bs_.barrier();
+    return bs_.teardown_barrier();
   }
 
  private:

@@ -1,15 +1,238 @@
 // Bootstrap base: default broadcast/barrier on top of allgather, and the shared helpers.
 #include "mkernel/runtime/bootstrap.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/tunables.h"
 #include "src/runtime/bootstrap/bootstrap_util.h"
 
 namespace mk {
+
+// ---- job failure ---------------------------------------------------------------------------
+
+static_assert(sizeof(Bootstrap::FailureNotice) == 512, "failure notice layout");
+
+struct Bootstrap::FailureState {
+  std::mutex mu;
+  std::atomic<bool> failed{false};
+  Status own;              // this rank's own cause (first wins)
+  Status heard;            // the best cause heard from a peer: an own cause beats a relayed one
+  int heard_from = -1;     // whose it is
+  bool heard_own = false;  // the sender's own cause (not one it relayed)
+  bool sent_own = false;   // notices sent: at most one heard, then one own
+  bool sent_heard = false;
+  // Owning thread only:
+  std::vector<FailureNotice> peer;  // [rank] the latest notice (an own cause beats a heard one)
+  std::vector<bool> have;           // [rank]
+  detail::Clock::time_point last_read{};
+  bool reported = false;
+  Status report;
+};
+
+namespace {
+
+// A cause that only says another rank did not do its part (a wait that expired): the rank
+// waited on is nearer the culprit. Anything else (bad input, a network or CUDA error, a
+// mismatch) is a cause of the reporting rank's own. What a rank only heard from another is
+// flagged as heard, whatever its code.
+bool is_consequence(Code c) { return c == Code::kTimeout; }
+
+// The other rank a cause points at, as mkernel's messages name it: a wait "... from rank P",
+// a put "... to rank P ...", "is rank P alive?", a bootstrap "rank(s) P did not arrive". A cause
+// that points at another rank is that rank's doing, not its reporter's: -1 when none does.
+int suspect_in(const std::string& m, int self) {
+  size_t best = std::string::npos;
+  int who = -1;
+  for (const char* key : {"from rank ", "to rank ", "is rank ", "rank(s) "}) {
+    for (size_t at = m.find(key); at != std::string::npos; at = m.find(key, at + 1)) {
+      const char* p = m.c_str() + at + strlen(key);
+      if (*p < '0' || *p > '9') continue;
+      const int r = atoi(p);
+      if (r != self && at < best) {
+        best = at;
+        who = r;
+      }
+      break;
+    }
+  }
+  return who;
+}
+
+// A rank's own cause that makes it the culprit: not a wait that expired, not one that names
+// another rank.
+bool is_own_fault(Code c, const std::string& m, int self) { return !is_consequence(c) && suspect_in(m, self) < 0; }
+
+std::string notice_text(const Bootstrap::FailureNotice& n) {
+  return std::string(n.message, strnlen(n.message, sizeof(n.message)));
+}
+
+Bootstrap::FailureNotice make_notice(const Status& s, bool heard) {
+  Bootstrap::FailureNotice n;
+  memset(&n, 0, sizeof(n));
+  n.size = sizeof(n);
+  n.version = Bootstrap::kFailureNoticeVersion;
+  n.code = static_cast<int32_t>(s.code());
+  n.heard = heard ? 1u : 0u;
+  snprintf(n.message, sizeof(n.message), "%s", s.message().c_str());
+  return n;
+}
+
+}  // namespace
+
+Bootstrap::Bootstrap() : fs_(std::make_shared<FailureState>()) {}
+
+void Bootstrap::fail(const Status& why) {
+  if (why.ok()) return;
+  std::lock_guard<std::mutex> g(fs_->mu);
+  if (fs_->own.ok()) fs_->own = why;
+  fs_->failed.store(true, std::memory_order_release);
+}
+
+bool Bootstrap::failed() const { return fs_->failed.load(std::memory_order_acquire); }
+
+void Bootstrap::exchange_notices() {
+  FailureState& f = *fs_;
+  const int W = size();
+  if (f.peer.empty()) {
+    f.peer.resize(W);
+    f.have.assign(W, false);
+  }
+  // 1. This rank's notice: its own cause once known, else what it heard (so that the peers
+  //    learn this rank is alive and failed, not silent).
+  FailureNotice out;
+  bool send = false;
+  {
+    std::lock_guard<std::mutex> g(f.mu);
+    if (!f.own.ok() && !f.sent_own) {
+      out = make_notice(f.own, false);
+      f.sent_own = send = true;
+    } else if (f.own.ok() && !f.heard.ok() && !f.sent_heard && !f.sent_own) {
+      out = make_notice(f.heard, true);
+      f.sent_heard = send = true;
+    }
+  }
+  if (send && W > 1) send_failure_notice(out);
+  // 2. The peers' notices.
+  std::vector<std::pair<int, FailureNotice>> in;
+  if (W > 1) read_failure_notices(&in);
+  f.last_read = detail::Clock::now();
+  bool heard_now = false;
+  for (auto& [r, n] : in) {
+    if (r < 0 || r >= W || r == rank() || n.size != sizeof(FailureNotice) || n.version != kFailureNoticeVersion)
+      continue;
+    n.message[sizeof(n.message) - 1] = '\0';
+    if (!f.have[r] || (f.peer[r].heard && !n.heard)) f.peer[r] = n;
+    f.have[r] = true;
+    std::lock_guard<std::mutex> g(f.mu);
+    // What this rank tells of the failure: the lowest rank's own cause, else the first relay.
+    const bool own = !n.heard;
+    if (f.heard.ok() || (own && (!f.heard_own || r < f.heard_from))) {
+      heard_now |= f.heard.ok();
+      f.heard = make_status(Code::kRemoteError, "rank %d failed: %s", r, notice_text(n).c_str());
+      f.heard_from = r;
+      f.heard_own = own;
+    }
+    f.failed.store(true, std::memory_order_release);
+  }
+  // Heard first: tell the others at once that this rank is alive and failed.
+  if (heard_now) exchange_notices();
+}
+
+Status Bootstrap::poll_failure() {
+  exchange_notices();
+  if (!failed()) return OkStatus();
+  std::lock_guard<std::mutex> g(fs_->mu);
+  return fs_->own.ok() ? fs_->heard : fs_->own;
+}
+
+Status Bootstrap::failure_gate(const char* op, uint64_t seq, bool throttle) {
+  FailureState& f = *fs_;
+  const bool was_failed = failed();
+  if (!was_failed && throttle && detail::Clock::now() - f.last_read < std::chrono::milliseconds(20))
+    return OkStatus();
+  exchange_notices();
+  if (!failed()) return OkStatus();
+  std::vector<int> reporters;
+  for (int r = 0; r < static_cast<int>(f.have.size()); ++r)
+    if (f.have[r]) reporters.push_back(r);
+  std::lock_guard<std::mutex> g(f.mu);
+  if (!f.own.ok())
+    return Status(f.own.code(), std::string(kind()) + " bootstrap " + op + " #" + std::to_string(seq) +
+                                    ": the job failed on this rank: " + f.own.message());
+  return Status(Code::kRemoteError, std::string(kind()) + " bootstrap " + op + " #" + std::to_string(seq) +
+                                        ": the job failed: rank(s) " + detail::rank_list(reporters) +
+                                        " reported a failure: " + f.heard.message());
+}
+
+Status Bootstrap::failure_report(int64_t grace_ms) {
+  FailureState& f = *fs_;
+  exchange_notices();
+  if (!failed()) return OkStatus();
+  if (f.reported) return f.report;
+  if (grace_ms < 0) grace_ms = tunables::failure_grace_ms();
+  const int W = size(), me = rank();
+  auto deadline = detail::deadline_after(grace_ms);
+  detail::Backoff backoff;
+  for (;;) {
+    int missing = 0;
+    for (int r = 0; r < W; ++r) missing += r != me && !f.have[r];
+    if (missing == 0 || detail::Clock::now() > deadline) break;
+    backoff.pause();
+    exchange_notices();
+  }
+  Status mine;
+  {
+    std::lock_guard<std::mutex> g(f.mu);
+    mine = f.own.ok() ? f.heard : f.own;
+  }
+  // The culprit: the lowest rank with a cause of its own that is not a consequence of
+  // another's (a wait that expired, a peer's error); else the ranks that said nothing.
+  // Next, ranks that only heard of it: alive, but they did not fail on their own, so they
+  // were not in the call the others waited in.
+  int primary = -1;
+  std::vector<int> silent, heard_only;
+  for (int r = 0; r < W; ++r) {
+    if (r == me) {
+      if (primary < 0 && !f.own.ok() && is_own_fault(f.own.code(), f.own.message(), r)) primary = r;
+      if (f.own.ok()) heard_only.push_back(r);
+      continue;
+    }
+    if (!f.have[r]) {
+      silent.push_back(r);
+      continue;
+    }
+    if (f.peer[r].heard) heard_only.push_back(r);
+    if (primary < 0 && !f.peer[r].heard &&
+        is_own_fault(static_cast<Code>(f.peer[r].code), notice_text(f.peer[r]), r))
+      primary = r;
+  }
+  const std::string here = "rank " + std::to_string(me) + (f.own.ok() ? " heard: " : " saw: ") + mine.message();
+  if (primary == me) {
+    f.report = Status(mine.code(), "job failed: culprit rank " + std::to_string(me) + ": " + mine.message());
+  } else if (primary >= 0) {
+    f.report = Status(static_cast<Code>(f.peer[primary].code),
+                      "job failed: culprit rank " + std::to_string(primary) + ": " + notice_text(f.peer[primary]) +
+                          "; " + here);
+  } else if (!silent.empty()) {
+    f.report = Status(Code::kTimeout, "job failed: culprit rank(s) " + detail::rank_list(silent) +
+                                          ": did not report within " + std::to_string(grace_ms) +
+                                          " ms (dead, stopped, or not in a mkernel call); " + here);
+  } else if (!heard_only.empty() && static_cast<int>(heard_only.size()) < W) {
+    f.report = Status(Code::kTimeout, "job failed: culprit rank(s) " + detail::rank_list(heard_only) +
+                                          ": not in the call the others waited in (did not fail on their own); " +
+                                          here);
+  } else {
+    f.report = Status(mine.code(), "job failed on every rank; " + here);
+  }
+  f.reported = true;
+  return f.report;
+}
 
 int64_t Bootstrap::resolve_timeout(int64_t timeout_ms) const {
   if (timeout_ms >= 0) return timeout_ms;
@@ -31,6 +254,12 @@ Status Bootstrap::barrier(int64_t timeout_ms) {
   return allgather(&one, all.data(), 1, timeout_ms);
 }
 
+Status Bootstrap::teardown_barrier(int64_t timeout_ms) {
+  if (!poll_failure().ok()) return OkStatus();
+  Status s = barrier(timeout_ms);
+  return failed() ? OkStatus() : s;  // the job failed while waiting: the same
+}
+
 Status agree(Bootstrap& bs, const Status& mine, const std::string& what, int64_t timeout_ms) {
   struct Outcome {
     int32_t code;
@@ -41,8 +270,21 @@ Status agree(Bootstrap& bs, const Status& mine, const std::string& what, int64_t
   memset(&o, 0, sizeof(o));
   o.code = static_cast<int32_t>(mine.code());
   snprintf(o.msg, sizeof(o.msg), "%s", mine.message().c_str());
+  // A failed job agrees on nothing more: every rank reports the failure (naming its culprit)
+  // instead of waiting for ranks that may be dead or stopped.
+  if (bs.failed()) {
+    bs.fail(mine);
+    return bs.failure_report();
+  }
   std::vector<Outcome> all(bs.size());
-  MK_CHECK(bs.allgather(&o, all.data(), sizeof(o), timeout_ms));
+  Status gathered = bs.allgather(&o, all.data(), sizeof(o), timeout_ms);
+  if (!gathered.ok()) {
+    if (bs.failed()) {
+      bs.fail(mine);
+      return bs.failure_report();
+    }
+    return gathered;
+  }
   std::vector<int> failed;
   for (int r = 0; r < bs.size(); ++r)
     if (all[r].code != 0) failed.push_back(r);

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
+#include <vector>
 
 #include "mkernel/common/check.h"
+#include "src/common/env_defaults.h"
 #include "src/runtime/bootstrap/bootstrap_util.h"
 
 namespace mk {
@@ -14,6 +17,7 @@ namespace {
 
 constexpr int kTagBase = 0x4d4b;  // tags kTagBase + (seq % kTagSpan): never a user's tag space
 constexpr int kTagSpan = 4096;
+constexpr int kFailTag = kTagBase - 1;  // failure notices (Bootstrap::fail)
 
 Status mpi_status(int err, const char* what) {
   char msg[MPI_MAX_ERROR_STRING] = {0};
@@ -33,8 +37,10 @@ Status mpi_status(int err, const char* what) {
 
 class MpiBootstrap final : public Bootstrap {
  public:
-  MpiBootstrap(MPI_Comm comm, bool finalize_on_destroy)
-      : comm_(comm), finalize_(finalize_on_destroy) {
+  // `notices`: a communicator of the same ranks that carries failure notices only. It is never
+  // freed (see notice_comm_).
+  MpiBootstrap(MPI_Comm comm, MPI_Comm notices, bool finalize_on_destroy)
+      : comm_(comm), notice_comm_(notices), finalize_(finalize_on_destroy) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
@@ -42,6 +48,27 @@ class MpiBootstrap final : public Bootstrap {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    // MPI_Finalize waits for every process of the job, so it would hang on a dead or stopped
+    // one: after a failure (or when the ranks cannot meet once more, within the bootstrap
+    // bound) this rank leaves without it, and so does its communicator. The launcher then
+    // sees the process end without finalizing and ends the job (mpirun: on every rank).
+    (void)poll_failure();  // a pending failure notice leaves now
+    bool leave = failed();  // and its communicator stays (a free could meet a peer's late message)
+    if (!leave && finalize_) leave = !barrier().ok();
+    // A failure notice still in flight keeps its buffer: the requests are released, the
+    // buffers left to the process's end.
+    for (MPI_Request& r : notice_reqs_) {
+      int done = 0;
+      if (r != MPI_REQUEST_NULL) MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+      if (!done && r != MPI_REQUEST_NULL) {
+        MPI_Request_free(&r);
+        leave = true;
+      }
+    }
+    if (leave) {
+      new std::deque<FailureNotice>(std::move(notice_bufs_));  // NOLINT: intentionally kept
+      return;
+    }
     MPI_Comm_free(&comm_);
     if (finalize_) MPI_Finalize();
   }
@@ -52,6 +79,7 @@ class MpiBootstrap final : public Bootstrap {
   Status allgather(const void* send, void* recv, size_t bytes, int64_t timeout_ms) override {
     const int64_t tmo = resolve_timeout(timeout_ms);
     const uint64_t seq = seq_++;
+    MK_CHECK(failure_gate("allgather", seq));
     const int tag = kTagBase + static_cast<int>(seq % kTagSpan);
     auto* out = static_cast<uint8_t*>(recv);
     if (out + rank_ * bytes != send) memmove(out + rank_ * bytes, send, bytes);
@@ -81,6 +109,7 @@ class MpiBootstrap final : public Bootstrap {
                "broadcast root %d outside world of %d", root, size_);
     const int64_t tmo = resolve_timeout(timeout_ms);
     const uint64_t seq = seq_++;
+    MK_CHECK(failure_gate("broadcast", seq));
     const int tag = kTagBase + static_cast<int>(seq % kTagSpan);
     std::vector<MPI_Request> reqs;
     std::vector<int> peer_of;
@@ -147,6 +176,12 @@ class MpiBootstrap final : public Bootstrap {
       }
       left -= n;
       if (left == 0) break;
+      // Another rank reported a failure: nobody is coming any more.
+      Status gate = failure_gate(op, seq);
+      if (!gate.ok()) {
+        abandon(reqs, nrecv);
+        return gate;
+      }
       if (detail::Clock::now() > deadline) {
         std::vector<int> missing;
         for (size_t i = 0; i < reqs.size(); ++i)
@@ -154,7 +189,9 @@ class MpiBootstrap final : public Bootstrap {
         std::sort(missing.begin(), missing.end());
         missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
         abandon(reqs, nrecv);
-        return detail::missing_ranks_status("mpi", op, seq, missing, tmo);
+        Status t = detail::missing_ranks_status("mpi", op, seq, missing, tmo);
+        fail(t);
+        return t;
       }
       backoff.pause();
     }
@@ -174,8 +211,44 @@ class MpiBootstrap final : public Bootstrap {
     }
   }
 
+  void send_failure_notice(const FailureNotice& n) override {
+    notice_bufs_.push_back(n);  // a deque: earlier buffers stay where their sends read them
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      notice_reqs_.emplace_back(MPI_REQUEST_NULL);
+      if (MPI_Isend(&notice_bufs_.back(), sizeof(FailureNotice), MPI_BYTE, r, kFailTag, notice_comm_,
+                    &notice_reqs_.back()) != MPI_SUCCESS)
+        notice_reqs_.back() = MPI_REQUEST_NULL;  // best effort
+    }
+  }
+  void read_failure_notices(std::vector<std::pair<int, FailureNotice>>* out) override {
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kFailTag, notice_comm_, &flag, &st) != MPI_SUCCESS || !flag) return;
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      FailureNotice n;
+      memset(&n, 0, sizeof(n));
+      std::vector<uint8_t> buf(static_cast<size_t>(std::max(count, 1)));
+      if (MPI_Recv(buf.data(), count, MPI_BYTE, st.MPI_SOURCE, kFailTag, notice_comm_, MPI_STATUS_IGNORE) !=
+          MPI_SUCCESS)
+        return;
+      if (count != static_cast<int>(sizeof(n))) continue;  // not a notice this build reads
+      memcpy(&n, buf.data(), sizeof(n));
+      out->emplace_back(st.MPI_SOURCE, n);
+    }
+  }
+
   MPI_Comm comm_;
+  // Never freed: a notice may reach a rank after it destroyed its bootstrap, and a message for
+  // a freed communicator waits in MPI for the next one to take its context id (OpenMPI then
+  // delivers it there: seen crashing a later MPI_Comm_dup). On a communicator that lives to
+  // the process's end, a late notice is only an unread message.
+  MPI_Comm notice_comm_;
   bool finalize_;
+  std::deque<FailureNotice> notice_bufs_;
+  std::vector<MPI_Request> notice_reqs_;
   int rank_ = 0, size_ = 1;
   uint64_t seq_ = 0;
 };
@@ -188,10 +261,12 @@ Status make_mpi_bootstrap(MPI_Comm comm, std::unique_ptr<Bootstrap>* out) {
   int init = 0;
   MPI_Initialized(&init);
   MK_REQUIRE(init, Code::kInvalidArgument, "make_mpi_bootstrap: MPI is not initialized");
-  MPI_Comm dup;
+  MPI_Comm dup, notices;
   MK_MPI_CHECK(MPI_Comm_dup(comm, &dup));
   MK_MPI_CHECK(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN));
-  *out = std::make_unique<MpiBootstrap>(dup, false);
+  MK_MPI_CHECK(MPI_Comm_dup(comm, &notices));
+  MK_MPI_CHECK(MPI_Comm_set_errhandler(notices, MPI_ERRORS_RETURN));
+  *out = std::make_unique<MpiBootstrap>(dup, notices, false);
   return OkStatus();
 }
 
@@ -200,14 +275,17 @@ Status make_mpi_world_bootstrap(std::unique_ptr<Bootstrap>* out) {
   MPI_Initialized(&init);
   bool ours = false;
   if (!init) {
+    apply_env_defaults();  // MPI_Init may start libfabric, which reads them once
     int provided = 0;
     MK_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided));
     ours = true;
   }
-  MPI_Comm dup;
+  MPI_Comm dup, notices;
   MK_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &dup));
   MK_MPI_CHECK(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN));
-  *out = std::make_unique<MpiBootstrap>(dup, ours);
+  MK_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &notices));
+  MK_MPI_CHECK(MPI_Comm_set_errhandler(notices, MPI_ERRORS_RETURN));
+  *out = std::make_unique<MpiBootstrap>(dup, notices, ours);
   return OkStatus();
 }
 

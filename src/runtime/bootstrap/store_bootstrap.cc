@@ -1,6 +1,7 @@
 // Bootstrap over a key-value store (PyTorch's c10d Store through callbacks).
 // Key of rank r's contribution to collective #seq: "<prefix>/<seq>/<r>".
 #include <cstring>
+#include <vector>
 
 #include "mkernel/common/check.h"
 #include "mkernel/runtime/bootstrap.h"
@@ -20,6 +21,7 @@ class StoreBootstrap final : public Bootstrap {
   Status allgather(const void* send, void* recv, size_t bytes, int64_t timeout_ms) override {
     const int64_t tmo = resolve_timeout(timeout_ms);
     const uint64_t seq = seq_++;
+    MK_CHECK(failure_gate("allgather", seq));
     std::vector<uint8_t> mine(static_cast<const uint8_t*>(send),
                               static_cast<const uint8_t*>(send) + bytes);
     MK_CHECK(cb_.set(key(seq, rank_), mine));
@@ -55,13 +57,18 @@ class StoreBootstrap final : public Bootstrap {
         --left;
       }
       if (left == 0) break;
+      // A failure notice from any rank ends the wait (read every few ms: a read is a round
+      // trip per peer).
+      MK_CHECK(failure_gate("allgather", seq, /*throttle=*/true));
       if (detail::Clock::now() > deadline) {
         std::vector<int> missing;
         for (int r = 0; r < size_; ++r)
           if (!have[r]) missing.push_back(r);
         std::string r = std::to_string(rank_);
         (void)cb_.set(abort_key(seq), std::vector<uint8_t>(r.begin(), r.end()));
-        return detail::missing_ranks_status("store", "allgather", seq, missing, tmo);
+        Status t = detail::missing_ranks_status("store", "allgather", seq, missing, tmo);
+        fail(t);
+        return t;
       }
       backoff.pause();
     }
@@ -77,7 +84,33 @@ class StoreBootstrap final : public Bootstrap {
     return OkStatus();
   }
 
+ protected:
+  // Rank r's k-th notice (k = 0, 1: at most a heard one, then its own) under
+  // "<prefix>/fail/<r>/<k>": keys are never rewritten.
+  void send_failure_notice(const FailureNotice& n) override {
+    const auto* p = reinterpret_cast<const uint8_t*>(&n);
+    (void)cb_.set(fail_key(rank_, sent_++), std::vector<uint8_t>(p, p + sizeof(n)));
+  }
+  void read_failure_notices(std::vector<std::pair<int, FailureNotice>>* out) override {
+    if (next_.empty()) next_.assign(size_, 0);
+    for (int r = 0; r < size_; ++r) {
+      while (r != rank_ && next_[r] < 2) {
+        std::vector<uint8_t> v;
+        bool found = false;
+        if (!cb_.try_get(fail_key(r, next_[r]), &v, &found).ok() || !found) break;
+        ++next_[r];
+        if (v.size() != sizeof(FailureNotice)) continue;
+        FailureNotice n;
+        memcpy(&n, v.data(), sizeof(n));
+        out->emplace_back(r, n);
+      }
+    }
+  }
+
  private:
+  std::string fail_key(int r, int k) const {
+    return prefix_ + "/fail/" + std::to_string(r) + "/" + std::to_string(k);
+  }
   std::string abort_key(uint64_t seq) const { return prefix_ + "/" + std::to_string(seq) + "/abort"; }
   std::string key(uint64_t seq, int r) const {
     return prefix_ + "/" + std::to_string(seq) + "/" + std::to_string(r);
@@ -86,6 +119,8 @@ class StoreBootstrap final : public Bootstrap {
   std::string prefix_;
   StoreCallbacks cb_;
   uint64_t seq_ = 0;
+  int sent_ = 0;            // notices this rank has stored
+  std::vector<int> next_;   // [rank] the next notice index to look for
 };
 
 }  // namespace

@@ -1,5 +1,8 @@
 // A world of W ranks inside one process: each rank is a thread holding its own Bootstrap;
 // collectives meet in a shared table keyed by the per-rank sequence number.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -23,11 +26,16 @@ struct ThreadWorld {
     std::vector<int> failed;  // ranks that gave up on this op (timeout / mismatch)
     bool mismatch = false;    // ranks passed different sizes: nobody waits any longer
   };
-  explicit ThreadWorld(int n) : size(n) {}
+  explicit ThreadWorld(int n) : size(n), inbox(n) {}
   int size;
   std::mutex mu;
   std::condition_variable cv;
   std::map<uint64_t, Op> ops;
+  // Failure notices: inbox[r] holds what was sent to rank r (guarded by notice_mu, taken after
+  // mu where both are held); notices counts them all, so a waiter sees news without the lock.
+  std::mutex notice_mu;
+  std::vector<std::vector<std::pair<int, Bootstrap::FailureNotice>>> inbox;
+  std::atomic<uint64_t> notices{0};
 };
 
 class ThreadBootstrap final : public Bootstrap {
@@ -40,6 +48,7 @@ class ThreadBootstrap final : public Bootstrap {
   Status allgather(const void* send, void* recv, size_t bytes, int64_t timeout_ms) override {
     const int64_t tmo = resolve_timeout(timeout_ms);
     const uint64_t seq = seq_++;
+    MK_CHECK(failure_gate("allgather", seq));
     std::unique_lock<std::mutex> lk(w_->mu);
     ThreadWorld::Op& op = w_->ops[seq];
     if (op.data.empty()) {
@@ -72,10 +81,25 @@ class ThreadBootstrap final : public Bootstrap {
     op.arrived[rank_] = true;
     ++op.count;
     w_->cv.notify_all();
-    // Each waiter keeps its own deadline, so every waiter names the missing ranks itself.
-    bool done = w_->cv.wait_until(lk, detail::deadline_after(tmo), [&] {
-      return op.count == w_->size || op.mismatch;
-    });
+    // Each waiter keeps its own deadline, so every waiter names the missing ranks itself; a
+    // failure notice from any rank ends the wait at once.
+    const auto deadline = detail::deadline_after(tmo);
+    bool done = false;
+    for (;;) {
+      done = op.count == w_->size || op.mismatch;
+      if (done || detail::Clock::now() >= deadline) break;
+      const uint64_t seen = w_->notices.load();
+      w_->cv.wait_until(lk, std::min(deadline, detail::Clock::now() + std::chrono::milliseconds(10)),
+                        [&] { return op.count == w_->size || op.mismatch || w_->notices.load() != seen; });
+      if (w_->notices.load() != seen) {
+        Status gate = failure_gate("allgather", seq);
+        if (!gate.ok()) {
+          op.failed.push_back(rank_);
+          w_->cv.notify_all();
+          return depart(seq, op, gate);
+        }
+      }
+    }
     if (op.mismatch) {
       return depart(seq, op,
                     make_status(Code::kRemoteError,
@@ -89,12 +113,30 @@ class ThreadBootstrap final : public Bootstrap {
         if (!op.arrived[r]) missing.push_back(r);
       op.failed.push_back(rank_);
       w_->cv.notify_all();
-      return depart(seq, op,
-                    detail::missing_ranks_status("threads", "allgather", seq, missing, tmo));
+      Status t = detail::missing_ranks_status("threads", "allgather", seq, missing, tmo);
+      fail(t);
+      return depart(seq, op, t);
     }
     for (int r = 0; r < w_->size; ++r)
       memcpy(static_cast<uint8_t*>(recv) + r * bytes, op.data[r].data(), bytes);
     return depart(seq, op, OkStatus());
+  }
+
+ protected:
+  void send_failure_notice(const FailureNotice& n) override {
+    {
+      std::lock_guard<std::mutex> g(w_->notice_mu);
+      for (int r = 0; r < w_->size; ++r)
+        if (r != rank_) w_->inbox[r].emplace_back(rank_, n);
+    }
+    w_->notices.fetch_add(1);
+    w_->cv.notify_all();
+  }
+  void read_failure_notices(std::vector<std::pair<int, FailureNotice>>* out) override {
+    std::lock_guard<std::mutex> g(w_->notice_mu);
+    auto& mine = w_->inbox[rank_];
+    out->insert(out->end(), mine.begin(), mine.end());
+    mine.clear();
   }
 
  private:
