@@ -240,6 +240,11 @@ int bench(const std::vector<std::string>& args) {
     fprintf(stderr, "mkernel bench: rank %d: %s\n", me, job.to_string().c_str());
     fflush(stderr);
     rc = 1;
+  } else if (!bench::first_failure().ok()) {
+    // A failure every rank agreed on (it names the rank(s) it came from): each rank says it too.
+    fprintf(stderr, "mkernel bench: rank %d: failed: %s\n", me, bench::first_failure().to_string().c_str());
+    fflush(stderr);
+    rc = 1;
   }
   // Collective teardown: every rank gets here (failures above were agreed across ranks, or the
   // job failed and the teardown's collective steps return at once).

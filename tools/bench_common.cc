@@ -28,13 +28,21 @@ Status cuda_step(Communicator* comm, cudaError_t e, const char* expr) {
 
 Status synced(Communicator* comm, cudaStream_t st) { return decoded(comm, comm->sync(st)); }
 
+namespace {
+Status g_first_failure;  // the first failure the ranks agreed on (first_failure())
+}
+
 Status agreed(Communicator* comm, const Status& mine, const std::string& what) {
   if (!mine.ok() && (comm->rank() != 0 || mine.message().size() > 200)) {
     fprintf(stderr, "rank %d: %s: %s\n", comm->rank(), what.c_str(), mine.to_string().c_str());
     fflush(stderr);
   }
-  return agree(comm->bootstrap(), mine, what);
+  Status s = agree(comm->bootstrap(), mine, what);
+  if (!s.ok() && g_first_failure.ok()) g_first_failure = Status(s.code(), what + ": " + s.message());
+  return s;
 }
+
+const Status& first_failure() { return g_first_failure; }
 
 // ---- table and JSON cells ----
 

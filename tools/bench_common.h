@@ -73,6 +73,8 @@ Status synced(Communicator* comm, cudaStream_t st);
 // the first failing rank's error (agree() carries ~250 characters of it, so a failing rank
 // prints its own whole message too, rank 0 unless the summary holds it whole).
 Status agreed(Communicator* comm, const Status& mine, const std::string& what);
+// The first failure agreed() returned in this process ("<what>: ... failed on rank(s) 1: ..."), or OK.
+const Status& first_failure();
 
 // ---- timing ----
 

@@ -48,35 +48,39 @@ udp_job() {
   local job=$!
   if [[ -n ${MK_STACKS_AT:-} ]]; then
     sleep "$MK_STACKS_AT"
-    if kill -0 $job 2>/dev/null; then
-      for p in $(pgrep -f "$exe bench gemm_rs"); do
+    # The ranks alone (their command line starts with the binary; not timeout's or mpirun's).
+    local ranks; ranks=$(pgrep -f "^$exe bench gemm_rs")
+    if [[ -n $ranks ]]; then
+      local gdbs=()
+      for p in $ranks; do
         local r; r=$(tr '\0' '\n' < /proc/$p/environ | sed -n 's/^OMPI_COMM_WORLD_RANK=//p')
         timeout 40 cuda-gdb -p "$p" -batch -ex "thread apply all bt 14" > "$L/udp_${label}_stacks_rank$r.txt" 2>&1 &
+        gdbs+=($!)
       done
-      wait $(jobs -p | grep -v "^$job$") 2>/dev/null
-      note "udp $label: still running after $MK_STACKS_AT s; stacks taken ($(ls "$L"/udp_"${label}"_stacks_* 2>/dev/null | wc -l) ranks)"
-      pkill -KILL -f "$exe bench gemm_rs"
+      wait "${gdbs[@]}" 2>/dev/null
+      note "udp $label: still running after $MK_STACKS_AT s; stacks taken (${#gdbs[@]} ranks)"
+      pkill -KILL -f "^$exe bench gemm_rs"
     fi
   fi
   wait $job
   local rc=$?
   note "udp $label: rc $rc after $(( $(date +%s) - s )) s; $(grep -cE 'check: .*ok' "$log") check ok line(s);" \
-       " $(grep -c 'job failed' "$log") 'job failed' line(s); left: $(pgrep -fc "$exe bench") process(es)"
+       " $(grep -c 'job failed' "$log") 'job failed' line(s); left: $(pgrep -fc "^$exe bench") process(es)"
   grep -E "job failed|error|FAILED|check:" "$log" | head -8 | cut -c1-300 | sed 's/^/      /'
 }
 
 step_udp() {
   mps_on
-  if [[ -x /tmp/mkorig/mkernel ]]; then
+  if [[ -x /tmp/mkorig/mkernel && ${MK_UDP_BEFORE:-1} == 1 ]]; then
     MK_STACKS_AT=60 udp_job before /tmp/mkorig/mkernel 100
     for f in "$L"/udp_before_stacks_rank*.txt; do
       [[ -f $f ]] || continue
       echo "== $(basename "$f")"; grep -E "^#[0-9]+ " "$f" | grep -vE "pthread_cond|futex|__GI_|clock_nanosleep|poll \(|epoll" | head -12
     done
   fi
-  udp_job after1 "$B/mkernel" 150
-  udp_job after2 "$B/mkernel" 150
-  udp_job window128 "$B/mkernel" 150 -x FI_OFI_RXD_MAX_UNACKED=128
+  udp_job after1 "$B/mkernel" 120
+  [[ ${MK_UDP_TWICE:-0} == 1 ]] && udp_job after2 "$B/mkernel" 120
+  udp_job window128 "$B/mkernel" 120 -x FI_OFI_RXD_MAX_UNACKED=128
 }
 
 step_api() {
@@ -88,9 +92,13 @@ step_api() {
 
 step_cli() {
   mps_on
-  timeout 480 python3 tests/gpu/fault_check.py --build "$B" --out "$OUT/cli" --modes cli --budget ${MK_FAULT_BUDGET_S:-400} \
-    2>&1 | tee "$L/cli.log" | grep -vE "^\|"
+  # Every fault and layout on the fused operator, then the stopped rank in the other families.
+  timeout 300 python3 tests/gpu/fault_check.py --build "$B" --out "$OUT/cli" --modes cli --ops fused \
+    --budget ${MK_FAULT_CLI_BUDGET_S:-200} 2>&1 | tee "$L/cli.log" | grep -vE "^\|"
   note "cli: $(tail -1 "$L/cli.log")"
+  timeout 200 python3 tests/gpu/fault_check.py --build "$B" --out "$OUT/cli2" --modes cli --ops ring,moe \
+    --faults stop,badinput --layouts nodes --budget 90 2>&1 | tee "$L/cli2.log" | grep -vE "^\|"
+  note "cli (ring, moe): $(tail -1 "$L/cli2.log")"
 }
 
 step_dead() {
@@ -107,5 +115,6 @@ done
 mps_off
 cp "$OUT"/api/faults.md "$OUT"/faults_api.md 2>/dev/null
 cp "$OUT"/cli/faults.md "$OUT"/faults_cli.md 2>/dev/null
+cp "$OUT"/cli2/faults.md "$OUT"/faults_cli2.md 2>/dev/null
 echo "==== summary ($(elapsed) s)"
 printf '%s\n' "${summary[@]}"

@@ -135,6 +135,7 @@ Action at(Site site, int rank) {
 
 void carry_out_later(Action a, int delay_ms) {
   if (a != Action::kKill && a != Action::kStop) return;
+  if (const char* d = getenv("MK_FAULT_DELAY_MS")) delay_ms = atoi(d);  // tests: after the call's work
   std::thread([a, delay_ms] {
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     kill(getpid(), a == Action::kKill ? SIGKILL : SIGSTOP);

@@ -322,7 +322,7 @@ void StagingBackend::stage_out() {
                          sizeof(StagedHeader) + h->bytes, kImmStaged | (uint32_t(rank_) << 16) | ch.inbox_slot,
                          kCookieChunk | k, &posted);
     if (!st.ok()) {
-      fail(make_status(st.code(), "rank %d: posting staged chunk %u of %u of a put to rank %d: %s", rank_,
+      fail(make_status(st.code(), "rank %d: posting staged chunk %u of %u of a put (peer %d): %s", rank_,
                        ch.chunk + 1, p.chunks, p.peer, st.message().c_str()));
       return;
     }
@@ -421,7 +421,7 @@ void StagingBackend::stage_in(std::vector<net::Arrival>* arrivals) {
     Status st = tr_->put(s, credit_id_, 0, credit_id_, 0, 0, kImmStaged | kImmCredit | (uint32_t(rank_) << 16) | n,
                          kCookieCredit, &posted);
     if (!st.ok()) {
-      fail(make_status(st.code(), "rank %d: returning staging credits to rank %d: %s", rank_, s, st.message().c_str()));
+      fail(make_status(st.code(), "rank %d: returning staging credits (peer %d): %s", rank_, s, st.message().c_str()));
       return;
     }
     if (!posted) break;

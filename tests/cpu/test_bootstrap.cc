@@ -808,6 +808,42 @@ TEST_P(JobFailure, ReportNamesTheRankWithACauseOfItsOwn) {
   EXPECT_NE(rep[listener].message().find("rank 3 heard: rank "), std::string::npos) << rep[listener].to_string();
 }
 
+// Under MPS a client that dies with its kernel in flight can fault the others' contexts: a
+// silent rank explains a CUDA error better than the rank that reports it.
+TEST_P(JobFailure, ASilentRankBeatsACudaError) {
+  const int W = 3, silent = 1;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  std::vector<Status> rep(W);
+  run_ranks(W, [&](int rank) {
+    if (rank == silent) return;
+    Bootstrap& b = *w.bs[rank];
+    if (rank == 0) b.fail(Status(Code::kCudaError, "rank 0: an illegal memory access was encountered"));
+    else b.fail(make_status(Code::kTimeout, "rank %d waited on flag 4 from rank 1", rank));
+    rep[rank] = b.failure_report(300);
+  });
+  for (int r : {0, 2})
+    EXPECT_NE(rep[r].message().find("culprit rank(s) 1: did not report"), std::string::npos) << rep[r].to_string();
+}
+
+// Everyone reported a wait that expired (a stopped rank resumed in time to report): the rank the
+// most of them waited for is named.
+TEST_P(JobFailure, TheRankTheWaitsPointAtIsNamed) {
+  const int W = 4;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  std::vector<Status> rep(W);
+  run_ranks(W, [&](int rank) {
+    Bootstrap& b = *w.bs[rank];
+    const int waited_for = rank == 2 ? 0 : 2;
+    b.fail(make_status(Code::kTimeout, "device wait failed: rank %d timed out on flag 5 from rank %d", rank, waited_for));
+    rep[rank] = b.failure_report(3000);
+  });
+  for (int r = 0; r < W; ++r)
+    EXPECT_NE(rep[r].message().find("culprit rank 2: the rank 3 rank(s)' failures point at"), std::string::npos)
+        << rep[r].to_string();
+}
+
 // A collective that times out fails the job: the next one returns at once, on every rank that
 // waited, and the late rank learns of it instead of waiting.
 TEST_P(JobFailure, TimeoutFailsTheJob) {

@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string op = argv[1];
-  const int calls = argc > 2 ? atoi(argv[2]) : 4;
+  const int calls = argc > 2 ? atoi(argv[2]) : 50;
   const int rank = atoi(rs), W = atoi(ws);
   const std::string out = std::string(dir) + "/result_" + std::to_string(rank) + ".json";
   auto write = [&](const char* outcome, int n, const std::string& report, double t_failed, double t_report,

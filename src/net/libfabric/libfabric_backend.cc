@@ -887,7 +887,7 @@ Status LibfabricBackend::put(int peer, WindowId src, uint64_t src_off, WindowId 
   put_ctx(c);
   if (ret == -FI_EAGAIN) return OkStatus();  // no resources now: progress, then retry
   return make_status(Code::kSystemError,
-                     "%s: put to rank %d (%llu bytes, window %u+%llu -> %u+%llu): %s: %s",
+                     "%s: posting a put (peer %d, %llu bytes, window %u+%llu -> %u+%llu): %s: %s",
                      name_.c_str(), peer, static_cast<unsigned long long>(bytes), src,
                      static_cast<unsigned long long>(src_off), dst,
                      static_cast<unsigned long long>(dst_off),

@@ -44,8 +44,10 @@ namespace {
 bool is_consequence(Code c) { return c == Code::kTimeout; }
 
 // The other rank a cause points at, as mkernel's messages name it: a wait "... from rank P",
-// a put "... to rank P ...", "is rank P alive?", a bootstrap "rank(s) P did not arrive". A cause
-// that points at another rank is that rank's doing, not its reporter's: -1 when none does.
+// a put that failed or never completed "... to rank P ...", "is rank P alive?", a bootstrap
+// "rank(s) P did not arrive". A cause that points at another rank is that rank's doing, not its
+// reporter's: -1 when none does. (A put this rank could not post names its peer as "peer P":
+// its own provider refused it.)
 int suspect_in(const std::string& m, int self) {
   size_t best = std::string::npos;
   int who = -1;
@@ -191,16 +193,25 @@ Status Bootstrap::failure_report(int64_t grace_ms) {
     std::lock_guard<std::mutex> g(f.mu);
     mine = f.own.ok() ? f.heard : f.own;
   }
-  // The culprit: the lowest rank with a cause of its own that is not a consequence of
-  // another's (a wait that expired, a peer's error); else the ranks that said nothing.
-  // Next, ranks that only heard of it: alive, but they did not fail on their own, so they
-  // were not in the call the others waited in.
-  int primary = -1;
+
+  // The culprit, in this order:
+  //  1. the lowest rank with a cause of its own (bad input, a network error of its own);
+  //  2. the ranks that said nothing (dead or stopped);
+  //  3. the lowest rank with a CUDA error of its own (under MPS, a client that dies with its
+  //     kernel in flight can fault the others' contexts: a dead rank explains it better);
+  //  4. the ranks that only heard of it (alive, not in the call the others waited in);
+  //  5. the rank the most causes point at ("... from rank P", "a put to rank P ...").
+  struct Cause {
+    int rank;
+    Code code;
+    std::string text;
+  };
+  std::vector<Cause> own;  // every rank's cause of its own, as known here
   std::vector<int> silent, heard_only;
   for (int r = 0; r < W; ++r) {
     if (r == me) {
-      if (primary < 0 && !f.own.ok() && is_own_fault(f.own.code(), f.own.message(), r)) primary = r;
-      if (f.own.ok()) heard_only.push_back(r);
+      if (!f.own.ok()) own.push_back({r, f.own.code(), f.own.message()});
+      else heard_only.push_back(r);
       continue;
     }
     if (!f.have[r]) {
@@ -208,25 +219,43 @@ Status Bootstrap::failure_report(int64_t grace_ms) {
       continue;
     }
     if (f.peer[r].heard) heard_only.push_back(r);
-    if (primary < 0 && !f.peer[r].heard &&
-        is_own_fault(static_cast<Code>(f.peer[r].code), notice_text(f.peer[r]), r))
-      primary = r;
+    else own.push_back({r, static_cast<Code>(f.peer[r].code), notice_text(f.peer[r])});
+  }
+  const Cause* primary = nullptr;
+  const Cause* cuda = nullptr;
+  std::vector<int> votes(W, 0);
+  for (const Cause& c : own) {
+    if (is_own_fault(c.code, c.text, c.rank)) {
+      if (c.code == Code::kCudaError) {
+        if (!cuda) cuda = &c;
+      } else if (!primary) {
+        primary = &c;
+      }
+    }
+    const int p = suspect_in(c.text, c.rank);
+    if (p >= 0 && p < W) ++votes[p];
   }
   const std::string here = "rank " + std::to_string(me) + (f.own.ok() ? " heard: " : " saw: ") + mine.message();
-  if (primary == me) {
-    f.report = Status(mine.code(), "job failed: culprit rank " + std::to_string(me) + ": " + mine.message());
-  } else if (primary >= 0) {
-    f.report = Status(static_cast<Code>(f.peer[primary].code),
-                      "job failed: culprit rank " + std::to_string(primary) + ": " + notice_text(f.peer[primary]) +
-                          "; " + here);
+  auto named = [&](const Cause& c) {
+    return c.rank == me ? Status(c.code, "job failed: culprit rank " + std::to_string(me) + ": " + c.text)
+                        : Status(c.code, "job failed: culprit rank " + std::to_string(c.rank) + ": " + c.text + "; " + here);
+  };
+  const int most = static_cast<int>(std::max_element(votes.begin(), votes.end()) - votes.begin());
+  if (primary) {
+    f.report = named(*primary);
   } else if (!silent.empty()) {
     f.report = Status(Code::kTimeout, "job failed: culprit rank(s) " + detail::rank_list(silent) +
                                           ": did not report within " + std::to_string(grace_ms) +
                                           " ms (dead, stopped, or not in a mkernel call); " + here);
+  } else if (cuda) {
+    f.report = named(*cuda);
   } else if (!heard_only.empty() && static_cast<int>(heard_only.size()) < W) {
     f.report = Status(Code::kTimeout, "job failed: culprit rank(s) " + detail::rank_list(heard_only) +
                                           ": not in the call the others waited in (did not fail on their own); " +
                                           here);
+  } else if (W > 0 && votes[most] > 0) {
+    f.report = Status(mine.code(), "job failed: culprit rank " + std::to_string(most) + ": the rank " +
+                                       std::to_string(votes[most]) + " rank(s)' failures point at; " + here);
   } else {
     f.report = Status(mine.code(), "job failed on every rank; " + here);
   }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <vector>
 
 #include "mkernel/common/check.h"
@@ -35,12 +36,60 @@ Status mpi_status(int err, const char* what) {
     }                                                                   \
   } while (0)
 
+// What a bootstrap leaves to MPI_Finalize: the notice communicators (never freed while MPI runs,
+// see MpiBootstrap::notice_comm_), a failed bootstrap's communicator and the buffers of notices
+// that may still be on their way. MPI deletes MPI_COMM_SELF's attributes first thing in
+// MPI_Finalize; the delete callback of ours frees them there.
+struct Leftovers {
+  std::mutex mu;
+  int keyval = MPI_KEYVAL_INVALID;
+  std::vector<MPI_Comm> comms;
+  std::vector<std::deque<Bootstrap::FailureNotice>*> bufs;
+};
+Leftovers& leftovers() {
+  static Leftovers* l = new Leftovers;  // NOLINT: lives as long as MPI may call back
+  return *l;
+}
+int free_leftovers(MPI_Comm, int, void*, void*) {
+  Leftovers& l = leftovers();
+  std::lock_guard<std::mutex> g(l.mu);
+  for (MPI_Comm& c : l.comms) {
+    // Notices nobody read (they came after the last read): received here, so MPI holds none
+    // of their buffers past the communicator.
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, c, &flag, &st) != MPI_SUCCESS || !flag) break;
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      std::vector<uint8_t> sink(static_cast<size_t>(std::max(count, 1)));
+      MPI_Recv(sink.data(), count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, c, MPI_STATUS_IGNORE);
+    }
+    MPI_Comm_free(&c);
+  }
+  l.comms.clear();
+  for (auto* b : l.bufs) delete b;
+  l.bufs.clear();
+  if (l.keyval != MPI_KEYVAL_INVALID) MPI_Comm_free_keyval(&l.keyval);
+  return MPI_SUCCESS;
+}
+void leave_to_finalize(MPI_Comm c, std::deque<Bootstrap::FailureNotice>* bufs = nullptr) {
+  Leftovers& l = leftovers();
+  std::lock_guard<std::mutex> g(l.mu);
+  if (l.keyval == MPI_KEYVAL_INVALID &&
+      MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, free_leftovers, &l.keyval, nullptr) == MPI_SUCCESS)
+    MPI_Comm_set_attr(MPI_COMM_SELF, l.keyval, nullptr);
+  if (c != MPI_COMM_NULL) l.comms.push_back(c);
+  if (bufs) l.bufs.push_back(bufs);
+}
+
 class MpiBootstrap final : public Bootstrap {
  public:
   // `notices`: a communicator of the same ranks that carries failure notices only. It is never
   // freed (see notice_comm_).
   MpiBootstrap(MPI_Comm comm, MPI_Comm notices, bool finalize_on_destroy)
       : comm_(comm), notice_comm_(notices), finalize_(finalize_on_destroy) {
+    leave_to_finalize(notice_comm_);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
@@ -53,7 +102,7 @@ class MpiBootstrap final : public Bootstrap {
     // bound) this rank leaves without it, and so does its communicator. The launcher then
     // sees the process end without finalizing and ends the job (mpirun: on every rank).
     (void)poll_failure();  // a pending failure notice leaves now
-    bool leave = failed();  // and its communicator stays (a free could meet a peer's late message)
+    bool leave = failed();
     if (!leave && finalize_) leave = !barrier().ok();
     // A failure notice still in flight keeps its buffer: the requests are released, the
     // buffers left to the process's end.
@@ -65,11 +114,12 @@ class MpiBootstrap final : public Bootstrap {
         leave = true;
       }
     }
+    // MPI_Comm_free is local (it waits for no one); the notices' communicator stays.
+    MPI_Comm_free(&comm_);
     if (leave) {
-      new std::deque<FailureNotice>(std::move(notice_bufs_));  // NOLINT: intentionally kept
+      leave_to_finalize(MPI_COMM_NULL, new std::deque<FailureNotice>(std::move(notice_bufs_)));
       return;
     }
-    MPI_Comm_free(&comm_);
     if (finalize_) MPI_Finalize();
   }
   int rank() const override { return rank_; }
