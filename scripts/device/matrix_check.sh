@@ -2,8 +2,8 @@
 # The configuration matrix on one GPU under MPS: test_gpu_matrix (every operator, aligned / odd /
 # tiny shapes, 1 / default / 16 communication CTAs, deterministic and not, blocking CUDA calls
 # while calls are in flight) launched in every layout a user can launch:
-#   one node:        1 x W for W = 1..6
-#   several nodes:   2x1, 3x1, 4x1, 2x2, 3x2, each over shm, tcp_rxm and udp_rxd,
+#   one node:        1 x W for W = 1..8
+#   several nodes:   2x1, 3x1, 4x1, 5x1, 6x1, 8x1, 2x2, 3x2, 4x2, 2x4, each over shm, tcp_rxm and udp_rxd,
 #                    staging auto or always (alternating, so that every layout and every
 #                    provider meets both staging modes).
 # The CLI half of the matrix is scripts/device/cli_smoke.sh.
@@ -11,7 +11,8 @@
 #   MK_BUILD_DIR=dir       binaries (default /tmp/mkb): dir/tests/gpu/test_gpu_matrix
 #   MK_MATRIX_LOGS=dir     logs (default /tmp/mk-matrix)
 #   MK_MATRIX_ONLY=regex   run only the launches whose name matches (e.g. '2x2|1x4')
-#   MK_MATRIX_FILTER=...   gtest filter passed to every launch
+#   MK_MATRIX_FILTER=...   gtest filter passed to every launch (default: all but Matrix.LongRun,
+#                          which runs in the launches of MK_MATRIX_LONG, a regex, default '1x2-|4x2-tcp')
 #   MK_MATRIX_SPLIT="static auto"  the fused operators' split modes (MK_FUSED_SPLIT): every launch
 #                          runs once per mode listed (auto: the on-GPU SM-partition controller)
 # Prints one line per launch and a summary; exits non-zero if any launch failed.
@@ -29,8 +30,8 @@ fi
 trap '[[ $started_mps == 1 ]] && echo quit | nvidia-cuda-mps-control' EXIT
 
 launches=()
-for w in 1 2 3 4 5 6; do launches+=("1x$w"); done
-layouts=(2x1 3x1 4x1 2x2 3x2)
+for w in 1 2 3 4 5 6 7 8; do launches+=("1x$w"); done
+layouts=(2x1 3x1 4x1 5x1 6x1 8x1 2x2 3x2 4x2 2x4)
 providers=(shm tcp_rxm udp_rxd)
 for i in "${!layouts[@]}"; do
   for j in "${!providers[@]}"; do
@@ -55,8 +56,9 @@ for name in "${all[@]}"; do
   if (( nodes > 1 )); then
     env+=(-x MK_RANKS_PER_NODE=$per -x MK_NET_PROVIDER=$prov -x MK_NET_STAGING=$st)
   fi
-  args=()
-  [[ -n ${MK_MATRIX_FILTER:-} ]] && args+=(--gtest_filter="$MK_MATRIX_FILTER")
+  args=(--gtest_filter=-Matrix.LongRun)
+  [[ $name =~ ${MK_MATRIX_LONG:-1x2-|4x2-tcp} ]] && args=()
+  [[ -n ${MK_MATRIX_FILTER:-} ]] && args=(--gtest_filter="$MK_MATRIX_FILTER")
   t0=$(date +%s%N)
   timeout 150 mpirun --allow-run-as-root --oversubscribe --bind-to none -np $np "${env[@]}" "$BIN" "${args[@]}" \
     > "$LOGS/$name.log" 2>&1

@@ -411,6 +411,14 @@ TEST_F(Matrix, RingAttentionEveryLayout) {
   }
 }
 
+// A long run: 2000 calls of GEMM+RS back to back through one operator, every call checked bit
+// for bit on fresh tagged data (epochs, flags and the proxy's counters wrap no differently in
+// call 2000 than in call 2). Run in some launches only (scripts/device/matrix_check.sh).
+TEST_F(Matrix, LongRun) {
+  run_gemm_case(comm_, GemmCase{FusedKind::kGemmRs, false, "aligned", 128, 256, 128, -1}, test_seed() ^ 0x10f6,
+                2000, false);
+}
+
 TEST_F(Matrix, InFlightBlockingCudaCalls) {
   const uint64_t seed = test_seed() ^ 0x5eed;
   for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {

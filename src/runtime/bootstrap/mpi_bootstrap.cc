@@ -50,20 +50,31 @@ Leftovers& leftovers() {
   static Leftovers* l = new Leftovers;  // NOLINT: lives as long as MPI may call back
   return *l;
 }
+// Receives one message of `tag` that has arrived on `c`, if any (never waits): its sender and
+// bytes. False when none is there.
+bool take_arrived(MPI_Comm c, int tag, int* from, std::vector<uint8_t>* bytes) {
+  int flag = 0;
+  MPI_Status st;
+  if (MPI_Iprobe(MPI_ANY_SOURCE, tag, c, &flag, &st) != MPI_SUCCESS || !flag) return false;
+  int count = 0;
+  MPI_Get_count(&st, MPI_BYTE, &count);
+  bytes->assign(static_cast<size_t>(std::max(count, 1)), 0);
+  if (MPI_Recv(bytes->data(), count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, c, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+    return false;
+  bytes->resize(static_cast<size_t>(count));
+  *from = st.MPI_SOURCE;
+  return true;
+}
+
 int free_leftovers(MPI_Comm, int, void*, void*) {
   Leftovers& l = leftovers();
   std::lock_guard<std::mutex> g(l.mu);
   for (MPI_Comm& c : l.comms) {
     // Notices nobody read (they came after the last read): received here, so MPI holds none
     // of their buffers past the communicator.
-    for (;;) {
-      int flag = 0;
-      MPI_Status st;
-      if (MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, c, &flag, &st) != MPI_SUCCESS || !flag) break;
-      int count = 0;
-      MPI_Get_count(&st, MPI_BYTE, &count);
-      std::vector<uint8_t> sink(static_cast<size_t>(std::max(count, 1)));
-      MPI_Recv(sink.data(), count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, c, MPI_STATUS_IGNORE);
+    int from = 0;
+    std::vector<uint8_t> sink;
+    while (take_arrived(c, MPI_ANY_TAG, &from, &sink)) {
     }
     MPI_Comm_free(&c);
   }
@@ -272,23 +283,16 @@ class MpiBootstrap final : public Bootstrap {
     }
   }
   void read_failure_notices(std::vector<std::pair<int, FailureNotice>>* out) override {
-    for (;;) {
-      int flag = 0;
-      MPI_Status st;
-      if (MPI_Iprobe(MPI_ANY_SOURCE, kFailTag, notice_comm_, &flag, &st) != MPI_SUCCESS || !flag) return;
-      int count = 0;
-      MPI_Get_count(&st, MPI_BYTE, &count);
+    int from = 0;
+    std::vector<uint8_t> buf;
+    while (take_arrived(notice_comm_, kFailTag, &from, &buf)) {
+      if (buf.size() != sizeof(FailureNotice)) continue;  // not a notice this build reads
       FailureNotice n;
-      memset(&n, 0, sizeof(n));
-      std::vector<uint8_t> buf(static_cast<size_t>(std::max(count, 1)));
-      if (MPI_Recv(buf.data(), count, MPI_BYTE, st.MPI_SOURCE, kFailTag, notice_comm_, MPI_STATUS_IGNORE) !=
-          MPI_SUCCESS)
-        return;
-      if (count != static_cast<int>(sizeof(n))) continue;  // not a notice this build reads
       memcpy(&n, buf.data(), sizeof(n));
-      out->emplace_back(st.MPI_SOURCE, n);
+      out->emplace_back(from, n);
     }
   }
+
 
   MPI_Comm comm_;
   // Never freed: a notice may reach a rank after it destroyed its bootstrap, and a message for
