@@ -30,7 +30,7 @@ enum class Site { kCall, kPut, kCompletion, kRegister };
 enum class Action { kNone, kKill, kStop, kBadInput, kError };
 
 // Counts this event of `site` on `rank` and returns the action planted for it (kNone unless
-// the tunable plants one here; one relaxed load when it plants nothing). Thread-safe. The
+// the tunable plants one here; one atomic load when it plants nothing). Thread-safe. The
 // tunable is read at the first call in the process (reload() reads it again).
 Action at(Site site, int rank);
 

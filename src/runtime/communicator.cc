@@ -279,7 +279,7 @@ void Communicator::abort(const Status& why) {
   }
   if (abort_word_) __atomic_store_n(abort_word_, uint64_t(1), __ATOMIC_RELEASE);
   // The job has failed: collectives stop waiting, the peers hear of it (thread-safe, no wait).
-  if (bs_) bs_->fail(Status(why.code(), "rank " + std::to_string(topo_.rank) + ": " + why.message()));
+  if (bs_) bs_->fail(why);
 }
 
 Status Communicator::abort_status() const {

@@ -60,12 +60,12 @@ class Bootstrap {
   Status poll_failure();
   // Owning thread. OK while the job has not failed. After a failure: waits up to grace_ms
   // (-1: tunable failure_grace_ms) for every peer's notice, then returns the job's failure
-  // naming the culprit: the lowest rank that reported a cause of its own (bad input, a network
-  // or CUDA error of its own; not a wait that expired, nor an error that names another rank:
-  // "a put to rank 3 failed" is rank 3's doing) — else the ranks that reported nothing (dead,
-  // stopped) — else the ranks that only heard of it (alive, not in the call the others waited
-  // in) — else this rank's own cause; this rank's view follows. Waits once; later calls return
-  // the same report.
+  // naming the culprit, the first of: the lowest rank that reported a cause of its own (bad
+  // input, a network error of its own; not a wait that expired, nor an error that names another
+  // rank: "a put to rank 3 failed" is rank 3's doing); the ranks that reported nothing (dead,
+  // stopped); the lowest rank with a CUDA error of its own; the ranks that only heard of it
+  // (alive, not in the call the others waited in); the rank most causes point at. This rank's
+  // view follows. Waits once; later calls return the same report.
   //   "job failed: culprit rank 2: did not report within 2000 ms (dead, stopped, or not in a
   //    mkernel call); rank 0 saw: device wait failed: rank 0 (op gemm_rs, ...) waited ..."
   Status failure_report(int64_t grace_ms = -1);

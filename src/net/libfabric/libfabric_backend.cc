@@ -953,11 +953,16 @@ Status LibfabricBackend::poll(std::vector<LocalDone>* done, std::vector<Arrival>
         continue;
       }
       if ((c->kind == CtxKind::kPut || c->kind == CtxKind::kPutInjected) &&
-          fault::at(fault::Site::kCompletion, rank_) == fault::Action::kError)  // tests: as read_error() reports
+          fault::at(fault::Site::kCompletion, rank_) == fault::Action::kError) {  // tests: as read_error() does
+        const int peer = c->peer;
+        const uint64_t cookie = c->cookie;
+        --outstanding_;
+        put_ctx(c);
         return fail(make_status(Code::kRemoteError,
                                 "%s: the completion of a put (cookie %llu, peer %d) reports a provider error (%s)",
-                                name_.c_str(), static_cast<unsigned long long>(c->cookie), c->peer,
+                                name_.c_str(), static_cast<unsigned long long>(cookie), peer,
                                 fault::planted(fault::Site::kCompletion, rank_).c_str()));
+      }
       switch (c->kind) {
         case CtxKind::kPut:
           done->push_back(LocalDone{c->cookie});

@@ -37,8 +37,8 @@ Status mpi_status(int err, const char* what) {
   } while (0)
 
 // What a bootstrap leaves to MPI_Finalize: the notice communicators (never freed while MPI runs,
-// see MpiBootstrap::notice_comm_), a failed bootstrap's communicator and the buffers of notices
-// that may still be on their way. MPI deletes MPI_COMM_SELF's attributes first thing in
+// see MpiBootstrap::notice_comm_) and the buffers of a failed bootstrap's notices that may still
+// be on their way. MPI deletes MPI_COMM_SELF's attributes first thing in
 // MPI_Finalize; the delete callback of ours frees them there.
 struct Leftovers {
   std::mutex mu;
@@ -110,13 +110,13 @@ class MpiBootstrap final : public Bootstrap {
     if (finalized) return;
     // MPI_Finalize waits for every process of the job, so it would hang on a dead or stopped
     // one: after a failure (or when the ranks cannot meet once more, within the bootstrap
-    // bound) this rank leaves without it, and so does its communicator. The launcher then
-    // sees the process end without finalizing and ends the job (mpirun: on every rank).
+    // bound) this rank leaves without it. The launcher then sees the process end without
+    // finalizing and ends the job (mpirun: on every rank).
     (void)poll_failure();  // a pending failure notice leaves now
     bool leave = failed();
     if (!leave && finalize_) leave = !barrier().ok();
     // A failure notice still in flight keeps its buffer: the requests are released, the
-    // buffers left to the process's end.
+    // buffers left to MPI_Finalize (leave_to_finalize).
     for (MPI_Request& r : notice_reqs_) {
       int done = 0;
       if (r != MPI_REQUEST_NULL) MPI_Test(&r, &done, MPI_STATUS_IGNORE);
