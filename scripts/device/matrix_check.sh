@@ -11,8 +11,10 @@
 #   MK_BUILD_DIR=dir       binaries (default /tmp/mkb): dir/tests/gpu/test_gpu_matrix
 #   MK_MATRIX_LOGS=dir     logs (default /tmp/mk-matrix)
 #   MK_MATRIX_ONLY=regex   run only the launches whose name matches (e.g. '2x2|1x4')
-#   MK_MATRIX_FILTER=...   gtest filter passed to every launch (default: all but Matrix.LongRun,
-#                          which runs in the launches of MK_MATRIX_LONG, a regex, default '1x2-|4x2-tcp')
+#   MK_MATRIX_FILTER=...   gtest filter passed to every launch (default: all but Matrix.LongRun, which
+#                          runs in the launches of MK_MATRIX_LONG, a regex, default '1x2-|4x2-tcp', and
+#                          Matrix.GraphReplays (200 replays per operator), in those of MK_MATRIX_GRAPH,
+#                          default '1x1-|1x4-|1x8-|2x2-|3x1-udp|2x4-shm|5x1-tcp')
 #   MK_MATRIX_SPLIT="static auto"  the fused operators' split modes (MK_FUSED_SPLIT): every launch
 #                          runs once per mode listed (auto: the on-GPU SM-partition controller)
 # Prints one line per launch and a summary; exits non-zero if any launch failed.
@@ -56,8 +58,11 @@ for name in "${all[@]}"; do
   if (( nodes > 1 )); then
     env+=(-x MK_RANKS_PER_NODE=$per -x MK_NET_PROVIDER=$prov -x MK_NET_STAGING=$st)
   fi
-  args=(--gtest_filter=-Matrix.LongRun)
-  [[ $name =~ ${MK_MATRIX_LONG:-1x2-|4x2-tcp} ]] && args=()
+  skip=()
+  [[ $name =~ ${MK_MATRIX_LONG:-1x2-|4x2-tcp} ]] || skip+=(Matrix.LongRun)
+  [[ $name =~ ${MK_MATRIX_GRAPH:-1x1-|1x4-|1x8-|2x2-|3x1-udp|2x4-shm|5x1-tcp} ]] || skip+=(Matrix.GraphReplays)
+  args=()
+  ((${#skip[@]})) && args=(--gtest_filter=-$(IFS=:; echo "${skip[*]}"))
   [[ -n ${MK_MATRIX_FILTER:-} ]] && args=(--gtest_filter="$MK_MATRIX_FILTER")
   t0=$(date +%s%N)
   timeout 150 mpirun --allow-run-as-root --oversubscribe --bind-to none -np $np "${env[@]}" "$BIN" "${args[@]}" \

@@ -62,6 +62,11 @@ std::vector<uint8_t> rank_payload(uint64_t op, int rank, size_t n) {
   return v;
 }
 
+bool small_shapes() {
+  const char* v = getenv("MK_TEST_SMALL");
+  return v && *v && strcmp(v, "0") != 0;
+}
+
 bool have_gpu() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

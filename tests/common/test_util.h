@@ -55,6 +55,10 @@ Status make_one_rank_comm(std::unique_ptr<Communicator>* out);
 // no launcher tears the job down for them.
 StoreCallbacks file_store(const std::string& dir);
 
+// MK_TEST_SMALL=1 (the device sanitizer runs, scripts/device/sanitize_check.sh): tests that
+// loop over shapes leave out their large ones, keeping every code path at fewer tiles.
+bool small_shapes();
+
 // Exit code that ctest (SKIP_RETURN_CODE) reports as "skipped".
 constexpr int kSkipExitCode = 77;
 

@@ -159,7 +159,7 @@ def run_api(build, op, layout, fault):
             "hung": hung, "stray": stray, "shm_left": left, "plant_seen": t_fault is not None}
 
 
-def run_cli(build, op, layout, fault, mpirun):
+def run_cli(build, op, layout, fault, mpirun, out_dir):
     exe = os.path.join(build, "mkernel")
     env = base_env(layout, fault)
     xs = []
@@ -178,6 +178,9 @@ def run_cli(build, op, layout, fault, mpirun):
         out, _ = p.communicate()
         hung = True
     t_end = time.monotonic()
+    # The whole output of every CLI scenario is kept (a crash's stack is in it).
+    with open(os.path.join(out_dir, f"cli-{op}-{layout}-{fault}.log"), "w") as f:
+        f.write(out)
     m = PLANT_RE.search(out)
     t_fault = float(m.group(1)) if m else None
     lines = {}
@@ -199,10 +202,15 @@ def run_cli(build, op, layout, fault, mpirun):
     # before it prints; at least one rank must have named the culprit, none may name another.
     named_any = by_mpirun or any(x["named"] for x in survivors)
     wrong = [x["rank"] for x in survivors if x["printed"] and not x["named"]]
+    # A rank that crashed (SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV; not the planted kill nor
+    # mpirun's own SIGTERM/SIGKILL) is a failure however fast the job ended: it printed no line.
+    crashed = sorted(set(int(x) for x in re.findall(
+        r"process rank (\d+) with PID \d+ on node \S+ exited on signal (?:4|6|7|8|11)\b", out)))
+    crashed += ["?"] if re.search(r"Process received signal|Segmentation fault", out) and not crashed else []
     ok = (not hung and p.returncode != 0 and secs is not None and secs <= max(BOUND_MS, BOOT_MS) / 1000 + SLACK_S
-          and named_any and not wrong and not stray)
+          and named_any and not wrong and not stray and not crashed)
     return {"mode": "cli", "op": op, "layout": layout, "fault": fault, "ok": ok, "rc": p.returncode,
-            "named_by_mpirun": by_mpirun,
+            "named_by_mpirun": by_mpirun, "crashed": crashed,
             "job_end_s": None if secs is None else round(secs, 2), "hung": hung, "stray": stray,
             "ranks": ranks, "plant_seen": t_fault is not None, "tail": out[-1500:] if not ok else ""}
 
@@ -221,6 +229,8 @@ def table(rows):
         if r.get("named_by_mpirun"):
             namers = (namers + ", " if namers != "-" else "") + "mpirun"
         left = []
+        if r.get("crashed"):
+            left.append(f"rank(s) {r['crashed']} crashed")
         if r.get("stray"):
             left.append(f"processes {r['stray']}")
         if r.get("shm_left"):
@@ -258,7 +268,7 @@ def main():
                         continue
                     t = time.monotonic()
                     r = run_api(a.build, op, layout, fault) if mode == "api" else \
-                        run_cli(a.build, op, layout, fault, mpirun)
+                        run_cli(a.build, op, layout, fault, mpirun, a.out)
                     r["wall_s"] = round(time.monotonic() - t, 1)
                     rows.append(r)
                     jl.write(json.dumps(r) + "\n")

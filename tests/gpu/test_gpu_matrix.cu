@@ -20,6 +20,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -52,8 +53,10 @@ __host__ __device__ inline int tag_int(uint64_t seed, int rank, int which, uint6
 }
 
 // dst[r * ld + c] = tag of rank's [., src_cols] matrix at (r + row0, c), for r < rows, c < cols.
+// dcall, when set, holds the call index instead of `call` (a graph replay reads it on the device).
 __global__ void fill_tags(__nv_bfloat16* dst, int64_t rows, int64_t cols, int64_t ld, uint64_t seed, int rank,
-                          int which, uint64_t call, int64_t src_cols, int64_t row0) {
+                          int which, uint64_t call, int64_t src_cols, int64_t row0, const uint64_t* dcall = nullptr) {
+  if (dcall) call = *dcall;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i % cols;
@@ -70,6 +73,11 @@ __global__ void count_diff(const uint16_t* got, const uint16_t* want, int64_t n,
       atomicAdd(&out[0], 1ull);
       atomicMin(&out[1], static_cast<unsigned long long>(i));
     }
+}
+// Graph replays: the call counter moves on the device, and each replay's comparison is counted.
+__global__ void bump(uint64_t* call, unsigned long long* compared) {
+  *call += 1;
+  *compared += 1;
 }
 // A kernel launched for the first time while fused calls are in flight (module loading).
 template <int kTag>
@@ -417,6 +425,124 @@ TEST_F(Matrix, RingAttentionEveryLayout) {
 TEST_F(Matrix, LongRun) {
   run_gemm_case(comm_, GemmCase{FusedKind::kGemmRs, false, "aligned", 128, 256, 128, -1}, test_seed() ^ 0x10f6,
                 2000, false);
+}
+
+// 200 back-to-back replays of one captured graph per operator: each replay bumps a device call
+// counter, fills fresh tagged inputs and the reference's inputs from it, computes the reference,
+// poisons C, runs the fused call and counts C's wrong elements, all on the stream, with no host
+// step between replays. Run in some launches only (scripts/device/matrix_check.sh).
+void run_gemm_graph(Communicator* comm, const GemmCase& c, uint64_t seed, int replays) {
+  const int W = comm->world(), me = comm->rank();
+  const int64_t Ms = c.rows_per_rank, M = Ms * W, N = c.N, K = c.K;
+  SCOPED_TRACE(std::string("graph replays of ") + kind_label(c.kind, c.det) + " " + c.shape);
+  ops::FusedOptions o;
+  o.deterministic = c.det;
+  o.comm_ctas = c.comm_ctas;
+  std::unique_ptr<FusedGemm> op;
+  MK_ASSERT_OK(FusedGemm::create(comm, c.kind, {M, N, K}, o, &op));
+  const bool ag = c.kind == FusedKind::kAgGemm, rs = c.kind == FusedKind::kGemmRs;
+  const int64_t a_rows = ag ? Ms : M, c_rows = rs ? Ms : M, ck = ag ? K : K * W;
+  Dev A(a_rows * K * 2), B(N * K * 2), C(c_rows * N * 2), A_ref(M * ck * 2), B_ref(N * ck * 2), C_ref(M * N * 2);
+  Dev dcall(sizeof(uint64_t)), bad(3 * sizeof(unsigned long long));
+  cudaStream_t st = comm->stream();
+  const uint64_t base = 5000;  // call indices of their own (the other tests use 1.. and 1001..)
+  unsigned long long init[3] = {0, ~0ull, 0};
+  ASSERT_EQ(cudaMemcpy(dcall.p, &base, sizeof(base), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(bad.p, init, sizeof(init), cudaMemcpyHostToDevice), cudaSuccess);
+  const uint64_t* dc = dcall.as<uint64_t>();
+  auto body = [&]() -> Status {
+    bump<<<1, 1, 0, st>>>(dcall.as<uint64_t>(), bad.as<unsigned long long>() + 2);
+    fill_tags<<<132, 256, 0, st>>>(A.as<__nv_bfloat16>(), a_rows, K, K, seed, me, 0, 0, K, ag ? me * Ms : 0, dc);
+    fill_tags<<<132, 256, 0, st>>>(B.as<__nv_bfloat16>(), N, K, K, seed, me, 1, 0, K, 0, dc);
+    if (ag) {
+      for (int r = 0; r < W; ++r)
+        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * Ms * K, Ms, K, K, seed, r, 0, 0, K, r * Ms, dc);
+      MK_CHECK(gemm_ref(A_ref.p, B.p, C_ref.p, M, N, K, st));
+    } else {
+      for (int r = 0; r < W; ++r) {
+        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * K, M, K, ck, seed, r, 0, 0, K, 0, dc);
+        fill_tags<<<132, 256, 0, st>>>(B_ref.as<__nv_bfloat16>() + r * K, N, K, ck, seed, r, 1, 0, K, 0, dc);
+      }
+      MK_CHECK(gemm_ref(A_ref.p, B_ref.p, C_ref.p, M, N, ck, st));
+    }
+    poison16<<<132, 256, 0, st>>>(C.as<uint16_t>(), c_rows * N);
+    ops::FusedArgs args;
+    args.A = A.p;
+    args.B = B.p;
+    args.C = C.p;
+    MK_CHECK(op->enqueue(args, st));
+    count_diff<<<132, 256, 0, st>>>(C.as<uint16_t>(), C_ref.as<uint16_t>() + (rs ? me * Ms * N : 0), c_rows * N,
+                                    bad.as<unsigned long long>());
+    MK_CUDA_CHECK(cudaGetLastError());
+    return OkStatus();
+  };
+  // One eager call first: it agrees on the arguments across ranks (run), and is checked.
+  {
+    ops::FusedArgs args;
+    args.A = A.p;
+    args.B = B.p;
+    args.C = C.p;
+    MK_ASSERT_OK(op->run(args, st));
+    MK_ASSERT_OK(comm->sync(st));
+  }
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status cap = body();
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  MK_ASSERT_OK(cap);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_TRUE(all_ok(comm->bootstrap().barrier().ok()));  // every rank's graph is ready
+  for (int rep = 0; rep < replays; ++rep) ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+  const Status s = comm->sync(st);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  ASSERT_TRUE(all_ok(s.ok())) << "a rank's replays failed";
+  unsigned long long got[3];
+  uint64_t last = 0;
+  ASSERT_EQ(cudaMemcpy(got, bad.p, sizeof(got), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&last, dcall.p, sizeof(last), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(last, base + uint64_t(replays)) << "replays that ran";
+  EXPECT_EQ(got[2], uint64_t(replays)) << "replays compared";
+  EXPECT_EQ(got[0], 0ull) << "rank " << me << ": " << got[0] << " wrong elements over " << replays
+                          << " replays of " << c_rows * N << " elements; the lowest wrong index " << (got[0] ? got[1] : 0);
+  // The reference itself, at the last replay's call: a few of its elements against exact sums
+  // from the tags on the host (a wrong reference would make the comparison meaningless).
+  std::vector<uint16_t> ref(size_t(M) * N);
+  ASSERT_EQ(cudaMemcpy(ref.data(), C_ref.p, ref.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  int wrong_ref = 0;
+  for (int64_t i = 0; i < M * N; i += std::max<int64_t>(1, M * N / 257)) {
+    const int64_t row = i / N, col = i % N;
+    double exact = 0;
+    if (ag) {
+      for (int64_t k = 0; k < K; ++k)
+        exact += double(tag_int(seed, int(row / Ms), 0, last, uint64_t(row) * K + k)) *
+                 tag_int(seed, me, 1, last, uint64_t(col) * K + k);
+    } else {
+      for (int r = 0; r < W; ++r)
+        for (int64_t k = 0; k < K; ++k)
+          exact += double(tag_int(seed, r, 0, last, uint64_t(row) * K + k)) * tag_int(seed, r, 1, last, uint64_t(col) * K + k);
+    }
+    uint32_t u = uint32_t(ref[size_t(i)]) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    // Exact in fp32, rounded once to bf16.
+    wrong_ref += f != __bfloat162float(__float2bfloat16_rn(float(exact)));
+  }
+  EXPECT_EQ(wrong_ref, 0) << "the reference differs from exact sums at the last call";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  MK_EXPECT_OK(comm->check());
+  MK_EXPECT_OK(op->destroy());
+}
+
+TEST_F(Matrix, GraphReplays) {
+  const uint64_t seed = test_seed() ^ 0x9a9a;
+  for (const GemmCase& c : {GemmCase{FusedKind::kAgGemm, false, "odd", 136, 264, 72, -1},
+                            GemmCase{FusedKind::kGemmRs, false, "odd", 136, 264, 72, -1},
+                            GemmCase{FusedKind::kGemmAr, true, "odd", 136, 264, 72, -1}}) {
+    run_gemm_graph(comm_, c, seed, 200);
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST_F(Matrix, InFlightBlockingCudaCalls) {
