@@ -39,6 +39,9 @@ def main():
     ap.add_argument("--h", type=int, default=32)
     ap.add_argument("--d", type=int, default=128)
     args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print("bench_attention.py: skipped: no GPU (torch sees none; `mkernel doctor` says why)")
+        sys.exit(77)
     B, H, D = args.b, args.h, args.d
     variants = ["default"]  # one row per kernel variant timed side by side
     rows = []

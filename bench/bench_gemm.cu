@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "mkernel/runtime/communicator.h"
 #include "mkernel/gemm/gemm.h"
 #include "src/gemm/fused_launch.h"
 
@@ -66,11 +68,41 @@ int main(int argc, char** argv) {
   int reps = 30;
   std::vector<long long> dims;
   bool sweep = false;
+  auto usage = [](const char* why) {
+    fprintf(stderr, "bench_gemm: %s\nusage: bench_gemm [--json FILE] [--reps N] [--sweep] [M N K ...]\n", why);
+    return 2;
+  };
+  // A whole positive integer up to `max`, else false.
+  auto positive = [](const char* a, long long max, long long* out) {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = strtoll(a, &end, 10);
+    if (errno || !*a || *end || v < 1 || v > max) return false;
+    *out = v;
+    return true;
+  };
   for (int i = 1; i < argc; ++i) {
-    if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-    else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--sweep")) sweep = true;
-    else dims.push_back(atoll(argv[i]));
+    long long v = 0;
+    if (!strcmp(argv[i], "--json")) {
+      if (i + 1 >= argc) return usage("--json needs a file");
+      json = argv[++i];
+    } else if (!strcmp(argv[i], "--reps")) {
+      if (i + 1 >= argc || !positive(argv[++i], 100000, &v)) return usage("--reps needs a whole number 1..100000");
+      reps = int(v);
+    } else if (!strcmp(argv[i], "--sweep")) {
+      sweep = true;
+    } else if (positive(argv[i], 1 << 20, &v)) {
+      dims.push_back(v);
+    } else {
+      return usage((std::string("unexpected argument '") + argv[i] + "'").c_str());
+    }
+  }
+  if (dims.size() % 3) return usage("dimensions come in triples M N K");
+  int dev_count = 0;
+  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+    cudaGetLastError();
+    printf("bench_gemm: skipped: no GPU: %s\n", mk::no_gpu_reason().c_str());
+    return 77;
   }
   if (sweep) {
     // (N, K) per rank at TP8: Llama-3-8B (hidden 4096, 8 KV heads of 128, intermediate 14336)

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -24,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "mkernel/runtime/communicator.h"
 #include "mkernel/gemm/grouped.h"
 
 namespace {
@@ -97,20 +99,40 @@ int main(int argc, char** argv) {
   int reps = 30;
   std::vector<int64_t> token_list = {128, 4096};
   int store = 0;
+  auto usage = [](const std::string& why) {
+    fprintf(stderr, "bench_grouped: %s\nusage: bench_grouped [--json FILE] [--reps N] [--tokens T] [--store 0|1|2]\n",
+            why.c_str());
+    return 2;
+  };
+  // A whole number in [lo, hi], else false.
+  auto number = [](const char* a, long long lo, long long hi, long long* out) {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = strtoll(a, &end, 10);
+    if (errno || !*a || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+  };
   for (int i = 1; i < argc; ++i) {
-    if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-    else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) token_list = {atoll(argv[++i])};
-    else if (!strcmp(argv[i], "--store") && i + 1 < argc) store = atoi(argv[++i]);
-    else {
-      fprintf(stderr, "usage: bench_grouped [--json FILE] [--reps N] [--tokens T] [--store 1|2]\n");
-      return 2;
+    const std::string a = argv[i];
+    long long v = 0;
+    if (a == "--json" || a == "--reps" || a == "--tokens" || a == "--store") {
+      if (i + 1 >= argc) return usage(a + " needs a value");
+      const char* val = argv[++i];
+      if (a == "--json") json = val;
+      else if (a == "--reps" && number(val, 1, 100000, &v)) reps = int(v);
+      else if (a == "--tokens" && number(val, 1, 1 << 20, &v)) token_list = {v};
+      else if (a == "--store" && number(val, 0, 2, &v)) store = int(v);
+      else return usage(a + " '" + val + "': out of range or not a whole number");
+    } else {
+      return usage("unexpected argument '" + a + "'");
     }
   }
   int dev_count = 0;
   if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
-    printf("bench_grouped: no GPU, nothing to measure\n");
-    return 0;
+    cudaGetLastError();
+    printf("bench_grouped: skipped: no GPU: %s\n", mk::no_gpu_reason().c_str());
+    return 77;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));

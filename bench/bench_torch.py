@@ -54,6 +54,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print("bench_torch.py: skipped: no GPU (torch sees none; `mkernel doctor` says why)")
+        sys.exit(77)
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     W_env = int(os.environ.get("WORLD_SIZE", "1"))

@@ -15,12 +15,20 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+except ModuleNotFoundError:
+    sys.exit("tp_mlp.py needs PyTorch (>= 2.4): pip install '.[torch]' from the source tree")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import mkernel.torch as mkt  # noqa: E402
+# The installed package when there is one (pip install .); else the source tree's python/, which
+# loads build/libmkernel_capi.so (scripts/setup.sh builds it).
+try:
+    import mkernel.torch as mkt
+except ImportError:
+    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import mkernel.torch as mkt  # noqa: E402
 
 
 class TPMLP(torch.nn.Module):
@@ -55,6 +63,9 @@ def main():
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--inter", type=int, default=2816)
     args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        sys.exit("tp_mlp.py needs a CUDA GPU per rank (or ranks sharing one under MPS); torch sees none "
+                 "here (`mkernel doctor` says why)")
     dist.init_process_group("gloo")
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

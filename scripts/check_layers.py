@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Checks mkernel's include graph against the layer order of README.md ("Layers").
+"""Checks mkernel's include graph against the layer order of docs/architecture.md ("Layers").
 
-The README's Layers table lists the layers bottom up, each with its folders (and single
+The Layers table of docs/architecture.md lists the layers bottom up, each with its folders (and single
 files). Every source file under include/, src/ and tools/ must sit in one layer, and every
 #include of a project file in it must name a file of the same layer or of a lower one.
 Reported, with file:line and the two layers:
@@ -20,7 +20,7 @@ names in the same order, same folders. The build enforces the order per target (
 include does not compile there); this check covers the whole tree, tools included.
 
 usage: scripts/check_layers.py [--root DIR]
-exit status: 0 clean; 1 violations (listed); 2 the README table is missing or malformed.
+exit status: 0 clean; 1 violations (listed); 2 the Layers table is missing or malformed.
 """
 
 import argparse
@@ -175,7 +175,7 @@ def cmake_layers(root):
 
 def check(root):
     """Returns (problems, notes): problem lines (failing) and note lines."""
-    layers_list, exceptions = read_layers(os.path.join(root, "README.md"))
+    layers_list, exceptions = read_layers(os.path.join(root, "docs", "architecture.md"))
     layers = Layers(layers_list)
     problems, notes, used = [], [], set()
 
@@ -184,18 +184,18 @@ def check(root):
     built = cmake_layers(root)
     for name, paths in built:
         if name not in table:
-            problems.append(f"CMakeLists.txt: mk_layer({name}) is not a layer of README.md")
+            problems.append(f"CMakeLists.txt: mk_layer({name}) is not a layer of docs/architecture.md")
         elif sorted(paths) != sorted(table[name]):
             problems.append(f"CMakeLists.txt: mk_layer({name}) PATHS {' '.join(paths)} differ from "
-                            f"README.md's {' '.join(table[name])}")
+                            f"docs/architecture.md's {' '.join(table[name])}")
     order = [n for n, _ in built if n in table]
     if order != sorted(order, key=layers.names.index):
-        problems.append(f"CMakeLists.txt: mk_layer() order {' '.join(order)} is not README.md's")
+        problems.append(f"CMakeLists.txt: mk_layer() order {' '.join(order)} is not docs/architecture.md's")
 
     for rel in scan_files(root):
         mine = layers.of(rel)
         if mine is None:
-            problems.append(f"{rel}: in no layer of README.md's table")
+            problems.append(f"{rel}: in no layer of docs/architecture.md's table")
             continue
         with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
@@ -219,12 +219,12 @@ def check(root):
                     if (rel, inc) in exceptions or (rel, target) in exceptions:
                         used.add((rel, inc) if (rel, inc) in exceptions else (rel, target))
                         notes.append(f"{where}: upward include of {inc} [{mine[1]} -> {theirs[1]}], "
-                                     f"listed as an exception in README.md")
+                                     f"listed as an exception in docs/architecture.md")
                     else:
                         problems.append(f"{where}: upward include of {inc} "
                                         f"[layer {mine[1]} -> layer {theirs[1]}]")
     for f, inc in sorted(exceptions - used):
-        notes.append(f"README.md: the exception `{f}` -> `{inc}` no longer occurs: remove it")
+        notes.append(f"docs/architecture.md: the exception `{f}` -> `{inc}` no longer occurs: remove it")
     return problems, notes
 
 
@@ -244,7 +244,7 @@ def main():
     for p in problems:
         print(f"check_layers: {p}")
     if problems:
-        print(f"check_layers: FAILED: {len(problems)} problem(s) (layer order: README.md, 'Layers')")
+        print(f"check_layers: FAILED: {len(problems)} problem(s) (layer order: docs/architecture.md, 'Layers')")
         return 1
     print("check_layers: ok")
     return 0

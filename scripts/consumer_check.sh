@@ -62,7 +62,9 @@ say "installed: $(cd "$prefix" && find . -type f -not -path './include/*' | sort
 # The consumer: its own build, same C++ compiler as mkernel's, packages from the prefix only
 # (the user package registry left out).
 say "building tests/consumer against $prefix"
-consumer_args=(-DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+# With the README's and docs/'s C++ snippets (scripts/snippets.py): none may rot.
+python3 scripts/snippets.py extract "$tmp/snippets" || die "extracting the snippets"
+consumer_args=(-DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF -DMK_SNIPPETS_DIR="$tmp/snippets")
 cxx=$(cache CMAKE_CXX_COMPILER)
 [[ -n $cxx ]] && consumer_args+=(-DCMAKE_CXX_COMPILER="$cxx")
 cmake -S tests/consumer -B "$tmp/consumer" -G Ninja "${consumer_args[@]}" || die "consumer configure"
@@ -76,4 +78,17 @@ echo "$out"
 ((rc == 0)) || die "consumer exited with $rc"
 grep -qx "consumer: mkernel $version (package $version)" <<<"$out" || die "consumer reports another version"
 grep -qx "consumer: ok" <<<"$out" || die "consumer did not finish"
-say "ok (mkernel $version: installed, found with find_package, linked, run)"
+# The README's program as a user runs it: "app: ok" with a GPU; without one, one line saying so.
+readme_prog=$(find "$tmp/consumer" -maxdepth 1 -name 'snippet_README_*' -type f -executable | head -n 1)
+[[ -n $readme_prog ]] || die "the README's program was not built"
+rc=0
+app_out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$readme_prog" 2>&1) || rc=$?
+say "README's program: exit $rc: $app_out"
+if ((rc == 0)); then
+  grep -qx "app: ok" <<<"$app_out" || die "the README's program exited 0 without 'app: ok'"
+else
+  grep -q "^app: .*no GPU" <<<"$app_out" || die "the README's program failed (exit $rc) with a GPU, or without saying there is none"
+fi
+# The documented CLI lines that need no GPU, with the installed binary.
+python3 scripts/snippets.py cli "$prefix/bin/mkernel" || die "documented CLI lines"
+say "ok (mkernel $version: installed, found with find_package, linked, run; snippets compiled)"

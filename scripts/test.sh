@@ -14,7 +14,7 @@ cd "$root"
 if [[ ${MK_SKIP_PYTHON:-0} != 1 ]]; then
   "$root/scripts/python_setup.sh"
 fi
-# The include graph against the layer order of README.md ("Layers"); fails fast on an upward include.
+# The include graph against the layer order of docs/architecture.md ("Layers"); fails fast on an upward include.
 python3 "$root/scripts/check_layers.py"
 build=${MK_BUILD_DIR:-build}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

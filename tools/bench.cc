@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "mkernel/mkernel.h"
+#include "mkernel/ops/fused.h"
 #include "tools/bench_common.h"
 #include "tools/cli.h"
 
@@ -145,6 +146,18 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = b->moe_only[0] + " applies to moe_dispatch and moe_layer only, not to '" + b->which + "'";
     return false;
   }
+  if (!ring && !moe && (b->m || b->n || b->k)) {
+    // The shape rules first, before any GPU is looked for (a dimension left out is 4096).
+    const ops::PlanShape shape{b->m ? b->m : 4096, b->n ? b->n : 4096, b->k ? b->k : 4096};
+    for (ops::FusedKind kind : {ops::FusedKind::kAgGemm, ops::FusedKind::kGemmRs, ops::FusedKind::kGemmAr}) {
+      if (b->which != "all" && b->which != ops::fused_kind_name(kind)) continue;
+      const Status s = ops::FusedGemm::can_implement(kind, shape, std::max(1, launch_size()));
+      if (!s.ok()) {
+        *err = s.message();
+        return false;
+      }
+    }
+  }
   if (b->sweep && (b->m || b->n || b->k)) {
     *err = "--sweep runs its own shapes: leave out --m, --n and --k";
     return false;
@@ -188,8 +201,7 @@ int bench(const std::vector<std::string>& args) {
     if (launch_rank() <= 0 || !agreed_error) {
       fprintf(stderr, "mkernel bench: %s\n", s.to_string().c_str());
       if (s.code() == Code::kNotSupported)
-        fprintf(stderr, "mkernel bench: needs a GPU per rank (or ranks sharing one under CUDA MPS); "
-                        "`mkernel doctor` shows what this machine has\n");
+        fprintf(stderr, "mkernel bench: needs a GPU per rank (or ranks sharing one under CUDA MPS)\n");
     }
     return 1;
   }

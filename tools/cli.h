@@ -47,5 +47,8 @@ class ArgReader {
 // The rank this process will have under mpirun (from the launcher's environment), or -1 when
 // not launched by MPI: errors found before the communicator exists are printed by rank 0 only.
 int launch_rank();
+// The number of ranks of this launch (from the launcher's environment), or -1 when not launched
+// by MPI.
+int launch_size();
 }  // namespace cli
 }  // namespace mk

@@ -88,13 +88,7 @@ bool report_gpus() {
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
     cudaGetLastError();
-    if (drv == 0)
-      printf("no GPU: no NVIDIA driver on this machine (%s)\n",
-             e != cudaSuccess ? cudaGetErrorName(e) : "no device visible");
-    else
-      printf("no GPU: %s (driver supports CUDA %d.%d)\n",
-             e != cudaSuccess ? cudaGetErrorString(e) : "no device visible", drv / 1000,
-             (drv % 1000) / 10);
+    printf("no GPU: %s\n", no_gpu_reason().c_str());  // the words Communicator::create uses
     printf("mkernel runs its CPU parts (bootstrap, topology, tests labelled cpu) here; GPU work "
            "needs an NVIDIA Hopper GPU (sm_90a).\n");
     return false;
@@ -452,24 +446,58 @@ void report_staging(bool have_gpu) {
 #endif
 }
 
-void report_tunables() {
-  section("tunables (set MK_<NAME> or mk::tunables::set)");
-  for (const TunableValue& v : tunables::snapshot())
+// Every tunable with its value and source; a bad value is flagged on its line and counted.
+int report_tunables(const std::vector<std::string>& providers) {
+  section("tunables (set MK_<NAME> or mk::tunables::set; docs/tunables.md)");
+  int bad = 0;
+  for (const TunableValue& v : tunables::snapshot()) {
     printf("%-22s %-26s = %-10s [%s]  %s\n", v.def->name, v.def->env,
            v.value.empty() ? "\"\"" : v.value.c_str(), tunable_source_name(v.source), v.def->help);
+    Status s = tunables::validate(*v.def, v.value);
+    // A provider name this machine's libfabric does not offer (when it lists any).
+    if (s.ok() && std::string(v.def->name) == "net_provider" && v.value != "auto" && !providers.empty()) {
+      const std::string want = net::normalize_provider(v.value);
+      bool offered = false;
+      for (const std::string& p : providers) offered = offered || p == want;
+      if (!offered) {
+        std::string list;
+        for (const std::string& p : providers) list += (list.empty() ? "" : ", ") + p;
+        s = Status(Code::kInvalidArgument, std::string(v.def->env) + "='" + v.value +
+                                               "': no such provider here (offered: " + list + ")");
+      }
+    }
+    if (!s.ok()) {
+      printf("%-22s ^ INVALID: %s\n", "", s.message().c_str());
+      ++bad;
+    }
+  }
+  return bad;
 }
 
 }  // namespace
 
 int doctor(const std::vector<std::string>& args) {
   if (args.size() == 2 && args[0] == kPeerFlag) return symmem_peer(args[1]);
+  if (args.size() == 1 && args[0] == "--tunables-md") {
+    fputs(tunables::markdown().c_str(), stdout);  // docs/tunables.md
+    return 0;
+  }
+  if (!args.empty()) {
+    fprintf(stderr, "mkernel doctor: unexpected argument '%s' (usage: mkernel doctor [--tunables-md])\n",
+            args[0].c_str());
+    return 2;
+  }
   report_build();
   const bool have_gpu = report_gpus();
   report_mps();
   report_symmem(have_gpu);
   report_fabric();
   report_staging(have_gpu);
-  report_tunables();
+  const int bad = report_tunables(net::libfabric_providers());
+  if (bad) {
+    printf("\ndoctor: %d setting(s) not valid (flagged above)\n", bad);
+    return 1;
+  }
   return 0;
 }
 

@@ -86,6 +86,13 @@ int launch_rank() {
   return -1;
 }
 
+int launch_size() {
+  const char* vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"};
+  for (const char* v : vars)
+    if (const char* s = getenv(v)) return atoi(s);
+  return -1;
+}
+
 }  // namespace cli
 }  // namespace mk
 
@@ -151,6 +158,10 @@ int main(int argc, char** argv) {
   }
   if (cmd == "bench") return mk::cli::bench(args);
   if (cmd == "version" || cmd == "--version") {
+    if (!args.empty()) {
+      fprintf(stderr, "mkernel version: unexpected argument '%s' (usage: mkernel version)\n", args[0].c_str());
+      return 2;
+    }
     printf("mkernel %s\n", mk::version());
     return 0;
   }

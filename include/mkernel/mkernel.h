@@ -1,6 +1,7 @@
 // mkernel — fused multi-GPU, multi-node kernels. The one header users include.
 #pragma once
 
+#include "mkernel/common/check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/status.h"
 #include "mkernel/common/tunables.h"

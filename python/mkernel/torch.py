@@ -17,8 +17,12 @@ import atexit
 import ctypes
 import threading
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as e:  # the package's torch part needs torch; the rest does not
+    raise ImportError("mkernel.torch needs PyTorch (>= 2.4): pip install 'mkernel[torch]' (from the "
+                      "source tree: pip install '.[torch]'), or install torch first") from e
 
 from . import _capi
 from ._capi import MkError, check

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "mkernel/common/log.h"
+#include "mkernel/common/check.h"
 #include "mkernel/common/tunables.h"
 
 namespace mk {
@@ -133,9 +134,9 @@ Action at(Site site, int rank) {
   return Action::kNone;
 }
 
-void carry_out_later(Action a, int delay_ms) {
+void carry_out_later(Action a) {
   if (a != Action::kKill && a != Action::kStop) return;
-  if (const char* d = getenv("MK_FAULT_DELAY_MS")) delay_ms = atoi(d);  // tests: after the call's work
+  const int delay_ms = int(tunables::fault_delay_ms());  // a long one: after the call's work
   std::thread([a, delay_ms] {
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     kill(getpid(), a == Action::kKill ? SIGKILL : SIGSTOP);
@@ -158,8 +159,10 @@ Status parse(const std::string& spec, std::string* why) {
 }
 
 Status validate() {
+  std::string spec;
+  MK_CHECK(tunables::get_string("fault", &spec));  // the tunable's rule is parse_into's
   std::vector<Plant> p;
-  return parse_into(tunables::fault(), &p);
+  return parse_into(spec, &p);
 }
 
 void reload() {

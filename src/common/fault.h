@@ -34,11 +34,11 @@ enum class Action { kNone, kKill, kStop, kBadInput, kError };
 // tunable is read at the first call in the process (reload() reads it again).
 Action at(Site site, int rank);
 
-// kill and stop, carried out `delay_ms` later from a thread of their own (the caller goes on
-// and launches its work; the peers are in theirs). MK_FAULT_DELAY_MS overrides the delay (a
-// long one lets the call finish: a rank that dies or stops between calls). Other actions are
-// the caller's to carry out.
-void carry_out_later(Action a, int delay_ms = 1);
+// kill and stop, carried out MK_FAULT_DELAY_MS (tunable fault_delay_ms, default 1) later from a
+// thread of their own (the caller goes on and launches its work; the peers are in theirs; a long
+// delay lets the call finish: a rank that dies or stops between calls). Other actions are the
+// caller's to carry out.
+void carry_out_later(Action a);
 
 // The message a planted error carries ("... (planted by MK_FAULT=put:error@1#5)").
 std::string planted(Site site, int rank);

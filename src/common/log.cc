@@ -57,9 +57,57 @@ uint32_t parse_mask(std::string v) {
   return invert ? ~m : m;
 }
 
+}  // namespace
+
+Status log_check_subsys(const std::string& value) {
+  std::string v = value;
+  if (!v.empty() && v[0] == '^') v = v.substr(1);
+  if (v.empty()) return OkStatus();
+  size_t pos = 0;
+  while (true) {
+    const size_t comma = v.find(',', pos);
+    const std::string tok = v.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    bool known = tok == "ALL";
+    for (const auto& s : kSubsys) known = known || tok == s.name;
+    if (!known)
+      return Status(Code::kInvalidArgument, "unknown subsystem '" + tok +
+                                                "' (INIT, BOOT, MEM, NET, PROXY, TOPO, SIGNAL, TUNE or ALL)");
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return OkStatus();
+}
+
+namespace {
+
+// A logging setting read without the tunables' warning (that warning would log, under g_mu):
+// a bad value gives the default, and its error is kept for one line on stderr once unlocked.
+std::string g_bad_setting;  // guarded by g_mu
+std::string read_setting(const char* name) {
+  std::string v;
+  const Status s = tunables::get_string(name, &v);
+  if (s.ok()) return v;
+  if (g_bad_setting.empty()) g_bad_setting = s.message();
+  for (const auto& d : tunables::table())
+    if (std::string(d.name) == name) return d.default_value;
+  return "";
+}
+// After configure_locked, with g_mu released: the bad setting, once.
+void report_bad_setting() {
+  std::string msg;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    static bool said = false;
+    if (g_bad_setting.empty() || said) return;
+    said = true;
+    msg = g_bad_setting;
+  }
+  fprintf(stderr, "mkernel WARN %s; logging uses the default\n", msg.c_str());
+}
+
 void configure_locked() {
-  g_mask.store(parse_mask(tunables::debug_subsys()));
-  std::string file = tunables::debug_file();
+  g_mask.store(parse_mask(read_setting("debug_subsys")));
+  std::string file = read_setting("debug_file");
   if (g_file && g_file != stderr) fclose(g_file);
   g_file = stderr;
   if (!file.empty()) {
@@ -79,7 +127,7 @@ void configure_locked() {
     }
     if (FILE* f = fopen(path.c_str(), "a")) g_file = f;
   }
-  g_level.store(static_cast<int>(parse_level(tunables::debug())));
+  g_level.store(static_cast<int>(parse_level(read_setting("debug"))));
 }
 
 const char* subsys_name(uint32_t s) {
@@ -93,16 +141,22 @@ const char* subsys_name(uint32_t s) {
 bool log_enabled(LogLevel level, uint32_t subsys) {
   int cur = g_level.load(std::memory_order_relaxed);
   if (cur < 0) {
-    std::lock_guard<std::mutex> g(g_mu);
-    if (g_level.load() < 0) configure_locked();
-    cur = g_level.load();
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      if (g_level.load() < 0) configure_locked();
+      cur = g_level.load();
+    }
+    report_bad_setting();
   }
   return static_cast<int>(level) <= cur && (g_mask.load(std::memory_order_relaxed) & subsys);
 }
 
 void log_reconfigure() {
-  std::lock_guard<std::mutex> g(g_mu);
-  configure_locked();
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    configure_locked();
+  }
+  report_bad_setting();
 }
 
 void log_set_rank(int rank) { g_rank.store(rank); }

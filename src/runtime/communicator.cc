@@ -1,6 +1,7 @@
 #include "mkernel/runtime/communicator.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -43,13 +44,27 @@ Status parse_mode(const std::string& s, SymmetricMode* m) {
 }
 }  // namespace
 
+std::string no_gpu_reason() {
+  int n = 0, drv = 0;
+  cudaDriverGetVersion(&drv);
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaSuccess && n > 0) return "";
+  cudaGetLastError();
+  if (drv == 0) return std::string("no NVIDIA driver on this machine (") +
+                       (e != cudaSuccess ? cudaGetErrorName(e) : "no device visible") + ")";
+  char b[256];
+  snprintf(b, sizeof b, "%s (the driver supports CUDA %d.%d)",
+           e != cudaSuccess ? cudaGetErrorString(e) : "no device visible", drv / 1000, (drv % 1000) / 10);
+  return b;
+}
+
 Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) {
   bs_ = std::move(bs);
   const int rank = bs_->rank(), world = bs_->size();
   log_set_rank(rank);
 
-  // 0. settings every rank must read the same way
-  MK_CHECK(agree(*bs_, fault::validate(), "communicator: the tunable fault (MK_FAULT)"));
+  // 0. settings: every one valid (one error naming each bad variable), on every rank
+  MK_CHECK(agree(*bs_, tunables::check_all(), "communicator: settings"));
 
   // 1. hosts, so each rank can pick its GPU by its index on its host
   std::vector<RankInfo> infos(world);
@@ -59,13 +74,12 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   // 2. GPU
   int ndev = 0;
   Status gpu_err;
-  cudaError_t e = cudaGetDeviceCount(&ndev);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
+  const std::string no_gpu = no_gpu_reason();
+  if (!no_gpu.empty()) {
     ndev = 0;
-    gpu_err = make_status(Code::kNotSupported, "no usable GPU: %s", cudaGetErrorString(e));
-  } else if (ndev == 0) {
-    gpu_err = make_status(Code::kNotSupported, "no GPU visible");
+    gpu_err = Status(Code::kNotSupported, "no GPU: " + no_gpu + " (`mkernel doctor` shows what this machine has)");
+  } else {
+    MK_CUDA_CHECK(cudaGetDeviceCount(&ndev));
   }
   if (ndev > 0) {
     int want = cfg.device;

@@ -310,12 +310,18 @@ TEST(Tunables, SetByEnvNameAndStrings) {
   MK_ASSERT_OK(tunables::get_int("signal_timeout_ms", &x));
   EXPECT_EQ(x, 10000);
 
+  // A free-text string takes any text; a fixed list only its own words.
+  EnvGuard env3("MK_SPLIT_MEMORY_FILE");
+  TunableGuard g3("split_memory_file");
   const std::string word = random_token(rng, 16);
-  MK_ASSERT_OK(tunables::set("symmem_mode", word));  // string tunables take any text
+  MK_ASSERT_OK(tunables::set("split_memory_file", word));
   std::string s;
-  MK_ASSERT_OK(tunables::get_string("symmem_mode", &s));
+  MK_ASSERT_OK(tunables::get_string("split_memory_file", &s));
   EXPECT_EQ(s, word);
-  EXPECT_EQ(tunables::string_or_default("symmem_mode"), word);
+  EXPECT_EQ(tunables::string_or_default("split_memory_file"), word);
+  EXPECT_EQ(tunables::set("symmem_mode", word).code(), Code::kInvalidArgument);
+  MK_ASSERT_OK(tunables::set("MK_SYMMEM_MODE", "ipc"));
+  EXPECT_EQ(tunables::string_or_default("symmem_mode"), "ipc");
 }
 
 // Each typed accessor reads the table entry of its name and type: the default with nothing
@@ -338,7 +344,8 @@ TEST(Tunables, TypedAccessorsReadTheirEntry) {
     TunableGuard guard(name);
     MK_ASSERT_OK(tunables::reset(name));
     EXPECT_EQ(read(), std::stoll(d->default_value));
-    const int64_t v = d->min_value + static_cast<int64_t>(rng() % 100000);
+    const int64_t span = std::min<int64_t>(d->max_value - d->min_value, 100000);
+    const int64_t v = d->min_value + static_cast<int64_t>(rng() % uint64_t(span + 1));
     MK_ASSERT_OK(tunables::set(name, std::to_string(v)));
     EXPECT_EQ(read(), v);
   };
@@ -353,7 +360,26 @@ TEST(Tunables, TypedAccessorsReadTheirEntry) {
     MK_ASSERT_OK(tunables::reset(name));
     EXPECT_EQ(read(), d->default_value);
     if (std::string(name).rfind("debug", 0) == 0) return;  // would reconfigure the log
-    const std::string v = random_token(rng, 12);
+    // A value it accepts: one of its words, one its rule accepts, or any text.
+    std::string v = random_token(rng, 12);
+    if (d->choices) {
+      std::vector<std::string> words;
+      std::string cur;
+      for (const char* c = d->choices;; ++c) {
+        if (*c == '|' || !*c) {
+          words.push_back(cur);
+          cur.clear();
+          if (!*c) break;
+        } else {
+          cur += *c;
+        }
+      }
+      v = words[rng() % words.size()];
+    } else if (std::string(name) == "fault") {
+      v = "put:error@" + std::to_string(1000 + rng() % 1000);  // a rank no test world has
+    } else if (std::string(name) == "net_provider") {
+      v = "tcp_rxm";
+    }
     MK_ASSERT_OK(tunables::set(name, v));
     EXPECT_EQ(read(), v);
   };
@@ -413,6 +439,90 @@ TEST(Tunables, BadInputsAreInvalidArgument) {
   // An unknown name in int_or_default does not crash.
   EXPECT_EQ(tunables::int_or_default("no_such_tunable"), 0);
   EXPECT_EQ(tunables::string_or_default("no_such_tunable"), "");
+}
+
+// Every setting is validated when read: integers by range (a maximum too), fixed lists by
+// exact spelling, the others by their own rule; the error names the variable.
+TEST(Tunables, EveryKindOfSettingIsValidated) {
+  struct Case {
+    const char* name;
+    const char* good;
+    const char* bad;
+  };
+  const Case cases[] = {
+      {"bootstrap_timeout_ms", "5000", "9300000000000"},  // past its maximum (a day)
+      {"proxy_ring_slots", "4096", "288230376151711744"}, // 2^58: past its maximum
+      {"proxy_max_inflight", "64", "4294967296"},
+      {"signal_timeout_ms", "100", "abc"},
+      {"debug", "INFO", "LOUD"},
+      {"debug", "VERSION", "info"},
+      {"debug_subsys", "^NET,PROXY", "NET,BOGUS"},
+      {"net_staging", "always", "sometimes"},
+      {"fused_split", "auto", "dynamic"},
+      {"symmem_mode", "vmm", "VMM"},
+      {"net_provider", "tcp_rxm", "tcp rxm"},
+      {"net_provider", "udp;ofi_rxd", ""},
+      {"fault", "call:kill@1#2", "call:explode@1"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.name) + " good '" + c.good + "' bad '" + c.bad + "'");
+    const TunableDef* d = nullptr;
+    for (const auto& t : tunables::table())
+      if (std::string(t.name) == c.name) d = &t;
+    ASSERT_NE(d, nullptr);
+    EnvGuard env(d->env);
+    TunableGuard guard(d->name);
+    MK_EXPECT_OK(tunables::validate(*d, c.good));
+    const Status b = tunables::validate(*d, c.bad);
+    EXPECT_EQ(b.code(), Code::kInvalidArgument);
+    EXPECT_NE(b.message().find(d->env), std::string::npos) << b.message();
+    // set() refuses it; from the environment, the typed read is the error and check_all names it.
+    EXPECT_EQ(tunables::set(c.name, c.bad).code(), Code::kInvalidArgument);
+    ASSERT_EQ(setenv(d->env, c.bad, 1), 0);
+    const Status all = tunables::check_all();
+    EXPECT_EQ(all.code(), Code::kInvalidArgument);
+    EXPECT_NE(all.message().find(std::string(d->env) + "='" + c.bad + "'"), std::string::npos) << all.message();
+    EXPECT_NE(all.message().find("(from env)"), std::string::npos) << all.message();
+    if (d->type == TunableType::kInt) {
+      int64_t x = 0;
+      EXPECT_EQ(tunables::get_int(c.name, &x).code(), Code::kInvalidArgument);
+      EXPECT_EQ(tunables::int_or_default(c.name), std::stoll(d->default_value));
+    } else {
+      std::string v;
+      EXPECT_EQ(tunables::get_string(c.name, &v).code(), Code::kInvalidArgument);
+      EXPECT_EQ(tunables::string_or_default(c.name), d->default_value);
+    }
+    ASSERT_EQ(setenv(d->env, c.good, 1), 0);
+    MK_EXPECT_OK(tunables::check_all());
+  }
+}
+
+// Several bad settings: one error naming each of them.
+TEST(Tunables, CheckAllNamesEveryBadSetting) {
+  EnvGuard a("MK_SIGNAL_TIMEOUT_MS"), b("MK_NET_STAGING");
+  MK_ASSERT_OK(tunables::check_all());
+  ASSERT_EQ(setenv("MK_SIGNAL_TIMEOUT_MS", "0", 1), 0);
+  ASSERT_EQ(setenv("MK_NET_STAGING", "maybe", 1), 0);
+  const Status s = tunables::check_all();
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("MK_SIGNAL_TIMEOUT_MS='0'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("MK_NET_STAGING='maybe'"), std::string::npos) << s.message();
+}
+
+// docs/tunables.md is the table's own rendering (regenerate: mkernel doctor --tunables-md).
+TEST(Tunables, DocumentMatchesTheTable) {
+  const std::string path = std::string(MK_SOURCE_DIR) + "/docs/tunables.md";
+  FILE* f = fopen(path.c_str(), "rb");
+  ASSERT_NE(f, nullptr) << path;
+  std::string doc;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, f)) > 0) doc.append(buf, n);
+  fclose(f);
+  const std::string want = tunables::markdown();
+  EXPECT_EQ(doc, want) << path << " differs from the table: regenerate it with "
+                       << "`build/mkernel doctor --tunables-md > docs/tunables.md`";
+  for (const auto& d : tunables::table()) EXPECT_NE(doc.find(std::string("`") + d.env + "`"), std::string::npos) << d.env;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -536,9 +646,12 @@ TEST(Fault, FiresAtTheNthEventOfItsRankOnly) {
 
 // A malformed value is refused where a job starts (the communicator agrees on validate()).
 TEST(Fault, ValidateReadsTheTunable) {
-  MK_ASSERT_OK(tunables::set("fault", "call:kill@one"));
+  // set() refuses a malformed plan; from the environment, validate() names it.
+  EXPECT_EQ(tunables::set("fault", "call:kill@one").code(), Code::kInvalidArgument);
+  EnvGuard env("MK_FAULT");
+  ASSERT_EQ(setenv("MK_FAULT", "call:kill@one", 1), 0);
   Status s = fault::validate();
-  MK_ASSERT_OK(tunables::reset("fault"));
+  ASSERT_EQ(unsetenv("MK_FAULT"), 0);
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find("call:kill@one"), std::string::npos) << s.to_string();
   MK_EXPECT_OK(fault::validate());

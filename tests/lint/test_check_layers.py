@@ -28,8 +28,9 @@ def expect(cond, what, out):
 
 
 def copy_tree(dst):
-    for f in ("README.md", "CMakeLists.txt"):
-        shutil.copy2(os.path.join(ROOT, f), dst)
+    for f in ("docs/architecture.md", "CMakeLists.txt"):
+        os.makedirs(os.path.dirname(os.path.join(dst, f)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
     for d in ("include", "src", "tools", "bench", "tests"):
         if os.path.isdir(os.path.join(ROOT, d)):
             shutil.copytree(os.path.join(ROOT, d), os.path.join(dst, d),
@@ -53,7 +54,7 @@ def main():
     rc, out = run(ROOT)
     expect(rc == 0, f"the tree itself does not pass (exit {rc})", out)
 
-    layers, _ = check_layers.read_layers(os.path.join(ROOT, "README.md"))
+    layers, _ = check_layers.read_layers(os.path.join(ROOT, "docs", "architecture.md"))
     index = check_layers.Layers(layers)
     files = list(check_layers.scan_files(ROOT))
     # The victim: a file of the lowest layer. The include: a public header of the highest

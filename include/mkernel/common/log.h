@@ -5,6 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+
+#include "mkernel/common/status.h"
 
 namespace mk {
 
@@ -27,6 +30,9 @@ void log_message(LogLevel level, uint32_t subsys, const char* file, int line,
                  const char* fmt, ...) __attribute__((format(printf, 5, 6)));
 // Re-reads MK_DEBUG / MK_DEBUG_SUBSYS from the tunables table (after tunables::set()).
 void log_reconfigure();
+// An MK_DEBUG_SUBSYS value: a comma list of INIT, BOOT, MEM, NET, PROXY, TOPO, SIGNAL, TUNE or
+// ALL, optionally led by '^' (all but those); OK, or InvalidArgument naming the unknown entry.
+Status log_check_subsys(const std::string& value);
 // The rank printed in each line's prefix; -1 until a communicator sets it.
 void log_set_rank(int rank);
 

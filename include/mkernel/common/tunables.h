@@ -21,7 +21,11 @@ struct TunableDef {
   TunableType type;
   const char* default_value;
   const char* help;
-  int64_t min_value = 0;  // integers below it are rejected (kInt only)
+  int64_t min_value = 0;                    // integers below it are rejected (kInt only)
+  int64_t max_value = int64_t(1) << 40;     // integers above it are rejected (kInt only)
+  const char* choices = nullptr;            // kString: "a|b|c", the only values accepted (exact
+                                            // spelling); nullptr: any string (some checked by
+                                            // their own rule: validate())
 };
 
 struct TunableValue {
@@ -36,7 +40,16 @@ const std::vector<TunableDef>& table();
 // Current values with their source. The environment is read on every lookup, so a variable
 // set before a communicator is created takes effect; an API value wins over both.
 std::vector<TunableValue> snapshot();
-// Set by name ("signal_timeout_ms") or env name ("MK_SIGNAL_TIMEOUT_MS"). Validates type.
+// Whether `value` is acceptable for the tunable (type, range, choices, its own rule); the error
+// names the tunable and its variable and says what is accepted.
+Status validate(const TunableDef& def, const std::string& value);
+// Every tunable's current value validated: OK, or one InvalidArgument naming each bad one
+// ("MK_SIGNAL_TIMEOUT_MS='abc' (env): expects an integer ..."). Communicator::create and
+// `mkernel doctor` call it, so a bad setting is one clear error before any work.
+Status check_all();
+// The table as a Markdown document (docs/tunables.md is this text; a test keeps them equal).
+std::string markdown();
+// Set by name ("signal_timeout_ms") or env name ("MK_SIGNAL_TIMEOUT_MS"). Validates the value.
 Status set(const std::string& name, const std::string& value);
 // Drops an API override (the value falls back to env or default).
 Status reset(const std::string& name);
@@ -44,7 +57,8 @@ Status reset(const std::string& name);
 Status get_int(const std::string& name, int64_t* out);
 Status get_string(const std::string& name, std::string* out);
 // Convenience for code paths where the name is a literal from the table: returns the
-// default when lookup fails (and logs a WARN once), so a typo cannot crash a kernel launch.
+// default when the value is not valid (and logs one WARN per tunable and value, naming the
+// variable), so a bad setting cannot crash a kernel launch.
 int64_t int_or_default(const std::string& name);
 std::string string_or_default(const std::string& name);
 
@@ -77,7 +91,8 @@ std::string string_or_default(const std::string& name);
   INT_(ring_comm_ctas)                       \
   INT_(moe_comm_ctas)                        \
   INT_(check_calls)                          \
-  STRING_(fault)
+  STRING_(fault)                             \
+  INT_(fault_delay_ms)
 #define MK_TUNABLE_DECLARE_INT_(name_) int64_t name_();
 #define MK_TUNABLE_DECLARE_STRING_(name_) std::string name_();
 MK_TUNABLE_ACCESSORS(MK_TUNABLE_DECLARE_INT_, MK_TUNABLE_DECLARE_STRING_)

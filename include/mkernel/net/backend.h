@@ -101,6 +101,9 @@ Status create_backend(Bootstrap& bs, const Topology& topo, const BackendConfig& 
 
 // Providers with RDM endpoints and RMA present on this machine (for doctor and tests).
 std::vector<std::string> libfabric_providers();
+// A provider name as libfabric spells it: trimmed, lower case, "tcp_rxm" -> "tcp;ofi_rxm" (a
+// spelling without ';' for shells and CMake lists).
+std::string normalize_provider(std::string p);
 
 }  // namespace net
 }  // namespace mk

@@ -83,6 +83,9 @@ class FusedGemm {
   // captured calls of the operator must be destroyed first.
   Status destroy();
 
+  // The shape rules, before any communicator or GPU: M, N, K > 0 and < 2^31, N and K multiples
+  // of 8, M a multiple of the world size. create() applies them too (the same error).
+  static Status can_implement(FusedKind kind, const PlanShape& shape, int world);
   // Local checks: dtypes, null or misaligned pointers, C overlapping A or B.
   Status can_implement(const FusedArgs& args) const;
   // Local checks (can_implement, the communicator's health), then enqueues: no host collective.

@@ -18,6 +18,10 @@
 
 namespace mk {
 
+// Why this process cannot use a GPU, in the words `mkernel doctor` uses ("no NVIDIA driver on this
+// machine", "no device visible", the CUDA error), or "" when at least one GPU is usable.
+std::string no_gpu_reason();
+
 struct CommConfig {
   int device = -2;            // -2: tunable `device`; -1: host-local rank % visible GPUs; >= 0
   int ranks_per_node = -1;    // -1: tunable `ranks_per_node`

@@ -102,21 +102,6 @@ std::string fi_err(int ret) {
   return std::string(fi_strerror(e)) + " (" + std::to_string(ret) + ")";
 }
 
-// "tcp_rxm" -> "tcp;ofi_rxm" (a spelling without ';' for shells and CMake lists).
-std::string normalize_provider(std::string p) {
-  while (!p.empty() && isspace(static_cast<unsigned char>(p.back()))) p.pop_back();
-  size_t b = 0;
-  while (b < p.size() && isspace(static_cast<unsigned char>(p[b]))) ++b;
-  p = p.substr(b);
-  for (auto& c : p) c = static_cast<char>(tolower(static_cast<unsigned char>(c)));
-  if (p.find(';') != std::string::npos) return p;
-  size_t u = p.rfind('_');
-  if (u != std::string::npos && u > 0) {
-    std::string util = p.substr(u + 1);
-    if (util == "rxm" || util == "rxd") return p.substr(0, u) + ";ofi_" + util;
-  }
-  return p;
-}
 
 std::string mode_names(uint64_t mode) {
   std::string s;

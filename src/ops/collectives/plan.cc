@@ -454,6 +454,25 @@ struct Builder {
 
 }  // namespace
 
+Status FusedGemm::can_implement(FusedKind kind, const PlanShape& shape, int world) {
+  const int64_t M = shape.M, N = shape.N, K = shape.K;
+  const int W = world;
+  MK_REQUIRE(M > 0 && N > 0 && K > 0, Code::kInvalidArgument,
+             "%s: M, N, K must be > 0 (got %lld, %lld, %lld)", fused_kind_name(kind), (long long)M, (long long)N,
+             (long long)K);
+  MK_REQUIRE(N % 8 == 0 && K % 8 == 0, Code::kInvalidArgument,
+             "%s: N and K must be multiples of 8 (16-byte rows), got N %lld, K %lld", fused_kind_name(kind),
+             (long long)N, (long long)K);
+  MK_REQUIRE(W >= 1, Code::kInvalidArgument, "%s: world size %d", fused_kind_name(kind), W);
+  MK_REQUIRE(M % W == 0, Code::kInvalidArgument,
+             "%s: M = %lld does not split into %d equal shards (uneven shards are not supported: pad M to a "
+             "multiple of the world size)",
+             fused_kind_name(kind), (long long)M, W);
+  MK_REQUIRE(M < (1ll << 31) && N < (1ll << 31) && K < (1ll << 31), Code::kInvalidArgument,
+             "%s: M, N, K must be < 2^31", fused_kind_name(kind));
+  return OkStatus();
+}
+
 Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout, bool deterministic,
                   Plan* out, bool net_staged) {
   const int W = layout.world;
@@ -471,19 +490,8 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
       MK_REQUIRE(r >= 0 && r < W && layout.node_of[r] == n && layout.local_of[r] == l, Code::kInvalidArgument,
                  "plan: layout tables disagree about rank %d", r);
     }
+  MK_CHECK(FusedGemm::can_implement(kind, shape, W));
   const int64_t M = shape.M, N = shape.N, K = shape.K;
-  MK_REQUIRE(M > 0 && N > 0 && K > 0, Code::kInvalidArgument,
-             "%s: M, N, K must be > 0 (got %lld, %lld, %lld)", fused_kind_name(kind), (long long)M, (long long)N,
-             (long long)K);
-  MK_REQUIRE(N % 8 == 0 && K % 8 == 0, Code::kInvalidArgument,
-             "%s: N and K must be multiples of 8 (16-byte rows), got N %lld, K %lld", fused_kind_name(kind),
-             (long long)N, (long long)K);
-  MK_REQUIRE(M % W == 0, Code::kInvalidArgument,
-             "%s: M = %lld does not split into %d equal shards (uneven shards are not supported: pad M to a "
-             "multiple of the world size)",
-             fused_kind_name(kind), (long long)M, W);
-  MK_REQUIRE(M < (1ll << 31) && N < (1ll << 31) && K < (1ll << 31), Code::kInvalidArgument,
-             "%s: M, N, K must be < 2^31", fused_kind_name(kind));
   Plan& p = *out;
   p = Plan{};
   p.kind = kind;
