@@ -154,6 +154,61 @@ Status gemm_ref(const void* A, const void* B, void* C, int64_t M, int64_t N, int
   return OkStatus();
 }
 
+// The case's operator (collective).
+Status create_case(Communicator* comm, const GemmCase& c, std::unique_ptr<FusedGemm>* op) {
+  ops::FusedOptions o;
+  o.deterministic = c.det;
+  o.comm_ctas = c.comm_ctas;
+  return FusedGemm::create(comm, c.kind, {c.rows_per_rank * comm->world(), c.N, c.K}, o, op);
+}
+
+// One fused case's buffers: this rank's inputs and output, and the reference's (every rank's
+// inputs rebuilt from the tags).
+struct GemmBuffers {
+  GemmBuffers(const GemmCase& c, int W, int me)
+      : kind(c.kind), W(W), me(me), Ms(c.rows_per_rank), M(Ms * W), N(c.N), K(c.K),
+        ag(c.kind == FusedKind::kAgGemm), a_rows(ag ? Ms : M), c_rows(c.kind == FusedKind::kGemmRs ? Ms : M),
+        ck(ag ? K : K * W), A(a_rows * K * 2), B(N * K * 2), C(c_rows * N * 2), A_ref(M * ck * 2),
+        B_ref(N * ck * 2), C_ref(M * N * 2) {}
+  // Enqueues call `e`'s inputs (or, with dcall, the call index the device holds there), the
+  // reference's inputs and product, and the poisoning of C.
+  Status prepare(uint64_t seed, uint64_t e, cudaStream_t st, const uint64_t* dcall = nullptr) {
+    fill_tags<<<132, 256, 0, st>>>(A.as<__nv_bfloat16>(), a_rows, K, K, seed, me, 0, e, K, ag ? me * Ms : 0, dcall);
+    fill_tags<<<132, 256, 0, st>>>(B.as<__nv_bfloat16>(), N, K, K, seed, me, 1, e, K, 0, dcall);
+    if (ag) {
+      for (int r = 0; r < W; ++r)
+        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * Ms * K, Ms, K, K, seed, r, 0, e, K, r * Ms,
+                                       dcall);
+      MK_CHECK(gemm_ref(A_ref.p, B.p, C_ref.p, M, N, K, st));
+    } else {
+      for (int r = 0; r < W; ++r) {
+        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * K, M, K, ck, seed, r, 0, e, K, 0, dcall);
+        fill_tags<<<132, 256, 0, st>>>(B_ref.as<__nv_bfloat16>() + r * K, N, K, ck, seed, r, 1, e, K, 0, dcall);
+      }
+      MK_CHECK(gemm_ref(A_ref.p, B_ref.p, C_ref.p, M, N, ck, st));
+    }
+    poison16<<<132, 256, 0, st>>>(C.as<uint16_t>(), c_rows * N);
+    MK_CUDA_CHECK(cudaGetLastError());
+    return OkStatus();
+  }
+  ops::FusedArgs args() const {
+    ops::FusedArgs a;
+    a.A = A.p;
+    a.B = B.p;
+    a.C = C.p;
+    return a;
+  }
+  // The reference rows this rank's C holds.
+  const uint16_t* want() const { return C_ref.as<uint16_t>() + (kind == FusedKind::kGemmRs ? me * Ms * N : 0); }
+
+  FusedKind kind;
+  int W, me;
+  int64_t Ms, M, N, K;
+  bool ag;
+  int64_t a_rows, c_rows, ck;
+  Dev A, B, C, A_ref, B_ref, C_ref;
+};
+
 // Runs `calls` calls of one fused case, each checked bit for bit. in_flight: the blocking calls
 // happen while each call is in flight.
 void run_gemm_case(Communicator* comm, const GemmCase& c, uint64_t seed, int calls, bool in_flight) {
@@ -161,45 +216,25 @@ void run_gemm_case(Communicator* comm, const GemmCase& c, uint64_t seed, int cal
   const int64_t Ms = c.rows_per_rank, M = Ms * W, N = c.N, K = c.K;
   SCOPED_TRACE(std::string(kind_label(c.kind, c.det)) + " " + c.shape + " M " + std::to_string(M) + " N " +
                std::to_string(N) + " K " + std::to_string(K) + " comm_ctas " + std::to_string(c.comm_ctas));
-  ops::FusedOptions o;
-  o.deterministic = c.det;
-  o.comm_ctas = c.comm_ctas;
   std::unique_ptr<FusedGemm> op;
-  MK_ASSERT_OK(FusedGemm::create(comm, c.kind, {M, N, K}, o, &op));
-  const bool ag = c.kind == FusedKind::kAgGemm;
-  const int64_t a_rows = ag ? Ms : M, c_rows = c.kind == FusedKind::kGemmRs ? Ms : M, ck = ag ? K : K * W;
-  Dev A(a_rows * K * 2), B(N * K * 2), C(c_rows * N * 2), A_ref(M * ck * 2), B_ref(N * ck * 2), C_ref(M * N * 2);
+  MK_ASSERT_OK(create_case(comm, c, &op));
+  GemmBuffers g(c, W, me);
+  const bool ag = g.ag;
+  const int64_t c_rows = g.c_rows;
   Dev bad(16);
   cudaStream_t st = comm->stream();
   for (int call = 1; call <= calls; ++call) {
     const uint64_t e = uint64_t(call) + (in_flight ? 1000 : 0);
-    fill_tags<<<132, 256, 0, st>>>(A.as<__nv_bfloat16>(), a_rows, K, K, seed, me, 0, e, K, ag ? me * Ms : 0);
-    fill_tags<<<132, 256, 0, st>>>(B.as<__nv_bfloat16>(), N, K, K, seed, me, 1, e, K, 0);
-    if (ag) {
-      for (int r = 0; r < W; ++r)
-        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * Ms * K, Ms, K, K, seed, r, 0, e, K, r * Ms);
-      MK_ASSERT_OK(gemm_ref(A_ref.p, B.p, C_ref.p, M, N, K, st));
-    } else {
-      for (int r = 0; r < W; ++r) {
-        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * K, M, K, ck, seed, r, 0, e, K, 0);
-        fill_tags<<<132, 256, 0, st>>>(B_ref.as<__nv_bfloat16>() + r * K, N, K, ck, seed, r, 1, e, K, 0);
-      }
-      MK_ASSERT_OK(gemm_ref(A_ref.p, B_ref.p, C_ref.p, M, N, ck, st));
-    }
-    poison16<<<132, 256, 0, st>>>(C.as<uint16_t>(), c_rows * N);
-    ops::FusedArgs args;
-    args.A = A.p;
-    args.B = B.p;
-    args.C = C.p;
-    MK_ASSERT_OK(call == 1 ? op->run(args, st) : op->enqueue(args, st));
-    if (in_flight) blocking_calls(st, C_ref.p, size_t(M) * N * 2);
+    MK_ASSERT_OK(g.prepare(seed, e, st));
+    MK_ASSERT_OK(call == 1 ? op->run(g.args(), st) : op->enqueue(g.args(), st));
+    if (in_flight) blocking_calls(st, g.C_ref.p, size_t(M) * N * 2);
     const Status s = comm->sync(st);
     EXPECT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
     ASSERT_TRUE(all_ok(s.ok())) << "a rank's call failed";
     unsigned long long init[2] = {0, ~0ull}, got[2];
     ASSERT_EQ(cudaMemcpy(bad.p, init, sizeof(init), cudaMemcpyHostToDevice), cudaSuccess);
-    const uint16_t* want = C_ref.as<uint16_t>() + (c.kind == FusedKind::kGemmRs ? me * Ms * N : 0);
-    count_diff<<<132, 256, 0, st>>>(C.as<uint16_t>(), want, c_rows * N, bad.as<unsigned long long>());
+    const uint16_t* want = g.want();
+    count_diff<<<132, 256, 0, st>>>(g.C.as<uint16_t>(), want, c_rows * N, bad.as<unsigned long long>());
     ASSERT_EQ(cudaMemcpy(got, bad.p, sizeof(got), cudaMemcpyDeviceToHost), cudaSuccess);
     std::string detail;
     if (got[0]) {
@@ -207,7 +242,7 @@ void run_gemm_case(Communicator* comm, const GemmCase& c, uint64_t seed, int cal
       // so a failure says which side is off.
       const int64_t i = int64_t(got[1]), row = i / N, col = i % N, grow = row + (c.kind == FusedKind::kGemmRs ? me * Ms : 0);
       uint16_t f = 0, r = 0;
-      cudaMemcpy(&f, C.as<uint16_t>() + i, 2, cudaMemcpyDeviceToHost);
+      cudaMemcpy(&f, g.C.as<uint16_t>() + i, 2, cudaMemcpyDeviceToHost);
       cudaMemcpy(&r, want + i, 2, cudaMemcpyDeviceToHost);
       double exact = 0;
       if (ag) {
@@ -435,56 +470,29 @@ void run_gemm_graph(Communicator* comm, const GemmCase& c, uint64_t seed, int re
   const int W = comm->world(), me = comm->rank();
   const int64_t Ms = c.rows_per_rank, M = Ms * W, N = c.N, K = c.K;
   SCOPED_TRACE(std::string("graph replays of ") + kind_label(c.kind, c.det) + " " + c.shape);
-  ops::FusedOptions o;
-  o.deterministic = c.det;
-  o.comm_ctas = c.comm_ctas;
   std::unique_ptr<FusedGemm> op;
-  MK_ASSERT_OK(FusedGemm::create(comm, c.kind, {M, N, K}, o, &op));
-  const bool ag = c.kind == FusedKind::kAgGemm, rs = c.kind == FusedKind::kGemmRs;
-  const int64_t a_rows = ag ? Ms : M, c_rows = rs ? Ms : M, ck = ag ? K : K * W;
-  Dev A(a_rows * K * 2), B(N * K * 2), C(c_rows * N * 2), A_ref(M * ck * 2), B_ref(N * ck * 2), C_ref(M * N * 2);
+  MK_ASSERT_OK(create_case(comm, c, &op));
+  GemmBuffers g(c, W, me);
+  const bool ag = g.ag;
+  const int64_t c_rows = g.c_rows;
   Dev dcall(sizeof(uint64_t)), bad(3 * sizeof(unsigned long long));
   cudaStream_t st = comm->stream();
   const uint64_t base = 5000;  // call indices of their own (the other tests use 1.. and 1001..)
   unsigned long long init[3] = {0, ~0ull, 0};
   ASSERT_EQ(cudaMemcpy(dcall.p, &base, sizeof(base), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(bad.p, init, sizeof(init), cudaMemcpyHostToDevice), cudaSuccess);
-  const uint64_t* dc = dcall.as<uint64_t>();
   auto body = [&]() -> Status {
     bump<<<1, 1, 0, st>>>(dcall.as<uint64_t>(), bad.as<unsigned long long>() + 2);
-    fill_tags<<<132, 256, 0, st>>>(A.as<__nv_bfloat16>(), a_rows, K, K, seed, me, 0, 0, K, ag ? me * Ms : 0, dc);
-    fill_tags<<<132, 256, 0, st>>>(B.as<__nv_bfloat16>(), N, K, K, seed, me, 1, 0, K, 0, dc);
-    if (ag) {
-      for (int r = 0; r < W; ++r)
-        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * Ms * K, Ms, K, K, seed, r, 0, 0, K, r * Ms, dc);
-      MK_CHECK(gemm_ref(A_ref.p, B.p, C_ref.p, M, N, K, st));
-    } else {
-      for (int r = 0; r < W; ++r) {
-        fill_tags<<<132, 256, 0, st>>>(A_ref.as<__nv_bfloat16>() + r * K, M, K, ck, seed, r, 0, 0, K, 0, dc);
-        fill_tags<<<132, 256, 0, st>>>(B_ref.as<__nv_bfloat16>() + r * K, N, K, ck, seed, r, 1, 0, K, 0, dc);
-      }
-      MK_CHECK(gemm_ref(A_ref.p, B_ref.p, C_ref.p, M, N, ck, st));
-    }
-    poison16<<<132, 256, 0, st>>>(C.as<uint16_t>(), c_rows * N);
-    ops::FusedArgs args;
-    args.A = A.p;
-    args.B = B.p;
-    args.C = C.p;
-    MK_CHECK(op->enqueue(args, st));
-    count_diff<<<132, 256, 0, st>>>(C.as<uint16_t>(), C_ref.as<uint16_t>() + (rs ? me * Ms * N : 0), c_rows * N,
-                                    bad.as<unsigned long long>());
+    MK_CHECK(g.prepare(seed, 0, st, dcall.as<uint64_t>()));
+    MK_CHECK(op->enqueue(g.args(), st));
+    count_diff<<<132, 256, 0, st>>>(g.C.as<uint16_t>(), g.want(), c_rows * N, bad.as<unsigned long long>());
     MK_CUDA_CHECK(cudaGetLastError());
     return OkStatus();
   };
-  // One eager call first: it agrees on the arguments across ranks (run), and is checked.
-  {
-    ops::FusedArgs args;
-    args.A = A.p;
-    args.B = B.p;
-    args.C = C.p;
-    MK_ASSERT_OK(op->run(args, st));
-    MK_ASSERT_OK(comm->sync(st));
-  }
+  // One eager call first, on call `base`'s data: it agrees on the arguments across ranks (run).
+  MK_ASSERT_OK(g.prepare(seed, base, st));
+  MK_ASSERT_OK(op->run(g.args(), st));
+  MK_ASSERT_OK(comm->sync(st));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
@@ -508,7 +516,7 @@ void run_gemm_graph(Communicator* comm, const GemmCase& c, uint64_t seed, int re
   // The reference itself, at the last replay's call: a few of its elements against exact sums
   // from the tags on the host (a wrong reference would make the comparison meaningless).
   std::vector<uint16_t> ref(size_t(M) * N);
-  ASSERT_EQ(cudaMemcpy(ref.data(), C_ref.p, ref.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(ref.data(), g.C_ref.p, ref.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
   int wrong_ref = 0;
   for (int64_t i = 0; i < M * N; i += std::max<int64_t>(1, M * N / 257)) {
     const int64_t row = i / N, col = i % N;
