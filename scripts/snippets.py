@@ -87,11 +87,31 @@ def cli(mkernel):
             bad += 1
     # Bad input is one clear error, before any GPU is looked for.
     for args, rc, words in ((["bench", "ag_gemm", "--n", "1030"], 2, "multiples of 8"),
+                            (["bench", "gemm_rs", "--m", "0"], 2, "--m"),
+                            (["bench", "all", "--reps", "-1"], 2, "--reps"),
+                            (["bench", "ring_attention", "--m", "64"], 2, "does not apply"),
+                            (["bench", "nonsense"], 2, "unknown operator"),
+                            (["selfcheck", "--bogus"], 2, "--bogus"),
                             (["doctor", "--foo"], 2, "unexpected argument"),
-                            (["version", "--x"], 2, "unexpected argument")):
+                            (["doctor", "extra"], 2, "unexpected argument"),
+                            (["version", "--x"], 2, "unexpected argument"),
+                            (["frobnicate"], 2, "unknown command")):
         p = subprocess.run([mkernel, *args], capture_output=True, text=True, env=env, timeout=120)
         ok = p.returncode == rc and words in p.stdout + p.stderr
         print(f"snippets: {'ok ' if ok else 'BAD'} `mkernel {' '.join(args)}`: exit {p.returncode}")
+        bad += not ok
+    # Without a GPU, the GPU commands say so in doctor's words (and exit 1), after the checks above.
+    doc = subprocess.run([mkernel, "doctor"], capture_output=True, text=True, env=env, timeout=300)
+    m = re.search(r"^no GPU: (.*)$", doc.stdout, re.M)
+    if m:
+        reason = m.group(1).strip()
+        p = subprocess.run([mkernel, "bench", "gemm_rs", "--m", "128", "--n", "64", "--k", "64"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        ok = p.returncode == 1 and reason in p.stderr
+        print(f"snippets: {'ok ' if ok else 'BAD'} without a GPU `mkernel bench` says doctor's '{reason}': "
+              f"exit {p.returncode}")
+        if not ok:
+            print(p.stdout + p.stderr)
         bad += not ok
     return 1 if bad else 0
 
