@@ -158,7 +158,7 @@ run w1_all              0 ""                                                    
 # bad route, --sweep with a shape.
 run rs4_det_trace       4 ""                                                                     ok:1 -- bench gemm_rs --m 2048 --n 1024 --k 512 --deterministic --trace /tmp/mk-smoke-trace "${REPS[@]}"
 run ar2_red             2 "MK_FUSED_ROUTE=red"                                                   ok:1 -- bench gemm_ar --m 2048 --n 1024 --k 512 "${REPS[@]}"
-run bad_route           2 "MK_FUSED_ROUTE=atomic" "err:MK_FUSED_ROUTE 'atomic' is not one of bulk, red" -- bench gemm_rs --m 2048 --n 1024 --k 256 "${REPS[@]}"
+run bad_route           2 "MK_FUSED_ROUTE=atomic" "err:MK_FUSED_ROUTE='atomic': expects one of bulk,red" -- bench gemm_rs --m 2048 --n 1024 --k 256 "${REPS[@]}"
 run bad_sweep_m         0 "" "err:--sweep runs its own shapes"                                   -- bench all --sweep --m 2048
 run k0                  0 "" "err:--k '0': must be at least 1"                                   -- bench gemm_ar --m 2048 --n 1024 --k 0
 run k0_np2              2 "" "err:--k '0': must be at least 1"                                   -- bench gemm_ar --m 2048 --n 1024 --k 0

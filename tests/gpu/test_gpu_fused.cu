@@ -572,11 +572,17 @@ TEST_F(Fused, ControllerRefusals) {
     EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, to, 5, comm->stream()).code(), Code::kInvalidArgument)
         << "too many";
   }
-  ScopedTunable bad("fused_split", "sometimes");
+  // A bad split mode: refused by the API at once; from the environment (set after the
+  // communicator was made), the operator's create names it on every rank.
+  EXPECT_EQ(tunables::set("fused_split", "sometimes").code(), Code::kInvalidArgument);
+  const char* before = getenv("MK_FUSED_SPLIT");
+  const std::string kept = before ? before : "";
+  ASSERT_EQ(setenv("MK_FUSED_SPLIT", "sometimes", 1), 0);
   std::unique_ptr<FusedGemm> op;
   Status s = FusedGemm::create(comm, FusedKind::kGemmRs, shapes(comm->world())[0], {}, &op);
+  ASSERT_EQ(before ? setenv("MK_FUSED_SPLIT", kept.c_str(), 1) : unsetenv("MK_FUSED_SPLIT"), 0);
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
-  EXPECT_NE(s.message().find("sometimes"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("MK_FUSED_SPLIT='sometimes'"), std::string::npos) << s.message();
 }
 
 // Bad input is the same clear error on every rank.

@@ -191,17 +191,15 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   }
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int resident = 0;
-  Status rs = gemm::persistent_ctas(&resident);
-  if (rs.ok() && split != "static" && split != "auto")
-    rs = make_status(Code::kInvalidArgument, "%s: MK_FUSED_SPLIT '%s' is not one of static, auto", name,
-                     split.c_str());
+  // Every setting valid (fused_split, fused_route, ... may have been set after the communicator
+  // was created): a bad one is this create's error on every rank, naming the variable.
+  Status rs = tunables::check_all();
+  if (rs.ok()) rs = gemm::persistent_ctas(&resident);
   if (rs.ok() && st->split_on && st->comm_ctas >= resident) st->comm_ctas = std::max(resident - 1, 1);
   if (rs.ok() && st->comm_ctas >= resident)
     rs = make_status(Code::kInvalidArgument,
                      "%s: %d communication CTAs leave none of the %d co-resident CTAs to compute", name,
                      st->comm_ctas, resident);
-  if (rs.ok() && route != "bulk" && route != "red")
-    rs = make_status(Code::kInvalidArgument, "%s: MK_FUSED_ROUTE '%s' is not one of bulk, red", name, route.c_str());
   MK_CHECK(agree(comm->bootstrap(), rs, std::string(name) + " create"));
   // The network decides how data crosses nodes (GPU memory registered, or staged through pinned
   // host mirrors); the plan follows.
