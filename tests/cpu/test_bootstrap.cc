@@ -826,6 +826,22 @@ TEST_P(JobFailure, ASilentRankBeatsACudaError) {
     EXPECT_NE(rep[r].message().find("culprit rank(s) 1: did not report"), std::string::npos) << rep[r].to_string();
 }
 
+// A rank whose own error names a peer fails before the others' waits expire: of the ranks that
+// said nothing in the grace time, it names the one its error points at, not the one still waiting.
+TEST_P(JobFailure, OfTheSilentRanksThePointedAtOneIsNamed) {
+  const int W = 3, dead = 2, quick = 1;
+  FailWorld w;
+  MK_ASSERT_OK(w.make(GetParam(), W));
+  Status rep;
+  run_ranks(W, [&](int rank) {
+    if (rank != quick) return;  // rank 0 is still in its wait, rank 2 is dead: both silent here
+    Bootstrap& b = *w.bs[rank];
+    b.fail(make_status(Code::kRemoteError, "a put to rank %d failed: Transport endpoint is not connected", dead));
+    rep = b.failure_report(300);
+  });
+  EXPECT_NE(rep.message().find("culprit rank(s) 2: did not report"), std::string::npos) << rep.to_string();
+}
+
 // Everyone reported a wait that expired (a stopped rank resumed in time to report): the rank the
 // most of them waited for is named.
 TEST_P(JobFailure, TheRankTheWaitsPointAtIsNamed) {

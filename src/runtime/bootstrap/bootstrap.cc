@@ -196,7 +196,9 @@ Status Bootstrap::failure_report(int64_t grace_ms) {
 
   // The culprit, in this order:
   //  1. the lowest rank with a cause of its own (bad input, a network error of its own);
-  //  2. the ranks that said nothing (dead or stopped);
+  //  2. the ranks that said nothing (dead or stopped) — of those, only the ones the causes
+  //     known here point at when there are such (a rank quick to fail names the peer its
+  //     error names, not a peer that is merely still inside its own bounded wait);
   //  3. the lowest rank with a CUDA error of its own (under MPS, a client that dies with its
   //     kernel in flight can fault the others' contexts: a dead rank explains it better);
   //  4. the ranks that only heard of it (alive, not in the call the others waited in);
@@ -244,6 +246,10 @@ Status Bootstrap::failure_report(int64_t grace_ms) {
   if (primary) {
     f.report = named(*primary);
   } else if (!silent.empty()) {
+    std::vector<int> pointed;
+    for (int r : silent)
+      if (votes[r] > 0) pointed.push_back(r);
+    if (!pointed.empty()) silent = pointed;
     f.report = Status(Code::kTimeout, "job failed: culprit rank(s) " + detail::rank_list(silent) +
                                           ": did not report within " + std::to_string(grace_ms) +
                                           " ms (dead, stopped, or not in a mkernel call); " + here);
