@@ -185,7 +185,9 @@ def run_cli(build, op, layout, fault, mpirun, out_dir):
     t_fault = float(m.group(1)) if m else None
     lines = {}
     for line in out.splitlines():
-        mm = re.match(r"\[\d+,(\d+)\]<std(?:err|out)>:\s*mkernel bench: rank (\d+): (.*job failed.*)", line)
+        # "job failed: culprit ..." (Communicator::failure) or "failed: ... failed on rank(s) N: ..." (a
+        # failure the ranks agreed on, e.g. at create).
+        mm = re.match(r"\[\d+,(\d+)\]<std(?:err|out)>:\s*mkernel bench: rank (\d+): (.*failed.*)", line)
         if mm:
             lines[int(mm.group(1))] = mm.group(3)
     stray = job_processes(f"{exe} bench")

@@ -52,6 +52,15 @@ inline void expect_silent_rank_named(Communicator* comm, const std::string& op_n
   printf("rank %d: %s\n", comm->rank(), s.to_string().c_str());
 }
 
+// After the others' call failed on the silent rank: the job has failed, so the next host
+// collective reports it on every rank instead of completing (the silent rank learns it there).
+inline void expect_barrier_reports_failure(Communicator* comm) {
+  Status b = comm->bootstrap().barrier();
+  EXPECT_FALSE(b.ok()) << "a barrier after the failed call completed";
+  EXPECT_NE(b.message().find("job failed"), std::string::npos) << b.to_string();
+  printf("rank %d: the barrier after the failure: %s\n", comm->rank(), b.to_string().c_str());
+}
+
 // Tears the communicator down (collectively) before main() finalizes MPI.
 class CommEnvironment : public ::testing::Environment {
  public:

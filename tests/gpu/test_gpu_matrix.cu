@@ -28,8 +28,10 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "mkernel/gemm/gemm.h"
 #include "mkernel/ops/fused.h"
 #include "mkernel/ops/ring_attention.h"
+#include "src/attention/fmha_launch.h"
 #include "src/ops/ring_attention/ring_plan.h"
 #include "tests/gpu/mpi_fixture.h"
 
@@ -154,11 +156,23 @@ Status gemm_ref(const void* A, const void* B, void* C, int64_t M, int64_t N, int
   return OkStatus();
 }
 
+// The "many" communication-CTA count of a case, within what this context can hold: with 8
+// ranks sharing the GPU under MPS a client has about 14 co-resident CTAs, and the operators refuse
+// a split that leaves none to compute (tested in test_gpu_fused). 1 and the default pass as
+// they are; a larger count keeps two CTAs computing.
+int comm_ctas_here(int asked, bool ring = false) {
+  if (asked <= 1) return asked;
+  int resident = 0;
+  const Status s = ring ? attention::fmha_ctas(&resident) : gemm::persistent_ctas(&resident);
+  if (!s.ok() || resident < 3) return 1;
+  return std::min(asked, resident - 2);
+}
+
 // The case's operator (collective).
 Status create_case(Communicator* comm, const GemmCase& c, std::unique_ptr<FusedGemm>* op) {
   ops::FusedOptions o;
   o.deterministic = c.det;
-  o.comm_ctas = c.comm_ctas;
+  o.comm_ctas = comm_ctas_here(c.comm_ctas);
   return FusedGemm::create(comm, c.kind, {c.rows_per_rank * comm->world(), c.N, c.K}, o, op);
 }
 
@@ -215,7 +229,7 @@ void run_gemm_case(Communicator* comm, const GemmCase& c, uint64_t seed, int cal
   const int W = comm->world(), me = comm->rank();
   const int64_t Ms = c.rows_per_rank, M = Ms * W, N = c.N, K = c.K;
   SCOPED_TRACE(std::string(kind_label(c.kind, c.det)) + " " + c.shape + " M " + std::to_string(M) + " N " +
-               std::to_string(N) + " K " + std::to_string(K) + " comm_ctas " + std::to_string(c.comm_ctas));
+               std::to_string(N) + " K " + std::to_string(K) + " comm_ctas " + std::to_string(comm_ctas_here(c.comm_ctas)));
   std::unique_ptr<FusedGemm> op;
   MK_ASSERT_OK(create_case(comm, c, &op));
   GemmBuffers g(c, W, me);
@@ -314,9 +328,9 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
   const int64_t S_l = c.tokens_per_rank, S = S_l * W;
   SCOPED_TRACE(std::string("ring_attention ") + (c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") +
                (c.causal ? " causal" : "") + " S/rank " + std::to_string(S_l) + " H " + std::to_string(c.H) + "/" +
-               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(c.comm_ctas));
+               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas_here(c.comm_ctas, true)));
   ops::RingAttentionOptions o;
-  o.comm_ctas = c.comm_ctas;
+  o.comm_ctas = comm_ctas_here(c.comm_ctas, true);
   // Several forwarded pieces per block even at these sizes: arrival flags per piece are tested.
   o.chunk_tokens = S_l > 64 ? 64 : 0;
   std::unique_ptr<ops::RingAttention> op;
