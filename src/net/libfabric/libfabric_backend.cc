@@ -365,6 +365,7 @@ class LibfabricBackend final : public Backend {
   Status post_error_;  // a receive could not be posted (also recorded in error_)
   bool finalized_ = false;
   bool closed_ = false;
+  bool failed_teardown_ = false;  // the teardown of a failed job (close_all: see there)
 };
 
 // ---- setup ----------------------------------------------------------------------------------
@@ -788,6 +789,8 @@ Status LibfabricBackend::deregister_window(WindowId id) {
   Window& w = windows_[id];
   if (!w.live || finalized_) return OkStatus();
   Status s = quiesce("deregister_window", true, OkStatus());
+  // A failed job (the quiesce returned at once): close_all leaves an rxm endpoint open.
+  if (!error_.ok() || !bs_.poll_failure().ok() || outstanding_ > 0 || ctrl_outstanding_ > 0) failed_teardown_ = true;
   if (w.mr) {
     int ret = fi_close(&w.mr->fid);
     if (ret != 0 && s.ok())
@@ -1173,6 +1176,7 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
 Status LibfabricBackend::finalize() {
   if (finalized_) return OkStatus();
   Status s = ep_ ? quiesce("finalize", true, OkStatus()) : OkStatus();
+  if (!closed_ && (!error_.ok() || !bs_.poll_failure().ok() || outstanding_ > 0)) failed_teardown_ = true;
   finalized_ = true;
   Status c = close_all();
   stash_done_.clear();
@@ -1202,6 +1206,29 @@ Status LibfabricBackend::close_all() {
     ctrl_mr_ = nullptr;
     scratch_mr_ = nullptr;
   };
+  if (ep_ && failed_teardown_ && name_.find("ofi_rxm") != std::string::npos) {
+    // A failed job over an rxm provider: the endpoint stays open and goes with the process.
+    // Closing it while a peer's write into this rank is under way (the peer failed or stopped
+    // progressing mid-transfer, which a failed job makes likely) crashes tcp;ofi_rxm inside
+    // fi_close (libfabric 1.17; NetMpi.TeardownOfAFailedJobWithPutsInFlight reproduced it in
+    // about one run in three). The regions close, so nothing more lands in this rank's memory;
+    // the endpoint, its queues, domain and fabric (sockets and a little memory) are not freed.
+    close_mrs();
+    MK_INFO(kSubsysNet, "rank %d: %s: the job failed: the endpoint is left open (closing it under a "
+            "transfer crashes the provider); it goes with the process", rank_, name_.c_str());
+    ep_ = nullptr;
+    av_ = nullptr;
+    cq_ = nullptr;
+    domain_ = nullptr;
+    fabric_ = nullptr;
+    // What the open endpoint may still write (its posted receives and their slots, the
+    // contexts of puts it still holds) stays allocated with it.
+    (void)new std::vector<uint8_t>(std::move(ctrl_buf_));
+    (void)new std::vector<OpCtx>(std::move(recv_ctx_));
+    (void)new std::vector<uint8_t>(std::move(scratch_));
+    (void)new std::vector<std::unique_ptr<OpCtx[]>>(std::move(chunks_));
+    free_ = nullptr;
+  }
   if (ep_) {
     int ret = fi_close(&ep_->fid);
     if (ret == -FI_EBUSY) {  // some providers want the bound memory regions gone first
