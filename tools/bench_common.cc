@@ -44,6 +44,10 @@ Status agreed(Communicator* comm, const Status& mine, const std::string& what) {
 
 const Status& first_failure() { return g_first_failure; }
 
+void note_failure(const Status& s) {
+  if (!s.ok() && g_first_failure.ok()) g_first_failure = s;
+}
+
 // ---- table and JSON cells ----
 
 std::string cell(double v, int prec) {

@@ -73,8 +73,11 @@ Status synced(Communicator* comm, cudaStream_t st);
 // the first failing rank's error (agree() carries ~250 characters of it, so a failing rank
 // prints its own whole message too, rank 0 unless the summary holds it whole).
 Status agreed(Communicator* comm, const Status& mine, const std::string& what);
-// The first failure agreed() returned in this process ("<what>: ... failed on rank(s) 1: ..."), or OK.
+// The first failure agreed() returned in this process ("<what>: ... failed on rank(s) 1: ..."), or
+// one an entry noted (note_failure: a step every rank failed together, e.g. an operator's create),
+// or OK. `mkernel bench` prints it on every rank.
 const Status& first_failure();
+void note_failure(const Status& s);
 
 // ---- timing ----
 

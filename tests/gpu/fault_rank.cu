@@ -63,6 +63,7 @@ void* random_bf16(size_t elems, uint32_t seed) {
   void* d = nullptr;
   if (cudaMalloc(&d, elems * 2) != cudaSuccess) return nullptr;
   cudaMemcpy(d, h.data(), elems * 2, cudaMemcpyHostToDevice);
+  cudaDeviceSynchronize();  // a pageable copy may return before its DMA lands
   return d;
 }
 
@@ -120,6 +121,7 @@ struct Job {
       cudaMalloc(&offsets, 65 * 4);
       cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
       cudaMemcpy(d_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice);
+      cudaDeviceSynchronize();  // a pageable copy may return before its DMA lands
       da.x = keep(random_bf16(size_t(T * c.hidden), 1 + me));
       da.topk_ids = static_cast<int32_t*>(keep(d_ids));
       da.topk_weights = static_cast<float*>(keep(d_w));

@@ -44,6 +44,8 @@ TEST(FusedDeadRank, SilentRankIsNamedAndTheProcessRecovers) {
     auto a = filled(M / W, K, float(me + 1)), b = filled(N, K, 1.f);
     ASSERT_EQ(cudaMemcpy(A, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(B, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    // A pageable cudaMemcpy may return before its DMA lands; the call's stream is non-blocking.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   if (me != silent) {
     ops::FusedArgs a;

@@ -357,7 +357,10 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
     auto upload = [&](const std::vector<float>& h, void* d) {
       std::vector<__nv_bfloat16> b(h.size());
       for (size_t i = 0; i < h.size(); ++i) b[i] = __float2bfloat16(h[i]);
-      ASSERT_EQ(cudaMemcpy(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      // On the operator's (non-blocking) stream: a cudaMemcpy from pageable memory may return
+      // before its DMA lands, unordered with that stream (a call read a rank's stale Q or K).
+      ASSERT_EQ(cudaMemcpyAsync(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice, st), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
     };
     upload(hq[me], q.p);
     upload(hk[me], k.p);

@@ -425,6 +425,7 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
       c.done = r.checked, c.ok = r.correct, c.bad = r.bad;
       if (!bs_.ok()) {
         c.error = bs_.to_string();
+        note_failure(bs_);
         if (me == 0) fprintf(stderr, "bench %s: %s\n", c.label.c_str(), c.error.c_str());
       }
       checks.push_back(c);

@@ -268,6 +268,8 @@ Status time_nccl(Communicator* comm, cudaStream_t st, const RunCfg& rc, const Wo
     s = CLI_CUDA(comm, cudaMemcpy(gm.p, gmap.data(), gmap.size() * sizeof(int2), cudaMemcpyHostToDevice));
   if (s.ok() && !smap.empty())
     s = CLI_CUDA(comm, cudaMemcpy(sm.p, smap.data(), smap.size() * sizeof(int2), cudaMemcpyHostToDevice));
+  // A pageable cudaMemcpy may return before its DMA lands, unordered with the stream below.
+  if (s.ok()) s = CLI_CUDA(comm, cudaDeviceSynchronize());
   if (s.ok()) s = CLI_CUDA(comm, cudaMemsetAsync(out.p, 0xff, size_t(rows_in_use) * g.row_bytes, st));  // poison
   if (s.ok()) s = synced(comm, st);
   MK_CHECK(agreed(comm, s, "allocating the NCCL baseline's buffers"));
@@ -552,6 +554,7 @@ int moe_dispatch(const Env& env, const MoeBenchArgs& a) {
     c.done = r.checked, c.ok = r.correct, c.bad = r.bad;
     if (!s.ok()) {
       c.error = s.to_string();
+      note_failure(s);
       if (me == 0) fprintf(stderr, "bench moe_dispatch %s: %s\n", r.preset.c_str(), c.error.c_str());
     }
     checks.push_back(c);

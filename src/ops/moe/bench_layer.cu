@@ -181,6 +181,9 @@ struct CublasGrouped {
     MK_CHECK(CLI_CUDA(comm, cudaMemcpy(d, pa.data(), groups * sizeof(void*), cudaMemcpyHostToDevice)));
     MK_CHECK(CLI_CUDA(comm, cudaMemcpy(d + groups, pb.data(), groups * sizeof(void*), cudaMemcpyHostToDevice)));
     MK_CHECK(CLI_CUDA(comm, cudaMemcpy(d + 2 * groups, pc.data(), groups * sizeof(void*), cudaMemcpyHostToDevice)));
+    // A pageable cudaMemcpy may return before its DMA lands, unordered with the (non-blocking)
+    // stream the GEMMs run on.
+    MK_CHECK(CLI_CUDA(comm, cudaDeviceSynchronize()));
     return OkStatus();
   }
   Status run(cublasHandle_t h) {
@@ -400,6 +403,7 @@ Status nccl_layer(Communicator* comm, const RunCfg& rc, uint64_t seed, cublasHan
   up(sm, smap.data(), smap.size() * sizeof(int2));
   up(rm, rmap.data(), rmap.size() * sizeof(int2));
   up(dpos, pos.data(), pos.size() * 4);
+  if (s.ok()) s = CLI_CUDA(comm, cudaDeviceSynchronize());  // the pageable copies' DMA has landed
   CublasGrouped c1, c2;
   if (s.ok()) s = c1.build(comm, counts, offsets, xe.bf(), w1.bf(), h.bf(), 2 * I, H);
   if (s.ok()) s = c2.build(comm, counts, offsets, act.bf(), w2.bf(), ye.bf(), H, I);
@@ -499,6 +503,7 @@ int moe_layer(const Env& env, const MoeBenchArgs& a) {
       c.done = r.checked, c.ok = r.correct;
       if (!s.ok()) {
         c.error = s.to_string();
+        note_failure(s);
         if (me == 0) fprintf(stderr, "bench moe_layer %s: %s\n", r.preset.c_str(), c.error.c_str());
       }
       checks.push_back(c);

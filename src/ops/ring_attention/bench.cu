@@ -200,6 +200,7 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
     c.done = r.checked, c.ok = r.correct, c.bad = r.bad;
     if (!s.ok()) {
       c.error = s.to_string();
+      note_failure(s);
       if (me == 0) fprintf(stderr, "bench ring_attention S/rank %lld: %s\n", (long long)S_l, c.error.c_str());
     }
     checks.push_back(c);
