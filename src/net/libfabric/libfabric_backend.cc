@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -210,6 +211,25 @@ fi_info* pick_info(const std::vector<fi_info*>& v, const std::string& prov, bool
       if (want == (i->domain_attr->name ? i->domain_attr->name : "")) return i;
   }
   return v[0];
+}
+
+// What an endpoint left open after a failed job (close_all) may still use: its objects and the
+// memory its posted receives and pending puts point at. Kept, reachable, until the process ends.
+struct Abandoned {
+  fid_ep* ep;
+  fid_av* av;
+  fid_cq* cq;
+  fid_domain* domain;
+  fid_fabric* fabric;
+  std::vector<uint8_t> ctrl_buf, scratch;
+  std::vector<OpCtx> recv_ctx;
+  std::vector<std::unique_ptr<OpCtx[]>> chunks;
+};
+void keep_until_exit(std::unique_ptr<Abandoned> a) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::unique_ptr<Abandoned>>();  // never freed: the point
+  std::lock_guard<std::mutex> g(mu);
+  kept->push_back(std::move(a));
 }
 
 using Clock = std::chrono::steady_clock;
@@ -1216,17 +1236,20 @@ Status LibfabricBackend::close_all() {
     close_mrs();
     MK_INFO(kSubsysNet, "rank %d: %s: the job failed: the endpoint is left open (closing it under a "
             "transfer crashes the provider); it goes with the process", rank_, name_.c_str());
+    // The endpoint and what it may still write (its posted receives and their slots, the
+    // contexts of puts it still holds) stay allocated until the process ends.
+    auto a = std::make_unique<Abandoned>();
+    a->ep = ep_, a->av = av_, a->cq = cq_, a->domain = domain_, a->fabric = fabric_;
+    a->ctrl_buf = std::move(ctrl_buf_);
+    a->scratch = std::move(scratch_);
+    a->recv_ctx = std::move(recv_ctx_);
+    a->chunks = std::move(chunks_);
+    keep_until_exit(std::move(a));
     ep_ = nullptr;
     av_ = nullptr;
     cq_ = nullptr;
     domain_ = nullptr;
     fabric_ = nullptr;
-    // What the open endpoint may still write (its posted receives and their slots, the
-    // contexts of puts it still holds) stays allocated with it.
-    (void)new std::vector<uint8_t>(std::move(ctrl_buf_));
-    (void)new std::vector<OpCtx>(std::move(recv_ctx_));
-    (void)new std::vector<uint8_t>(std::move(scratch_));
-    (void)new std::vector<std::unique_ptr<OpCtx[]>>(std::move(chunks_));
     free_ = nullptr;
   }
   if (ep_) {
