@@ -11,8 +11,8 @@
 //
 // Under mpirun one rank per process (else one rank). This file parses the arguments, creates the
 // communicator, decides whether times are comparable (one GPU per rank and NCCL) and hands over
-// to the operator's entry (tools/bench_common.h): src/ops/collectives/bench.cu for the GEMM
-// collectives, src/ops/ring_attention/bench.cu for ring attention, src/ops/moe/bench.cu for MoE
+// to the operator's entry (tools/bench_common.h): tools/bench/fused_gemm.cu for the GEMM
+// collectives, tools/bench/ring_attention.cu for ring attention, tools/bench/moe_dispatch.cu for MoE
 // dispatch/combine; each checks its operator's result, then times it against its baselines.
 //
 // Failures. Arguments are checked before any collective or GPU work (every rank gets the same

@@ -1,6 +1,6 @@
 // What every operator's `mkernel bench` entry shares: device buffers, decoded and agreed
 // failures, timing, result checks, table/JSON cells, the "check:" lines and the verdict, and the
-// entry points the CLI dispatches to (each defined in its operator's folder, `bench.cu`).
+// entry points the CLI dispatches to (each defined in tools/bench/<operator>.cu).
 //
 // Part of the CLI (target mkernel_cli), not of the library: the entries time the cuBLAS + NCCL
 // baselines of tools/baseline/.
@@ -224,7 +224,7 @@ struct Env {
   std::string json;         // --json FILE, "" for none
 };
 
-// src/ops/collectives/bench.cu. `which`: ag_gemm, gemm_rs, gemm_ar or all. m, n, k: the shape
+// tools/bench/fused_gemm.cu. `which`: ag_gemm, gemm_rs, gemm_ar or all. m, n, k: the shape
 // given (0: left out, 4096), all three 0 for the default shapes (o.sweep: the Llama-3-70B TP8
 // sweep).
 struct FusedBenchOpts {
@@ -236,11 +236,11 @@ struct FusedBenchOpts {
 };
 int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o);
 
-// src/ops/ring_attention/bench.cu. `seqs`: tokens per rank, one run each (empty: the default
+// tools/bench/ring_attention.cu. `seqs`: tokens per rank, one run each (empty: the default
 // sweep); `trace`: a file prefix for one traced call per run ("" for none).
 int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace);
 
-// src/ops/moe/bench.cu: MoE dispatch and combine against a device copy of the same bytes and,
+// tools/bench/moe_dispatch.cu: MoE dispatch and combine against a device copy of the same bytes and,
 // when `env.comparable`, NCCL all-to-all-v plus permute kernels.
 struct MoeBenchArgs {
   std::vector<std::string> presets;  // --preset, in order (names from moe_presets()); empty: all
@@ -251,7 +251,7 @@ int moe_dispatch(const Env& env, const MoeBenchArgs& a);
 // The preset names moe_dispatch knows, in its default order (the CLI checks --preset against them).
 std::vector<std::string> moe_presets();
 
-// src/ops/moe/bench_layer.cu: the MoE layer against the same layer from separate launches with
+// tools/bench/moe_layer.cu: the MoE layer against the same layer from separate launches with
 // cuBLAS's grouped GEMM; tokens per rank 128 and 4096 unless --tokens.
 int moe_layer(const Env& env, const MoeBenchArgs& a);
 std::vector<std::string> moe_layer_presets();
