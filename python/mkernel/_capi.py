@@ -11,14 +11,24 @@ _lib = None
 c_int, c_int64, c_float, c_void_p, c_char_p, c_size_t = (ctypes.c_int, ctypes.c_int64, ctypes.c_float,
                                                          ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t)
 
-# Store callbacks (mk_comm_create_store): set, get, erase, why.
+# Store callbacks (mk_comm_create_store): set, get, erase, why (c_api.h: mk_store_*_fn).
 STORE_SET = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_void_p, c_size_t)
 STORE_GET = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_void_p, c_size_t, ctypes.POINTER(c_size_t),
                              ctypes.POINTER(c_int))
 STORE_ERASE = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p)
 STORE_WHY = ctypes.CFUNCTYPE(c_char_p, c_void_p)
 
-# mk::Code, by value (include/mkernel/common/status.h).
+# The C ABI this module speaks (c_api.h: MK_C_API_VERSION); the library must say the same.
+API_VERSION = 2
+
+
+class CommInfo(ctypes.Structure):
+    """c_api.h: mk_comm_info_t."""
+    _fields_ = [("rank", c_int), ("world", c_int), ("node", c_int), ("nodes", c_int), ("local_rank", c_int),
+                ("local_size", c_int), ("device", c_int)]
+
+
+# mk_code_t by value (c_api.h; include/mkernel/common/status.h).
 CODES = {0: "ok", 1: "invalid argument", 2: "mismatch", 3: "timeout", 4: "CUDA error", 5: "system error",
          6: "out of memory", 7: "not supported", 8: "remote error", 9: "permission denied", 10: "internal"}
 
@@ -44,9 +54,14 @@ def library_path():
     return os.path.join(root, "build", "libmkernel_capi.so")
 
 
-def _declare(lib):
+def signatures():
+    """Every function of the C ABI: name -> (argtypes, restype), as c_api.h declares them. Handles and
+    device memory are addresses (c_void_p); host memory the library reads or writes (out-parameters,
+    strides) is typed. tests/python/test_capi_header.py checks this against the header."""
     P = ctypes.POINTER
     sig = {
+        "mk_api_version": [],
+        "mk_tunable_set": [c_char_p, c_char_p],
         "mk_attention_forward": [c_void_p] * 5 + [P(c_int64)] + [c_int] * 6 + [c_float, c_int, c_int64, c_int64,
                                                                                   c_void_p],
         "mk_attention_merge_init": [c_void_p, c_void_p] + [c_int] * 4 + [c_void_p],
@@ -54,26 +69,36 @@ def _declare(lib):
         "mk_attention_merge_finish": [c_void_p, c_void_p, P(c_int64)] + [c_int] * 4 + [c_void_p],
         "mk_comm_create_store": [c_int, c_int, c_char_p, c_void_p, STORE_SET, STORE_GET, STORE_ERASE, STORE_WHY,
                                  c_int, c_int, c_int, P(c_void_p)],
-        "mk_comm_info": [c_void_p, P(c_int)],
+        "mk_comm_info": [c_void_p, P(CommInfo)],
         "mk_comm_check": [c_void_p],
         "mk_comm_destroy": [c_void_p],
-        "mk_tunable_set": [c_char_p, c_char_p],
         "mk_fused_create": [c_void_p, c_int, c_int64, c_int64, c_int64, c_int, c_int, c_char_p, P(c_void_p)],
-        "mk_fused_run": [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p],
+        "mk_fused_run": [c_void_p] * 5,
         "mk_fused_gathered_a": [c_void_p, P(c_void_p)],
-        "mk_fused_copy_gathered_a": [c_void_p, c_void_p, c_void_p],
+        "mk_fused_copy_gathered_a": [c_void_p] * 3,
         "mk_fused_comm_ctas": [c_void_p, P(c_int)],
         "mk_fused_destroy": [c_void_p],
         "mk_ring_create": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, c_int, c_char_p, P(c_void_p)],
         "mk_ring_run": [c_void_p] * 7,
         "mk_ring_destroy": [c_void_p],
+        "mk_moe_create": [c_void_p, c_int64, c_int, c_int, c_int64, c_int, c_int64, c_int, c_int, c_char_p,
+                          P(c_void_p)],
+        "mk_moe_recv_rows": [c_void_p, P(c_int64)],
+        "mk_moe_local_experts": [c_void_p, P(c_int)],
+        "mk_moe_dispatch": [c_void_p] * 5 + [c_int64] + [c_void_p] * 4,
+        "mk_moe_combine": [c_void_p] * 4,
+        "mk_moe_destroy": [c_void_p],
     }
-    for name, args in sig.items():
+    out = {name: (args, c_int) for name, args in sig.items()}
+    out["mk_last_error"] = ([], c_char_p)
+    return out
+
+
+def _declare(lib):
+    for name, (args, res) in signatures().items():
         fn = getattr(lib, name)
         fn.argtypes = args
-        fn.restype = c_int
-    lib.mk_last_error.restype = c_char_p
-    lib.mk_last_error.argtypes = []
+        fn.restype = res
 
 
 def lib():
@@ -86,7 +111,15 @@ def lib():
         except OSError as e:
             raise MkError(7, f"mkernel: cannot load the C ABI library {path}: {e} "
                              "(pip install . builds it; or build with scripts/setup.sh, or set MK_CAPI)") from None
-        _declare(handle)
+        try:
+            _declare(handle)
+        except AttributeError as e:
+            raise MkError(7, f"mkernel: the C ABI library {path} is from another version (missing {e}); "
+                             "rebuild it or point MK_CAPI at a current one") from None
+        have = handle.mk_api_version()
+        if have != API_VERSION:
+            raise MkError(7, f"mkernel: the C ABI library {path} speaks version {have}, this module {API_VERSION}; "
+                             "rebuild it or point MK_CAPI at a current one")
         _lib = handle
     return _lib
 

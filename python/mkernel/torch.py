@@ -102,10 +102,10 @@ class Communicator:
         self.group_name = name
         self._handle = handle
         self._bridge = bridge  # keeps the store and the callbacks alive as long as the communicator
-        info = (ctypes.c_int * 7)()
-        check(_capi.lib().mk_comm_info(handle, info))
+        info = _capi.CommInfo()
+        check(_capi.lib().mk_comm_info(handle, ctypes.byref(info)))
         (self.rank, self.world, self.node, self.nodes, self.local_rank, self.local_size,
-         self.device) = tuple(info)
+         self.device) = (info.rank, info.world, info.node, info.nodes, info.local_rank, info.local_size, info.device)
         self._fused = {}  # (kind, M, N, K) -> handle, in creation order
         self._ring = {}   # (B, H, Hkv, D, S, layout, causal, scale) -> handle
 

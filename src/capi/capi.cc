@@ -1,6 +1,6 @@
-// mkernel's C ABI (libmkernel_capi.so): what Python reaches through ctypes (python/mkernel).
-// Every function returns 0 on success or the mk::Code of the failure; mk_last_error() gives the
-// message of the calling thread's last failure.
+// mkernel's C ABI (libmkernel_capi.so), declared in include/mkernel/c_api.h: what Python reaches
+// through ctypes (python/mkernel/_capi.py). Every function returns 0 on success or the mk::Code of
+// the failure; mk_last_error() gives the message of the calling thread's last failure.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -12,8 +12,10 @@
 #include <cuda_runtime_api.h>
 
 #include "mkernel/attention/attention.h"
+#include "mkernel/c_api.h"
 #include "mkernel/common/tunables.h"
 #include "mkernel/ops/fused.h"
+#include "mkernel/ops/moe.h"
 #include "mkernel/ops/ring_attention.h"
 #include "mkernel/runtime/bootstrap.h"
 #include "mkernel/runtime/communicator.h"
@@ -32,18 +34,31 @@ struct FusedHandle {
   mk::ops::FusedKind kind;
   int64_t M, N, K;
 };
-mk::ops::FusedGemm* fused(void* h) { return static_cast<FusedHandle*>(h)->op.get(); }
+FusedHandle* handle(mk_fused_t h) { return reinterpret_cast<FusedHandle*>(h); }
+mk::ops::FusedGemm* fused(mk_fused_t h) { return handle(h)->op.get(); }
+mk::Communicator* comm_of(mk_comm_t c) { return reinterpret_cast<mk::Communicator*>(c); }
+mk::ops::RingAttention* ring_of(mk_ring_t r) { return reinterpret_cast<mk::ops::RingAttention*>(r); }
+mk::ops::MoeEp* moe_of(mk_moe_t m) { return reinterpret_cast<mk::ops::MoeEp*>(m); }
+
+// The header's codes are mk::Code's values.
+static_assert(MK_OK == static_cast<int>(mk::Code::kOk) && MK_INVALID_ARGUMENT == static_cast<int>(mk::Code::kInvalidArgument) &&
+                  MK_MISMATCH == static_cast<int>(mk::Code::kMismatch) && MK_TIMEOUT == static_cast<int>(mk::Code::kTimeout) &&
+                  MK_CUDA_ERROR == static_cast<int>(mk::Code::kCudaError) &&
+                  MK_SYSTEM_ERROR == static_cast<int>(mk::Code::kSystemError) &&
+                  MK_OUT_OF_MEMORY == static_cast<int>(mk::Code::kOutOfMemory) &&
+                  MK_NOT_SUPPORTED == static_cast<int>(mk::Code::kNotSupported) &&
+                  MK_REMOTE_ERROR == static_cast<int>(mk::Code::kRemoteError) &&
+                  MK_PERMISSION_DENIED == static_cast<int>(mk::Code::kPermissionDenied) &&
+                  MK_INTERNAL == static_cast<int>(mk::Code::kInternal),
+              "c_api.h's mk_code_t differs from mk::Code");
 
 int invalid(const std::string& what) { return ret(mk::Status(mk::Code::kInvalidArgument, what)); }
 
-// A key-value store the caller serves (PyTorch's c10d store, through ctypes). Each callback
-// returns 0 on success; on failure, non-zero, with the caller's reason readable through `why`.
-using StoreSet = int (*)(void* ctx, const char* key, const void* data, size_t len);
-// Copies the value into buf when it fits (cap bytes) and sets *len to its size; *found = 0 when
-// the key is absent. A value larger than cap: *len says how large, and the call is repeated.
-using StoreGet = int (*)(void* ctx, const char* key, void* buf, size_t cap, size_t* len, int* found);
-using StoreErase = int (*)(void* ctx, const char* key);
-using StoreWhy = const char* (*)(void* ctx);
+// The store callbacks (c_api.h, mk_store_*_fn).
+using StoreSet = mk_store_set_fn;
+using StoreGet = mk_store_get_fn;
+using StoreErase = mk_store_erase_fn;
+using StoreWhy = mk_store_why_fn;
 
 mk::Status store_failure(const char* op, const std::string& key, StoreWhy why, void* ctx) {
   std::string reason = why ? why(ctx) : "";
@@ -88,10 +103,12 @@ mk::StoreCallbacks store_callbacks(void* ctx, StoreSet set, StoreGet get, StoreE
 
 extern "C" {
 
-__attribute__((visibility("default"))) const char* mk_last_error() { return g_last_error.c_str(); }
+const char* mk_last_error(void) { return g_last_error.c_str(); }
+
+int mk_api_version(void) { return MK_C_API_VERSION; }
 
 // Strides are (batch, sequence, head) in elements, 3 per tensor: q, k, v, o.
-__attribute__((visibility("default"))) int mk_attention_forward(const void* q, const void* k, const void* v, void* o,
+int mk_attention_forward(const void* q, const void* k, const void* v, void* o,
                                                                 float* lse, const int64_t* strides12, int B, int H,
                                                                 int Hkv, int Sq, int Skv, int D, float scale,
                                                                 int causal, int64_t q_pos0, int64_t kv_pos0,
@@ -109,12 +126,12 @@ __attribute__((visibility("default"))) int mk_attention_forward(const void* q, c
   return ret(mk::attention::forward(a, static_cast<cudaStream_t>(stream)));
 }
 
-__attribute__((visibility("default"))) int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S,
+int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S,
                                                                    int D, void* stream) {
   return ret(mk::attention::merge_init(o_acc, lse_acc, B, H, S, D, static_cast<cudaStream_t>(stream)));
 }
 
-__attribute__((visibility("default"))) int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part,
+int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part,
                                                               const int64_t* part_strides, const float* lse_part,
                                                               int B, int H, int S, int D, void* stream) {
   mk::attention::MergeArgs a;
@@ -123,7 +140,7 @@ __attribute__((visibility("default"))) int mk_attention_merge(float* o_acc, floa
   return ret(mk::attention::merge(a, static_cast<cudaStream_t>(stream)));
 }
 
-__attribute__((visibility("default"))) int mk_attention_merge_finish(const float* o_acc, void* o,
+int mk_attention_merge_finish(const float* o_acc, void* o,
                                                                      const int64_t* o_strides, int B, int H, int S,
                                                                      int D, void* stream) {
   return ret(mk::attention::merge_finish(o_acc, o, strides(o_strides), B, H, S, D, static_cast<cudaStream_t>(stream)));
@@ -135,10 +152,10 @@ __attribute__((visibility("default"))) int mk_attention_merge_finish(const float
 // local rank % visible GPUs, >= 0 that GPU. ranks_per_node: -1 tunable, else emulated nodes of
 // that many ranks. The callbacks are called from this thread only, during this call and during
 // collective calls on the communicator (operator creation, destroy).
-__attribute__((visibility("default"))) int mk_comm_create_store(int rank, int size, const char* prefix, void* ctx,
+int mk_comm_create_store(int rank, int size, const char* prefix, void* ctx,
                                                                 StoreSet set, StoreGet get, StoreErase erase,
                                                                 StoreWhy why, int device, int ranks_per_node,
-                                                                int require_gpu, void** out) {
+                                                                int require_gpu, mk_comm_t* out) {
   if (!out || !set || !get || !prefix) return invalid("mk_comm_create_store: null argument");
   *out = nullptr;
   std::unique_ptr<mk::Bootstrap> bs;
@@ -151,37 +168,35 @@ __attribute__((visibility("default"))) int mk_comm_create_store(int rank, int si
   std::unique_ptr<mk::Communicator> comm;
   s = mk::Communicator::create(std::move(bs), cfg, &comm);
   if (!s.ok()) return ret(s);
-  *out = comm.release();
+  *out = reinterpret_cast<mk_comm_t>(comm.release());
   return 0;
 }
 
-// rank, world, node, nodes, local rank, local size, device (7 ints).
-__attribute__((visibility("default"))) int mk_comm_info(void* comm, int* info7) {
-  if (!comm || !info7) return invalid("mk_comm_info: null argument");
-  auto* c = static_cast<mk::Communicator*>(comm);
+int mk_comm_info(mk_comm_t comm, mk_comm_info_t* out) {
+  if (!comm || !out) return invalid("mk_comm_info: null argument");
+  mk::Communicator* c = comm_of(comm);
   const mk::Topology& t = c->topology();
-  int v[7] = {c->rank(), c->world(), t.node, t.num_nodes, t.local_rank, t.local_size, c->device()};
-  std::memcpy(info7, v, sizeof(v));
+  *out = mk_comm_info_t{c->rank(), c->world(), t.node, t.num_nodes, t.local_rank, t.local_size, c->device()};
   return 0;
 }
 
 // The communicator's health: a device wait that gave up, an abort, a proxy error.
-__attribute__((visibility("default"))) int mk_comm_check(void* comm) {
+int mk_comm_check(mk_comm_t comm) {
   if (!comm) return invalid("mk_comm_check: null communicator");
-  return ret(static_cast<mk::Communicator*>(comm)->check());
+  return ret(comm_of(comm)->check());
 }
 
 // Collective: destroys the operators still attached, then the communicator, and frees it.
-__attribute__((visibility("default"))) int mk_comm_destroy(void* comm) {
+int mk_comm_destroy(mk_comm_t comm) {
   if (!comm) return 0;
-  auto* c = static_cast<mk::Communicator*>(comm);
+  mk::Communicator* c = comm_of(comm);
   mk::Status s = c->destroy();
   delete c;
   return ret(s);
 }
 
 // A tunable by name (`mkernel doctor` lists them), before the objects that read it are created.
-__attribute__((visibility("default"))) int mk_tunable_set(const char* name, const char* value) {
+int mk_tunable_set(const char* name, const char* value) {
   if (!name || !value) return invalid("mk_tunable_set: null argument");
   return ret(mk::tunables::set(name, value));
 }
@@ -189,9 +204,8 @@ __attribute__((visibility("default"))) int mk_tunable_set(const char* name, cons
 // ---- fused GEMM collectives (include/mkernel/ops/fused.h) ----
 
 // kind: 0 ag_gemm, 1 gemm_rs, 2 gemm_ar. Collective. comm_ctas -1: tunable. staging: "" tunable.
-__attribute__((visibility("default"))) int mk_fused_create(void* comm, int kind, int64_t M, int64_t N, int64_t K,
-                                                           int deterministic, int comm_ctas, const char* staging,
-                                                           void** out) {
+int mk_fused_create(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K, int deterministic, int comm_ctas,
+                    const char* staging, mk_fused_t* out) {
   if (!comm || !out) return invalid("mk_fused_create: null argument");
   if (kind < 0 || kind > 2) return invalid("mk_fused_create: kind " + std::to_string(kind) + " is not 0, 1 or 2");
   *out = nullptr;
@@ -202,14 +216,14 @@ __attribute__((visibility("default"))) int mk_fused_create(void* comm, int kind,
   auto h = std::make_unique<FusedHandle>();
   h->kind = static_cast<mk::ops::FusedKind>(kind);
   h->M = M, h->N = N, h->K = K;
-  mk::Status s = mk::ops::FusedGemm::create(static_cast<mk::Communicator*>(comm), h->kind, {M, N, K}, opt, &h->op);
+  mk::Status s = mk::ops::FusedGemm::create(comm_of(comm), h->kind, {M, N, K}, opt, &h->op);
   if (!s.ok()) return ret(s);
-  *out = h.release();
+  *out = reinterpret_cast<mk_fused_t>(h.release());
   return 0;
 }
 
 // bf16 A, B, C (fused.h: shapes per kind). Enqueues on `stream`; capturable in a CUDA graph.
-__attribute__((visibility("default"))) int mk_fused_run(void* op, const void* A, const void* B, void* C, void* stream) {
+int mk_fused_run(mk_fused_t op, const void* A, const void* B, void* C, void* stream) {
   if (!op) return invalid("mk_fused_run: null operator");
   mk::ops::FusedArgs a;
   a.A = A, a.B = B, a.C = C;
@@ -217,16 +231,16 @@ __attribute__((visibility("default"))) int mk_fused_run(void* op, const void* A,
 }
 
 // ag_gemm: the gathered A [M, K] of the last call (valid once it completed on its stream).
-__attribute__((visibility("default"))) int mk_fused_gathered_a(void* op, const void** out) {
+int mk_fused_gathered_a(mk_fused_t op, const void** out) {
   if (!op || !out) return invalid("mk_fused_gathered_a: null argument");
   *out = fused(op)->gathered_a();
   return 0;
 }
 
 // Copies the gathered A [M, K] bf16 of the last call into dst, on `stream` (after that call).
-__attribute__((visibility("default"))) int mk_fused_copy_gathered_a(void* op, void* dst, void* stream) {
+int mk_fused_copy_gathered_a(mk_fused_t op, void* dst, void* stream) {
   if (!op || !dst) return invalid("mk_fused_copy_gathered_a: null argument");
-  auto* h = static_cast<FusedHandle*>(op);
+  FusedHandle* h = handle(op);
   if (h->kind != mk::ops::FusedKind::kAgGemm) return invalid("mk_fused_copy_gathered_a: not an ag_gemm operator");
   cudaError_t e = cudaMemcpyAsync(dst, h->op->gathered_a(), static_cast<size_t>(h->M * h->K) * 2, cudaMemcpyDeviceToDevice,
                                   static_cast<cudaStream_t>(stream));
@@ -237,16 +251,16 @@ __attribute__((visibility("default"))) int mk_fused_copy_gathered_a(void* op, vo
   return 0;
 }
 
-__attribute__((visibility("default"))) int mk_fused_comm_ctas(void* op, int* out) {
+int mk_fused_comm_ctas(mk_fused_t op, int* out) {
   if (!op || !out) return invalid("mk_fused_comm_ctas: null argument");
   *out = fused(op)->comm_ctas();
   return 0;
 }
 
 // Collective: destroys (idempotent; a no-op after its communicator was destroyed) and frees.
-__attribute__((visibility("default"))) int mk_fused_destroy(void* op) {
+int mk_fused_destroy(mk_fused_t op) {
   if (!op) return 0;
-  auto* h = static_cast<FusedHandle*>(op);
+  FusedHandle* h = handle(op);
   mk::Status s = h->op->destroy();
   delete h;
   return ret(s);
@@ -255,9 +269,8 @@ __attribute__((visibility("default"))) int mk_fused_destroy(void* op) {
 // ---- ring attention (include/mkernel/ops/ring_attention.h) ----
 
 // layout: 0 contiguous, 1 zigzag. Collective. scale 0: 1/sqrt(D).
-__attribute__((visibility("default"))) int mk_ring_create(void* comm, int B, int H, int Hkv, int D, int64_t S,
-                                                          int layout, int causal, float scale, int comm_ctas,
-                                                          const char* staging, void** out) {
+int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal, float scale,
+                   int comm_ctas, const char* staging, mk_ring_t* out) {
   if (!comm || !out) return invalid("mk_ring_create: null argument");
   if (layout != 0 && layout != 1) return invalid("mk_ring_create: layout " + std::to_string(layout) + " is not 0 or 1");
   *out = nullptr;
@@ -270,26 +283,89 @@ __attribute__((visibility("default"))) int mk_ring_create(void* comm, int B, int
   opt.scale = scale;
   opt.staging = staging ? staging : "";
   std::unique_ptr<mk::ops::RingAttention> op;
-  mk::Status s = mk::ops::RingAttention::create(static_cast<mk::Communicator*>(comm), shape, opt, &op);
+  mk::Status s = mk::ops::RingAttention::create(comm_of(comm), shape, opt, &op);
   if (!s.ok()) return ret(s);
-  *out = op.release();
+  *out = reinterpret_cast<mk_ring_t>(op.release());
   return 0;
 }
 
 // q, o [B, S/W, H, D], k, v [B, S/W, Hkv, D] bf16 contiguous; lse [B, H, S/W] fp32 or null.
-__attribute__((visibility("default"))) int mk_ring_run(void* op, const void* q, const void* k, const void* v, void* o,
-                                                       float* lse, void* stream) {
+int mk_ring_run(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse, void* stream) {
   if (!op) return invalid("mk_ring_run: null operator");
   mk::ops::RingAttentionArgs a;
   a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
-  return ret(static_cast<mk::ops::RingAttention*>(op)->run(a, static_cast<cudaStream_t>(stream)));
+  return ret(ring_of(op)->run(a, static_cast<cudaStream_t>(stream)));
 }
 
-__attribute__((visibility("default"))) int mk_ring_destroy(void* op) {
+int mk_ring_destroy(mk_ring_t op) {
   if (!op) return 0;
-  auto* o = static_cast<mk::ops::RingAttention*>(op);
+  mk::ops::RingAttention* o = ring_of(op);
   mk::Status s = o->destroy();
   delete o;
+  return ret(s);
+}
+
+// ---- MoE dispatch and combine (include/mkernel/ops/moe.h) ----
+
+int mk_moe_create(mk_comm_t comm, int64_t hidden, int num_experts, int topk, int64_t max_tokens_per_rank,
+                  int expert_align, int64_t recv_capacity, int mode, int comm_ctas, const char* staging,
+                  mk_moe_t* out) {
+  if (!comm || !out) return invalid("mk_moe_create: null argument");
+  if (mode < 0 || mode > 2) return invalid("mk_moe_create: mode " + std::to_string(mode) + " is not 0, 1 or 2");
+  *out = nullptr;
+  mk::ops::MoeConfig cfg;
+  cfg.hidden = hidden;
+  cfg.num_experts = num_experts;
+  cfg.topk = topk;
+  cfg.max_tokens_per_rank = max_tokens_per_rank;
+  cfg.expert_align = expert_align;
+  cfg.recv_capacity = recv_capacity;
+  mk::ops::MoeOptions opt;
+  opt.mode = static_cast<mk::ops::MoeMode>(mode);
+  opt.comm_ctas = comm_ctas;
+  opt.staging = staging ? staging : "";
+  std::unique_ptr<mk::ops::MoeEp> ep;
+  mk::Status s = mk::ops::MoeEp::create(comm_of(comm), cfg, opt, &ep);
+  if (!s.ok()) return ret(s);
+  *out = reinterpret_cast<mk_moe_t>(ep.release());
+  return 0;
+}
+
+int mk_moe_recv_rows(mk_moe_t ep, int64_t* out) {
+  if (!ep || !out) return invalid("mk_moe_recv_rows: null argument");
+  *out = moe_of(ep)->recv_rows();
+  return 0;
+}
+
+int mk_moe_local_experts(mk_moe_t ep, int* out) {
+  if (!ep || !out) return invalid("mk_moe_local_experts: null argument");
+  *out = moe_of(ep)->local_experts();
+  return 0;
+}
+
+int mk_moe_dispatch(mk_moe_t ep, const void* x, const int32_t* topk_ids, const float* topk_weights,
+                    const int32_t* d_num_tokens, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
+                    void* stream) {
+  if (!ep) return invalid("mk_moe_dispatch: null operator");
+  mk::ops::MoeDispatchArgs a;
+  a.x = x, a.topk_ids = topk_ids, a.topk_weights = topk_weights, a.d_num_tokens = d_num_tokens, a.tokens = tokens;
+  mk::ops::MoeDispatchOut o;
+  o.recv_x = recv_x, o.counts = counts, o.offsets = offsets;
+  return ret(moe_of(ep)->dispatch(a, o, static_cast<cudaStream_t>(stream)));
+}
+
+int mk_moe_combine(mk_moe_t ep, const void* y, void* combined, void* stream) {
+  if (!ep) return invalid("mk_moe_combine: null operator");
+  mk::ops::MoeCombineArgs a;
+  a.y = y;
+  return ret(moe_of(ep)->combine(a, combined, static_cast<cudaStream_t>(stream)));
+}
+
+int mk_moe_destroy(mk_moe_t ep) {
+  if (!ep) return 0;
+  mk::ops::MoeEp* e = moe_of(ep);
+  mk::Status s = e->destroy();
+  delete e;
   return ret(s);
 }
 

@@ -1,0 +1,151 @@
+/* mkernel's C ABI (libmkernel_capi.so): what Python reaches through ctypes (python/mkernel/_capi.py,
+ * checked against this header by tests/python/test_capi_header.py) and what C callers link.
+ *
+ * Every function returns 0 (MK_OK) on success or the mk_code_t of the failure; mk_last_error()
+ * gives the message of the calling thread's last failure. Handles are opaque; a function marked
+ * "collective" must be called by every rank of the communicator, in the same order. Streams are
+ * cudaStream_t passed as void*. Tensors are device pointers, bf16 unless stated, row-major.
+ *
+ * Pure C (C99), usable from C++; nothing here depends on CUDA's headers. */
+#ifndef MKERNEL_C_API_H_
+#define MKERNEL_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define MK_C_EXPORT __attribute__((visibility("default")))
+#else
+#define MK_C_EXPORT
+#endif
+
+/* Bumped when a signature or a struct below changes. */
+#define MK_C_API_VERSION 2
+
+/* mk::Code, by value (include/mkernel/common/status.h). */
+typedef enum mk_code {
+  MK_OK = 0,
+  MK_INVALID_ARGUMENT = 1,
+  MK_MISMATCH = 2,
+  MK_TIMEOUT = 3,
+  MK_CUDA_ERROR = 4,
+  MK_SYSTEM_ERROR = 5,
+  MK_OUT_OF_MEMORY = 6,
+  MK_NOT_SUPPORTED = 7,
+  MK_REMOTE_ERROR = 8,
+  MK_PERMISSION_DENIED = 9,
+  MK_INTERNAL = 10
+} mk_code_t;
+
+typedef struct mk_comm_s* mk_comm_t;    /* a communicator */
+typedef struct mk_fused_s* mk_fused_t;  /* a fused GEMM collective */
+typedef struct mk_ring_s* mk_ring_t;    /* ring attention */
+typedef struct mk_moe_s* mk_moe_t;      /* MoE expert-parallel dispatch and combine */
+
+typedef struct mk_comm_info {
+  int rank, world;             /* this rank, all ranks */
+  int node, nodes;             /* this rank's node, the number of nodes */
+  int local_rank, local_size;  /* within the node */
+  int device;                  /* the CUDA device this rank uses */
+} mk_comm_info_t;
+
+/* A key-value store the caller serves (PyTorch's c10d store, through ctypes). Each callback
+ * returns 0 on success; on failure non-zero, with the caller's reason readable through `why`.
+ * get copies the value into buf when it fits (cap bytes) and sets *len to its size; *found = 0
+ * when the key is absent; a value larger than cap: *len says how large, and the call is repeated. */
+typedef int (*mk_store_set_fn)(void* ctx, const char* key, const void* data, size_t len);
+typedef int (*mk_store_get_fn)(void* ctx, const char* key, void* buf, size_t cap, size_t* len, int* found);
+typedef int (*mk_store_erase_fn)(void* ctx, const char* key);
+typedef const char* (*mk_store_why_fn)(void* ctx);
+
+/* ---- errors, version, tunables ---- */
+
+MK_C_EXPORT const char* mk_last_error(void);
+MK_C_EXPORT int mk_api_version(void); /* MK_C_API_VERSION of the library */
+/* A tunable by name (`mkernel doctor` lists them), before the objects that read it are created. */
+MK_C_EXPORT int mk_tunable_set(const char* name, const char* value);
+
+/* ---- attention (include/mkernel/attention/attention.h) ---- */
+
+/* Strides are (batch, sequence, head) in elements, 3 per tensor: q, k, v, o (12). lse [B, H, Sq]
+ * fp32 or null. causal: 0 or 1; q_pos0 / kv_pos0: global positions of the first rows. */
+MK_C_EXPORT int mk_attention_forward(const void* q, const void* k, const void* v, void* o, float* lse,
+                         const int64_t* strides12, int B, int H, int Hkv, int Sq, int Skv, int D,
+                         float scale, int causal, int64_t q_pos0, int64_t kv_pos0, void* stream);
+MK_C_EXPORT int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, void* stream);
+MK_C_EXPORT int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part, const int64_t* part_strides,
+                       const float* lse_part, int B, int H, int S, int D, void* stream);
+MK_C_EXPORT int mk_attention_merge_finish(const float* o_acc, void* o, const int64_t* o_strides, int B, int H,
+                              int S, int D, void* stream);
+
+/* ---- communicator over a caller's key-value store ---- */
+
+/* Collective over the `size` ranks that share `prefix` in the store. device: -2 tunable, -1 local
+ * rank % visible GPUs, >= 0 that GPU. ranks_per_node: -1 tunable, else emulated nodes of that many
+ * ranks. The callbacks are called from this thread only, during this call and during collective
+ * calls on the communicator (operator creation, destroy). erase and why may be null. */
+MK_C_EXPORT int mk_comm_create_store(int rank, int size, const char* prefix, void* ctx, mk_store_set_fn set,
+                         mk_store_get_fn get, mk_store_erase_fn erase, mk_store_why_fn why, int device,
+                         int ranks_per_node, int require_gpu, mk_comm_t* out);
+MK_C_EXPORT int mk_comm_info(mk_comm_t comm, mk_comm_info_t* out);
+/* The communicator's health: a device wait that gave up, an abort, a proxy error. */
+MK_C_EXPORT int mk_comm_check(mk_comm_t comm);
+/* Collective: destroys the operators still attached, then the communicator, and frees it. */
+MK_C_EXPORT int mk_comm_destroy(mk_comm_t comm);
+
+/* ---- fused GEMM collectives (include/mkernel/ops/fused.h) ---- */
+
+/* kind: 0 ag_gemm, 1 gemm_rs, 2 gemm_ar. Collective. comm_ctas -1: tunable. staging "" or null:
+ * tunable. */
+MK_C_EXPORT int mk_fused_create(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K, int deterministic,
+                    int comm_ctas, const char* staging, mk_fused_t* out);
+/* A, B, C (fused.h: shapes per kind). Enqueues on `stream`; capturable in a CUDA graph. */
+MK_C_EXPORT int mk_fused_run(mk_fused_t op, const void* A, const void* B, void* C, void* stream);
+/* ag_gemm: the gathered A [M, K] of the last call (valid once it completed on its stream). */
+MK_C_EXPORT int mk_fused_gathered_a(mk_fused_t op, const void** out);
+/* Copies the gathered A [M, K] of the last call into dst, on `stream` (after that call). */
+MK_C_EXPORT int mk_fused_copy_gathered_a(mk_fused_t op, void* dst, void* stream);
+MK_C_EXPORT int mk_fused_comm_ctas(mk_fused_t op, int* out);
+/* Collective: destroys (idempotent; a no-op after its communicator was destroyed) and frees. */
+MK_C_EXPORT int mk_fused_destroy(mk_fused_t op);
+
+/* ---- ring attention (include/mkernel/ops/ring_attention.h) ---- */
+
+/* layout: 0 contiguous, 1 zigzag. Collective. scale 0: 1/sqrt(D). */
+MK_C_EXPORT int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
+                   float scale, int comm_ctas, const char* staging, mk_ring_t* out);
+/* q, o [B, S/W, H, D], k, v [B, S/W, Hkv, D] contiguous; lse [B, H, S/W] fp32 or null. */
+MK_C_EXPORT int mk_ring_run(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse,
+                void* stream);
+MK_C_EXPORT int mk_ring_destroy(mk_ring_t op);
+
+/* ---- MoE dispatch and combine (include/mkernel/ops/moe.h) ---- */
+
+/* Collective. mode: 0 auto, 1 throughput, 2 low latency. comm_ctas 0: tunable. recv_capacity 0:
+ * the worst case. staging "" or null: tunable. */
+MK_C_EXPORT int mk_moe_create(mk_comm_t comm, int64_t hidden, int num_experts, int topk, int64_t max_tokens_per_rank,
+                  int expert_align, int64_t recv_capacity, int mode, int comm_ctas, const char* staging,
+                  mk_moe_t* out);
+/* Rows of recv_x / y (the buffers dispatch fills and combine reads), and the experts of this rank. */
+MK_C_EXPORT int mk_moe_recv_rows(mk_moe_t ep, int64_t* out);
+MK_C_EXPORT int mk_moe_local_experts(mk_moe_t ep, int* out);
+/* x [tokens, H]; topk_ids [tokens, k] int32 (-1: no expert); topk_weights [tokens, k] fp32;
+ * d_num_tokens: device int32 (tokens of this call) or null; recv_x [recv_rows, H] expert-major;
+ * counts [local experts] int32; offsets [local experts + 1] int32 or null. */
+MK_C_EXPORT int mk_moe_dispatch(mk_moe_t ep, const void* x, const int32_t* topk_ids, const float* topk_weights,
+                    const int32_t* d_num_tokens, int64_t tokens, void* recv_x, int32_t* counts,
+                    int32_t* offsets, void* stream);
+/* y [recv_rows, H] in the last dispatch's layout; combined [tokens, H]. */
+MK_C_EXPORT int mk_moe_combine(mk_moe_t ep, const void* y, void* combined, void* stream);
+/* Collective: destroys (idempotent) and frees. */
+MK_C_EXPORT int mk_moe_destroy(mk_moe_t ep);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif /* MKERNEL_C_API_H_ */
