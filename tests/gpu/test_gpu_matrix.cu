@@ -32,6 +32,7 @@
 #include "mkernel/ops/fused.h"
 #include "mkernel/ops/ring_attention.h"
 #include "src/attention/fmha_launch.h"
+#include "src/ops/ring_attention/ring_attention_testing.h"
 #include "src/ops/ring_attention/ring_plan.h"
 #include "tests/gpu/mpi_fixture.h"
 
@@ -335,7 +336,7 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
   o.chunk_tokens = S_l > 64 ? 64 : 0;
   std::unique_ptr<ops::RingAttention> op;
   MK_ASSERT_OK(ops::RingAttention::create(comm, {B, c.H, c.Hkv, c.D, S, c.layout, c.causal}, o, &op));
-  const ops::RingPlan& plan = op->plan();
+  const ops::RingPlan& plan = ops::RingAttentionTesting::plan(*op);
   // Global position of each local token of every rank (chunks in token order).
   std::vector<std::vector<int64_t>> pos(W);
   for (int r = 0; r < W; ++r)

@@ -24,6 +24,7 @@
 #include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
 #include "mkernel/ops/ring_attention.h"
+#include "src/ops/ring_attention/ring_attention_testing.h"
 #include "src/ops/ring_attention/ring_plan.h"
 #include "tests/common/test_util.h"
 #include "tests/gpu/mpi_fixture.h"
@@ -129,7 +130,7 @@ attention::ForwardArgs whole_sequence(const RingAttentionShape& s, int64_t S, co
 
 void check_slots(const RingAttention& op, const RingAttentionShape& s, const __nv_bfloat16* k,
                  const __nv_bfloat16* v, __nv_bfloat16* scratch, unsigned long long* bad, cudaStream_t stream) {
-  const auto& p = op.plan();
+  const auto& p = ops::RingAttentionTesting::plan(op);
   const int W = p.world, me = shared_comm()->rank();
   const int64_t S = s.S, S_l = S / W, krow = int64_t(s.Hkv) * s.D, block = int64_t(s.B) * S_l * krow;
   for (int kv = 0; kv < 2; ++kv)
@@ -140,7 +141,7 @@ void check_slots(const RingAttention& op, const RingAttentionShape& s, const __n
         take_rows<<<256, 256, 0, stream>>>(kv ? v : k, scratch, s.B, S, S_l, c.token0, rr, c.tokens, krow);
         rr += c.tokens;
       }
-      const void* slots = kv ? op.v_slots() : op.k_slots();
+      const void* slots = kv ? ops::RingAttentionTesting::v_slots(op) : ops::RingAttentionTesting::k_slots(op);
       equal16<<<256, 256, 0, stream>>>(static_cast<const uint16_t*>(slots) + size_t(r) * block,
                                        reinterpret_cast<const uint16_t*>(scratch), block, bad + kv);
     }
@@ -176,7 +177,7 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
   auto* bad = d.get<unsigned long long>(4);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  const auto& chunks = op->plan().chunks;
+  const auto& chunks = ops::RingAttentionTesting::plan(*op).chunks;
   const float qamp = 2.0f;
   const uint64_t seed = test_seed();
   cudaGraphExec_t exec = nullptr;
@@ -327,7 +328,7 @@ TEST(Ring, GraphReplaysBackToBack) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const uint64_t seed = test_seed(), base = 1000;  // tags base + 1 .. base + kGraphReplays
-  const auto& chunks = op->plan().chunks;
+  const auto& chunks = ops::RingAttentionTesting::plan(*op).chunks;
   // Call `base + *call_at` (call_at null: `base + call`): the full tensors and this rank's shard.
   auto inputs = [&](uint64_t call, const uint64_t* call_at) {
     fill_full<<<1024, 256, 0, stream>>>(q, int64_t(s.B) * S * qrow, seed, base + call, 0, 2.f, call_at);

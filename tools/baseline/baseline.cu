@@ -1,6 +1,7 @@
 // cuBLAS + NCCL baselines (see include/mkernel/ops/baseline.h). Host code only: every kernel
 // comes from cuBLAS or NCCL.
 #include "tools/baseline/baseline.h"
+#include "src/ops/ring_attention/ring_attention_testing.h"
 #include "src/ops/ring_attention/ring_plan.h"
 
 #include <cublas_v2.h>
@@ -417,14 +418,14 @@ Status Baselines::ring_attn_allgather(RingAttention& op, const RingAttentionArgs
   Impl& m = *impl_;
   MK_CHECK(check_device(m, "ring_attn_allgather"));
   MK_REQUIRE(k_all && v_all, Code::kInvalidArgument, "ring_attn_allgather: null gather buffers");
-  MK_REQUIRE(op.plan().world == m.world, Code::kInvalidArgument, "ring_attn_allgather: the operator has %d ranks, NCCL %d",
-             op.plan().world, m.world);
+  MK_REQUIRE(RingAttentionTesting::plan(op).world == m.world, Code::kInvalidArgument, "ring_attn_allgather: the operator has %d ranks, NCCL %d",
+             RingAttentionTesting::plan(op).world, m.world);
   const size_t blk = op.block_elems();
   MK_NCCL_CHECK(ncclGroupStart());
   MK_NCCL_CHECK(ncclAllGather(a.k, k_all, blk, ncclBfloat16, m.comm, stream));
   MK_NCCL_CHECK(ncclAllGather(a.v, v_all, blk, ncclBfloat16, m.comm, stream));
   MK_NCCL_CHECK(ncclGroupEnd());
-  return op.enqueue_compute(a, -1, k_all, v_all, stream);
+  return RingAttentionTesting::enqueue_compute(op, a, -1, k_all, v_all, stream);
 }
 
 Status Baselines::ring_attn_sendrecv(RingAttention& op, const RingAttentionArgs& a, void* const kbuf[2],
@@ -433,7 +434,7 @@ Status Baselines::ring_attn_sendrecv(RingAttention& op, const RingAttentionArgs&
   MK_CHECK(check_device(m, "ring_attn_sendrecv"));
   MK_REQUIRE(kbuf[0] && kbuf[1] && vbuf[0] && vbuf[1], Code::kInvalidArgument, "ring_attn_sendrecv: null buffers");
   const int W = m.world, me = m.rank;
-  const RingPlan& p = op.plan();
+  const RingPlan& p = RingAttentionTesting::plan(op);
   MK_REQUIRE(p.world == W, Code::kInvalidArgument, "ring_attn_sendrecv: the operator has %d ranks, NCCL %d", p.world, W);
   const size_t blk = op.block_elems();
   // Both streams start after what `stream` holds.
@@ -455,7 +456,7 @@ Status Baselines::ring_attn_sendrecv(RingAttention& op, const RingAttentionArgs&
       MK_NCCL_CHECK(ncclRecv(nv, blk, ncclBfloat16, s.recv_from, m.comm, m.comm_stream));
       MK_NCCL_CHECK(ncclGroupEnd());
     }
-    MK_CHECK(op.enqueue_compute(a, t, cur_k, cur_v, stream));
+    MK_CHECK(RingAttentionTesting::enqueue_compute(op, a, t, cur_k, cur_v, stream));
     MK_CUDA_CHECK(cudaEventRecord(m.compute_done, stream));
     if (s.send_to >= 0) {
       // The next step computes on what arrived.

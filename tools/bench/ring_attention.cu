@@ -22,6 +22,7 @@
 #include "mkernel/device/trace.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/ops/ring_attention.h"
+#include "src/ops/ring_attention/ring_attention_testing.h"
 #include "tools/bench_common.h"
 #if MK_HAVE_NCCL
 #include "tools/baseline/baseline.h"
@@ -83,7 +84,7 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, RingRow* r, c
   if (s.ok()) s = synced(comm, st);
   ops::RingAttentionArgs ar = a;
   ar.o = o_ref.p;
-  if (s.ok()) s = decoded(comm, op->enqueue_compute(ar, -1, k_all.p, v_all.p, st));
+  if (s.ok()) s = decoded(comm, ops::RingAttentionTesting::enqueue_compute(*op, ar, -1, k_all.p, v_all.p, st));
   if (s.ok()) s = synced(comm, st);
   unsigned long long* d_bad = static_cast<unsigned long long*>(bad.p);
   MK_CHECK(count_world(
@@ -99,7 +100,7 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, RingRow* r, c
   MK_CHECK(time_it(comm, st, rc, "timing the fused call", [&] { return op->enqueue(a, st); }, &t));
   r->fused = t.median_ms;
   MK_CHECK(time_it(comm, st, rc, "timing the attention alone",
-                   [&] { return op->enqueue_compute(a, -1, k_all.p, v_all.p, st); }, &t));
+                   [&] { return ops::RingAttentionTesting::enqueue_compute(*op, a, -1, k_all.p, v_all.p, st); }, &t));
   r->compute = t.median_ms;
   if (!trace.empty()) {
     // One traced fused call: the per-CTA timeline of this rank (tools/trace_png.py draws it).

@@ -35,8 +35,6 @@ namespace ops {
 // chunks, rank r holds chunks r and 2W - 1 - r, balancing causal work).
 enum class SeqLayout : int { kContiguous = 0, kZigzag = 1 };
 
-struct RingPlan;  // the ring's schedule (library-internal: src/ops/ring_attention/ring_plan.h)
-
 struct RingAttentionShape {
   int B = 1, H = 1, Hkv = 1, D = 128;
   int64_t S = 0;  // the whole sequence; each rank holds S / W tokens
@@ -83,27 +81,16 @@ class RingAttention {
   Status run(const RingAttentionArgs& a, cudaStream_t stream);      // local checks, enqueues (see FusedGemm::run)
   Status enqueue(const RingAttentionArgs& a, cudaStream_t stream);  // no agreement (after a checked run)
 
-  // The same kernel with no communication, over K/V the caller moved (baselines, and the
-  // compute-only time T_c): step < 0 computes every pair of the call from k_src / v_src laid out
-  // as the slots ([W][B][S/W][Hkv][D], slot r = rank r's block); step t computes step t's pairs
-  // against the block held at step t, read from k_src / v_src [B][S/W][Hkv][D] (step 0: may be
-  // the caller's own K/V). Steps must run in order 0, 1, ..., W - 1 on one stream: they merge
-  // into the operator's fp32 accumulator and the last writes O.
-  Status enqueue_compute(const RingAttentionArgs& a, int step, const void* k_src, const void* v_src,
-                         cudaStream_t stream);
-
-  const RingPlan& plan() const;
   int comm_ctas() const;
   int64_t local_tokens() const;
   int work_items() const;  // items of a call's launch (B * H * 128-row query tiles, per pair)
   int comm_ops() const;    // ops of this rank's communication program
   size_t block_elems() const;  // elements of one rank's K (or V) block: B * S/W * Hkv * D
-  // This rank's K/V slots after a call: [W][B][S/W][Hkv][D] (slot r holds rank r's block once
-  // it passed through here). For tests.
-  const void* k_slots() const;
-  const void* v_slots() const;
 
  private:
+  // Tests, baselines and benchmarks reach the schedule, the slots and the compute-only launches
+  // through src/ops/ring_attention/ring_attention_testing.h (not installed).
+  friend struct RingAttentionTesting;
   RingAttention() = default;
   std::unique_ptr<RingState> st_;
 };

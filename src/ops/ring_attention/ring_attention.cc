@@ -1,6 +1,7 @@
 // Ring attention: the ring plan turned into the persistent attention kernel's pairs and a
 // communication program (see include/mkernel/ops/ring_attention.h).
 #include "mkernel/ops/ring_attention.h"
+#include "src/ops/ring_attention/ring_attention_testing.h"
 #include "src/ops/ring_attention/ring_plan.h"
 
 #include <cuda_runtime_api.h>
@@ -244,7 +245,6 @@ Status RingAttention::destroy() {
   return st->session->destroy();
 }
 
-const RingPlan& RingAttention::plan() const { return st_->plan; }
 int RingAttention::comm_ctas() const { return st_->launch.comm_ctas; }
 int64_t RingAttention::local_tokens() const { return st_->S_l; }
 int RingAttention::work_items() const { return st_->launch.n_items; }
@@ -252,8 +252,15 @@ int RingAttention::comm_ops() const { return st_->launch.hooks.n_ops; }
 size_t RingAttention::block_elems() const {
   return size_t(st_->shape.B) * st_->S_l * st_->shape.Hkv * st_->shape.D;
 }
-const void* RingAttention::k_slots() const { return st_->session->alive() ? st_->session->local(RingBuf::kSlotsK) : nullptr; }
-const void* RingAttention::v_slots() const { return st_->session->alive() ? st_->session->local(RingBuf::kSlotsV) : nullptr; }
+
+// ---- ring_attention_testing.h ----
+const RingPlan& RingAttentionTesting::plan(const RingAttention& op) { return op.st_->plan; }
+const void* RingAttentionTesting::k_slots(const RingAttention& op) {
+  return op.st_->session->alive() ? op.st_->session->local(RingBuf::kSlotsK) : nullptr;
+}
+const void* RingAttentionTesting::v_slots(const RingAttention& op) {
+  return op.st_->session->alive() ? op.st_->session->local(RingBuf::kSlotsV) : nullptr;
+}
 
 Status RingAttention::can_implement(const RingAttentionArgs& a) const {
   const RingState* st = st_.get();
@@ -293,10 +300,10 @@ attention::ForwardArgs forward_args(const RingState* st, const RingAttentionArgs
 }
 }  // namespace
 
-Status RingAttention::enqueue_compute(const RingAttentionArgs& a, int step, const void* k_src, const void* v_src,
-                                      cudaStream_t stream) {
-  RingState* st = st_.get();
-  MK_CHECK(can_implement(a));
+Status RingAttentionTesting::enqueue_compute(RingAttention& op, const RingAttentionArgs& a, int step,
+                                             const void* k_src, const void* v_src, cudaStream_t stream) {
+  RingState* st = op.st_.get();
+  MK_CHECK(op.can_implement(a));
   MK_REQUIRE(k_src && v_src, Code::kInvalidArgument, "ring_attention: null K/V source");
   MK_REQUIRE(step < st->plan.world, Code::kInvalidArgument, "ring_attention: step %d of %d", step, st->plan.world);
   attention::FmhaLaunch l = step < 0 ? st->gathered : st->per_step[step];

@@ -1,0 +1,32 @@
+// RingAttention's internals for tests, the cuBLAS + NCCL baselines and the CLI's benchmark
+// (library-internal: not installed; users have include/mkernel/ops/ring_attention.h).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "mkernel/common/status.h"
+#include "mkernel/ops/ring_attention.h"
+#include "src/ops/ring_attention/ring_plan.h"
+
+namespace mk {
+namespace ops {
+
+struct RingAttentionTesting {
+  // The ring's schedule (chunks per rank, steps, pairs).
+  static const RingPlan& plan(const RingAttention& op);
+  // This rank's K/V slots after a call: [W][B][S/W][Hkv][D] (slot r holds rank r's block once it
+  // passed through here).
+  static const void* k_slots(const RingAttention& op);
+  static const void* v_slots(const RingAttention& op);
+  // The same kernel with no communication, over K/V the caller moved (baselines, and the
+  // compute-only time T_c): step < 0 computes every pair of the call from k_src / v_src laid out
+  // as the slots ([W][B][S/W][Hkv][D], slot r = rank r's block); step t computes step t's pairs
+  // against the block held at step t, read from k_src / v_src [B][S/W][Hkv][D] (step 0: may be
+  // the caller's own K/V). Steps must run in order 0, 1, ..., W - 1 on one stream: they merge
+  // into the operator's fp32 accumulator and the last writes O.
+  static Status enqueue_compute(RingAttention& op, const RingAttentionArgs& a, int step, const void* k_src,
+                                const void* v_src, cudaStream_t stream);
+};
+
+}  // namespace ops
+}  // namespace mk
