@@ -423,7 +423,7 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
     const ops::PlanShape shape{int64_t(comm->world()) * 512, 2048, 1024};
     Case c{comm, kind, shape, false};
     MK_ASSERT_OK(c.init());
-    const auto& plan = c.op->plan();
+    const auto& plan = ops::FusedGemmTesting::plan(*c.op);
     const int tiles = plan.tiles_m * plan.tiles_n;
     const int n_ops = int(plan.ranks[comm->rank()].ops.size());
     std::vector<TraceEvent> ev;
@@ -499,7 +499,7 @@ TEST_F(Fused, ForcedRoleSwitchesMidCall) {
     Case c{comm, kind, shape, false};
     MK_ASSERT_OK(c.init());
     ASSERT_TRUE(c.op->split_controlled());
-    const auto& plan = c.op->plan();
+    const auto& plan = ops::FusedGemmTesting::plan(*c.op);
     const int tiles = plan.tiles_m * plan.tiles_n;
     const int n_ops = int(plan.ranks[comm->rank()].ops.size());
     // The controller's ceiling on this grid (fused_begin): min(grid - 1, max(32, grid / 2)).

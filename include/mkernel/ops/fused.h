@@ -44,7 +44,6 @@ struct PlanShape {
   int64_t M = 0, N = 0, K = 0;
 };
 
-struct Plan;  // the operator's plan (library-internal: src/ops/collectives/plan.h)
 
 struct FusedOptions {
   bool deterministic = false;  // RS/AR: fixed reduction order (per-rank partials, summed in order)
@@ -96,7 +95,6 @@ class FusedGemm {
   Status enqueue(const FusedArgs& args, cudaStream_t stream);
 
   FusedKind kind() const;
-  const Plan& plan() const;
   // Communication CTAs: the fixed count; with the controller, the split the calls settled on as
   // the latest launch reported it (one call behind; the starting count before that).
   int comm_ctas() const;
@@ -114,11 +112,9 @@ class FusedGemm {
 
  private:
   FusedGemm() = default;
-  // Test hooks (src/ops/collectives/fused_testing.h).
-  friend Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n,
-                                   cudaStream_t stream);
-  friend Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes,
-                                  cudaStream_t stream);
+  // Tests reach the plan and the controller's hooks through src/ops/collectives/fused_testing.h
+  // (not installed).
+  friend struct FusedGemmTesting;
   std::unique_ptr<FusedState> st_;
 };
 

@@ -255,7 +255,7 @@ Status FusedGemm::destroy() {
 }
 
 FusedKind FusedGemm::kind() const { return st_->kind; }
-const Plan& FusedGemm::plan() const { return st_->plan; }
+const Plan& FusedGemmTesting::plan(const FusedGemm& op) { return op.st_->plan; }
 int FusedGemm::comm_ctas() const {
   if (st_->split_on && st_->h_mean) {
     const int v = *reinterpret_cast<volatile int*>(st_->h_mean);
@@ -281,7 +281,7 @@ Status FusedGemm::set_comm_ctas(int n, cudaStream_t stream) {
 
 bool FusedGemm::split_controlled() const { return st_->split_on; }
 
-Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream) {
+Status FusedGemmTesting::split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream) {
   MK_REQUIRE(op && op->st_ && op->st_->d_split, Code::kInvalidArgument, "fused: the controller was never on");
   comm::SplitCtl c{};
   MK_CUDA_CHECK(cudaMemcpyAsync(&c, op->st_->d_split, sizeof(c), cudaMemcpyDeviceToHost, stream));
@@ -292,7 +292,8 @@ Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* chan
   return OkStatus();
 }
 
-Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream) {
+Status FusedGemmTesting::force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n,
+                                      cudaStream_t stream) {
   MK_REQUIRE(op && op->st_ && op->st_->split_on && op->st_->d_split, Code::kInvalidArgument,
              "fused: forced splits need the controller on (fused_split=auto, comm_ctas -1, W > 1)");
   MK_REQUIRE(n >= 0 && n <= comm::kSplitForceMax && (n == 0 || (at_tiles && counts)), Code::kInvalidArgument,

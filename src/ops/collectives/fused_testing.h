@@ -1,23 +1,35 @@
-// mkernel — test hooks of the fused GEMM collectives (library-internal).
+// FusedGemm's internals for tests (library-internal: not installed; users have
+// include/mkernel/ops/fused.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include "mkernel/common/status.h"
 #include "mkernel/ops/fused.h"
+#include "src/ops/collectives/plan.h"
 
 namespace mk {
 namespace ops {
 
-// From the next call on, each call's controller sets the split to counts[i] once at_tiles[i]
-// tiles are taken (i in order, n <= 4; n = 0 clears), then carries on with its rule: role
-// switches in both directions at known points of a call. kInvalidArgument when the controller
-// is off or the lists are bad.
-Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream);
+struct FusedGemmTesting {
+  // The operator's plan (program, tiles, routes).
+  static const Plan& plan(const FusedGemm& op);
+  // From the next call on, each call's controller sets the split to counts[i] once at_tiles[i]
+  // tiles are taken (i in order, n <= 4; n = 0 clears), then carries on with its rule: role
+  // switches in both directions at known points of a call. kInvalidArgument when the controller
+  // is off or the lists are bad.
+  static Status force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream);
+  // The controller's device state after the calls on `stream` (synchronizes it): whether a call
+  // ran the rule (has_mean), the split it settled on, the switches of the latest call.
+  static Status split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream);
+};
 
-// The controller's device state after the calls on `stream` (synchronizes it): whether a call
-// ran the rule (has_mean), the split it settled on, the switches of the latest call.
-Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream);
+inline Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream) {
+  return FusedGemmTesting::force_splits(op, at_tiles, counts, n, stream);
+}
+inline Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream) {
+  return FusedGemmTesting::split_state(op, has_mean, last_mean, changes, stream);
+}
 
 }  // namespace ops
 }  // namespace mk
