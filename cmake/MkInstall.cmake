@@ -1,14 +1,14 @@
 # Install and export (included at the end of the top-level CMakeLists.txt, once the targets
 # exist). `cmake --install <build> --prefix <prefix>` puts under <prefix>:
-#   include/mkernel/...                     the public headers (the whole directory)
+#   include/mkernel/...                     the public headers (the directory, less net/ and proxy/)
 #   lib/libmkernel.a, lib/libmkernel_capi.so
 #   bin/mkernel                             the CLI
 #   lib/cmake/mkernel/                      mkernelConfig.cmake, its version file, the targets
 # A consumer then writes (tests/consumer is the example CI builds):
 #   find_package(mkernel CONFIG REQUIRED)
 #   target_link_libraries(app PRIVATE mkernel::mkernel)
-# Exported targets: mkernel::mkernel (static), mkernel::mkernel_capi (shared, the C ABI for
-# Python; no header), mkernel::mkernel_cli (the `mkernel` executable). scripts/consumer_check.sh
+# Exported targets: mkernel::mkernel (static), mkernel::mkernel_capi (shared, the C ABI for C and
+# Python; header mkernel/c_api.h), mkernel::mkernel_cli (the `mkernel` executable). scripts/consumer_check.sh
 # builds exactly these three before installing: keep its list in step.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
@@ -25,7 +25,7 @@ install(TARGETS mkernel
   EXPORT mkernelTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-# The C ABI has no public header (python/mkernel declares it): the library only. Installed, both
+# The C ABI's header is include/mkernel/c_api.h (python/mkernel/_capi.py is checked against it). Installed, both
 # keep the run path to the shared libraries they link outside the system's directories (cuBLAS
 # and NCCL in the CUDA toolkit, MPI), as their build-tree copies have it.
 set_target_properties(mkernel_capi mkernel_cli PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
@@ -33,8 +33,11 @@ install(TARGETS mkernel_capi mkernel_cli
   EXPORT mkernelTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-# The directory as a whole (no file list): whatever lives under include/ is public.
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# The directory as a whole (no file list), less the network backend and the host proxy: their
+# headers sit in include/ for the build's layering (docs/architecture.md) but no public header
+# includes them and users do not call them (only the CLI's doctor does, from the build tree).
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+  PATTERN "net" EXCLUDE PATTERN "proxy" EXCLUDE)
 
 install(EXPORT mkernelTargets
   NAMESPACE mkernel::
