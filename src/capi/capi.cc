@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,19 +53,14 @@ static_assert(MK_OK == static_cast<int>(mk::Code::kOk) && MK_INVALID_ARGUMENT ==
 
 int invalid(const std::string& what) { return ret(mk::Status(mk::Code::kInvalidArgument, what)); }
 
-// The store callbacks (c_api.h, mk_store_*_fn).
-using StoreSet = mk_store_set_fn;
-using StoreGet = mk_store_get_fn;
-using StoreErase = mk_store_erase_fn;
-using StoreWhy = mk_store_why_fn;
-
-mk::Status store_failure(const char* op, const std::string& key, StoreWhy why, void* ctx) {
+mk::Status store_failure(const char* op, const std::string& key, mk_store_why_fn why, void* ctx) {
   std::string reason = why ? why(ctx) : "";
   return mk::Status(mk::Code::kSystemError,
                     std::string("store ") + op + " '" + key + "' failed" + (reason.empty() ? "" : ": " + reason));
 }
 
-mk::StoreCallbacks store_callbacks(void* ctx, StoreSet set, StoreGet get, StoreErase erase, StoreWhy why) {
+mk::StoreCallbacks store_callbacks(void* ctx, mk_store_set_fn set, mk_store_get_fn get, mk_store_erase_fn erase,
+                                   mk_store_why_fn why) {
   mk::StoreCallbacks cb;
   cb.set = [=](const std::string& key, const std::vector<uint8_t>& value) -> mk::Status {
     if (set(ctx, key.c_str(), value.data(), value.size()) != 0) return store_failure("set", key, why, ctx);
@@ -108,11 +102,9 @@ const char* mk_last_error(void) { return g_last_error.c_str(); }
 int mk_api_version(void) { return MK_C_API_VERSION; }
 
 // Strides are (batch, sequence, head) in elements, 3 per tensor: q, k, v, o.
-int mk_attention_forward(const void* q, const void* k, const void* v, void* o,
-                                                                float* lse, const int64_t* strides12, int B, int H,
-                                                                int Hkv, int Sq, int Skv, int D, float scale,
-                                                                int causal, int64_t q_pos0, int64_t kv_pos0,
-                                                                void* stream) {
+int mk_attention_forward(const void* q, const void* k, const void* v, void* o, float* lse, const int64_t* strides12,
+                         int B, int H, int Hkv, int Sq, int Skv, int D, float scale, int causal, int64_t q_pos0,
+                         int64_t kv_pos0, void* stream) {
   mk::attention::ForwardArgs a;
   a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
   a.q_stride = strides(strides12);
@@ -126,23 +118,20 @@ int mk_attention_forward(const void* q, const void* k, const void* v, void* o,
   return ret(mk::attention::forward(a, static_cast<cudaStream_t>(stream)));
 }
 
-int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S,
-                                                                   int D, void* stream) {
+int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, void* stream) {
   return ret(mk::attention::merge_init(o_acc, lse_acc, B, H, S, D, static_cast<cudaStream_t>(stream)));
 }
 
-int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part,
-                                                              const int64_t* part_strides, const float* lse_part,
-                                                              int B, int H, int S, int D, void* stream) {
+int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part, const int64_t* part_strides,
+                       const float* lse_part, int B, int H, int S, int D, void* stream) {
   mk::attention::MergeArgs a;
   a.o_acc = o_acc, a.lse_acc = lse_acc, a.o_part = o_part, a.part_stride = strides(part_strides);
   a.lse_part = lse_part, a.B = B, a.H = H, a.S = S, a.D = D;
   return ret(mk::attention::merge(a, static_cast<cudaStream_t>(stream)));
 }
 
-int mk_attention_merge_finish(const float* o_acc, void* o,
-                                                                     const int64_t* o_strides, int B, int H, int S,
-                                                                     int D, void* stream) {
+int mk_attention_merge_finish(const float* o_acc, void* o, const int64_t* o_strides, int B, int H, int S, int D,
+                              void* stream) {
   return ret(mk::attention::merge_finish(o_acc, o, strides(o_strides), B, H, S, D, static_cast<cudaStream_t>(stream)));
 }
 
@@ -152,10 +141,9 @@ int mk_attention_merge_finish(const float* o_acc, void* o,
 // local rank % visible GPUs, >= 0 that GPU. ranks_per_node: -1 tunable, else emulated nodes of
 // that many ranks. The callbacks are called from this thread only, during this call and during
 // collective calls on the communicator (operator creation, destroy).
-int mk_comm_create_store(int rank, int size, const char* prefix, void* ctx,
-                                                                StoreSet set, StoreGet get, StoreErase erase,
-                                                                StoreWhy why, int device, int ranks_per_node,
-                                                                int require_gpu, mk_comm_t* out) {
+int mk_comm_create_store(int rank, int size, const char* prefix, void* ctx, mk_store_set_fn set, mk_store_get_fn get,
+                         mk_store_erase_fn erase, mk_store_why_fn why, int device, int ranks_per_node, int require_gpu,
+                         mk_comm_t* out) {
   if (!out || !set || !get || !prefix) return invalid("mk_comm_create_store: null argument");
   *out = nullptr;
   std::unique_ptr<mk::Bootstrap> bs;

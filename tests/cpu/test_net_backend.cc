@@ -715,8 +715,9 @@ TEST_F(NetMpi, LeftoverShmRegionOfARecycledPid) {
 
 // A failed job's teardown while puts of this rank are still in the provider (nobody progresses
 // them: the job failed): deregistration and finalize return within their bounds on every rank
-// and nothing crashes. The endpoint closes before the regions those puts use; closing a region
-// first made tcp;ofi_rxm crash in fi_close of the endpoint (the CLI's put and completion faults).
+// and nothing crashes. Closing an rxm endpoint while such a write was arriving crashed
+// tcp;ofi_rxm in fi_close (on the target rank; the CLI's put and completion faults): after a
+// failure the backend leaves that endpoint open (docs/backend-contract.md).
 // Last of the suite: its bootstrap has failed.
 TEST_F(NetMpi, TeardownOfAFailedJobWithPutsInFlight) {
   if (size_ < 2) GTEST_SKIP() << "needs two ranks";

@@ -282,7 +282,7 @@ class Fused : public ::testing::Test {
       ~AfterCalls() {
         if (::testing::Test::HasFailure() || !c.op->split_controlled()) return;
         int has = 0, mean = 0, changes = 0;
-        MK_EXPECT_OK(ops::fused_split_state(c.op.get(), &has, &mean, &changes, c.comm->stream()));
+        MK_EXPECT_OK(ops::FusedGemmTesting::split_state(c.op.get(), &has, &mean, &changes, c.comm->stream()));
         EXPECT_EQ(has, 1) << "the controller never ran";
         EXPECT_GE(mean, 1);
         EXPECT_GE(c.op->comm_ctas(), 1);
@@ -356,7 +356,7 @@ class Fused : public ::testing::Test {
     EXPECT_EQ(bad, 0ull) << name << ": the last replay's C";
     if (c.op->split_controlled()) {
       int has = 0, mean = 0, changes = 0;
-      MK_EXPECT_OK(ops::fused_split_state(c.op.get(), &has, &mean, &changes, st));
+      MK_EXPECT_OK(ops::FusedGemmTesting::split_state(c.op.get(), &has, &mean, &changes, st));
       EXPECT_EQ(has, 1) << name << ": the controller never ran in the replays";
     }
     cudaGraphExecDestroy(exec);
@@ -509,7 +509,7 @@ TEST_F(Fused, ForcedRoleSwitchesMidCall) {
     const int at[3] = {tiles / 8, tiles / 3, (2 * tiles) / 3};
     const int to[3] = {1, std::min(24, hi), 2};
     cudaStream_t st = comm->stream();
-    MK_ASSERT_OK(ops::fused_force_splits(c.op.get(), at, to, 3, st));
+    MK_ASSERT_OK(ops::FusedGemmTesting::force_splits(c.op.get(), at, to, 3, st));
     for (int call = 0; call < 3; ++call) {
       std::vector<TraceEvent> ev;
       uint64_t dropped = 0;
@@ -536,7 +536,7 @@ TEST_F(Fused, ForcedRoleSwitchesMidCall) {
       EXPECT_EQ(next, 3u) << ops::fused_kind_name(kind) << " call " << call << " rank " << comm->rank()
                           << ": switches seen " << seen;
     }
-    MK_ASSERT_OK(ops::fused_force_splits(c.op.get(), nullptr, nullptr, 0, st));
+    MK_ASSERT_OK(ops::FusedGemmTesting::force_splits(c.op.get(), nullptr, nullptr, 0, st));
   }
 }
 
@@ -557,7 +557,7 @@ TEST_F(Fused, ControllerRefusals) {
     Case c{comm, FusedKind::kGemmRs, shapes(comm->world())[0], false};
     MK_ASSERT_OK(c.init(4));
     const int at[1] = {0}, to[1] = {2};
-    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, to, 1, comm->stream()).code(), Code::kInvalidArgument)
+    EXPECT_EQ(ops::FusedGemmTesting::force_splits(c.op.get(), at, to, 1, comm->stream()).code(), Code::kInvalidArgument)
         << "controller off";
   }
   if (comm->world() > 1) {
@@ -565,11 +565,11 @@ TEST_F(Fused, ControllerRefusals) {
     Case c{comm, FusedKind::kGemmRs, shapes(comm->world())[0], false};
     MK_ASSERT_OK(c.init());
     const int at[2] = {10, 5}, to[2] = {2, 3}, zero[1] = {0};
-    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, to, 2, comm->stream()).code(), Code::kInvalidArgument)
+    EXPECT_EQ(ops::FusedGemmTesting::force_splits(c.op.get(), at, to, 2, comm->stream()).code(), Code::kInvalidArgument)
         << "tiles not ascending";
-    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, zero, 1, comm->stream()).code(), Code::kInvalidArgument)
+    EXPECT_EQ(ops::FusedGemmTesting::force_splits(c.op.get(), at, zero, 1, comm->stream()).code(), Code::kInvalidArgument)
         << "count 0";
-    EXPECT_EQ(ops::fused_force_splits(c.op.get(), at, to, 5, comm->stream()).code(), Code::kInvalidArgument)
+    EXPECT_EQ(ops::FusedGemmTesting::force_splits(c.op.get(), at, to, 5, comm->stream()).code(), Code::kInvalidArgument)
         << "too many";
   }
   // A bad split mode: refused by the API at once; from the environment (set after the

@@ -327,11 +327,12 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
   const int W = comm->world(), me = comm->rank();
   const int B = 1;
   const int64_t S_l = c.tokens_per_rank, S = S_l * W;
+  const int comm_ctas = comm_ctas_here(c.comm_ctas, true);
   SCOPED_TRACE(std::string("ring_attention ") + (c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") +
                (c.causal ? " causal" : "") + " S/rank " + std::to_string(S_l) + " H " + std::to_string(c.H) + "/" +
-               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas_here(c.comm_ctas, true)));
+               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas));
   ops::RingAttentionOptions o;
-  o.comm_ctas = comm_ctas_here(c.comm_ctas, true);
+  o.comm_ctas = comm_ctas;
   // Several forwarded pieces per block even at these sizes: arrival flags per piece are tested.
   o.chunk_tokens = S_l > 64 ? 64 : 0;
   std::unique_ptr<ops::RingAttention> op;

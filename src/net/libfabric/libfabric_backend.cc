@@ -386,6 +386,13 @@ class LibfabricBackend final : public Backend {
   bool finalized_ = false;
   bool closed_ = false;
   bool failed_teardown_ = false;  // the teardown of a failed job (close_all: see there)
+  // After a teardown step's quiesce: a failed job (this backend's error, the bootstrap's, or
+  // operations still in the provider, which the quiesce returned without) marks the teardown so
+  // that close_all leaves an rxm endpoint open.
+  void note_failed_teardown() {
+    if (!error_.ok() || !bs_.poll_failure().ok() || outstanding_ > 0 || ctrl_outstanding_ > 0)
+      failed_teardown_ = true;
+  }
 };
 
 // ---- setup ----------------------------------------------------------------------------------
@@ -809,8 +816,7 @@ Status LibfabricBackend::deregister_window(WindowId id) {
   Window& w = windows_[id];
   if (!w.live || finalized_) return OkStatus();
   Status s = quiesce("deregister_window", true, OkStatus());
-  // A failed job (the quiesce returned at once): close_all leaves an rxm endpoint open.
-  if (!error_.ok() || !bs_.poll_failure().ok() || outstanding_ > 0 || ctrl_outstanding_ > 0) failed_teardown_ = true;
+  note_failed_teardown();
   if (w.mr) {
     int ret = fi_close(&w.mr->fid);
     if (ret != 0 && s.ok())
@@ -1196,7 +1202,7 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
 Status LibfabricBackend::finalize() {
   if (finalized_) return OkStatus();
   Status s = ep_ ? quiesce("finalize", true, OkStatus()) : OkStatus();
-  if (!closed_ && (!error_.ok() || !bs_.poll_failure().ok() || outstanding_ > 0)) failed_teardown_ = true;
+  note_failed_teardown();
   finalized_ = true;
   Status c = close_all();
   stash_done_.clear();

@@ -24,12 +24,6 @@ struct FusedGemmTesting {
   static Status split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream);
 };
 
-inline Status fused_force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream) {
-  return FusedGemmTesting::force_splits(op, at_tiles, counts, n, stream);
-}
-inline Status fused_split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream) {
-  return FusedGemmTesting::split_state(op, has_mean, last_mean, changes, stream);
-}
 
 }  // namespace ops
 }  // namespace mk
