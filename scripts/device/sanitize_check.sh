@@ -66,6 +66,9 @@ declare -A race_np=([test_gpu_gemm]=1 [test_gpu_grouped]=1 [test_gpu_ring]="1 2"
 # Gtest filters (tool:binary, or tool:binary:np). Without one, a run takes the filter of the
 # ctest registration at that np (e.g. test_gpu_moe leaves out its dead-rank test there).
 declare -A filter=(
+  # Binaries registered at np 2 and up only: at np 1 leave out what needs a second rank (a skip
+  # would turn the run's result into skip(77) and hide the rest).
+  [memcheck:test_gpu_heap:1]="-Heap.SizeMismatchFailsOnEveryRank"
   [memcheck:test_gpu_gemm]="-Gemm.RandomNormalAgainstCublas"
   [memcheck:test_gpu_grouped]="-Grouped.RandomAgainstCublasFp32"
   [racecheck:test_gpu_gemm]="Gemm.ExactOnSmallIntegers:Gemm.DynamicSchedulerWithoutProgram"
@@ -86,6 +89,8 @@ declare -A filter=(
   [racecheck:test_gpu_moe_layer]="MoeLayer.IntegerExact:MoeLayer.RunExpertsRedoesTheExpertOutputs"
   [synccheck:test_gpu_moe_layer]="MoeLayer.IntegerExact:MoeLayer.RunExpertsRedoesTheExpertOutputs"
 )
+# Binaries none of whose tests can run at np 1 (memcheck1 lists them as "n/a(np 1)").
+needs_two=(test_gpu_proxy)
 IFS=';' read -ra user_filters <<<"${MK_SAN_FILTERS:-}"
 declare -A user_filter=()
 for f in "${user_filters[@]}"; do [[ $f == *=* ]] && user_filter[${f%%=*}]=${f#*=}; done
@@ -108,8 +113,10 @@ if ! compgen -G "$B/tests/gpu/test_gpu_*" >/dev/null || [[ ! -f $B/tests/gpu/CTe
   echo "build rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "error" "$L/build.log" | head -5
 fi
 
-# The GPU tests as ctest registered them. One line per binary:
-#   name<TAB>path<TAB>mpi(0/1)<TAB>env (space-separated, first registration)<TAB>np=filter;np=filter...
+# The GPU tests as ctest registered them. One line per binary, fields split by US (0x1f; not a tab:
+# bash's read merges adjacent whitespace separators, so an empty env field would shift the filters
+# into it):
+#   name US path US mpi(0/1) US env (space-separated, first registration) US np=filter;np=filter...
 # (the gtest filter of each one-node registration, i.e. one without MK_RANKS_PER_NODE, by its np).
 ctest --test-dir "$B" -N -L gpu --show-only=json-v1 > "$L/ctest.json" 2>"$L/ctest.err"
 mapfile -t bins < <(python3 - "$L/ctest.json" <<'PY'
@@ -139,11 +146,11 @@ for exe in order:
     i = info[exe]
     env = i["env"]
     filters = ";".join("%d=%s" % (n, f) for n, f in sorted(i["filters"].items()))
-    print("\t".join([os.path.basename(exe), exe, str(i["mpi"]), " ".join(env), filters]))
+    print("\x1f".join([os.path.basename(exe), exe, str(i["mpi"]), " ".join(env), filters]))
 PY
 )
 if ((${#bins[@]} == 0)); then echo "sanitize_check: no GPU test binaries in $B (ctest -N -L gpu)" >&2; exit 1; fi
-echo "${#bins[@]} GPU test binaries: $(cut -f1 <<<"$(printf '%s\n' "${bins[@]}")" | tr '\n' ' ')"
+echo "${#bins[@]} GPU test binaries: $(cut -d$'\x1f' -f1 <<<"$(printf '%s\n' "${bins[@]}")" | tr '\n' ' ')"
 
 is_planted() { local t; for t in "${planted[@]}"; do [[ $1 == "$t" ]] && return 0; done; return 1; }
 in_list() { local x=$1 t; shift; for t in "$@"; do [[ $x == "$t" ]] && return 0; done; return 1; }
@@ -153,7 +160,14 @@ mps_on() {
     nvidia-cuda-mps-control -d && started_mps=1
   fi
 }
-mps_off() { [[ $started_mps == 1 ]] && echo quit | nvidia-cuda-mps-control; started_mps=0; }
+mps_off() {  # and wait (10 s at most) until the control daemon is gone, so that mps_on starts anew
+  local i
+  if [[ $started_mps == 1 ]]; then
+    echo quit | nvidia-cuda-mps-control
+    for i in $(seq 20); do echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1 || break; sleep 0.5; done
+  fi
+  started_mps=0
+}
 # Processes on the GPU other than the MPS server (pid list).
 gpu_users() {
   nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null |
@@ -161,8 +175,8 @@ gpu_users() {
 }
 # After a run: nothing of it may be left, on the host or the GPU, when the next starts.
 # Prints what it had to do (empty: nothing was left).
-reclaim() {  # exe
-  local exe=$1 left_pids waited=0 did=""
+reclaim() {  # exe rc
+  local exe=$1 rc=$2 left_pids waited=0 did=""
   left_pids=$(pgrep -f -- "$exe" || true)
   if [[ -n $left_pids ]]; then did="killed leftover ranks ($(echo $left_pids | wc -w))"; kill -9 $left_pids 2>/dev/null; fi
   while [[ -n $(gpu_users) ]] && ((waited < 30)); do sleep 1; waited=$((waited + 1)); done
@@ -171,7 +185,9 @@ reclaim() {  # exe
     did="$did; GPU still held after 30 s: killed $(gpu_users | wc -w) process(es)"
     sleep 2
   fi
-  # A client killed mid-kernel can leave the MPS server unusable: restart it.
+  # A client killed mid-kernel (its run timed out, or leftovers were killed here) can leave the MPS
+  # server refusing new clients ("CUDA-capable device(s) is/are busy or unavailable"): restart it.
+  if ((rc == 124 || rc == 137)); then did="${did:+$did; }the run was killed at its limit"; fi
   if [[ -n $did && $started_mps == 1 ]]; then mps_off; mps_on; did="$did; MPS restarted"; fi
   echo "$did"
 }
@@ -224,7 +240,7 @@ run() {
     rc=$?
   fi
   local cleanup
-  cleanup=$(reclaim "$exe")
+  cleanup=$(reclaim "$exe" "$rc")
   # One summary per process ("ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards
   # displayed (N errors, W warnings)"): sum the errors; fewer than np means a rank never got there.
   local sums errs
@@ -255,7 +271,7 @@ printf '%-26s %-10s %-3s %-14s %s\n' test tool np result errors
 if [[ -n $(gpu_users) ]]; then echo "sanitize_check: the GPU is in use before the first run: $(gpu_users | tr '\n' ' ')"; fi
 for step in $steps; do
   for line in "${bins[@]}"; do
-    IFS=$'\t' read -r name exe mpi envs regs <<<"$line"
+    IFS=$'\x1f' read -r name exe mpi envs regs <<<"$line"
     [[ -n ${MK_SAN_ONLY:-} && ! $name =~ ${MK_SAN_ONLY} ]] && continue
     if is_planted "$name" && [[ ${MK_SAN_PLANTED:-0} != 1 ]]; then
       [[ $step == memcheck1 ]] && row "$name" memcheck - "skip(planted)" "-"
@@ -266,7 +282,9 @@ for step in $steps; do
       continue
     fi
     case $step in
-      memcheck1) run memcheck "$name" "$exe" "$mpi" 1 "$envs" "$regs" ;;
+      memcheck1)
+        if in_list "$name" "${needs_two[@]}"; then row "$name" memcheck 1 "n/a(np 1)" "-"
+        else run memcheck "$name" "$exe" "$mpi" 1 "$envs" "$regs"; fi ;;
       memcheck2) ((mpi)) && run memcheck "$name" "$exe" 1 2 "$envs" "$regs" ;;
       racecheck|synccheck)
         for np in ${race_np[$name]:-}; do
