@@ -34,6 +34,21 @@ Layout Layout::strided(int world, int nodes) {
   return l;
 }
 
+std::vector<int> Layout::node_peers(int me) const {
+  const auto& nr = node_ranks[node_of[me]];
+  const int n = static_cast<int>(nr.size()), l = local_of[me];
+  std::vector<int> out;
+  for (int i = 1; i < n; ++i) out.push_back(nr[(l + i) % n]);
+  return out;
+}
+
+std::vector<int> Layout::twins(int me) const {
+  const int n = node_of[me], l = local_of[me], N = nodes();
+  std::vector<int> out;
+  for (int d = 1; d < N; ++d) out.push_back(node_ranks[(n + d) % N][l]);
+  return out;
+}
+
 const char* op_kind_name(OpKind k) {
   static const char* n[] = {"copy", "reduce", "net_put", "signal", "zero"};
   return int(k) < 5 ? n[int(k)] : "?";

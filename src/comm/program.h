@@ -15,9 +15,10 @@
 // Waits and signals scale with the call's epoch e (1, 2, ...; flags are never reset): a wait is
 // "flag >= mul * e"; a signal either sets value * e or adds value.
 //
-// The same program is resolved into device descriptors by resolve() (src/comm/resolve.h) and
-// replayed on CPU buffers by the replayer (src/comm/replay.h), which checks the flag accounting
-// and that no interleaving deadlocks or reads data before it is there.
+// Operators write their programs with the helpers of src/comm/program_builder.h. The same program
+// is resolved into device descriptors by the operator's session (src/comm/session.h) and replayed
+// on CPU buffers by the replayer (src/comm/replay.h), which checks the flag accounting and that no
+// interleaving deadlocks or reads data before it is there.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,11 @@ struct Layout {
   std::vector<std::vector<int>> node_ranks;  // [nodes][local]
   int nodes() const { return static_cast<int>(node_ranks.size()); }
   int local() const { return node_ranks.empty() ? 0 : static_cast<int>(node_ranks[0].size()); }
+  bool same_node(int a, int b) const { return node_of[a] == node_of[b]; }
+  // The other ranks of me's node, from the one after me on (local indexes rotated).
+  std::vector<int> node_peers(int me) const;
+  // The rank with me's local index on every other node, nearest first (nodes n + 1, n + 2, ...).
+  std::vector<int> twins(int me) const;
   // `nodes` nodes of world / nodes consecutive ranks each.
   static Layout uniform(int world, int nodes);
   // `nodes` nodes, node n holding ranks n, n + nodes, n + 2 * nodes, ... (hosts taken round-robin).

@@ -40,6 +40,14 @@ namespace mk {
 namespace ops {
 namespace {
 
+using comm::BufId;
+using comm::BufRef;
+using comm::FlagRef;
+using comm::Op;
+using comm::OpKind;
+using comm::RegionId;
+using comm::Wait;
+
 constexpr int kCalls = 3;
 constexpr uint16_t kPoison = 0x7fc1;  // a bf16 NaN: an output element nobody wrote
 
@@ -81,8 +89,8 @@ struct Config {
   bool strided = false;  // node n holds ranks n, n + nodes, ... instead of a consecutive block
   bool staged = false;   // network traffic through host mirrors (Plan::net_staged)
 };
-PlanLayout make_layout(const Config& c) {
-  return c.strided ? PlanLayout::strided(c.W, c.nodes) : PlanLayout::uniform(c.W, c.nodes);
+comm::Layout make_layout(const Config& c) {
+  return c.strided ? comm::Layout::strided(c.W, c.nodes) : comm::Layout::uniform(c.W, c.nodes);
 }
 std::string config_name(const Config& c) {
   std::string s = fused_kind_name(c.kind);
@@ -161,7 +169,7 @@ class GemmCompute : public comm::ReplayCompute {
   }
   size_t units(int rank) const override { return p_.ranks[rank].tile_order.size(); }
   int phases(int, size_t) const override { return 2; }
-  const PlanWait* waits(int rank, size_t unit, int phase, size_t* n) const override {
+  const Wait* waits(int rank, size_t unit, int phase, size_t* n) const override {
     const RankPlan& rp = p_.ranks[rank];
     const RowHooks& h = rp.rows[rp.tile_order[unit] % p_.tiles_m];
     const uint32_t w0 = phase == 0 ? h.load_wait0 : h.store_wait0;
@@ -438,14 +446,14 @@ INSTANTIATE_TEST_SUITE_P(Sweep, PlanReplay, ::testing::ValuesIn(sweep()),
 TEST(PlanErrors, RejectsBadShapesAndLayouts) {
   Plan p;
   for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {
-    Status s = build_plan(k, PlanShape{100, 264, 16}, PlanLayout::uniform(3, 1), false, &p);
+    Status s = build_plan(k, PlanShape{100, 264, 16}, comm::Layout::uniform(3, 1), false, &p);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
     EXPECT_NE(s.message().find("uneven"), std::string::npos) << s.to_string();
-    s = build_plan(k, PlanShape{96, 100, 16}, PlanLayout::uniform(3, 1), false, &p);
+    s = build_plan(k, PlanShape{96, 100, 16}, comm::Layout::uniform(3, 1), false, &p);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
-    s = build_plan(k, PlanShape{96, 264, 0}, PlanLayout::uniform(3, 1), false, &p);
+    s = build_plan(k, PlanShape{96, 264, 0}, comm::Layout::uniform(3, 1), false, &p);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
-    PlanLayout odd;  // nodes of 2 and 1 ranks
+    comm::Layout odd;  // nodes of 2 and 1 ranks
     odd.world = 3;
     odd.node_of = {0, 0, 1};
     odd.local_of = {0, 1, 0};
@@ -458,7 +466,7 @@ TEST(PlanErrors, RejectsBadShapesAndLayouts) {
 TEST(PlanDescribe, EveryRankHasALog) {
   for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {
     Plan p;
-    MK_ASSERT_OK(build_plan(k, PlanShape{192, 264, 16}, PlanLayout::uniform(4, 2), true, &p));
+    MK_ASSERT_OK(build_plan(k, PlanShape{192, 264, 16}, comm::Layout::uniform(4, 2), true, &p));
     for (int r = 0; r < 4; ++r) {
       const std::string d = describe(p, r);
       EXPECT_FALSE(d.empty());
@@ -516,16 +524,16 @@ std::vector<Config> mutation_bases() {
 }
 
 std::string op_site(const Plan& p, int r, size_t i) {
-  const CommOp& op = p.ranks[r].ops[i];
+  const Op& op = p.ranks[r].ops[i];
   return "rank " + std::to_string(r) + " op " + std::to_string(i) + " " + comm::op_kind_name(op.kind) + " (" + op.what + ")";
 }
-std::string wait_desc(const PlanWait& w) { return flag_str(w.flag) + " >= " + std::to_string(w.mul) + "*e"; }
-std::string signal_desc(const PlanSignal& s) {
+std::string wait_desc(const Wait& w) { return flag_str(w.flag) + " >= " + std::to_string(w.mul) + "*e"; }
+std::string signal_desc(const comm::Signal& s) {
   return flag_str(s.flag) + (s.add ? " += " : " = ") + std::to_string(s.value) + (s.add ? "" : "*e");
 }
 // The entry handshake across nodes: an 8-byte put whose payload nobody reads (only its arrival
 // flag counts), so its bytes and offsets are not data.
-bool token_put(const CommOp& op) { return op.kind == CommKind::kNetPut && op.remote_flag.region == Region::kEntryNet; }
+bool token_put(const Op& op) { return op.kind == OpKind::kNetPut && op.remote_flag.region == Region::kEntryNet; }
 
 // Hook ranges of one tile-row, by kind: (first, count) into the rank's pools.
 struct HookRange {
@@ -562,11 +570,11 @@ void drop_hook(std::vector<T>& pool, RowHooks& h, uint32_t RowHooks::*first, uin
 //    of a sent partial (non-deterministic plans): nothing else orders it after the proxy read the
 //    partial, so its kSrcFree wait is dropped and caught. The same reuse waits are built by the
 //    same code for reduce-scatter, where nothing else orders them: dropped and caught there.
-bool implied_wait(const Plan& p, const PlanWait& w, const CommOp* op) {
+bool implied_wait(const Plan& p, const Wait& w, const Op* op) {
   const RegionId r = w.flag.region;
   if (p.net_staged && r == Region::kSrcFree) return true;
   const bool reuse = r == Region::kEntry || r == Region::kEntryNet || r == Region::kSrcFree;
-  return p.kind == FusedKind::kGemmAr && reuse && !(op && op->kind == CommKind::kZero);
+  return p.kind == FusedKind::kGemmAr && reuse && !(op && op->kind == OpKind::kZero);
 }
 
 // Sites where dropping the wait must show in the replay: every wait of every op and every
@@ -584,7 +592,7 @@ std::vector<Mutant> drop_wait_mutants(const Plan& p) {
     for (int tm = 0; tm < p.tiles_m; ++tm)
       for (const HookRange& hr : kHookWaits)
         for (uint32_t j = 0; j < rp.rows[tm].*hr.count; ++j) {
-          const PlanWait& w = rp.waits[rp.rows[tm].*hr.first + j];
+          const Wait& w = rp.waits[rp.rows[tm].*hr.first + j];
           if (implied_wait(p, w, nullptr)) continue;
           out.push_back({hook_site(r, tm, hr.name, j) + ": drop " + wait_desc(w), [=](Plan& m) {
                            RankPlan& q = m.ranks[r];
@@ -601,9 +609,9 @@ std::vector<Mutant> drop_wait_mutants(const Plan& p) {
 std::set<std::pair<int, uint32_t>> waited_flags(const Plan& p) {
   std::set<std::pair<int, uint32_t>> out;
   for (const RankPlan& rp : p.ranks) {
-    for (const CommOp& op : rp.ops)
-      for (const PlanWait& w : op.waits) out.insert({w.flag.rank, p.flag_index(w.flag)});
-    for (const PlanWait& w : rp.waits) out.insert({w.flag.rank, p.flag_index(w.flag)});
+    for (const Op& op : rp.ops)
+      for (const Wait& w : op.waits) out.insert({w.flag.rank, p.flag_index(w.flag)});
+    for (const Wait& w : rp.waits) out.insert({w.flag.rank, p.flag_index(w.flag)});
   }
   return out;
 }
@@ -611,7 +619,7 @@ std::set<std::pair<int, uint32_t>> waited_flags(const Plan& p) {
 // Every wait's count one more and one less; every (waited) signal's value one more and one less.
 std::vector<Mutant> count_mutants(const Plan& p) {
   const auto waited = waited_flags(p);
-  auto guards = [&](const PlanSignal& s) { return waited.count({s.flag.rank, p.flag_index(s.flag)}) > 0; };
+  auto guards = [&](const comm::Signal& s) { return waited.count({s.flag.rank, p.flag_index(s.flag)}) > 0; };
   std::vector<Mutant> out;
   for (int r = 0; r < p.layout.world; ++r) {
     const RankPlan& rp = p.ranks[r];
@@ -643,7 +651,7 @@ std::vector<Mutant> count_mutants(const Plan& p) {
 // Every (waited) signal of every op and tile-row dropped, and every put's local-completion flag.
 std::vector<Mutant> drop_signal_mutants(const Plan& p) {
   const auto waited = waited_flags(p);
-  auto guards = [&](const PlanSignal& s) { return waited.count({s.flag.rank, p.flag_index(s.flag)}) > 0; };
+  auto guards = [&](const comm::Signal& s) { return waited.count({s.flag.rank, p.flag_index(s.flag)}) > 0; };
   std::vector<Mutant> out;
   for (int r = 0; r < p.layout.world; ++r) {
     const RankPlan& rp = p.ranks[r];
@@ -652,7 +660,7 @@ std::vector<Mutant> drop_signal_mutants(const Plan& p) {
         if (guards(rp.ops[i].signals[j]))
           out.push_back({op_site(p, r, i) + ": drop signal " + signal_desc(rp.ops[i].signals[j]),
                        [=](Plan& m) { auto& v = m.ranks[r].ops[i].signals; v.erase(v.begin() + j); }});
-      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != comm::kNoRegion)
+      if (rp.ops[i].kind == OpKind::kNetPut && rp.ops[i].local_flag.region != comm::kNoRegion)
         out.push_back({op_site(p, r, i) + ": drop local completion " + flag_str(rp.ops[i].local_flag),
                        [=](Plan& m) { m.ranks[r].ops[i].local_flag = FlagRef{}; }});
     }
@@ -680,7 +688,7 @@ std::vector<Mutant> swap_mutants(const Plan& p) {
     for (size_t i = 0; i < rp.ops.size(); ++i) {
       std::vector<FlagRef> raised;
       for (const auto& s : rp.ops[i].signals) raised.push_back(s.flag);
-      if (rp.ops[i].kind == CommKind::kNetPut && rp.ops[i].local_flag.region != comm::kNoRegion)
+      if (rp.ops[i].kind == OpKind::kNetPut && rp.ops[i].local_flag.region != comm::kNoRegion)
         raised.push_back(rp.ops[i].local_flag);
       for (size_t j = i + 1; j < rp.ops.size(); ++j) {
         bool dep = false;
@@ -702,16 +710,16 @@ std::vector<Mutant> shorten_mutants(const Plan& p) {
   for (int r = 0; r < p.layout.world; ++r) {
     const RankPlan& rp = p.ranks[r];
     for (size_t i = 0; i < rp.ops.size(); ++i) {
-      const CommOp& op = rp.ops[i];
-      const bool bytes = op.kind == CommKind::kCopy || op.kind == CommKind::kZero ||
-                         (op.kind == CommKind::kNetPut && !token_put(op));
+      const Op& op = rp.ops[i];
+      const bool bytes = op.kind == OpKind::kCopy || op.kind == OpKind::kZero ||
+                         (op.kind == OpKind::kNetPut && !token_put(op));
       if (bytes && op.bytes >= 4) {
         out.push_back({op_site(p, r, i) + ": " + std::to_string(op.bytes) + " bytes - 2",
                        [=](Plan& m) { m.ranks[r].ops[i].bytes -= 2; }});
         out.push_back({op_site(p, r, i) + ": " + std::to_string(op.bytes) + " bytes / 2",
                        [=](Plan& m) { m.ranks[r].ops[i].bytes /= 2; }});
       }
-      if (op.kind == CommKind::kReduce && op.elems >= 2) {
+      if (op.kind == OpKind::kReduce && op.elems >= 2) {
         out.push_back({op_site(p, r, i) + ": " + std::to_string(op.elems) + " elements - 1",
                        [=](Plan& m) { m.ranks[r].ops[i].elems -= 1; }});
         out.push_back({op_site(p, r, i) + ": " + std::to_string(op.elems) + " elements / 2",
@@ -734,9 +742,9 @@ std::vector<Mutant> offset_mutants(const Plan& p) {
   for (int r = 0; r < p.layout.world; ++r) {
     const RankPlan& rp = p.ranks[r];
     for (size_t i = 0; i < rp.ops.size(); ++i) {
-      const CommOp& op = rp.ops[i];
-      if (op.kind == CommKind::kSignal || token_put(op)) continue;
-      const uint64_t len = op.kind == CommKind::kReduce ? op.elems * (op.dst_f32 ? 4 : 2) : op.bytes;
+      const Op& op = rp.ops[i];
+      if (op.kind == OpKind::kSignal || token_put(op)) continue;
+      const uint64_t len = op.kind == OpKind::kReduce ? op.elems * (op.dst_f32 ? 4 : 2) : op.bytes;
       for (size_t j = 0; j < op.dsts.size(); ++j) {
         const int64_t d = shift(op.dsts[j], len);
         out.push_back({op_site(p, r, i) + ": destination " + ref_str(op.dsts[j]) + (d > 0 ? " + 16" : " - 16"),

@@ -48,7 +48,7 @@ TEST(RingPlan, CoversEveryVisiblePairOnce) {
           // 8 tokens per rank, and an even number from 2 to 40 drawn from the run seed.
           for (int64_t per_rank : {int64_t(8), int64_t(2 + 2 * (rng() % 20))}) {
             RingPlan p;
-            ASSERT_TRUE(build_ring_plan(PlanLayout::uniform(W, nodes), per_rank * W, lay, causal, &p).ok());
+            ASSERT_TRUE(build_ring_plan(comm::Layout::uniform(W, nodes), per_rank * W, lay, causal, &p).ok());
             SCOPED_TRACE(testing::Message() << "W " << W << " nodes " << nodes << " zigzag " << int(lay) << " causal "
                                             << causal << " S " << per_rank * W << " (run seed " << test::test_seed()
                                             << ")");
@@ -64,7 +64,7 @@ TEST(RingPlan, RingMovesBlocksOncePerNodeBoundary) {
   for (int W : {2, 4, 8, 16}) {
     for (int nodes : {1, 2, 4}) {
       if (W % nodes) continue;
-      const PlanLayout L = PlanLayout::uniform(W, nodes);
+      const comm::Layout L = comm::Layout::uniform(W, nodes);
       RingPlan p;
       ASSERT_TRUE(build_ring_plan(L, int64_t(2) * W * 4, SeqLayout::kZigzag, true, &p).ok());
       for (int t = 0; t < W; ++t) {
@@ -101,8 +101,8 @@ TEST(RingPlan, RingMovesBlocksOncePerNodeBoundary) {
 TEST(RingPlan, ZigzagBalancesCausalWork) {
   for (int W : {2, 4, 8}) {
     RingPlan z, c;
-    ASSERT_TRUE(build_ring_plan(PlanLayout::uniform(W, 1), int64_t(1024) * W, SeqLayout::kZigzag, true, &z).ok());
-    ASSERT_TRUE(build_ring_plan(PlanLayout::uniform(W, 1), int64_t(1024) * W, SeqLayout::kContiguous, true, &c).ok());
+    ASSERT_TRUE(build_ring_plan(comm::Layout::uniform(W, 1), int64_t(1024) * W, SeqLayout::kZigzag, true, &z).ok());
+    ASSERT_TRUE(build_ring_plan(comm::Layout::uniform(W, 1), int64_t(1024) * W, SeqLayout::kContiguous, true, &c).ok());
     for (int r = 1; r < W; ++r) EXPECT_EQ(z.work[r], z.work[0]) << "W " << W << " rank " << r;
     EXPECT_EQ(c.work[W - 1], c.work[0] * W) << "W " << W;
   }
@@ -110,10 +110,10 @@ TEST(RingPlan, ZigzagBalancesCausalWork) {
 
 TEST(RingPlan, RejectsSequencesThatDoNotSplit) {
   RingPlan p;
-  Status s = build_ring_plan(PlanLayout::uniform(4, 1), 1001, SeqLayout::kContiguous, false, &p);
+  Status s = build_ring_plan(comm::Layout::uniform(4, 1), 1001, SeqLayout::kContiguous, false, &p);
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_NE(s.message().find("equal chunks"), std::string::npos) << s.to_string();
-  s = build_ring_plan(PlanLayout::uniform(4, 1), 4 * 3, SeqLayout::kZigzag, false, &p);  // 12 % 8 != 0
+  s = build_ring_plan(comm::Layout::uniform(4, 1), 4 * 3, SeqLayout::kZigzag, false, &p);  // 12 % 8 != 0
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
 }
 

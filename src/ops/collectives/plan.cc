@@ -7,9 +7,13 @@
 #include <set>
 
 #include "mkernel/common/check.h"
+#include "src/comm/program_builder.h"
 
 namespace mk {
 namespace ops {
+
+using comm::BufId;
+using comm::RegionId;
 
 const char* fused_kind_name(FusedKind k) {
   switch (k) {
@@ -45,61 +49,49 @@ bool is_host_buf(BufId b) { return b >= Buf::kAFullNet && b < Buf::kCount; }
 
 namespace {
 
-FlagRef flag(RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
-PlanWait wait_on(RegionId r, int rank, uint32_t index, uint64_t mul, int peer) {
-  return PlanWait{flag(r, rank, index), mul, peer};
-}
-PlanSignal set_epoch(RegionId r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, false}; }
-PlanSignal add_one(RegionId r, int rank, uint32_t index) { return PlanSignal{flag(r, rank, index), 1, true}; }
-BufRef ref(BufId b, int rank, uint64_t off) { return BufRef{b, rank, off}; }
+using comm::add_to;
+using comm::buf_at;
+using comm::flag_at;
+using comm::Op;
+using comm::OpKind;
+using comm::set_epoch;
+using comm::wait_on;
+using comm::Wait;
 
 struct Builder {
   Plan& p;
-  const PlanLayout& L;
+  const comm::Layout& L;
   int64_t M, N, K, Ms;
   int W, nodes, local;
   std::vector<std::vector<int>> shard_chunks;  // shard -> chunk ids
   std::vector<int> chunks_in_row;              // tile-row -> number of chunks
-  std::map<uint32_t, int> srcfree;             // this rank's puts per kSrcFree flag
+  comm::ProgramBuilder pb;                     // counts this rank's puts per kSrcFree flag
 
   // A call must not end while the proxy still reads one of its sources (the next call would
   // overwrite it): the last ops wait for every put's local completion (zeroing a reduce-add
   // source once it is free).
-  void finish_puts(RankPlan& rp, int me, const std::map<uint32_t, CommOp>& zeros) {
-    for (const auto& [c, count] : srcfree) {
-      CommOp op;
+  void finish_puts(RankPlan& rp, int me, const std::map<uint32_t, Op>& zeros) {
+    for (const auto& [c, count] : pb.completions(Region::kSrcFree, me)) {
+      Op op;
       auto z = zeros.find(c);
       if (z != zeros.end()) op = z->second;
       else {
-        op.kind = CommKind::kSignal;
+        op.kind = OpKind::kSignal;
         op.what = "puts of chunk " + std::to_string(c) + " done reading their source";
       }
       op.waits.push_back(wait_on(Region::kSrcFree, me, c, uint64_t(count), me));
       rp.ops.push_back(op);
     }
-    srcfree.clear();
+    pb.forget();
   }
 
-  // Ranks on my node other than me, starting after me (rotated).
-  std::vector<int> local_peers(int me) const {
-    const auto& nr = L.node_ranks[L.node_of[me]];
-    std::vector<int> out;
-    const int l = L.local_of[me];
-    for (int i = 1; i < local; ++i) out.push_back(nr[(l + i) % local]);
-    return out;
-  }
+  std::vector<int> local_peers(int me) const { return L.node_peers(me); }
   std::vector<int> local_all(int me) const {
     std::vector<int> out{me};
-    for (int q : local_peers(me)) out.push_back(q);
+    for (int q : L.node_peers(me)) out.push_back(q);
     return out;
   }
-  // Same local index on the other nodes, nearest first.
-  std::vector<int> remote_twins(int me) const {
-    std::vector<int> out;
-    const int n = L.node_of[me], l = L.local_of[me];
-    for (int d = 1; d < nodes; ++d) out.push_back(L.node_ranks[(n + d) % nodes][l]);
-    return out;
-  }
+  std::vector<int> remote_twins(int me) const { return L.twins(me); }
   // Shards in the order their rows become available to `me`: own, same node, then other nodes.
   std::vector<int> shard_order(int me) const {
     std::vector<int> out = local_all(me);
@@ -120,79 +112,55 @@ struct Builder {
         for (int tn = 0; tn < p.tiles_n; ++tn) rp.tile_order.push_back(tn * p.tiles_m + tm);
       }
   }
-  CommOp entry_op(int me) const {
-    CommOp op;
-    op.kind = CommKind::kSignal;
+  Op entry_op(int me) const {
+    Op op;
+    op.kind = OpKind::kSignal;
     for (int q : local_peers(me)) op.signals.push_back(set_epoch(Region::kEntry, q, me));
     op.what = "entry signal to the node's peers";
     return op;
   }
-  void net_entry_ops(RankPlan& rp, int me) const {
-    for (int q : remote_twins(me)) {
-      CommOp op;
-      op.kind = CommKind::kNetPut;
-      const BufId tok = p.net_staged ? Buf::kTokenNet : Buf::kToken;
-      op.srcs = {ref(tok, me, 8ull * me)};
-      op.dsts = {ref(tok, q, 8ull * me)};
-      op.bytes = 8;
-      op.peer = q;
-      op.remote_flag = flag(Region::kEntryNet, q, me);
-      op.what = "entry signal to rank " + std::to_string(q) + " (network)";
-      rp.ops.push_back(op);
-    }
-  }
-
-  // Staged plans: a put moves host mirrors; the device first copies its source into the mirror.
-  void stage(CommOp& put) const {
-    if (!p.net_staged) return;
-    put.stage_src = put.srcs[0];
-    put.srcs[0].buf = net_mirror(put.srcs[0].buf);
-    put.dsts[0].buf = net_mirror(put.dsts[0].buf);
+  void net_entry_ops(RankPlan& rp, int me) {
+    for (int q : remote_twins(me))
+      rp.ops.push_back(pb.token_put(me, q, Buf::kToken, flag_at(Region::kEntryNet, q, me), comm::FlagRef{},
+                                    "entry signal to rank " + std::to_string(q) + " (network)"));
   }
 
   // My chunk c of `buf` (final once kLocal[c] is set) to my twin q on another node, once q
   // entered the call, raising q's kNetIn[net_index]; its source is free at kSrcFree[c].
   // ready_before: the chunk is final when the kernel starts (AG's own shard, copied by the launch):
   // no kLocal wait.
-  CommOp twin_put(int me, int q, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, const char* what,
+  Op twin_put(int me, int q, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, const char* what,
                   bool ready_before = false) {
     const Chunk& ch = p.chunks[c];
-    CommOp op;
-    op.kind = CommKind::kNetPut;
+    Op op = pb.put(q, buf_at(buf, me, uint64_t(ch.row0) * row_bytes), buf_at(buf, q, uint64_t(ch.row0) * row_bytes),
+                   uint64_t(ch.rows) * row_bytes, flag_at(Region::kNetIn, q, net_index),
+                   flag_at(Region::kSrcFree, me, c),
+                   what + std::to_string(c) + " to rank " + std::to_string(q) + " (network)");
     op.waits = {wait_on(Region::kEntryNet, me, q, 1, q)};
     if (!ready_before) op.waits.insert(op.waits.begin(), wait_on(Region::kLocal, me, c, 1, me));
-    op.srcs = {ref(buf, me, uint64_t(ch.row0) * row_bytes)};
-    op.dsts = {ref(buf, q, uint64_t(ch.row0) * row_bytes)};
-    stage(op);
-    op.bytes = uint64_t(ch.rows) * row_bytes;
-    op.peer = q;
-    op.remote_flag = flag(Region::kNetIn, q, net_index);
-    op.local_flag = flag(Region::kSrcFree, me, c);
-    ++srcfree[c];
-    op.what = what + std::to_string(c) + " to rank " + std::to_string(q) + " (network)";
     return op;
   }
 
   // Chunk c of twin s's rows arrived here over the network (flag kNetIn[net_index]): forward it
   // into the node peers' copies of `buf` and count it in `ready`'s tile-row on every rank of
   // the node (a signal-only op when this rank is alone on its node).
-  CommOp forward_op(int me, int s, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, RegionId ready,
+  Op forward_op(int me, int s, int c, BufId buf, uint64_t row_bytes, uint32_t net_index, RegionId ready,
                     const char* what) const {
     const Chunk& ch = p.chunks[c];
-    CommOp op;
+    Op op;
     op.waits.push_back(wait_on(Region::kNetIn, me, net_index, 1, s));
-    op.srcs = {ref(buf, me, uint64_t(ch.row0) * row_bytes)};
+    op.srcs = {buf_at(buf, me, uint64_t(ch.row0) * row_bytes)};
     if (p.net_staged) {
       // The rows landed in the host mirror: into my own copy first, then the node's peers'.
       op.dsts.push_back(op.srcs[0]);
       op.srcs[0].buf = net_mirror(buf);
     }
     for (int q : local_peers(me)) {
-      op.dsts.push_back(ref(buf, q, uint64_t(ch.row0) * row_bytes));
+      op.dsts.push_back(buf_at(buf, q, uint64_t(ch.row0) * row_bytes));
       op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
     }
-    for (int q : local_all(me)) op.signals.push_back(add_one(ready, q, ch.tile_row));
-    op.kind = op.dsts.empty() ? CommKind::kSignal : CommKind::kCopy;
+    for (int q : local_all(me)) op.signals.push_back(add_to(ready, q, ch.tile_row));
+    op.kind = op.dsts.empty() ? OpKind::kSignal : OpKind::kCopy;
     if (op.dsts.empty()) op.srcs.clear();
     op.bytes = op.dsts.empty() ? 0 : uint64_t(ch.rows) * row_bytes;
     op.what = what + std::to_string(c) + " of shard " + std::to_string(s) + " forwarded in the node";
@@ -211,13 +179,13 @@ struct Builder {
     if (local > 1)
       for (int c : shard_chunks[me]) {
         const Chunk& ch = p.chunks[c];
-        CommOp op;
-        op.kind = CommKind::kCopy;
-        op.srcs = {ref(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
+        Op op;
+        op.kind = OpKind::kCopy;
+        op.srcs = {buf_at(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
         for (int q : local_peers(me)) {
-          op.dsts.push_back(ref(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
+          op.dsts.push_back(buf_at(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
           op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
-          op.signals.push_back(add_one(Region::kRowReady, q, ch.tile_row));
+          op.signals.push_back(add_to(Region::kRowReady, q, ch.tile_row));
         }
         op.bytes = uint64_t(ch.rows) * rowb;
         op.what = "AG chunk " + std::to_string(c) + " of shard " + std::to_string(me) + " to the node's peers";
@@ -281,7 +249,7 @@ struct Builder {
     rp.route.resize(W);
     for (int s = 0; s < W; ++s) {
       const int red = L.node_ranks[n][L.local_of[s]];
-      rp.route[s] = ref(Buf::kAccum, red, accum_off(s, p.deterministic ? l : 0, s * Ms));
+      rp.route[s] = buf_at(Buf::kAccum, red, accum_off(s, p.deterministic ? l : 0, s * Ms));
     }
     int64_t fin_lo = -1, fin_hi = -1;  // rows of the tile-rows with fin_row
     for (int tm = 0; tm < p.tiles_m; ++tm)
@@ -298,17 +266,17 @@ struct Builder {
       if (p.deterministic) {
         // Slots in local order, this rank's own values at its own index.
         for (int k = 0; k < slots; ++k)
-          if (k != l) f.srcs.push_back(ref(Buf::kAccum, me, accum_off(me, k, me * Ms)));
+          if (k != l) f.srcs.push_back(buf_at(Buf::kAccum, me, accum_off(me, k, me * Ms)));
         f.self = l;
       } else {
-        f.srcs = {ref(Buf::kAccum, me, accum_off(me, 0, me * Ms))};
+        f.srcs = {buf_at(Buf::kAccum, me, accum_off(me, 0, me * Ms))};
         f.self = 0;
         f.zero_srcs = true;
       }
       // AR: straight into my C, and into the node's other ranks' c_ws (they copy it to theirs).
-      f.dsts = {ref(Buf::kUserC, me, allreduce ? uint64_t(me * Ms) * row2 : 0)};
+      f.dsts = {buf_at(Buf::kUserC, me, allreduce ? uint64_t(me * Ms) * row2 : 0)};
       if (allreduce)
-        for (int q : local_peers(me)) f.dsts.push_back(ref(Buf::kCws, q, uint64_t(me * Ms) * row2));
+        for (int q : local_peers(me)) f.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(me * Ms) * row2));
     }
     rp.rows.resize(p.tiles_m);
     for (int tm = 0; tm < p.tiles_m; ++tm) {
@@ -320,7 +288,7 @@ struct Builder {
       h.store_sig0 = uint32_t(rp.signals.size());
       for (int red : reducers) {
         if (red != me) rp.waits.push_back(wait_on(Region::kEntry, me, red, 1, red));
-        if (red != me || !fin_row(tm)) rp.signals.push_back(add_one(Region::kRowCount, red, tm));
+        if (red != me || !fin_row(tm)) rp.signals.push_back(add_to(Region::kRowCount, red, tm));
       }
       if (fin_row(tm)) {
         // My own rows: every other rank of the node routed its share of this tile-row here.
@@ -328,7 +296,7 @@ struct Builder {
         if (allreduce)
           for (int q : local_peers(me)) {
             if (!reducers.count(q)) rp.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
-            rp.signals.push_back(add_one(Region::kOutRow, q, tm));
+            rp.signals.push_back(add_to(Region::kOutRow, q, tm));
           }
       }
       h.store_waits = uint32_t(rp.waits.size()) - h.store_wait0;
@@ -336,20 +304,20 @@ struct Builder {
     }
     rp.ops.push_back(entry_op(me));
     net_entry_ops(rp, me);
-    std::map<uint32_t, CommOp> zeros;
+    std::map<uint32_t, Op> zeros;
     // 1. Shards owned by my twins on other nodes: node-reduce here, send the partial.
     for (int s : remote_twins(me))
       for (int c : shard_chunks[s]) {
         const Chunk& ch = p.chunks[c];
         const uint64_t bytes = uint64_t(ch.rows) * row4;
-        PlanWait counted = wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1);
-        PlanWait ready = counted;
+        Wait counted = wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1);
+        Wait ready = counted;
         if (p.deterministic && slots > 1) {
-          CommOp red;
-          red.kind = CommKind::kReduce;
+          Op red;
+          red.kind = OpKind::kReduce;
           red.waits = {counted};
-          for (int k = 0; k < slots; ++k) red.srcs.push_back(ref(Buf::kAccum, me, accum_off(s, k, ch.row0)));
-          red.dsts = {ref(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
+          for (int k = 0; k < slots; ++k) red.srcs.push_back(buf_at(Buf::kAccum, me, accum_off(s, k, ch.row0)));
+          red.dsts = {buf_at(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
           red.dst_f32 = true;
           red.elems = uint64_t(ch.rows) * N;
           red.signals = {set_epoch(Region::kLocal, me, c)};
@@ -357,23 +325,15 @@ struct Builder {
           rp.ops.push_back(red);
           ready = wait_on(Region::kLocal, me, c, 1, me);
         }
-        CommOp put;
-        put.kind = CommKind::kNetPut;
+        Op put = pb.put(s, buf_at(Buf::kAccum, me, accum_off(s, 0, ch.row0)), buf_at(Buf::kRecv, s, recv_off(s, n, ch.row0)),
+                        bytes, flag_at(Region::kNetIn, s, uint32_t(c * nodes + n)), flag_at(Region::kSrcFree, me, c),
+                        "partial of chunk " + std::to_string(c) + " to rank " + std::to_string(s) + " (network)");
         put.waits = {ready, wait_on(Region::kEntryNet, me, s, 1, s)};
-        put.srcs = {ref(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
-        put.dsts = {ref(Buf::kRecv, s, recv_off(s, n, ch.row0))};
-        stage(put);
-        put.bytes = bytes;
-        put.peer = s;
-        put.remote_flag = flag(Region::kNetIn, s, uint32_t(c * nodes + n));
-        put.what = "partial of chunk " + std::to_string(c) + " to rank " + std::to_string(s) + " (network)";
-        put.local_flag = flag(Region::kSrcFree, me, c);
-        ++srcfree[c];
         if (!p.deterministic) {
           // The reduce-add accumulation must be zero for the next call once the proxy read it.
-          CommOp z;
-          z.kind = CommKind::kZero;
-          z.dsts = {ref(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
+          Op z;
+          z.kind = OpKind::kZero;
+          z.dsts = {buf_at(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
           z.bytes = bytes;
           z.what = "zero the sent partial of chunk " + std::to_string(c);
           zeros[c] = z;
@@ -385,29 +345,29 @@ struct Builder {
     for (int c : shard_chunks[me]) {
       const Chunk& ch = p.chunks[c];
       if (fin_row(ch.tile_row)) continue;
-      CommOp op;
-      op.kind = CommKind::kReduce;
+      Op op;
+      op.kind = OpKind::kReduce;
       op.waits.push_back(wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1));
       for (int nn = 0; nn < nodes; ++nn) {
         if (nn == n) {
           for (int k = 0; k < slots; ++k) {
             if (!p.deterministic) op.zero_src_mask |= 1u << op.srcs.size();
-            op.srcs.push_back(ref(Buf::kAccum, me, accum_off(me, k, ch.row0)));
+            op.srcs.push_back(buf_at(Buf::kAccum, me, accum_off(me, k, ch.row0)));
           }
         } else {
           op.waits.push_back(wait_on(Region::kNetIn, me, uint32_t(c * nodes + nn), 1, L.node_ranks[nn][l]));
           // Staged: the other nodes' partials are read where they landed, in the host mirror.
-          op.srcs.push_back(ref(p.net_staged ? Buf::kRecvNet : Buf::kRecv, me, recv_off(me, nn, ch.row0)));
+          op.srcs.push_back(buf_at(p.net_staged ? Buf::kRecvNet : Buf::kRecv, me, recv_off(me, nn, ch.row0)));
         }
       }
       op.elems = uint64_t(ch.rows) * N;
       if (!allreduce) {
-        op.dsts = {ref(Buf::kUserC, me, uint64_t(ch.row0 - me * Ms) * row2)};
+        op.dsts = {buf_at(Buf::kUserC, me, uint64_t(ch.row0 - me * Ms) * row2)};
       } else {
         for (int q : local_all(me)) {
-          op.dsts.push_back(ref(Buf::kCws, q, uint64_t(ch.row0) * row2));
+          op.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(ch.row0) * row2));
           if (q != me) op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
-          op.signals.push_back(add_one(Region::kOutRow, q, ch.tile_row));
+          op.signals.push_back(add_to(Region::kOutRow, q, ch.tile_row));
         }
         if (nodes > 1) op.signals.push_back(set_epoch(Region::kLocal, me, c));
       }
@@ -427,12 +387,12 @@ struct Builder {
       for (int tm = 0; tm < p.tiles_m; ++tm) {
         if (fin_row(tm)) continue;  // my own rows: my epilogue wrote them into C
         const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
-        CommOp op;
-        op.kind = CommKind::kCopy;
+        Op op;
+        op.kind = OpKind::kCopy;
         // Each chunk of the row lands once (final op), or once per tile of its owner (epilogue).
         op.waits = {wait_on(Region::kOutRow, me, tm, uint64_t(chunks_in_row[tm]) * (pure_row(tm) ? p.tiles_n : 1), -1)};
-        op.srcs = {ref(Buf::kCws, me, uint64_t(r0) * row2)};
-        op.dsts = {ref(Buf::kUserC, me, uint64_t(r0) * row2)};
+        op.srcs = {buf_at(Buf::kCws, me, uint64_t(r0) * row2)};
+        op.dsts = {buf_at(Buf::kUserC, me, uint64_t(r0) * row2)};
         op.bytes = uint64_t(r1 - r0) * row2;
         op.what = "rows of tile-row " + std::to_string(tm) + " to C";
         rp.ops.push_back(op);
@@ -473,7 +433,7 @@ Status FusedGemm::can_implement(FusedKind kind, const PlanShape& shape, int worl
   return OkStatus();
 }
 
-Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout, bool deterministic,
+Status build_plan(FusedKind kind, const PlanShape& shape, const comm::Layout& layout, bool deterministic,
                   Plan* out, bool net_staged) {
   const int W = layout.world;
   MK_REQUIRE(W >= 1 && int(layout.node_of.size()) == W && int(layout.local_of.size()) == W &&
@@ -507,7 +467,7 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
   p.own_copy_before = kind == FusedKind::kAgGemm;
   p.tiles_m = int((M + kPlanTileM - 1) / kPlanTileM);
   p.tiles_n = int((N + kPlanTileN - 1) / kPlanTileN);
-  Builder b{p, layout, M, N, K, M / W, W, layout.nodes(), local, {}, {}, {}};
+  Builder b{p, layout, M, N, K, M / W, W, layout.nodes(), local, {}, {}, comm::ProgramBuilder(p)};
   b.shard_chunks.resize(W);
   b.chunks_in_row.assign(p.tiles_m, 0);
   for (int s = 0; s < W; ++s) {
@@ -545,23 +505,15 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layo
   }
   // Declarations, in the order of the Buf and Region ids.
   for (BufId id = 0; id < Buf::kCount; ++id) {
-    comm::BufDecl d;
-    d.name = buf_name(id);
-    d.rank_token = id == Buf::kToken || id == Buf::kTokenNet;
-    d.bytes = bb[id];
-    if (id == Buf::kUserA || id == Buf::kUserC) {
-      d.space = comm::Space::kUser;
-      d.user_slot = id == Buf::kUserA ? 0 : 1;
-    } else if (is_host_buf(id)) {
-      d.space = comm::Space::kHost;
-      for (BufId m : {Buf::kAFull, Buf::kAccum, Buf::kRecv, Buf::kCws, Buf::kToken})
-        if (net_mirror(m) == id) d.mirror_of = m;
-      d.network = true;
-    } else {
-      // Direct (unstaged) plans on several nodes register the buffers that cross nodes.
-      d.network = nodes > 1 && !p.net_staged;
-    }
-    p.add_buf(d);
+    const bool user = id == Buf::kUserA || id == Buf::kUserC, host = is_host_buf(id);
+    BufId mirror_of = comm::kNoBuf;
+    for (BufId m : {Buf::kAFull, Buf::kAccum, Buf::kRecv, Buf::kCws, Buf::kToken})
+      if (host && net_mirror(m) == id) mirror_of = m;
+    // Host mirrors cross nodes; direct (unstaged) plans on several nodes register the device
+    // buffers that do.
+    const bool network = host || (!user && nodes > 1 && !p.net_staged);
+    b.pb.buf(buf_name(id), bb[id], user ? comm::Space::kUser : host ? comm::Space::kHost : comm::Space::kSymmetric,
+             network, user ? (id == Buf::kUserA ? 0 : 1) : -1, mirror_of, id == Buf::kToken || id == Buf::kTokenNet);
   }
   p.add_region(region_name(Region::kEntry), W, false);
   p.add_region(region_name(Region::kEntryNet), W, true);

@@ -10,7 +10,7 @@
 //    (rank s's share of the rows) covers rows [s * Ms, (s + 1) * Ms), Ms = M / W.
 //  - Tile-row tm covers GEMM rows [tm * 128, tm * 128 + 128). A *chunk* is the intersection of
 //    a shard with a tile-row (at most 128 rows): the unit of data movement and of flags.
-//  - Buffers are named (Buf) and addressed per rank with byte offsets (BufRef). kAFull,
+//  - Buffers are named (Buf) and addressed per rank with byte offsets (comm::BufRef). kAFull,
 //    kAccum, kRecv, kCws and kToken are symmetric workspaces of the operator: reachable by
 //    peer pointers on the same node and through the proxy (registered windows) across nodes.
 //    kUserA and kUserC are the caller's local buffers: only their own rank touches them.
@@ -32,22 +32,9 @@
 namespace mk {
 namespace ops {
 
-
-
-
-using comm::BufId;
-using comm::BufRef;
-using comm::FlagRef;
-using comm::RegionId;
-using PlanLayout = comm::Layout;
-using PlanWait = comm::Wait;
-using PlanSignal = comm::Signal;
-using CommKind = comm::OpKind;
-using CommOp = comm::Op;
-
 // The plan's buffers (ids in its ProgramDecl::bufs, in this order; unused ones have 0 bytes).
 namespace Buf {
-enum : BufId {
+enum : comm::BufId {
   kUserA = 0,  // AG: the caller's shard [M/W, K] bf16
   kAFull = 1,  // AG: the gathered A [M, K] bf16
   kAccum = 2,  // RS/AR: fp32 node reduction [slots][nodes][Ms][N]; slots = deterministic ? local : 1
@@ -67,15 +54,15 @@ enum : BufId {
 };
 }  // namespace Buf
 // The names of the plan's buffers and regions ("a_full", "net_in"; "?" past the last).
-const char* buf_name(BufId b);
-const char* region_name(RegionId r);
+const char* buf_name(comm::BufId b);
+const char* region_name(comm::RegionId r);
 // The host mirror of b in a staged plan (comm::kNoBuf if it has none); whether b is a host mirror.
-BufId net_mirror(BufId b);
-bool is_host_buf(BufId b);
+comm::BufId net_mirror(comm::BufId b);
+bool is_host_buf(comm::BufId b);
 
 // The plan's flag regions (ids in its ProgramDecl::regions, in this order).
 namespace Region {
-enum : RegionId {
+enum : comm::RegionId {
   kEntry = 0,     // [world]  set to e by rank i (device) when its call e starts: its buffers are free
   kEntryNet = 1,  // [world]  the same across nodes, raised by the proxy (8-byte put into kToken)
   kRowReady = 2,  // [tiles_m] AG: chunks of the gathered A landed in this tile-row (adds)
@@ -125,7 +112,7 @@ struct RankPlan : comm::RankProgram {
   std::vector<RowHooks> rows;        // [tiles_m]
   // RS/AR epilogue routing: element (m, n) of this rank's product, m in shard s, goes to
   // route[s] + ((m - s * Ms) * N + n) * 4 (fp32), added (or stored when deterministic).
-  std::vector<BufRef> route;         // [world]; empty for AG
+  std::vector<comm::BufRef> route;   // [world]; empty for AG
   EpilogueFinal fin;                 // RS/AR on one node: this rank's own rows (route[me] unused)
 };
 
@@ -142,7 +129,7 @@ struct Plan : comm::ProgramDecl {
   std::vector<Chunk> chunks;          // in shard order
   std::vector<RankPlan> ranks;        // [world]
 
-  uint64_t buf_bytes(BufId b) const { return b < bufs.size() ? bufs[b].bytes : 0; }
+  uint64_t buf_bytes(comm::BufId b) const { return b < bufs.size() ? bufs[b].bytes : 0; }
 };
 
 constexpr int kPlanTileM = 128;
@@ -155,7 +142,7 @@ constexpr int kPlanTileN = 256;
 // a given layout. With one or two ranks per node the plan is always deterministic (the slot
 // layout; Plan::deterministic is then true). net_staged: see Plan::net_staged (ignored on
 // one node).
-Status build_plan(FusedKind kind, const PlanShape& shape, const PlanLayout& layout,
+Status build_plan(FusedKind kind, const PlanShape& shape, const comm::Layout& layout,
                   bool deterministic, Plan* out, bool net_staged = false);
 
 // One line per op, for logs and debugging.

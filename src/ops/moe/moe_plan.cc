@@ -6,6 +6,7 @@
 #include <string>
 
 #include "mkernel/common/check.h"
+#include "src/comm/program_builder.h"
 
 namespace mk {
 namespace ops {
@@ -280,39 +281,26 @@ void repack_node_slot(const MoeGeometry& g, const MoeNodeGeometry& ng, const com
 
 namespace {
 
+using comm::add_to;
 using comm::BufId;
 using comm::BufRef;
-using comm::FlagRef;
+using comm::flag_at;
 using comm::Op;
 using comm::OpKind;
-using comm::Signal;
-using comm::Wait;
-
-FlagRef flag(comm::RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
-
-void declare(comm::Program& p, const char* name, uint64_t bytes, comm::Space space, bool network,
-             BufId mirror_of = comm::kNoBuf, bool token = false) {
-  comm::BufDecl d;
-  d.name = name;
-  d.bytes = bytes;
-  d.space = space;
-  d.network = network;
-  d.mirror_of = mirror_of;
-  d.rank_token = token;
-  p.add_buf(d);
-}
+using comm::ProgramBuilder;
+using comm::wait_on;
 
 // The buffers every MoE program declares first (MoeBuf kSend .. kPieceBytes) and its regions.
-void declare_slots(comm::Program& p, uint64_t all, int pieces, bool direct) {
-  const int W = p.layout.world;
-  const bool staged = p.net_staged;
-  declare(p, "send", all, comm::Space::kSymmetric, direct);
-  declare(p, "recv", all, comm::Space::kSymmetric, direct);
-  declare(p, "token", (direct ? 8ull : 0ull) * W, comm::Space::kSymmetric, direct, comm::kNoBuf, true);
-  declare(p, "send_net", staged ? all : 0, comm::Space::kHost, staged, MoeBuf::kSend);
-  declare(p, "recv_net", staged ? all : 0, comm::Space::kHost, staged, MoeBuf::kRecv);
-  declare(p, "token_net", (staged ? 8ull : 0ull) * W, comm::Space::kHost, staged, MoeBuf::kToken, true);
-  declare(p, "piece_bytes", 8ull * W * pieces, comm::Space::kSymmetric, false);
+void declare_slots(ProgramBuilder& pb, uint64_t all, int pieces, bool direct) {
+  const int W = pb.decl().layout.world;
+  const bool staged = pb.decl().net_staged;
+  pb.buf("send", all, comm::Space::kSymmetric, direct);
+  pb.buf("recv", all, comm::Space::kSymmetric, direct);
+  pb.buf("token", (direct ? 8ull : 0ull) * W, comm::Space::kSymmetric, direct, -1, comm::kNoBuf, true);
+  pb.buf("send_net", staged ? all : 0, comm::Space::kHost, staged, -1, MoeBuf::kSend);
+  pb.buf("recv_net", staged ? all : 0, comm::Space::kHost, staged, -1, MoeBuf::kRecv);
+  pb.buf("token_net", (staged ? 8ull : 0ull) * W, comm::Space::kHost, staged, -1, MoeBuf::kToken, true);
+  pb.buf("piece_bytes", 8ull * W * pieces, comm::Space::kSymmetric, false);
 }
 void declare_regions(comm::Program& p, bool fwd) {
   const uint32_t W = uint32_t(p.layout.world);
@@ -328,71 +316,52 @@ void declare_regions(comm::Program& p, bool fwd) {
 // Entry: this rank's receive slots are free for this call (its previous unpack ran before this
 // call's runner, stream order) — source s may send. A device signal on the node, a token put
 // (raising entry_net there) across nodes.
-Op entry_op(const comm::Program& p, int me, int s, bool remote, const std::string& what, uint64_t* puts) {
-  Op op;
-  if (remote) {
-    const BufId tok = p.net_staged ? MoeBuf::kTokenNet : MoeBuf::kToken;
-    op.kind = OpKind::kNetPut;
-    op.srcs = {BufRef{tok, me, 8ull * me}};
-    op.dsts = {BufRef{tok, s, 8ull * me}};
-    op.bytes = 8;
-    op.peer = s;
-    op.remote_flag = flag(MoeRegion::kEntryNet, s, uint32_t(me));
-    op.local_flag = flag(MoeRegion::kSrcFree, me, 0);
-    ++*puts;
-    op.what = what + " entry signal to rank " + std::to_string(s) + " (network)";
-  } else {
-    op.kind = OpKind::kSignal;
-    op.signals = {Signal{flag(MoeRegion::kEntry, s, uint32_t(me)), 1, true}};
-    op.what = what + " entry signal to rank " + std::to_string(s);
-  }
-  return op;
+Op entry_op(ProgramBuilder& pb, int me, int s, bool remote, const std::string& what) {
+  if (remote)
+    return pb.token_put(me, s, MoeBuf::kToken, flag_at(MoeRegion::kEntryNet, s, uint32_t(me)),
+                        flag_at(MoeRegion::kSrcFree, me, 0),
+                        what + " entry signal to rank " + std::to_string(s) + " (network)");
+  return ProgramBuilder::signal_op({add_to(MoeRegion::kEntry, s, uint32_t(me))},
+                                   what + " entry signal to rank " + std::to_string(s));
 }
 
 // One slot from this rank to rank `to`, in pieces of moe_piece_bytes: the run-time count of piece
-// pc at `counts` + 8 pc. Across nodes a put (staged: from src_net to dst_net) raising
+// pc at `counts` + 8 pc. Across nodes a put (staged: between the buffers' host mirrors) raising
 // arrived_net[me] there; on the node a copy raising arrived[me] there.
 struct SlotMove {
   int me = 0, to = 0;
   bool remote = false;
   BufRef src, dst, counts;
-  BufId src_net = comm::kNoBuf, dst_net = comm::kNoBuf;
   int64_t slot_bytes = 0;
   int pieces = 1;  // requested (moe_pieces)
   std::string label, suffix;  // "<label>[ piece i]<suffix>"
 };
-void add_slot_pieces(const comm::Program& p, comm::RankProgram& rp, const SlotMove& m, uint64_t* puts) {
+void add_slot_pieces(ProgramBuilder& pb, comm::RankProgram& rp, const SlotMove& m) {
   const int P = moe_pieces(m.slot_bytes, m.pieces);
-  const int64_t pb = moe_piece_bytes(m.slot_bytes, m.pieces);
+  const int64_t pb_bytes = moe_piece_bytes(m.slot_bytes, m.pieces);
   for (int pc = 0; pc < P; ++pc) {
-    const uint64_t off = uint64_t(pc) * uint64_t(pb);
-    Op op;
-    op.bytes = uint64_t(std::min<int64_t>(pb, m.slot_bytes - int64_t(off)));
-    op.count_at = m.counts;
-    op.count_at.offset += 8ull * pc;
+    const uint64_t off = uint64_t(pc) * uint64_t(pb_bytes);
+    const uint64_t bytes = uint64_t(std::min<int64_t>(pb_bytes, m.slot_bytes - int64_t(off)));
     BufRef src = m.src, dst = m.dst;
     src.offset += off;
     dst.offset += off;
-    op.srcs = {src};
-    op.dsts = {dst};
-    op.what = m.label + (P > 1 ? " piece " + std::to_string(pc) : std::string()) + m.suffix;
+    const std::string what = m.label + (P > 1 ? " piece " + std::to_string(pc) : std::string()) + m.suffix;
+    Op op;
     if (m.remote) {
-      op.kind = OpKind::kNetPut;
-      op.waits = {Wait{flag(MoeRegion::kEntryNet, m.me, uint32_t(m.to)), 1, m.to}};
-      if (p.net_staged) {
-        op.stage_src = op.srcs[0];
-        op.srcs[0].buf = m.src_net;
-        op.dsts[0].buf = m.dst_net;
-      }
-      op.peer = m.to;
-      op.remote_flag = flag(MoeRegion::kArrivedNet, m.to, uint32_t(m.me));
-      op.local_flag = flag(MoeRegion::kSrcFree, m.me, 0);
-      ++*puts;
+      op = pb.put(m.to, src, dst, bytes, flag_at(MoeRegion::kArrivedNet, m.to, uint32_t(m.me)),
+                  flag_at(MoeRegion::kSrcFree, m.me, 0), what);
+      op.waits = {wait_on(MoeRegion::kEntryNet, m.me, uint32_t(m.to), 1, m.to)};
     } else {
       op.kind = OpKind::kCopy;
-      op.waits = {Wait{flag(MoeRegion::kEntry, m.me, uint32_t(m.to)), 1, m.to}};
-      op.signals = {Signal{flag(MoeRegion::kArrived, m.to, uint32_t(m.me)), 1, true}};
+      op.srcs = {src};
+      op.dsts = {dst};
+      op.bytes = bytes;
+      op.waits = {wait_on(MoeRegion::kEntry, m.me, uint32_t(m.to), 1, m.to)};
+      op.signals = {add_to(MoeRegion::kArrived, m.to, uint32_t(m.me))};
+      op.what = what;
     }
+    op.count_at = m.counts;
+    op.count_at.offset += 8ull * pc;
     rp.ops.push_back(op);
   }
 }
@@ -402,8 +371,8 @@ void add_slot_pieces(const comm::Program& p, comm::RankProgram& rp, const SlotMo
 Op relay_op(const comm::Program& p, int me, int s, BufRef mirror, BufRef slot, uint64_t bytes, uint64_t pieces,
             const std::string& label) {
   Op op;
-  op.waits = {Wait{flag(MoeRegion::kArrivedNet, me, uint32_t(s)), pieces, s}};
-  op.signals = {Signal{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, true}};
+  op.waits = {wait_on(MoeRegion::kArrivedNet, me, uint32_t(s), pieces, s)};
+  op.signals = {add_to(MoeRegion::kArrived, me, uint32_t(s))};
   if (p.net_staged) {
     op.kind = OpKind::kCopy;
     op.srcs = {mirror};
@@ -420,12 +389,13 @@ Op relay_op(const comm::Program& p, int me, int s, BufRef mirror, BufRef slot, u
 
 // The call ends once every slot is here (waits: source and how many raises of arrived) and the
 // proxy finished reading this call's sources.
-Op final_op(int me, const std::vector<std::pair<int, uint64_t>>& arrivals, uint64_t puts, const std::string& what) {
+Op final_op(const ProgramBuilder& pb, int me, const std::vector<std::pair<int, uint64_t>>& arrivals,
+            const std::string& what) {
   Op op;
   op.kind = OpKind::kSignal;
-  for (const auto& a : arrivals)
-    op.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(a.first)), a.second, a.first});
-  if (puts) op.waits.push_back(Wait{flag(MoeRegion::kSrcFree, me, 0), puts, me});
+  for (const auto& a : arrivals) op.waits.push_back(wait_on(MoeRegion::kArrived, me, uint32_t(a.first), a.second, a.first));
+  if (const uint64_t puts = pb.completions_at(flag_at(MoeRegion::kSrcFree, me, 0)))
+    op.waits.push_back(wait_on(MoeRegion::kSrcFree, me, 0, puts, me));
   op.what = what;
   return op;
 }
@@ -455,7 +425,8 @@ Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pie
   p.layout = layout;
   const bool net = layout.nodes() > 1;
   p.net_staged = staged && net;
-  declare_slots(p, uint64_t(W) * uint64_t(slot_bytes), P, net && !p.net_staged);
+  ProgramBuilder pb(p);
+  declare_slots(pb, uint64_t(W) * uint64_t(slot_bytes), P, net && !p.net_staged);
   declare_regions(p, false);
   p.ranks.resize(W);
   auto slot = [&](BufId b, int rank, int index) { return BufRef{b, rank, uint64_t(index) * uint64_t(slot_bytes)}; };
@@ -464,10 +435,9 @@ Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pie
     comm::RankProgram& rp = p.ranks[me];
     rp.rank = me;
     if (W == 1) continue;
-    uint64_t puts = 0;
     for (int d = 1; d < W; ++d) {
       const int s = (me + W - d) % W;
-      rp.ops.push_back(entry_op(p, me, s, remote(me, s), what, &puts));
+      rp.ops.push_back(entry_op(pb, me, s, remote(me, s), what));
     }
     // The slots, nearest destinations first in rotation (ranks do not all start on one peer),
     // piece by piece.
@@ -478,11 +448,10 @@ Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pie
       m.src = slot(MoeBuf::kSend, me, r);
       m.dst = slot(MoeBuf::kRecv, r, me);
       m.counts = BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(r) * P};
-      m.src_net = MoeBuf::kSendNet, m.dst_net = MoeBuf::kRecvNet;
       m.slot_bytes = slot_bytes, m.pieces = pieces_req;
       m.label = what + " slot";
       m.suffix = " to rank " + std::to_string(r) + (m.remote ? " (network)" : "");
-      add_slot_pieces(p, rp, m, &puts);
+      add_slot_pieces(pb, rp, m);
     }
     std::vector<std::pair<int, uint64_t>> arrivals;
     for (int d = 1; d < W; ++d) {
@@ -492,7 +461,7 @@ Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pie
         rp.ops.push_back(relay_op(p, me, s, slot(MoeBuf::kRecvNet, me, s), slot(MoeBuf::kRecv, me, s),
                                   uint64_t(slot_bytes), uint64_t(P), what + " slot"));
     }
-    rp.ops.push_back(final_op(me, arrivals, puts, what + ": every slot arrived"));
+    rp.ops.push_back(final_op(pb, me, arrivals, what + ": every slot arrived"));
   }
   return OkStatus();
 }
@@ -523,18 +492,19 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
   const bool direct = !staged;
   const uint64_t nall = uint64_t(NN) * uint64_t(nslot_bytes);
   // The record slots stay on the node (no network windows, no mirrors); node slots cross.
-  declare_slots(p, uint64_t(W) * uint64_t(slot_bytes), P, false);
+  ProgramBuilder pb(p);
+  declare_slots(pb, uint64_t(W) * uint64_t(slot_bytes), P, false);
   p.bufs[MoeBuf::kToken].bytes = direct ? 8ull * W : 0;
   p.bufs[MoeBuf::kToken].network = direct;
   p.bufs[MoeBuf::kTokenNet].bytes = staged ? 8ull * W : 0;
   p.bufs[MoeBuf::kTokenNet].network = staged;
   p.bufs[MoeBuf::kSendNet].network = p.bufs[MoeBuf::kRecvNet].network = false;
   p.bufs[MoeBuf::kSendNet].bytes = p.bufs[MoeBuf::kRecvNet].bytes = 0;
-  declare(p, "nsend", nall, comm::Space::kSymmetric, direct);
-  declare(p, "nrecv", nall, comm::Space::kSymmetric, direct);
-  declare(p, "nsend_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNSend);
-  declare(p, "nrecv_net", staged ? nall : 0, comm::Space::kHost, staged, MoeBuf::kNRecv);
-  declare(p, "npiece_bytes", 8ull * NN * NP, comm::Space::kSymmetric, false);
+  pb.buf("nsend", nall, comm::Space::kSymmetric, direct);
+  pb.buf("nrecv", nall, comm::Space::kSymmetric, direct);
+  pb.buf("nsend_net", staged ? nall : 0, comm::Space::kHost, staged, -1, MoeBuf::kNSend);
+  pb.buf("nrecv_net", staged ? nall : 0, comm::Space::kHost, staged, -1, MoeBuf::kNRecv);
+  pb.buf("npiece_bytes", 8ull * NN * NP, comm::Space::kSymmetric, false);
   declare_regions(p, true);
   p.ranks.resize(W);
   for (int me = 0; me < W; ++me) {
@@ -545,10 +515,9 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
     std::vector<int> twins;  // the rank with my local index on every other node
     for (int n = 0; n < NN; ++n)
       if (n != N) twins.push_back(layout.node_ranks[n][L]);
-    uint64_t puts = 0;
     for (int s : mine)
-      if (s != me) rp.ops.push_back(entry_op(p, me, s, false, "dispatch", &puts));
-    for (int s : twins) rp.ops.push_back(entry_op(p, me, s, true, "dispatch", &puts));
+      if (s != me) rp.ops.push_back(entry_op(pb, me, s, false, "dispatch"));
+    for (int s : twins) rp.ops.push_back(entry_op(pb, me, s, true, "dispatch"));
     // Node slots first (the network is the long pole), then the node's own slots.
     for (int s : twins) {
       const int n = layout.node_of[s];
@@ -557,11 +526,10 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
       m.src = BufRef{MoeBuf::kNSend, me, uint64_t(n) * uint64_t(nslot_bytes)};
       m.dst = BufRef{MoeBuf::kNRecv, s, uint64_t(N) * uint64_t(nslot_bytes)};
       m.counts = BufRef{MoeBuf::kNPieceBytes, me, 8ull * uint64_t(n) * NP};
-      m.src_net = MoeBuf::kNSendNet, m.dst_net = MoeBuf::kNRecvNet;
       m.slot_bytes = nslot_bytes, m.pieces = pieces_req;
       m.label = "dispatch node slot";
       m.suffix = " to rank " + std::to_string(s) + " (node " + std::to_string(n) + ", network)";
-      add_slot_pieces(p, rp, m, &puts);
+      add_slot_pieces(pb, rp, m);
     }
     for (int d = 1; d < int(mine.size()); ++d) {
       const int r = mine[(L + d) % mine.size()];
@@ -573,7 +541,7 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
       m.slot_bytes = slot_bytes, m.pieces = pieces_req;
       m.label = "dispatch slot";
       m.suffix = " to rank " + std::to_string(r);
-      add_slot_pieces(p, rp, m, &puts);
+      add_slot_pieces(pb, rp, m);
     }
     for (int s : twins) {
       const uint64_t off = uint64_t(layout.node_of[s]) * uint64_t(nslot_bytes);
@@ -584,17 +552,17 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
     for (int s : mine)
       if (s != me) arrivals.push_back({s, uint64_t(P)});
     for (int s : twins) arrivals.push_back({s, 1});
-    rp.ops.push_back(final_op(me, arrivals, puts, "dispatch: every slot of the node and every node slot arrived"));
+    rp.ops.push_back(final_op(pb, me, arrivals, "dispatch: every slot of the node and every node slot arrived"));
     // The kernels' pools (moe_plan.h): repack waits, layout waits, repack signals.
     for (int d : mine)
-      if (d != me) rp.waits.push_back(Wait{flag(MoeRegion::kEntry, me, uint32_t(d)), 1, d});
-    for (int s : twins) rp.waits.push_back(Wait{flag(MoeRegion::kArrived, me, uint32_t(s)), 1, s});
+      if (d != me) rp.waits.push_back(wait_on(MoeRegion::kEntry, me, uint32_t(d), 1, d));
+    for (int s : twins) rp.waits.push_back(wait_on(MoeRegion::kArrived, me, uint32_t(s), 1, s));
     for (int s = 0; s < W; ++s)
       if (layout.node_of[s] != N && layout.local_of[s] != L)
-        rp.waits.push_back(Wait{flag(MoeRegion::kFwd, me, uint32_t(s)), 1, layout.node_ranks[N][layout.local_of[s]]});
+        rp.waits.push_back(wait_on(MoeRegion::kFwd, me, uint32_t(s), 1, layout.node_ranks[N][layout.local_of[s]]));
     for (int d : mine)
       if (d != me)
-        for (int s : twins) rp.signals.push_back(Signal{flag(MoeRegion::kFwd, d, uint32_t(s)), 1, true});
+        for (int s : twins) rp.signals.push_back(add_to(MoeRegion::kFwd, d, uint32_t(s)));
   }
   return OkStatus();
 }

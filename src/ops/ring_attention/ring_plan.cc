@@ -6,7 +6,7 @@
 namespace mk {
 namespace ops {
 
-Status build_ring_plan(const PlanLayout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out) {
+Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out) {
   const int W = layout.world;
   MK_REQUIRE(W >= 1 && int(layout.node_of.size()) == W && layout.nodes() >= 1, Code::kInvalidArgument,
              "ring: malformed layout (world %d)", W);

@@ -21,8 +21,6 @@
 namespace mk {
 namespace ops {
 
-using PlanLayout = comm::Layout;
-
 enum class BlockMask : int {
   kFull = 0,      // every key of the key chunk is visible to every query of the query chunk
   kCausal = 1,    // same chunk: key j visible to query i iff j <= i
@@ -61,7 +59,7 @@ struct RingPlan {
 };
 
 // kInvalidArgument when S does not split (S % W, or S % 2W for zigzag) or the layout is bad.
-Status build_ring_plan(const PlanLayout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out);
+Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out);
 
 }  // namespace ops
 }  // namespace mk

@@ -5,33 +5,27 @@
 #include <string>
 
 #include "mkernel/common/check.h"
+#include "src/comm/program_builder.h"
 
 namespace mk {
 namespace ops {
 
 namespace {
 
+using comm::add_to;
 using comm::BufId;
 using comm::BufRef;
-using comm::FlagRef;
+using comm::flag_at;
 using comm::Op;
 using comm::OpKind;
-using comm::Signal;
-using comm::Wait;
-
-FlagRef flag(comm::RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
-Wait wait_on(comm::RegionId r, int rank, uint32_t index, uint64_t mul, int peer) {
-  return Wait{flag(r, rank, index), mul, peer};
-}
-Signal add(comm::RegionId r, int rank, uint32_t index, uint64_t value = 1) {
-  return Signal{flag(r, rank, index), value, true};
-}
+using comm::wait_on;
 
 struct Builder {
   RingProgram& p;
   const RingPlan& plan;
   const RingGeometry& g;
   uint64_t slot_bytes;  // one rank's block: B * S_l * row_bytes
+  comm::ProgramBuilder pb;  // counts this rank's puts (kSrcFree)
 
   BufId slots(int kv) const { return kv ? RingBuf::kSlotsV : RingBuf::kSlotsK; }
   BufId mirror(int kv) const { return kv ? RingBuf::kSlotsVNet : RingBuf::kSlotsKNet; }
@@ -52,7 +46,7 @@ struct Builder {
       Op op;
       op.kind = OpKind::kSignal;
       op.waits = {wait_on(RingRegion::kArrivedNet, me, a, 2, prev)};
-      op.signals = {add(RingRegion::kArrived, me, a, 2)};
+      op.signals = {add_to(RingRegion::kArrived, me, a, 2)};
       op.what = "relay " + piece_name(blk, b, pc, 0) + " and V (landed in the slot)";
       rp.ops.push_back(op);
       return;
@@ -64,7 +58,7 @@ struct Builder {
       op.srcs = {BufRef{mirror(kv), me, off}};
       op.dsts = {BufRef{slots(kv), me, off}};
       op.bytes = rows_of(pc) * g.row_bytes;
-      op.signals = {add(RingRegion::kArrived, me, a)};
+      op.signals = {add_to(RingRegion::kArrived, me, a)};
       op.what = "relay " + piece_name(blk, b, pc, kv) + " from the host mirror into the slot";
       rp.ops.push_back(op);
     }
@@ -81,28 +75,14 @@ struct Builder {
     const int next = steps[0].send_to, prev = steps[0].recv_from;
     const bool next_remote = p.layout.node_of[next] != p.layout.node_of[me];
     const bool prev_remote = p.layout.node_of[prev] != p.layout.node_of[me];
-    uint64_t net_puts = 0;
     // Entry: tell the previous rank that this rank's slots are free for this call (its call
     // started, so its previous call ended: stream order).
     {
-      Op op;
-      if (prev_remote) {
-        const BufId tok = p.net_staged ? RingBuf::kTokenNet : RingBuf::kToken;
-        op.kind = OpKind::kNetPut;
-        op.srcs = {BufRef{tok, me, 8ull * me}};
-        op.dsts = {BufRef{tok, prev, 8ull * me}};
-        op.bytes = 8;
-        op.peer = prev;
-        op.remote_flag = flag(RingRegion::kEntryNet, prev, 0);
-        op.local_flag = flag(RingRegion::kSrcFree, me, 0);
-        ++net_puts;
-        op.what = "entry signal to rank " + std::to_string(prev) + " (network)";
-      } else {
-        op.kind = OpKind::kSignal;
-        op.signals = {add(RingRegion::kEntry, prev, 0)};
-        op.what = "entry signal to rank " + std::to_string(prev);
-      }
-      rp.ops.push_back(op);
+      rp.ops.push_back(prev_remote ? pb.token_put(me, prev, RingBuf::kToken, flag_at(RingRegion::kEntryNet, prev, 0),
+                                                  flag_at(RingRegion::kSrcFree, me, 0),
+                                                  "entry signal to rank " + std::to_string(prev) + " (network)")
+                                   : comm::ProgramBuilder::signal_op({add_to(RingRegion::kEntry, prev, 0)},
+                                                                     "entry signal to rank " + std::to_string(prev)));
     }
     const comm::RegionId entry = next_remote ? RingRegion::kEntryNet : RingRegion::kEntry;
     for (int t = 0; t + 1 < W; ++t) {
@@ -122,38 +102,28 @@ struct Builder {
               op.srcs = {BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}};
               op.dsts = {BufRef{slots(kv), me, off}};
               op.bytes = bytes;
-              op.signals = {add(RingRegion::kArrived, me, a)};
+              op.signals = {add_to(RingRegion::kArrived, me, a)};
               op.what = "own " + piece_name(blk, b, pc, kv) + " into the own slot";
               rp.ops.push_back(op);
             }
           for (int kv = 0; kv < 2; ++kv) {
             Op op;
-            op.waits = {wait_on(entry, me, 0, 1, next)};
-            if (t > 0 || next_remote) op.waits.push_back(wait_on(RingRegion::kArrived, me, a, 2, t > 0 ? prev : me));
-            op.bytes = bytes;
             if (next_remote) {
-              op.kind = OpKind::kNetPut;
-              op.srcs = {BufRef{slots(kv), me, off}};
-              op.dsts = {BufRef{slots(kv), next, off}};
-              if (p.net_staged) {
-                // The slot's bytes go out from its host mirror: the CTA copies them there first.
-                op.stage_src = op.srcs[0];
-                op.srcs[0].buf = mirror(kv);
-                op.dsts[0].buf = mirror(kv);
-              }
-              op.peer = next;
-              op.remote_flag = flag(RingRegion::kArrivedNet, next, a);
-              op.local_flag = flag(RingRegion::kSrcFree, me, 0);
-              ++net_puts;
-              op.what = piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next) + " (network)";
+              // From the slot (staged: from its host mirror, which the CTA copies the slot into first).
+              op = pb.put(next, BufRef{slots(kv), me, off}, BufRef{slots(kv), next, off}, bytes,
+                          flag_at(RingRegion::kArrivedNet, next, a), flag_at(RingRegion::kSrcFree, me, 0),
+                          piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next) + " (network)");
             } else {
               op.kind = OpKind::kCopy;
+              op.bytes = bytes;
               op.srcs = {t == 0 ? BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}
                                 : BufRef{slots(kv), me, off}};
               op.dsts = {BufRef{slots(kv), next, off}};
-              op.signals = {add(RingRegion::kArrived, next, a)};
+              op.signals = {add_to(RingRegion::kArrived, next, a)};
               op.what = piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next);
             }
+            op.waits = {wait_on(entry, me, 0, 1, next)};
+            if (t > 0 || next_remote) op.waits.push_back(wait_on(RingRegion::kArrived, me, a, 2, t > 0 ? prev : me));
             rp.ops.push_back(op);
           }
         }
@@ -174,7 +144,7 @@ struct Builder {
       op.what = "every block of the call arrived";
       rp.ops.push_back(op);
     }
-    if (net_puts) {
+    if (const uint64_t net_puts = pb.completions_at(flag_at(RingRegion::kSrcFree, me, 0))) {
       // A call never ends while the proxy still reads this call's sources.
       Op op;
       op.kind = OpKind::kSignal;
@@ -208,27 +178,17 @@ Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, cons
   p.net_staged = staged && layout.nodes() > 1;
   const bool net = layout.nodes() > 1;
   const uint64_t block = uint64_t(g.B) * uint64_t(g.S_l) * uint64_t(g.row_bytes);
-  auto buf = [&](const char* name, uint64_t bytes, comm::Space space, bool network, int user_slot = -1,
-                 BufId mirror_of = comm::kNoBuf, bool token = false) {
-    comm::BufDecl d;
-    d.name = name;
-    d.bytes = bytes;
-    d.space = space;
-    d.network = network;
-    d.user_slot = user_slot;
-    d.mirror_of = mirror_of;
-    d.rank_token = token;
-    p.add_buf(d);
-  };
+  Builder bld{p, plan, g, block, comm::ProgramBuilder(p)};
+  comm::ProgramBuilder& pb = bld.pb;
   const bool direct = net && !p.net_staged;
-  buf("user_k", block, comm::Space::kUser, false, 0);
-  buf("user_v", block, comm::Space::kUser, false, 1);
-  buf("slots_k", uint64_t(W) * block, comm::Space::kSymmetric, direct);
-  buf("slots_v", uint64_t(W) * block, comm::Space::kSymmetric, direct);
-  buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, -1, comm::kNoBuf, true);
-  buf("slots_k_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsK);
-  buf("slots_v_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsV);
-  buf("token_net", p.net_staged ? 8ull * W : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kToken, true);
+  pb.buf("user_k", block, comm::Space::kUser, false, 0);
+  pb.buf("user_v", block, comm::Space::kUser, false, 1);
+  pb.buf("slots_k", uint64_t(W) * block, comm::Space::kSymmetric, direct);
+  pb.buf("slots_v", uint64_t(W) * block, comm::Space::kSymmetric, direct);
+  pb.buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, -1, comm::kNoBuf, true);
+  pb.buf("slots_k_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsK);
+  pb.buf("slots_v_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsV);
+  pb.buf("token_net", p.net_staged ? 8ull * W : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kToken, true);
   const uint32_t arrivals = uint32_t(W * g.B * g.pieces);
   p.add_region("arrived", arrivals, false);
   p.add_region("arrived_net", arrivals, true);
@@ -237,7 +197,6 @@ Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, cons
   p.add_region("src_free", 1, true);
   p.place_regions();
   p.ranks.resize(W);
-  Builder bld{p, plan, g, block};
   for (int me = 0; me < W; ++me) bld.build(me);
   return OkStatus();
 }

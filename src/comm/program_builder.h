@@ -1,0 +1,68 @@
+// mkernel — the shared helpers with which every operator writes its communication program
+// (program.h): flags, waits and signals; buffer declarations; the entry token put; network puts,
+// staged or not, with their local completions counted per flag. Pure host code, no CUDA.
+//
+// An operator's builder keeps a ProgramBuilder over its ProgramDecl and writes its own ops with
+// it; what is the operator's own (which chunk goes where, in which order) stays in the operator.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+#include <string>
+#include <vector>
+
+#include "src/comm/program.h"
+
+namespace mk {
+namespace comm {
+
+inline BufRef buf_at(BufId b, int rank, uint64_t offset) { return BufRef{b, rank, offset}; }
+inline FlagRef flag_at(RegionId r, int rank, uint32_t index) { return FlagRef{r, rank, index}; }
+// flag >= mul * e, raised by `peer` (reported on timeout).
+inline Wait wait_on(RegionId r, int rank, uint32_t index, uint64_t mul, int peer) {
+  return Wait{flag_at(r, rank, index), mul, peer};
+}
+// flag = e.
+inline Signal set_epoch(RegionId r, int rank, uint32_t index) { return Signal{flag_at(r, rank, index), 1, false}; }
+// flag += value.
+inline Signal add_to(RegionId r, int rank, uint32_t index, uint64_t value = 1) {
+  return Signal{flag_at(r, rank, index), value, true};
+}
+
+class ProgramBuilder {
+ public:
+  explicit ProgramBuilder(ProgramDecl& p) : p_(p) {}
+  ProgramDecl& decl() { return p_; }
+
+  // Declares the next buffer (ids follow the order of the calls).
+  BufId buf(const char* name, uint64_t bytes, Space space, bool network = false, int user_slot = -1,
+            BufId mirror_of = kNoBuf, bool rank_token = false);
+
+  // A signal-only op.
+  static Op signal_op(std::vector<Signal> signals, std::string what);
+
+  // A network put of `bytes` from src (this rank's) to dst (on `to`), raising remote_flag there on
+  // arrival and local_flag here on local completion (counted: completions(); kNoRegion: none). In
+  // a staged program the put moves the host mirrors of src's and dst's buffers, and the device
+  // first copies src into its mirror (Op::stage_src).
+  Op put(int to, BufRef src, BufRef dst, uint64_t bytes, FlagRef remote_flag, FlagRef local_flag, std::string what);
+
+  // The entry handshake across nodes: this rank's 8-byte token (a rank_token buffer: its words are
+  // filled at setup) at offset 8 * me, to the same place on `to`. In a staged program the put moves
+  // the token's host mirror, which holds the same words (no staging copy). local_flag may be none.
+  Op token_put(int me, int to, BufId token, FlagRef remote_flag, FlagRef local_flag, std::string what);
+
+  // Local completions counted on local flags by put(), by flag index within `region` of `rank`
+  // (ascending), and in all; forget() starts a new count (a new rank's program).
+  std::vector<std::pair<uint32_t, uint64_t>> completions(RegionId region, int rank) const;
+  uint64_t completions_at(const FlagRef& f) const;
+  void forget() { completions_.clear(); }
+
+ private:
+  ProgramDecl& p_;
+  std::map<std::tuple<RegionId, int, uint32_t>, uint64_t> completions_;
+};
+
+}  // namespace comm
+}  // namespace mk
