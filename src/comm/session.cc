@@ -12,6 +12,18 @@
 namespace mk {
 namespace comm {
 
+Status agree_on_request_bytes(Bootstrap& bs, const void* mine, size_t bytes, const char* what,
+                              const std::function<std::string(const void*)>& describe) {
+  const int W = bs.size();
+  std::vector<uint8_t> all(size_t(W) * bytes);
+  MK_CHECK(bs.allgather(mine, all.data(), bytes));
+  for (int r = 1; r < W; ++r)
+    if (std::memcmp(all.data(), all.data() + size_t(r) * bytes, bytes) != 0)
+      return make_status(Code::kMismatch, "%s: ranks disagree: rank 0 has %s, rank %d has %s", what,
+                         describe(all.data()).c_str(), r, describe(all.data() + size_t(r) * bytes).c_str());
+  return OkStatus();
+}
+
 Layout layout_of(const Topology& t) {
   Layout l;
   l.world = t.world;

@@ -12,8 +12,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "mkernel/common/check.h"
@@ -38,6 +40,20 @@ struct Resolved {
 
 // The communicator's layout of ranks on nodes, as programs take it.
 Layout layout_of(const Topology& t);
+
+// The first step of every operator's create (collective): every rank asked for the same thing.
+// `mine` is the operator's request (a struct without padding: its bytes are compared); when a
+// rank's differs from rank 0's every rank returns kMismatch "<what>: ranks disagree: rank 0 has
+// <describe(rank 0's)>, rank r has <describe(rank r's)>" (the first r that differs).
+Status agree_on_request_bytes(Bootstrap& bs, const void* mine, size_t bytes, const char* what,
+                              const std::function<std::string(const void*)>& describe);
+template <class Request, class Describe>
+Status agree_on_request(Bootstrap& bs, const Request& mine, const char* what, Describe describe) {
+  static_assert(std::is_trivially_copyable<Request>::value && std::has_unique_object_representations<Request>::value,
+                "a request is compared byte by byte: no padding, no pointers to compare");
+  return agree_on_request_bytes(bs, &mine, sizeof(Request), what,
+                                [&](const void* r) { return describe(*static_cast<const Request*>(r)); });
+}
 
 class OpSession : public CommAttachment {
  public:

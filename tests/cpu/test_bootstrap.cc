@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "mkernel/runtime/bootstrap.h"
+#include "src/comm/session.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -204,6 +205,46 @@ TEST_P(ThreadWorldSeveral, AgreeReportsFailingRanks) {
     EXPECT_NE(two[r].message().find(list), std::string::npos) << two[r].message();
     EXPECT_NE(two[r].message().find(msg1), std::string::npos) << two[r].message();
     EXPECT_EQ(two[r].message(), two[0].message());
+  }
+}
+
+// The create-time agreement every operator shares (comm::agree_on_request): equal requests pass
+// on every rank; when ranks differ every rank gets the same kMismatch naming rank 0's request and
+// the first rank that differs, with its request.
+struct TestRequest {
+  int64_t rows, cols;
+  int32_t kind, flags;
+};
+TEST_P(ThreadWorldSeveral, AgreeOnRequestNamesTheFirstRankThatDiffers) {
+  const int W = GetParam();
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(W, &bs));
+  std::mt19937_64 rng(mix(test::test_seed(), 0x5E0E57));
+  const TestRequest base{int64_t(rng() % 100000) + 1, int64_t(rng() % 100000) + 1, int32_t(rng() % 7),
+                         int32_t(rng() % 3)};
+  auto describe = [](const TestRequest& r) {
+    return "rows " + std::to_string(r.rows) + " cols " + std::to_string(r.cols) + " kind " + std::to_string(r.kind) +
+           " flags " + std::to_string(r.flags);
+  };
+  // The differing ranks: the last one, and rank 1 as well in worlds of three and more (first).
+  const int first = W > 2 ? 1 : W - 1;
+  std::vector<Status> same(W), differ(W);
+  run_ranks(W, [&](int rank) {
+    same[rank] = comm::agree_on_request(*bs[rank], base, "test_op", describe);
+    TestRequest mine = base;
+    if (rank == W - 1) mine.cols += 8;
+    if (rank == 1 && W > 2) mine.flags ^= 1;
+    differ[rank] = comm::agree_on_request(*bs[rank], mine, "test_op", describe);
+  });
+  TestRequest theirs = base;
+  if (first == W - 1) theirs.cols += 8;
+  else theirs.flags ^= 1;
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_TRUE(same[r].ok()) << same[r].to_string();
+    EXPECT_EQ(differ[r].code(), Code::kMismatch) << differ[r].to_string();
+    EXPECT_EQ(differ[r].message(), "test_op: ranks disagree: rank 0 has " + describe(base) + ", rank " +
+                                       std::to_string(first) + " has " + describe(theirs));
   }
 }
 

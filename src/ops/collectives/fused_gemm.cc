@@ -56,22 +56,11 @@ struct Request {
   int64_t M, N, K;
 };
 
-// Every rank asked for the same operator and shape; else the same error everywhere.
-Status check_same_request(Bootstrap& bs, const Request& mine, int world, FusedKind kind) {
-  std::vector<Request> all(world);
-  MK_CHECK(bs.allgather(&mine, all.data(), sizeof(Request)));
-  for (int r = 1; r < world; ++r) {
-    const Request& a = all[0];
-    const Request& b = all[r];
-    MK_REQUIRE(a.kind == b.kind && a.deterministic == b.deterministic && a.M == b.M && a.N == b.N && a.K == b.K,
-               Code::kInvalidArgument,
-               "%s: ranks disagree on the operator or shape: rank 0 has %s (M %lld, N %lld, K %lld%s), rank %d "
-               "has %s (M %lld, N %lld, K %lld%s)",
-               fused_kind_name(kind), fused_kind_name(FusedKind(a.kind)), (long long)a.M, (long long)a.N,
-               (long long)a.K, a.deterministic ? ", deterministic" : "", r, fused_kind_name(FusedKind(b.kind)),
-               (long long)b.M, (long long)b.N, (long long)b.K, b.deterministic ? ", deterministic" : "");
-  }
-  return OkStatus();
+std::string describe_request(const Request& r) {
+  char b[160];
+  snprintf(b, sizeof b, "%s (M %lld, N %lld, K %lld%s)", fused_kind_name(FusedKind(r.kind)), (long long)r.M,
+           (long long)r.N, (long long)r.K, r.deterministic ? ", deterministic" : "");
+  return b;
 }
 
 // The rank's plan as device arrays: the program through the session's resolver, then the GEMM's
@@ -165,7 +154,7 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "fused: null communicator or output");
   const char* name = fused_kind_name(kind);
   Request req{int32_t(kind), opt.deterministic ? 1 : 0, shape.M, shape.N, shape.K};
-  MK_CHECK(check_same_request(comm->bootstrap(), req, comm->world(), kind));
+  MK_CHECK(comm::agree_on_request(comm->bootstrap(), req, name, describe_request));
   std::unique_ptr<FusedGemm> op(new FusedGemm());
   op->st_ = std::make_unique<FusedState>();
   FusedState* st = op->st_.get();

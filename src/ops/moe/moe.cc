@@ -147,17 +147,13 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
   const int W = comm->world(), me = comm->rank();
   Request mine{cfg.hidden,          cfg.max_tokens_per_rank, cfg.recv_capacity,          cfg.num_experts,
                cfg.topk,            cfg.expert_align,        int32_t(cfg.dtype)};
-  std::vector<Request> all(W);
-  MK_CHECK(comm->bootstrap().allgather(&mine, all.data(), sizeof(Request)));
-  for (int r = 1; r < W; ++r)
-    MK_REQUIRE(std::memcmp(&all[0], &all[r], sizeof(Request)) == 0, Code::kMismatch,
-               "moe: ranks disagree on the config: rank 0 has hidden %lld experts %d topk %d max_tokens %lld align %d "
-               "capacity %lld dtype %d, rank %d has hidden %lld experts %d topk %d max_tokens %lld align %d capacity "
-               "%lld dtype %d",
-               (long long)all[0].hidden, all[0].experts, all[0].topk, (long long)all[0].max_tokens, all[0].align,
-               (long long)all[0].recv_capacity, all[0].dtype, r, (long long)all[r].hidden, all[r].experts,
-               all[r].topk, (long long)all[r].max_tokens, all[r].align, (long long)all[r].recv_capacity,
-               all[r].dtype);
+  MK_CHECK(comm::agree_on_request(comm->bootstrap(), mine, "moe", [](const Request& r) {
+    char b[200];
+    snprintf(b, sizeof b, "hidden %lld experts %d topk %d max_tokens %lld align %d capacity %lld dtype %d",
+             (long long)r.hidden, r.experts, r.topk, (long long)r.max_tokens, r.align, (long long)r.recv_capacity,
+             r.dtype);
+    return std::string(b);
+  }));
   MK_REQUIRE(cfg.dtype == gemm::DType::kBF16, Code::kNotSupported, "moe: dtype %d (bf16 only)", int(cfg.dtype));
   std::unique_ptr<MoeEp> op(new MoeEp());
   op->st_ = std::make_unique<MoeState>();

@@ -188,14 +188,12 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "ring_attention: null communicator or output");
   const int W = comm->world();
   Request mine{shape.B, shape.H, shape.Hkv, shape.D, int32_t(shape.layout), shape.causal ? 1 : 0, shape.S};
-  std::vector<Request> all(W);
-  MK_CHECK(comm->bootstrap().allgather(&mine, all.data(), sizeof(Request)));
-  for (int r = 1; r < W; ++r)
-    MK_REQUIRE(std::memcmp(&all[0], &all[r], sizeof(Request)) == 0, Code::kInvalidArgument,
-               "ring_attention: ranks disagree on the shape: rank 0 has B %d H %d Hkv %d D %d S %lld layout %d causal %d, "
-               "rank %d has B %d H %d Hkv %d D %d S %lld layout %d causal %d",
-               all[0].B, all[0].H, all[0].Hkv, all[0].D, (long long)all[0].S, all[0].layout, all[0].causal, r, all[r].B,
-               all[r].H, all[r].Hkv, all[r].D, (long long)all[r].S, all[r].layout, all[r].causal);
+  MK_CHECK(comm::agree_on_request(comm->bootstrap(), mine, "ring_attention", [](const Request& r) {
+    char b[160];
+    snprintf(b, sizeof b, "B %d H %d Hkv %d D %d S %lld layout %d causal %d", r.B, r.H, r.Hkv, r.D, (long long)r.S,
+             r.layout, r.causal);
+    return std::string(b);
+  }));
   MK_CHECK(check_shape(shape, W));
   std::unique_ptr<RingAttention> op(new RingAttention());
   op->st_ = std::make_unique<RingState>();
