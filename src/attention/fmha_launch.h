@@ -63,7 +63,7 @@ struct FmhaLaunch {
   int* item_counter = nullptr;
   // Communication program (ring): run by the first comm_ctas CTAs; epoch read at the start and
   // advanced by the last CTA.
-  ops::FusedHooks hooks{};
+  comm::DeviceProgram program{};
   int comm_ctas = 0;
   // Non-null: the traced kernel variant records into this buffer (device/trace.h).
   const TraceBuffer* trace = nullptr;

@@ -142,7 +142,7 @@ Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, 
              l.comm_ctas, grid);
   // Plain launches (single calls, the ring's compute-only launches) carry no communication
   // code; a launch with a program, arrival flags or tracing takes the communication role.
-  const bool comm = l.hooks.ops || l.hooks.epoch || l.comm_ctas > 0 || l.slots.flags || l.trace;
+  const bool comm = l.program.ops || l.program.epoch || l.comm_ctas > 0 || l.slots.flags || l.trace;
   if (a.D == 64) return comm ? sm90::launch_d64_comm(a, l, stream, grid) : sm90::launch_d64(a, l, stream, grid);
   return comm ? sm90::launch_d128_comm(a, l, stream, grid) : sm90::launch_d128(a, l, stream, grid);
 #else

@@ -14,7 +14,7 @@
 //                        role_counts[0] CTAs (device memory, re-read per item, so
 //                        set_comm_ctas() or a controller may change it while the kernel runs)
 //                        take the program's ops in order; they compute a tile meanwhile when
-//                        the next op is not ready (hooks.peek_ops) and for good once no op is
+//                        the next op is not ready (Params::peek_ops) and for good once no op is
 //                        left; help_op() hands a CTA without tiles the remaining ops (GEMM).
 //     A kernel uses the form its schedule supports; the launch fills only that count.
 //   - Running an op: run_op() on the consumer threads; run_dedicated() is a dedicated CTA's
@@ -26,12 +26,12 @@
 //   - The call's epoch (call_epoch(), read at the start) and the end of the call (finish(): the
 //     last CTA advances the epoch).
 //
-// Include only from CUDA sources built with the CUTLASS headers.
+// Needs no CUTLASS headers (barriers: device/barrier.cuh).
 #pragma once
 
 #include <cstdint>
 
-#include "cutlass/arch/barrier.h"
+#include "mkernel/device/barrier.cuh"
 #include "mkernel/device/epoch.cuh"
 #include "mkernel/device/signal.cuh"
 #include "mkernel/device/trace.cuh"
@@ -99,8 +99,11 @@ struct NoComm {
 struct CommRole {
   static constexpr bool kEnabled = true;
   struct Params {
-    ops::FusedHooks hooks{};           // the program and its tile-row hooks (device_program.h)
+    DeviceProgram program{};           // the program and its tile-row hooks (device_program.h)
     const int* role_counts = nullptr;  // take_op(): [0] = CTAs in the role (device memory)
+    // take_op(): the CTAs may compute a tile while the next op is not ready. Only when no tile
+    // waits for an op (RS/AR): else (AG) every such CTA could block on rows that op would send.
+    int peek_ops = 0;
     int dedicated_ctas = 0;            // dedicated_cta(): CTAs that run ops only
     SplitCtl* split = nullptr;         // non-null: the controller moves role_counts[0] (take_op)
     TraceBuffer trace{};               // events non-null: the controller records its switches
@@ -116,15 +119,15 @@ struct CommRole {
     int ops_issued = 0;           // ops handed to this CTA's consumers
     int tiles_issued = 0;         // tiles handed to them
   };
-  using TileHooks = ops::DevRowHooks;
+  using TileHooks = DevRowHooks;
 
   // The call's epoch: read by every thread before any CTA can finish.
   __device__ __forceinline__ static uint64_t call_epoch(const Params& p) {
-    return p.hooks.epoch ? device::epoch_of_call(p.hooks.epoch) : 0;
+    return p.program.epoch ? device::epoch_of_call(p.program.epoch) : 0;
   }
   // By every CTA at its end: the last one advances the epoch for the next call.
   __device__ __forceinline__ static void finish(const Params& p) {
-    if (p.hooks.epoch) device::epoch_finish(p.hooks.epoch, gridDim.x);
+    if (p.program.epoch) device::epoch_finish(p.program.epoch, gridDim.x);
   }
   // By thread 0 before the CTA's first barrier.
   __device__ __forceinline__ static void init_shared(SharedStorage& s) {
@@ -147,26 +150,20 @@ struct CommRole {
   template <bool kTrace_, int kThreads_, uint32_t kBarrier_, size_t kSmemBytes_>
   __device__ __forceinline__ static void run_dedicated(const Params& p, char* smem, int tid, uint64_t epoch,
                                                        const TraceBuffer& trace) {
-    __shared__ int op_slot;
     constexpr uint32_t kStageBytes = 16384;
     constexpr size_t kFit = (kSmemBytes_ - 1024) / kStageBytes;
     constexpr int kCopyStages = int(kFit < 8 ? kFit : 8);
     static_assert(kCopyStages >= 2, "bulk-copy stages must fit the kernel's shared memory");
-    ops::BulkStages stages{smem, reinterpret_cast<uint64_t*>(smem + kCopyStages * kStageBytes), kCopyStages,
+    BulkStages stages{smem, reinterpret_cast<uint64_t*>(smem + kCopyStages * kStageBytes), kCopyStages,
                            kStageBytes, 0};
-    if (tid == 0) ops::bulk_stages_init(stages);
-    for (;;) {
-      if (tid == 0) op_slot = atomicAdd(p.hooks.op_counter, 1);
-      cutlass::arch::NamedBarrier::sync(kThreads_, kBarrier_);
-      const int op = op_slot;
-      cutlass::arch::NamedBarrier::sync(kThreads_, kBarrier_);
-      if (op >= p.hooks.n_ops) break;
+    if (tid == 0) bulk_stages_init(stages);
+    for_each_op_in_order<kThreads_, kBarrier_>(p.program, tid, [&](int op) {
       [[maybe_unused]] uint64_t t0 = 0;
       if constexpr (kTrace_) t0 = device::trace_now_ns();
-      ops::run_comm_op_staged<kThreads_, kBarrier_>(p.hooks, op, tid, epoch, stages);
+      run_comm_op_staged<kThreads_, kBarrier_>(p.program, op, tid, epoch, stages);
       if constexpr (kTrace_)
         if (tid == 0) device::trace_record(trace, trace_role(p, op), op, t0);
-    }
+    });
   }
 
   // ---- communication CTAs that move between roles, per work item ----
@@ -194,19 +191,19 @@ struct CommRole {
     x.now_ns = now;
     x.tiles_total = sched.num_tiles;
     x.tiles_taken = min(*reinterpret_cast<volatile int*>(sched.p.counter), sched.num_tiles);
-    x.ops_total = p.hooks.n_ops;
-    x.ops_taken = min(*reinterpret_cast<volatile int*>(p.hooks.op_counter), p.hooks.n_ops);
+    x.ops_total = p.program.n_ops;
+    x.ops_taken = min(*reinterpret_cast<volatile int*>(p.program.op_counter), p.program.n_ops);
     x.ops_done = *reinterpret_cast<volatile int*>(&c->ops_done);
     int ready = 0;
-    for (int i = x.ops_taken; i < min(p.hooks.n_ops, x.ops_taken + kSplitPeek); ++i)
-      ready += ops::op_ready(p.hooks, i, epoch) ? 1 : 0;
+    for (int i = x.ops_taken; i < min(p.program.n_ops, x.ops_taken + kSplitPeek); ++i)
+      ready += op_ready(p.program, i, epoch) ? 1 : 0;
     x.ops_ready = ready;
     x.stalls = *reinterpret_cast<volatile int*>(&c->stalls);
-    if (p.hooks.ring.head) {
-      const uint64_t head = *reinterpret_cast<volatile unsigned long long*>(p.hooks.ring.head);
-      const uint64_t tail = *reinterpret_cast<const volatile uint64_t*>(p.hooks.ring.tail);
+    if (p.program.ring.head) {
+      const uint64_t head = *reinterpret_cast<volatile unsigned long long*>(p.program.ring.head);
+      const uint64_t tail = *reinterpret_cast<const volatile uint64_t*>(p.program.ring.tail);
       x.ring_queued = head > tail ? static_cast<int32_t>(min(head - tail, uint64_t(1) << 30)) : 0;
-      x.ring_capacity = static_cast<int32_t>(min(p.hooks.ring.capacity, uint64_t(1) << 30));
+      x.ring_capacity = static_cast<int32_t>(min(p.program.ring.capacity, uint64_t(1) << 30));
     }
     const int32_t before = c->state.comm;
     int32_t after = split_step(&c->state, x, c->limits);
@@ -234,11 +231,11 @@ struct CommRole {
     const int comm = p.role_counts
                          ? min(*reinterpret_cast<const volatile int*>(p.role_counts), static_cast<int>(gridDim.x) - 1)
                          : 0;
-    if (static_cast<int>(blockIdx.x) >= comm || p.hooks.n_ops <= 0 || s.ops_left_empty) return false;
-    if (!p.hooks.peek_ops) {
+    if (static_cast<int>(blockIdx.x) >= comm || p.program.n_ops <= 0 || s.ops_left_empty) return false;
+    if (!p.peek_ops) {
       // Ops strictly in program order (tiles may wait on ops: AG).
-      const int op = atomicAdd(p.hooks.op_counter, 1);
-      if (op < p.hooks.n_ops) {
+      const int op = atomicAdd(p.program.op_counter, 1);
+      if (op < p.program.n_ops) {
         item = op_item(op);
         ++s.ops_issued;
         return true;
@@ -249,13 +246,13 @@ struct CommRole {
     // The next op is taken when its waits are already met, or when no tile is left; otherwise
     // this CTA computes a tile meanwhile (communication CTAs never idle in a wait while tiles
     // remain). Once no op is left it computes for good.
-    const int idx = *reinterpret_cast<volatile int*>(p.hooks.op_counter);
-    if (idx >= p.hooks.n_ops) {
+    const int idx = *reinterpret_cast<volatile int*>(p.program.op_counter);
+    if (idx >= p.program.n_ops) {
       s.ops_left_empty = true;
       return false;
     }
-    if (!sched.tiles_left() || ops::op_ready(p.hooks, idx, epoch)) {
-      if (atomicCAS(p.hooks.op_counter, idx, idx + 1) == idx) {
+    if (!sched.tiles_left() || op_ready(p.program, idx, epoch)) {
+      if (atomicCAS(p.program.op_counter, idx, idx + 1) == idx) {
         item = op_item(idx);
         ++s.ops_issued;
         return true;
@@ -283,9 +280,9 @@ struct CommRole {
   // No tile left: the CTA helps with the program's remaining ops (the final reductions and
   // copies), so they run on every SM, not only on the communication CTAs. kItemDone when none.
   __device__ __forceinline__ static int help_op(const Params& p, RoleState& s) {
-    if (p.hooks.n_ops > 0 && !s.ops_left_empty) {
-      const int op = atomicAdd(p.hooks.op_counter, 1);
-      if (op < p.hooks.n_ops) {
+    if (p.program.n_ops > 0 && !s.ops_left_empty) {
+      const int op = atomicAdd(p.program.op_counter, 1);
+      if (op < p.program.n_ops) {
         ++s.ops_issued;
         return op_item(op);
       }
@@ -296,7 +293,7 @@ struct CommRole {
   // Op `op`, by the kThreads_ consumer threads (tid 0 .. kThreads_ - 1) on named barrier kBarrier_.
   template <int kThreads_, uint32_t kBarrier_>
   __device__ __forceinline__ static void run_op(const Params& p, int op, int tid, uint64_t epoch) {
-    ops::run_comm_op<kThreads_, kBarrier_>(p.hooks, op, tid, epoch);
+    run_comm_op<kThreads_, kBarrier_>(p.program, op, tid, epoch);
   }
   // By one consumer thread after run_op (read by finish_handed_ops; the controller's op count).
   __device__ __forceinline__ static void op_done(const Params& p, SharedStorage& sh) {
@@ -304,7 +301,7 @@ struct CommRole {
     if (p.split) atomicAdd(&p.split->ops_done, 1);
   }
   __device__ __forceinline__ static Role trace_role(const Params& p, int op) {
-    return p.hooks.ops[op].kind == ops::kDevNetPut ? Role::kNetSend : Role::kComm;
+    return p.program.ops[op].kind == kDevNetPut ? Role::kNetSend : Role::kComm;
   }
 
   // ---- per-tile hooks ----
@@ -313,18 +310,18 @@ struct CommRole {
   // inputs have arrived (AG's A rows); then the peers' stores, acquired by the waits, are
   // ordered before the async proxy's reads.
   __device__ __forceinline__ static void load_waits(const Params& p, int row, uint64_t epoch) {
-    if (!p.hooks.rows) return;
-    const ops::DevRowHooks h = p.hooks.rows[row];
+    if (!p.program.rows) return;
+    const DevRowHooks h = p.program.rows[row];
     if (h.load_waits) {
-      if (p.split && !ops::waits_met(p.hooks, h.load_wait0, h.load_waits, epoch)) atomicAdd(&p.split->stalls, 1);
-      ops::hook_waits<true>(p.hooks, h.load_wait0, h.load_waits, epoch);
+      if (p.split && !waits_met(p.program, h.load_wait0, h.load_waits, epoch)) atomicAdd(&p.split->stalls, 1);
+      hook_waits<true>(p.program, h.load_wait0, h.load_waits, epoch);
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }
   }
   // The store hooks of tile row `row` (read once per tile by the consumers).
   __device__ __forceinline__ static TileHooks tile_hooks(const Params& p, int row) {
     TileHooks h{};
-    if (p.hooks.rows) h = p.hooks.rows[row];
+    if (p.program.rows) h = p.program.rows[row];
     return h;
   }
   // Before a tile is stored: its destinations' owners have started this call (their buffers
@@ -332,8 +329,8 @@ struct CommRole {
   template <int kThreads_, uint32_t kBarrier_>
   __device__ __forceinline__ static void store_waits(const Params& p, const TileHooks& h, int tid, uint64_t epoch) {
     if (h.store_waits) {
-      if (tid == 0) ops::hook_waits(p.hooks, h.store_wait0, h.store_waits, epoch);
-      cutlass::arch::NamedBarrier::sync(kThreads_, kBarrier_);
+      if (tid == 0) hook_waits(p.program, h.store_wait0, h.store_waits, epoch);
+      device::named_barrier_sync(kThreads_, kBarrier_);
     }
   }
   // After a tile's stores were issued by plain (generic-proxy) writes of the kThreads_ threads:
@@ -344,12 +341,12 @@ struct CommRole {
   __device__ __forceinline__ static void store_signals(const Params& p, const TileHooks& h, int tid, uint64_t epoch) {
     if (h.store_sigs) {
       __threadfence_system();
-      cutlass::arch::NamedBarrier::sync(kThreads_, kBarrier_);
-      if (tid == 0) ops::hook_signals(p.hooks, h.store_sig0, h.store_sigs, epoch);
+      device::named_barrier_sync(kThreads_, kBarrier_);
+      if (tid == 0) hook_signals(p.program, h.store_sig0, h.store_sigs, epoch);
     }
   }
   // Before loading data that an op of this or a peer's program delivers (one producer thread):
-  // waits, bounded, until *flag >= target. `ctx` is the program's wait context (hooks.wait; a
+  // waits, bounded, until *flag >= target. `ctx` is the program's wait context (program.wait; a
   // kernel may pass its own copy of it). The caller fences the async proxy before its TMA reads
   // once its waits are done.
   __device__ __forceinline__ static void wait_arrival(const WaitCtx& ctx, const uint64_t* flag, uint64_t target,

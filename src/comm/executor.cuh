@@ -1,29 +1,27 @@
 // mkernel — the device side of a communication program (device_program.h): bounded waits,
 // signals, and the copy / reduce / zero / network-put ops that communication CTAs run. Kernels
 // reach them through the communication-role policy (comm_role.cuh), which the persistent GEMM
-// and the persistent attention kernel take as a template parameter. Include only from CUDA
-// sources built with the CUTLASS headers.
+// and the persistent attention kernel take as a template parameter, or run them alone
+// (for_each_op_in_order: MoE's runner). Needs no CUTLASS headers (barriers: device/barrier.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
-#include "cute/arch/util.hpp"
-#include "cutlass/arch/barrier.h"
-#include "cutlass/cutlass.h"
+#include "mkernel/device/barrier.cuh"
 #include "mkernel/device/command_ring.cuh"
 #include "mkernel/device/signal.cuh"
 #include "src/comm/device_program.h"
 
 namespace mk {
-namespace ops {
+namespace comm {
 
 // Waits [w0, w0 + n) of the hook pool, by one thread (acquire at system scope). A wait that
 // gives up (bound or abort) lets the rest go on without waiting: the kernel runs to its end.
 // kProducer: called from the producer warp (40 registers), whose waits inline their cold path.
 template <bool kProducer = false>
-__device__ __forceinline__ void hook_waits(const FusedHooks& h, uint32_t w0, uint32_t n, uint64_t epoch) {
+__device__ __forceinline__ void hook_waits(const DeviceProgram& h, uint32_t w0, uint32_t n, uint64_t epoch) {
   for (uint32_t i = 0; i < n; ++i) {
     const DevWait& w = h.waits[w0 + i];
     if (w.mul) device::wait_ge<kProducer>(h.wait, w.flag, w.mul * epoch, w.peer, w.index);
@@ -31,7 +29,7 @@ __device__ __forceinline__ void hook_waits(const FusedHooks& h, uint32_t w0, uin
 }
 // Raises nothing once a wait of this rank failed (device::wait_failed): a flag never vouches
 // for data computed past a failed wait.
-__device__ __forceinline__ void hook_signals(const FusedHooks& h, uint32_t s0, uint32_t n, uint64_t epoch) {
+__device__ __forceinline__ void hook_signals(const DeviceProgram& h, uint32_t s0, uint32_t n, uint64_t epoch) {
   if (n == 0 || device::wait_failed(h.wait)) return;
   for (uint32_t i = 0; i < n; ++i) {
     const DevSignal& g = h.signals[s0 + i];
@@ -40,14 +38,14 @@ __device__ __forceinline__ void hook_signals(const FusedHooks& h, uint32_t s0, u
   }
 }
 
-// An op's pointer entry: absolute, or (kUserPtrBit) an offset into caller buffer h.user[k].
-__device__ __forceinline__ char* op_ptr(const FusedHooks& h, uint64_t v) {
+// An op's pointer entry: absolute, or (kUserPtrBit) an offset into caller buffer h.user[slot].
+__device__ __forceinline__ char* op_ptr(const DeviceProgram& h, uint64_t v) {
   return (v & kUserPtrBit) ? static_cast<char*>(h.user[(v >> 56) & 0x7f]) + (v & ((1ull << 56) - 1))
                            : reinterpret_cast<char*>(v);
 }
 
 // Whether waits [w0, w0 + n) are already met (a peek: relaxed loads, no acquire).
-__device__ __forceinline__ bool waits_met(const FusedHooks& h, uint32_t w0, uint32_t n, uint64_t epoch) {
+__device__ __forceinline__ bool waits_met(const DeviceProgram& h, uint32_t w0, uint32_t n, uint64_t epoch) {
   for (uint32_t i = 0; i < n; ++i) {
     const DevWait& w = h.waits[w0 + i];
     if (w.mul && device::ld_relaxed_sys(w.flag) < w.mul * epoch) return false;
@@ -56,7 +54,7 @@ __device__ __forceinline__ bool waits_met(const FusedHooks& h, uint32_t w0, uint
 }
 
 // Whether op `idx`'s waits are all met now (a peek: relaxed loads, no acquire).
-__device__ __forceinline__ bool op_ready(const FusedHooks& h, int idx, uint64_t epoch) {
+__device__ __forceinline__ bool op_ready(const DeviceProgram& h, int idx, uint64_t epoch) {
   const DevOp& op = h.ops[idx];
   for (uint32_t i = 0; i < op.nwait; ++i) {
     const DevWait& w = h.waits[op.wait0 + i];
@@ -78,11 +76,11 @@ __device__ __forceinline__ void copy_words(const void* src_, void* const* dsts, 
   uint64_t j = tid;
   for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
     int4 v[kU];
-    CUTLASS_PRAGMA_UNROLL
+    #pragma unroll
     for (int u = 0; u < kU; ++u) v[u] = src[j + u * kThreads];
     for (uint32_t d = 0; d < ndst; ++d) {
       int4* dst = static_cast<int4*>(dsts[d]);
-      CUTLASS_PRAGMA_UNROLL
+      #pragma unroll
       for (int u = 0; u < kU; ++u) dst[j + u * kThreads] = v[u];
     }
   }
@@ -95,11 +93,11 @@ __device__ __forceinline__ void copy_words(const void* src_, void* const* dsts, 
 // One op of the communication program, run by kThreads threads (tid 0..kThreads-1) of a CTA that
 // meet on named barrier kBarrier.
 template <int kThreads, uint32_t kBarrier>
-__device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid, uint64_t epoch) {
+__device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int tid, uint64_t epoch) {
   const DevOp& op = h.ops[index];
   if (tid == 0) hook_waits(h, op.wait0, op.nwait, epoch);
-  cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
-  // Resolve the op's pointers (at most 16; a caller buffer's entry is relative to hooks.user).
+  device::named_barrier_sync(kThreads, kBarrier);
+  // Resolve the op's pointers (at most 16; a caller buffer's entry is relative to h.user).
   void* ptr[16];
   const uint32_t np = min(op.nsrc + op.ndst, 16u);
   for (uint32_t k = 0; k < np; ++k) ptr[k] = op_ptr(h, h.ptrs[op.ptr0 + k]);
@@ -145,16 +143,16 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
       uint64_t j = tid;
       for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
         float4 acc[kU];
-        CUTLASS_PRAGMA_UNROLL
+        #pragma unroll
         for (int u = 0; u < kU; ++u) acc[u] = static_cast<const float4*>(ptr[0])[j + u * kThreads];
         for (uint32_t k = 1; k < op.nsrc; ++k) {
           float4 v[kU];
-          CUTLASS_PRAGMA_UNROLL
+          #pragma unroll
           for (int u = 0; u < kU; ++u) v[u] = static_cast<const float4*>(ptr[k])[j + u * kThreads];
-          CUTLASS_PRAGMA_UNROLL
+          #pragma unroll
           for (int u = 0; u < kU; ++u) add(acc[u], v[u]);
         }
-        CUTLASS_PRAGMA_UNROLL
+        #pragma unroll
         for (int u = 0; u < kU; ++u) finish(j + u * kThreads, acc[u]);
       }
       for (; j < n; j += kThreads) {
@@ -171,7 +169,7 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
       if (op.nsrc == 1 && op.ndst == 1) {
         copy_words<kThreads>(ptr[0], ptr + 1, 1, bytes, tid);
         __threadfence_system();
-        cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
+        device::named_barrier_sync(kThreads, kBarrier);
       }
       if (tid == 0) {
         __threadfence_system();
@@ -185,7 +183,7 @@ __device__ __noinline__ void run_comm_op(const FusedHooks& h, int index, int tid
   }
   if (op.nsig) {
     __threadfence_system();
-    cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
+    device::named_barrier_sync(kThreads, kBarrier);
     if (tid == 0) hook_signals(h, op.sig0, op.nsig, epoch);
   }
 }
@@ -203,8 +201,8 @@ struct BulkStages {
 
 // Initializes the stages' mbarriers (one thread; the CTA syncs before any use).
 __device__ __forceinline__ void bulk_stages_init(BulkStages& b) {
-  for (int s = 0; s < b.stages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&b.bars[s], 1);
-  cutlass::arch::fence_barrier_init();
+  for (int s = 0; s < b.stages; ++s) device::mbarrier_init(&b.bars[s], 1);
+  device::fence_mbarrier_init();
   b.phases = 0;
 }
 
@@ -217,9 +215,9 @@ __device__ __forceinline__ void bulk_copy(BulkStages& b, const char* src, char* 
   auto len = [&](uint64_t c) { return uint32_t(min(sb, bytes - c * sb)); };
   auto load = [&](uint64_t c) {
     const int s = int(c % uint64_t(b.stages));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&b.bars[s], len(c));
-    const uint32_t bar = cute::cast_smem_ptr_to_uint(&b.bars[s]);
-    const uint32_t dsm = cute::cast_smem_ptr_to_uint(b.smem + s * sb);
+    device::mbarrier_arrive_expect_tx(&b.bars[s], len(c));
+    const uint32_t bar = device::smem_addr(&b.bars[s]);
+    const uint32_t dsm = device::smem_addr(b.smem + s * sb);
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dsm), "l"(src + c * sb), "r"(len(c)), "r"(bar) : "memory");
   };
@@ -227,9 +225,9 @@ __device__ __forceinline__ void bulk_copy(BulkStages& b, const char* src, char* 
   for (uint64_t c = 0; c < first; ++c) load(c);
   for (uint64_t c = 0; c < n; ++c) {
     const int s = int(c % uint64_t(b.stages));
-    cutlass::arch::ClusterTransactionBarrier::wait(&b.bars[s], (b.phases >> s) & 1u);
+    device::mbarrier_wait_parity(&b.bars[s], (b.phases >> s) & 1u);
     b.phases ^= 1u << s;
-    const uint32_t ssm = cute::cast_smem_ptr_to_uint(b.smem + s * sb);
+    const uint32_t ssm = device::smem_addr(b.smem + s * sb);
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + c * sb), "r"(ssm),
                  "r"(len(c)) : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
@@ -246,7 +244,7 @@ __device__ __forceinline__ void bulk_copy(BulkStages& b, const char* src, char* 
 // run_comm_op for a CTA with bulk stages: a one-source, one-destination copy goes through
 // bulk_copy (thread 0); every other op runs as in run_comm_op.
 template <int kThreads, uint32_t kBarrier>
-__device__ __noinline__ void run_comm_op_staged(const FusedHooks& h, int index, int tid, uint64_t epoch,
+__device__ __noinline__ void run_comm_op_staged(const DeviceProgram& h, int index, int tid, uint64_t epoch,
                                                 BulkStages& b) {
   const DevOp& op = h.ops[index];
   // Pinned host memory goes through plain loads and stores (the bulk-copy engine is kept to
@@ -266,8 +264,25 @@ __device__ __noinline__ void run_comm_op_staged(const FusedHooks& h, int index, 
       hook_signals(h, op.sig0, op.nsig, epoch);
     }
   }
-  cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
+  device::named_barrier_sync(kThreads, kBarrier);
 }
 
-}  // namespace ops
+// The program's ops in program order, by kThreads threads (tid 0 .. kThreads - 1, meeting on
+// named barrier kBarrier) of a CTA that takes nothing else: thread 0 takes the next op index from
+// h.op_counter, all of them run it (run(op)), until none is left. A runner kernel's whole loop
+// and a dedicated communication CTA's (comm_role.cuh).
+template <int kThreads, uint32_t kBarrier, class Run>
+__device__ __forceinline__ void for_each_op_in_order(const DeviceProgram& h, int tid, Run&& run) {
+  __shared__ int op_slot;
+  for (;;) {
+    if (tid == 0) op_slot = atomicAdd(h.op_counter, 1);
+    device::named_barrier_sync(kThreads, kBarrier);
+    const int op = op_slot;
+    device::named_barrier_sync(kThreads, kBarrier);
+    if (op >= h.n_ops) break;
+    run(op);
+  }
+}
+
+}  // namespace comm
 }  // namespace mk

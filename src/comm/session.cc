@@ -177,7 +177,7 @@ Status OpSession::address(const ProgramDecl& p, const BufRef& r, uint64_t* a) co
   if (d.space == Space::kUser) {
     MK_REQUIRE(r.rank == me && d.user_slot >= 0 && d.user_slot < 2, Code::kInternal,
                "%s: caller buffer %s used on rank %d", name, ref_str(p, r).c_str(), me);
-    *a = ops::user_ptr(d.user_slot, r.offset);
+    *a = user_ptr(d.user_slot, r.offset);
     return OkStatus();
   }
   if (d.space == Space::kHost) {
@@ -204,13 +204,13 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
     *a += f.index;
     return OkStatus();
   };
-  std::vector<ops::DevOp> dops;
-  std::vector<ops::DevWait> waits;
-  std::vector<ops::DevSignal> sigs;
+  std::vector<DevOp> dops;
+  std::vector<DevWait> waits;
+  std::vector<DevSignal> sigs;
   std::vector<uint64_t> ptrs;
   auto add_wait = [&](const Wait& w) -> Status {
     MK_REQUIRE(w.flag.rank == me, Code::kInternal, "%s: a wait on rank %d's flag", name, w.flag.rank);
-    ops::DevWait d{};
+    DevWait d{};
     uint64_t* a = nullptr;
     MK_CHECK(flag_addr(w.flag, &a));
     d.flag = a;
@@ -223,7 +223,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
   auto add_signal = [&](const Signal& g) -> Status {
     MK_REQUIRE(!p.proxy_region(g.flag.region), Code::kInternal, "%s: device signal on proxy flag %s", name,
                flag_str(p, g.flag).c_str());
-    ops::DevSignal d{};
+    DevSignal d{};
     MK_CHECK(flag_addr(g.flag, &d.flag));
     d.value = g.value;
     d.add = g.add ? 1 : 0;
@@ -238,7 +238,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
   };
   for (size_t i = 0; i < rp.ops.size(); ++i) {
     const Op& op = rp.ops[i];
-    ops::DevOp d{};
+    DevOp d{};
     d.kind = uint32_t(op.kind);
     d.wait0 = uint32_t(waits.size());
     d.nwait = uint32_t(op.waits.size());
@@ -254,7 +254,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
     bool host = false;
     for (const auto& r : op.srcs) host |= p.is_host(r.buf);
     for (const auto& r : op.dsts) host |= p.is_host(r.buf);
-    if (host) d.flags |= ops::kDevOpHostMem;
+    if (host) d.flags |= kDevOpHostMem;
     if (op.kind == OpKind::kNetPut) {
       MK_REQUIRE(net_, Code::kInternal, "%s: a network put without a network session", name);
       MK_REQUIRE(op.srcs.size() == 1 && op.dsts.size() == 1 && op.srcs[0].rank == me && op.dsts[0].rank == op.peer,
@@ -273,7 +273,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
         MK_REQUIRE(op.bytes % 16 == 0, Code::kInternal, "%s: staged put '%s' is not 16-byte sized", name,
                    op.what.c_str());
         d.nsrc = d.ndst = 1;
-        d.flags |= ops::kDevOpHostMem;
+        d.flags |= kDevOpHostMem;
         MK_CHECK(add_ptr(op.stage_src));
         MK_CHECK(add_ptr(s));
       }
@@ -293,7 +293,7 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
                  "%s: op '%s': a run-time byte count on a %s", name, op.what.c_str(), op_kind_name(op.kind));
       MK_REQUIRE(op.count_at.rank == me && op.count_at.offset % 8 == 0, Code::kInternal,
                  "%s: op '%s' reads its byte count from %s", name, op.what.c_str(), ref_str(p, op.count_at).c_str());
-      d.flags |= ops::kDevOpCountAt;
+      d.flags |= kDevOpCountAt;
       d.count_ptr = uint32_t(ptrs.size());
       MK_CHECK(add_ptr(op.count_at));
     }
@@ -303,13 +303,13 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
   out->hook_signal0 = uint32_t(sigs.size());
   for (const auto& w : rp.waits) MK_CHECK(add_wait(w));
   for (const auto& g : rp.signals) MK_CHECK(add_signal(g));
-  ops::FusedHooks& h = out->hooks;
-  h = ops::FusedHooks{};
-  MK_CHECK(upload(dops, const_cast<ops::DevOp**>(&h.ops)));
+  DeviceProgram& h = out->program;
+  h = DeviceProgram{};
+  MK_CHECK(upload(dops, const_cast<DevOp**>(&h.ops)));
   h.n_ops = int32_t(dops.size());
   h.world = p.layout.world;
-  MK_CHECK(upload(waits, const_cast<ops::DevWait**>(&h.waits)));
-  MK_CHECK(upload(sigs, const_cast<ops::DevSignal**>(&h.signals)));
+  MK_CHECK(upload(waits, const_cast<DevWait**>(&h.waits)));
+  MK_CHECK(upload(sigs, const_cast<DevSignal**>(&h.signals)));
   MK_CHECK(upload(ptrs, const_cast<uint64_t**>(&h.ptrs)));
   void* ctr = nullptr;
   MK_CHECK(alloc_zeroed(sizeof(int), &ctr));

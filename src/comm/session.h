@@ -29,12 +29,12 @@
 namespace mk {
 namespace comm {
 
-// The resolved form of a rank's program: FusedHooks (device_program.h) less what a call binds
-// (user pointers) and what the kernel's own scheduling adds.
+// The resolved form of a rank's program: a DeviceProgram (device_program.h) less what a call
+// binds (the caller's buffers) and what the kernel's compute side adds (tile-row hooks).
 struct Resolved {
-  ops::FusedHooks hooks{};
-  // Offsets of the program's hook pools (RankProgram::waits / ::signals) in hooks.waits /
-  // hooks.signals: the compute side indexes them from there.
+  DeviceProgram program{};
+  // Offsets of the program's hook pools (RankProgram::waits / ::signals) in program.waits /
+  // program.signals: the compute side indexes them from there.
   uint32_t hook_wait0 = 0, hook_signal0 = 0;
 };
 
@@ -84,7 +84,7 @@ class OpSession : public CommAttachment {
   // This rank's program as device descriptors (uploaded; owned by the session).
   Status resolve(const ProgramDecl& decl, const RankProgram& rp, Resolved* out);
   // A buffer reference as an op pointer entry: a (peer) device or host address, or a caller
-  // buffer's entry (ops::user_ptr, resolved per call by ops::op_ptr).
+  // buffer's entry (user_ptr, resolved per call by op_ptr).
   Status address(const ProgramDecl& decl, const BufRef& ref, uint64_t* out) const;
 
   // Addresses after setup: a buffer's local memory (device, or pinned host for kHost), its

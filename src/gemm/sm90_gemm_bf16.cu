@@ -341,26 +341,30 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
     return OkStatus();
   }
   // A fused launch keeps its communication CTAs even when the tiles are few.
-  MK_REQUIRE(f->hooks.n_ops == 0 || grid >= 2, Code::kInvalidArgument,
+  MK_REQUIRE(f->program.n_ops == 0 || grid >= 2, Code::kInvalidArgument,
              "gemm: a fused launch with communication needs at least 2 CTAs (got %d)", grid);
-  MK_REQUIRE(f->tile_counter && (f->hooks.n_ops == 0 || f->role_counts), Code::kInvalidArgument,
+  MK_REQUIRE(f->tile_counter && (f->program.n_ops == 0 || f->role_counts), Code::kInvalidArgument,
              "gemm: a fused launch needs a tile counter, and role counts when it has communication ops");
   Params<comm::CommRole> p{};
   MK_CHECK(make_params(a, &p));
   p.sched.order = f->tile_order;
   p.sched.counter = f->tile_counter;
-  p.comm.hooks = f->hooks;
+  p.comm.program = f->program;
   p.comm.role_counts = f->role_counts;
-  if (f->route) p.epi = EpiKind::kRoute;
-  if (f->split && f->hooks.n_ops > 0) {
+  p.comm.peek_ops = f->peek_ops ? 1 : 0;
+  if (f->route) {
+    p.epi = EpiKind::kRoute;
+    p.route = f->route_epi;
+  }
+  if (f->split && f->program.n_ops > 0) {
     // The controller: its per-call reset and the starting count, with the counters' zeroing.
     p.comm.split = f->split;
     if (a.trace) p.comm.trace = *a.trace;
-    fused_begin<<<1, 1, 0, stream>>>(f->hooks.op_counter, f->tile_counter, const_cast<int*>(f->role_counts),
+    fused_begin<<<1, 1, 0, stream>>>(f->program.op_counter, f->tile_counter, const_cast<int*>(f->role_counts),
                                      f->split, grid);
     MK_CUDA_CHECK(cudaGetLastError());
   } else {
-    if (f->hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(f->hooks.op_counter, 0, sizeof(int), stream));
+    if (f->program.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(f->program.op_counter, 0, sizeof(int), stream));
     MK_CUDA_CHECK(cudaMemsetAsync(f->tile_counter, 0, sizeof(int), stream));
   }
   // Traced: compute tiles, TMA loads and communication ops on one timeline.
@@ -382,7 +386,7 @@ Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) { retu
 Status route_tensor_maps(float* const* dsts, int n, int64_t rows, int64_t N, std::vector<uint8_t>* maps) {
 #if MK_WITH_CUTLASS
   using namespace sm90;
-  static_assert(sizeof(CUtensorMap) == 128, "FusedHooks::route_maps holds 128-byte maps");
+  static_assert(sizeof(CUtensorMap) == 128, "RouteEpilogue::route_maps holds 128-byte maps");
   MK_REQUIRE(rows >= 1 && N >= 8 && N % 8 == 0 && rows < (1ll << 31) && N < (1ll << 31), Code::kInvalidArgument,
              "gemm: route maps need rows >= 1 and N a positive multiple of 8 (got %lld x %lld)", (long long)rows,
              (long long)N);

@@ -91,7 +91,7 @@ struct Params {
   float* lse_acc;
   uint64_t* seq;
   int* item_counter;  // non-null: dynamic schedule (zeroed by the launch)
-  WaitCtx wait;       // arrival waits and the merge order (the program's hooks.wait)
+  WaitCtx wait;       // arrival waits and the merge order (the program's wait context)
   TraceBuffer trace;  // traced variant only
   typename Comm_::Params comm;
 };

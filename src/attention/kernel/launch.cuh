@@ -68,15 +68,15 @@ Status launch(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, in
   p.lse_acc = l.lse_acc;
   p.seq = l.seq;
   p.item_counter = l.item_counter;
-  p.wait = l.hooks.wait;
+  p.wait = l.program.wait;
   if constexpr (Comm_::kEnabled) {
-    p.comm.hooks = l.hooks;
+    p.comm.program = l.program;
     p.comm.dedicated_ctas = l.comm_ctas;
   }
   if constexpr (kTrace_) p.trace = *l.trace;
   if (l.item_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.item_counter, 0, sizeof(int), stream));
   if (l.seq && l.n_seq && l.reset_seq) MK_CUDA_CHECK(cudaMemsetAsync(l.seq, 0, size_t(l.n_seq) * 8, stream));
-  if (l.hooks.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.hooks.op_counter, 0, sizeof(int), stream));
+  if (l.program.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.program.op_counter, 0, sizeof(int), stream));
   const int smem = int(sizeof(typename C::Shared));
   auto kernel = fmha_kernel<kD, kTrace_, Comm_>;
   MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

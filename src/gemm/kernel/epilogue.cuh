@@ -2,8 +2,8 @@
 //   kStore  C = A·Bᵀ in bf16 through CUTLASS's TMA-store collective (C may be a peer's
 //           symmetric-memory mapping); optionally followed by a per-tile flag.
 //   kRoute  the fused RS/AR epilogue: the tile's fp32 values to the reducer of each row's shard
-//           on this node (hooks.route), reduce-added, or stored when deterministic. Two paths:
-//           route_tile_bulk (default) stages 16x32 boxes per warp in shared memory and moves
+//           on this node (RouteEpilogue::route), reduce-added, or stored when deterministic. Two
+//           paths: route_tile_bulk (default) stages 16x32 boxes per warp in shared memory and moves
 //           them by TMA (a bulk reduce-add or store per box); route_tile sends each register
 //           pair as its own system-scope `red` (or store). Followed by the tile row's hook
 //           signals (comm_role.cuh).
@@ -15,6 +15,7 @@
 
 #include "src/comm/device_program.h"
 #include "src/comm/executor.cuh"
+#include "src/gemm/route_epilogue.h"
 #include "src/gemm/kernel/config.cuh"
 
 namespace mk {
@@ -83,7 +84,7 @@ __device__ __forceinline__ void store_f32_pair(float* row, int n, int n1, int N,
 // destinations are peers' accumulation buffers on this node. Rows and columns past (M, N) are
 // skipped.
 template <class Accum_>
-__device__ __forceinline__ void route_tile(const ops::FusedHooks& h, const ProblemShape& problem, const Accum_& accum,
+__device__ __forceinline__ void route_tile(const RouteEpilogue& h, const ProblemShape& problem, const Accum_& accum,
                                            int mma_tid, int tile_m, int tile_n) {
   TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(mma_tid);
@@ -168,7 +169,7 @@ __device__ __forceinline__ void tma_box_out(const void* map, uint32_t smem, int 
 // k (columns [32k, 32k + 32)) is elements [16k, 16k + 16). The writes are in flight on return:
 // route_bulk_complete() before the tile's signals and before the buffers are written again.
 template <class Accum_>
-__device__ __forceinline__ void route_tile_bulk(const ops::FusedHooks& h, const ProblemShape& problem,
+__device__ __forceinline__ void route_tile_bulk(const RouteEpilogue& h, const ProblemShape& problem,
                                                 const Accum_& accum, int mma_tid, int tile_m, int tile_n,
                                                 char* stage) {
   static_assert(decltype(size(accum))::value == 8 * 16, "128 accumulators per thread (two warpgroups, 128x256)");
@@ -232,17 +233,17 @@ __device__ __forceinline__ void route_bulk_complete(int mma_tid) {
   __syncwarp();
 }
 
-// Whether tile row tile_m ends in this rank's epilogue (FusedHooks::fin_lo/hi: whole tile-rows).
-__device__ __forceinline__ bool final_tile_row(const ops::FusedHooks& h, int tile_m) {
+// Whether tile row tile_m ends in this rank's epilogue (RouteEpilogue::fin_lo/hi: whole tile-rows).
+__device__ __forceinline__ bool final_tile_row(const RouteEpilogue& h, int tile_m) {
   const int64_t r0 = int64_t(tile_m) * int64_t(size<0>(TileShape{}));
   return r0 >= h.fin_lo && r0 < h.fin_hi;
 }
 
-// The owner's final sum of one of its own tiles (FusedHooks::fin_*), per thread: its two rows,
+// The owner's final sum of one of its own tiles (RouteEpilogue::fin_*), per thread: its two rows,
 // 8-column groups in batches of 8 so that the loads of a term are in flight together. The
 // tile-row's store waits (every other rank's share arrived) came first.
 template <class Accum_>
-__device__ __forceinline__ void final_tile(const ops::FusedHooks& h, const ProblemShape& problem, Accum_& accum,
+__device__ __forceinline__ void final_tile(const comm::DeviceProgram& prog, const RouteEpilogue& h, const ProblemShape& problem, Accum_& accum,
                                            int mma_tid, int tile_m, int tile_n) {
   const int M = get<0>(problem), N = get<1>(problem);
   const int lane = mma_tid % 32;
@@ -292,7 +293,7 @@ __device__ __forceinline__ void final_tile(const ops::FusedHooks& h, const Probl
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < 8; ++g) b[g] = __floats2bfloat162_rn(a[g].x, a[g].y);
       for (int d = 0; d < h.fin_ndst; ++d) {
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(ops::op_ptr(h, h.fin_dsts[d])) + row / 2;
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(comm::op_ptr(prog, h.fin_dsts[d])) + row / 2;
         CUTLASS_PRAGMA_UNROLL
         for (int g = 0; g < 8; ++g) {
           const int n = n0 + 8 * (gb + g);

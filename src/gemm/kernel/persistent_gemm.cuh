@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
@@ -66,9 +67,12 @@ struct ParamsCore {
   EpiKind epi;
   TraceBuffer trace;  // used by the traced kernel variant only
 };
+struct NoRoute {};
 template <class Comm_>
 struct Params : ParamsCore {
   typename Comm_::Params comm;
+  // The routed epilogue of the fused collectives (EpiKind::kRoute): with a communication role only.
+  std::conditional_t<Comm_::kEnabled, RouteEpilogue, NoRoute> route;
 };
 
 // The producer warp with the static scheduler: every tile of this CTA's items, in turn.
@@ -178,9 +182,9 @@ __device__ __forceinline__ void consume(const Params<Comm_>& params, SharedStora
     bool routed = false;
     if constexpr (Comm_::kEnabled) {
       if (params.epi == EpiKind::kRoute) {
-        const ops::FusedHooks& h = params.comm.hooks;
+        const RouteEpilogue& h = params.route;
         if (final_tile_row(h, tm))
-          final_tile(h, params.problem, accum, mma_tid, tm, tn);
+          final_tile(params.comm.program, h, params.problem, accum, mma_tid, tm, tn);
         else if (h.route_maps)
           route_tile_bulk(h, params.problem, accum, mma_tid, tm, tn, smem.epi.route);
         else

@@ -32,7 +32,8 @@ struct FusedState {
   int comm_ctas = 0;
   bool route_bulk = true;  // RS/AR: the epilogue's TMA boxes (tunable fused_route)
   const void* last_a = nullptr;  // one rank: the caller's A of the last call
-  FusedHooks hooks{};      // the resolved program
+  comm::DeviceProgram program{};     // the resolved program
+  gemm::RouteEpilogue route_epi{};   // RS/AR: where the epilogue sends its tiles
   int* d_role = nullptr;   // communication CTAs (device; set_comm_ctas changes it)
   int* d_tile_counter = nullptr;
   int* d_order = nullptr;
@@ -72,9 +73,9 @@ Status resolve(FusedState* st) {
   const RankPlan& rp = p.ranks[me];
   comm::Resolved r;
   MK_CHECK(ses.resolve(p, rp, &r));
-  std::vector<DevRowHooks> rows;
+  std::vector<comm::DevRowHooks> rows;
   for (const auto& h : rp.rows)
-    rows.push_back(DevRowHooks{r.hook_wait0 + h.load_wait0, h.load_waits, r.hook_wait0 + h.store_wait0, h.store_waits,
+    rows.push_back(comm::DevRowHooks{r.hook_wait0 + h.load_wait0, h.load_waits, r.hook_wait0 + h.store_wait0, h.store_waits,
                                r.hook_signal0 + h.store_sig0, h.store_sigs});
   // Buffer references as op pointer entries (device addresses, or caller-buffer entries).
   auto addresses = [&](const std::vector<comm::BufRef>& refs, std::vector<uint64_t>* out) -> Status {
@@ -93,15 +94,17 @@ Status resolve(FusedState* st) {
   std::vector<uint64_t> route_addr;  // the workspaces of this node's reducers
   MK_CHECK(addresses(rp.route, &route_addr));
   std::vector<float*> route = as_floats(route_addr);
-  FusedHooks& h = st->hooks;
-  h = r.hooks;
-  MK_CHECK(ses.upload(rows, const_cast<DevRowHooks**>(&h.rows)));
+  st->program = r.program;
+  MK_CHECK(ses.upload(rows, const_cast<comm::DevRowHooks**>(&st->program.rows)));
+  gemm::RouteEpilogue& h = st->route_epi;
+  h = gemm::RouteEpilogue{};
   MK_CHECK(ses.upload(route, const_cast<float***>(&h.route)));
   if (!route.empty() && st->route_bulk) {
     std::vector<uint8_t> maps;
     MK_CHECK(gemm::route_tensor_maps(route.data(), int(route.size()), p.shard_rows, p.shape.N, &maps));
     MK_CHECK(ses.upload(maps, reinterpret_cast<uint8_t**>(const_cast<void**>(&h.route_maps))));
   }
+  h.world = int32_t(route.size());
   h.shard_rows = p.shard_rows;
   h.fin_lo = h.fin_hi = 0;
   if (rp.fin.on) {
@@ -122,7 +125,6 @@ Status resolve(FusedState* st) {
     h.fin_zero = rp.fin.zero_srcs ? 1 : 0;
   }
   h.route_store = p.deterministic ? 1 : 0;
-  h.peek_ops = p.kind == FusedKind::kAgGemm ? 0 : 1;
   std::vector<int> counters{st->comm_ctas, 0};
   int* dc = nullptr;
   MK_CHECK(ses.upload(counters, &dc));
@@ -134,7 +136,7 @@ Status resolve(FusedState* st) {
     c.interval_ns = kSplitIntervalNs;
     c.limits.lo = 1;
     c.limits.hi = 1;
-    c.limits.in_order = h.peek_ops == 0;
+    c.limits.in_order = p.kind == FusedKind::kAgGemm;  // no peeking at ops (FusedLaunch::peek_ops)
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->h_mean), sizeof(int), cudaHostAllocMapped));
     *st->h_mean = 0;
     MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&c.host_mean), st->h_mean, 0));
@@ -363,14 +365,15 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
   g.B = a.B;
   g.trace = a.trace;
   gemm::FusedLaunch f;
-  f.hooks = st->hooks;
+  f.program = st->program;
+  f.peek_ops = st->kind != FusedKind::kAgGemm;
   f.role_counts = st->d_role;
   f.tile_counter = st->d_tile_counter;
   f.tile_order = st->d_order;
   if (st->kind == FusedKind::kAgGemm) {
     g.A = st->session->local(Buf::kAFull);
     g.C = a.C;
-    f.hooks.user[kUserPtrA] = const_cast<void*>(a.A);
+    f.program.user[kUserSlotA] = const_cast<void*>(a.A);
     if (st->plan.own_copy_before) {
       // My shard into my gathered A before the kernel (Plan::own_copy_before): stream order
       // makes it follow the previous call's reads and precede this call's.
@@ -384,7 +387,8 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
     // The routed epilogue never writes C; the TMA-store descriptor still needs valid memory.
     g.C = st->session->local(Buf::kAccum);
     f.route = true;
-    f.hooks.user[kUserPtrC] = a.C;
+    f.route_epi = st->route_epi;
+    f.program.user[kUserSlotC] = a.C;
   }
   gemm::RunConfig cfg;
   cfg.max_ctas = st->opt.max_ctas;

@@ -513,7 +513,7 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const comm::Layout& la
     // buffers that do.
     const bool network = host || (!user && nodes > 1 && !p.net_staged);
     b.pb.buf(buf_name(id), bb[id], user ? comm::Space::kUser : host ? comm::Space::kHost : comm::Space::kSymmetric,
-             network, user ? (id == Buf::kUserA ? 0 : 1) : -1, mirror_of, id == Buf::kToken || id == Buf::kTokenNet);
+             network, user ? (id == Buf::kUserA ? kUserSlotA : kUserSlotC) : -1, mirror_of, id == Buf::kToken || id == Buf::kTokenNet);
   }
   p.add_region(region_name(Region::kEntry), W, false);
   p.add_region(region_name(Region::kEntryNet), W, true);

@@ -32,6 +32,10 @@
 namespace mk {
 namespace ops {
 
+// The caller's buffers as the program names them (BufDecl::user_slot; DeviceProgram::user).
+constexpr int kUserSlotA = 0;  // AG: the caller's A shard
+constexpr int kUserSlotC = 1;  // RS/AR: the caller's C
+
 // The plan's buffers (ids in its ProgramDecl::bufs, in this order; unused ones have 0 bytes).
 namespace Buf {
 enum : comm::BufId {

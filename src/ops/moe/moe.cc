@@ -219,7 +219,7 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
     MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&l.err), st->err_host, 0));
     comm::Resolved r;
     MK_CHECK(d.resolve(st->dprog, st->dprog.ranks[me], &r));
-    l.dhooks = r.hooks;
+    l.dispatch_program = r.program;
     if (st->hier) {
       const MoeNodeGeometry& ng = st->ng;
       l.hier = true;
@@ -251,7 +251,7 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
       l.rs0 = r.hook_signal0, l.rsn = pl.repack_signals;
     }
     MK_CHECK(c.resolve(st->cprog, st->cprog.ranks[me], &r));
-    l.chooks = r.hooks;
+    l.combine_program = r.program;
     MK_CHECK(moe_prepare_launch(l));
     MK_CUDA_CHECK(cudaDeviceSynchronize());
     return OkStatus();

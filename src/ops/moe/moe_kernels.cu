@@ -44,7 +44,7 @@ __device__ __forceinline__ bool valid_expert(const MoeLaunch& l, int32_t e) { re
 // dst[0, bytes) = src[0, bytes) by the CTA (kThreads threads): the communication executor's copy.
 __device__ __forceinline__ void copy_row(const char* src, char* dst, int64_t bytes) {
   void* d = dst;
-  copy_words<kThreads>(src, &d, 1, uint64_t(bytes), int(threadIdx.x));
+  comm::copy_words<kThreads>(src, &d, 1, uint64_t(bytes), int(threadIdx.x));
 }
 
 // A row held in the CTA's registers (rows of at most kRowRegs * 16 * blockDim bytes), written to
@@ -333,22 +333,15 @@ __global__ void __launch_bounds__(kThreads) pack(MoeLaunch l, const char* x) {
 }
 
 // ---- the program: communication CTAs take ops in order until none is left.
-__global__ void __launch_bounds__(kRunnerThreads) runner(FusedHooks h) {
-  __shared__ int op_slot;
+__global__ void __launch_bounds__(kRunnerThreads) runner(comm::DeviceProgram h) {
   const uint64_t epoch = device::epoch_of_call(h.epoch);
-  for (;;) {
-    if (threadIdx.x == 0) op_slot = atomicAdd(h.op_counter, 1);
-    __syncthreads();
-    const int op = op_slot;
-    __syncthreads();
-    if (op >= h.n_ops) break;
-    run_comm_op<kRunnerThreads, 1>(h, op, int(threadIdx.x), epoch);
-  }
+  comm::for_each_op_in_order<kRunnerThreads, 1>(
+      h, int(threadIdx.x), [&](int op) { comm::run_comm_op<kRunnerThreads, 1>(h, op, int(threadIdx.x), epoch); });
   device::epoch_finish(h.epoch, gridDim.x);
 }
 
 // The epoch of the call whose runner just finished (the runner advanced it at its end).
-__device__ __forceinline__ uint64_t epoch_after_runner(const FusedHooks& h) {
+__device__ __forceinline__ uint64_t epoch_after_runner(const comm::DeviceProgram& h) {
   return *reinterpret_cast<const volatile uint64_t*>(&h.epoch->value);
 }
 
@@ -356,8 +349,8 @@ __device__ __forceinline__ uint64_t epoch_after_runner(const FusedHooks& h) {
 // of this node's ranks (peer stores), then — the last CTA — the fwd flags. blockIdx.y: node.
 __global__ void __launch_bounds__(kThreads) repack(MoeLaunch l) {
   const int n = blockIdx.y;
-  const uint64_t e = epoch_after_runner(l.dhooks);
-  if (threadIdx.x == 0) hook_waits(l.dhooks, l.rw0, l.rwn, e);
+  const uint64_t e = epoch_after_runner(l.dispatch_program);
+  if (threadIdx.x == 0) comm::hook_waits(l.dispatch_program, l.rw0, l.rwn, e);
   __syncthreads();
   if (n != l.my_node) {
     const int s = l.node_ranks[n * l.local + l.my_local];  // the twin that sent this node slot
@@ -425,7 +418,7 @@ __global__ void __launch_bounds__(kThreads) repack(MoeLaunch l) {
     if (atomicAdd(l.repack_done, 1) == total - 1) {
       *l.repack_done = 0;
       __threadfence_system();
-      hook_signals(l.dhooks, l.rs0, l.rsn, e);
+      comm::hook_signals(l.dispatch_program, l.rs0, l.rsn, e);
     }
   }
 }
@@ -443,7 +436,7 @@ __global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int
   auto slot = [&](int s) { return l.recv + int64_t(s) * l.slot_bytes; };
   // hier: the record slots the other ranks of the node wrote here from their node slots.
   if (l.hier && l.lwn) {
-    if (threadIdx.x == 0) hook_waits(l.dhooks, l.lw0, l.lwn, epoch_after_runner(l.dhooks));
+    if (threadIdx.x == 0) comm::hook_waits(l.dispatch_program, l.lw0, l.lwn, epoch_after_runner(l.dispatch_program));
     __syncthreads();
   }
   for (int le = threadIdx.x; le < El; le += blockDim.x) {
@@ -611,7 +604,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char*
   }
 }
 
-Status run_program(const FusedHooks& h, int ctas, cudaStream_t stream) {
+Status run_program(const comm::DeviceProgram& h, int ctas, cudaStream_t stream) {
   if (h.n_ops <= 0) return OkStatus();
   MK_CUDA_CHECK(cudaMemsetAsync(h.op_counter, 0, sizeof(int), stream));
   runner<<<ctas, kRunnerThreads, 0, stream>>>(h);
@@ -646,7 +639,7 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x));
   MK_CUDA_CHECK(cudaGetLastError());
-  MK_CHECK(run_program(l.dhooks, l.comm_ctas, stream));
+  MK_CHECK(run_program(l.dispatch_program, l.comm_ctas, stream));
   if (l.hier) {
     const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
     repack<<<dim3(gx, l.nodes), kThreads, 0, stream>>>(l);
@@ -664,7 +657,7 @@ Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStre
   const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
   combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y));
   MK_CUDA_CHECK(cudaGetLastError());
-  MK_CHECK(run_program(l.chooks, l.comm_ctas, stream));
+  MK_CHECK(run_program(l.combine_program, l.comm_ctas, stream));
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), static_cast<char*>(out));
   MK_CUDA_CHECK(cudaGetLastError());

@@ -77,11 +77,11 @@ struct MoeLaunch {
   int64_t npb = 0;
   int32_t* nrecpos = nullptr;           // [T * k] node records' local ranks (first entry of a token per node)
   char* const* peer_recv = nullptr;     // [local] every rank of the node's receive slots (peer pointers)
-  uint32_t rw0 = 0, rwn = 0, lw0 = 0, lwn = 0, rs0 = 0, rsn = 0;  // the pools (dhooks.waits / .signals)
+  uint32_t rw0 = 0, rwn = 0, lw0 = 0, lwn = 0, rs0 = 0, rsn = 0;  // the pools (dispatch_program.waits / .signals)
   int* repack_done = nullptr;           // CTAs of the repack that finished (the last raises the flags)
   int* scan_done = nullptr;             // CTAs of the route scan that finished (the last writes the headers)
   // the two programs (dispatch, combine); n_ops == 0: nothing to run (W == 1)
-  FusedHooks dhooks{}, chooks{};
+  comm::DeviceProgram dispatch_program{}, combine_program{};
   int comm_ctas = 1;
 };
 

@@ -154,19 +154,19 @@ Status build_program(RingState* st) {
   }
   for (attention::FmhaLaunch* v : {&st->gathered}) {
     v->o_acc = l.o_acc, v->lse_acc = l.lse_acc, v->seq = l.seq, v->n_seq = l.n_seq;
-    v->hooks.wait = ses.wait_ctx(Role::kCompute);
+    v->program.wait = ses.wait_ctx(Role::kCompute);
   }
   for (auto& v : st->per_step) {
     v.o_acc = l.o_acc, v.lse_acc = l.lse_acc, v.seq = l.seq, v.n_seq = l.n_seq;
-    v.hooks.wait = ses.wait_ctx(Role::kCompute);
+    v.program.wait = ses.wait_ctx(Role::kCompute);
   }
 
   // ---- the communication program: resolved by the session ----
   comm::Resolved r;
   MK_CHECK(ses.resolve(st->program, st->program.ranks[me], &r));
-  l.hooks = r.hooks;
-  if (W == 1) l.hooks.epoch = nullptr;  // nothing to communicate: no epoch to keep
-  l.comm_ctas = l.hooks.n_ops == 0 ? 0 : st->comm_ctas;
+  l.program = r.program;
+  if (W == 1) l.program.epoch = nullptr;  // nothing to communicate: no epoch to keep
+  l.comm_ctas = l.program.n_ops == 0 ? 0 : st->comm_ctas;
   {
     // The ring's launches take items from a device counter in item order (the dynamic schedule;
     // single calls run the static one). One counter per operator: its calls are stream-ordered.
@@ -246,7 +246,7 @@ Status RingAttention::destroy() {
 int RingAttention::comm_ctas() const { return st_->launch.comm_ctas; }
 int64_t RingAttention::local_tokens() const { return st_->S_l; }
 int RingAttention::work_items() const { return st_->launch.n_items; }
-int RingAttention::comm_ops() const { return st_->launch.hooks.n_ops; }
+int RingAttention::comm_ops() const { return st_->launch.program.n_ops; }
 size_t RingAttention::block_elems() const {
   return size_t(st_->shape.B) * st_->S_l * st_->shape.Hkv * st_->shape.D;
 }
@@ -322,8 +322,8 @@ Status RingAttention::enqueue(const RingAttentionArgs& a, cudaStream_t stream) {
   MK_CHECK(st->session->check_call());
   attention::ForwardArgs f = forward_args(st, a);
   attention::FmhaLaunch l = st->launch;
-  l.hooks.user[0] = const_cast<void*>(a.k);
-  l.hooks.user[1] = const_cast<void*>(a.v);
+  l.program.user[kUserSlotK] = const_cast<void*>(a.k);
+  l.program.user[kUserSlotV] = const_cast<void*>(a.v);
   l.trace = a.trace;
   attention::RunConfig cfg;
   cfg.max_ctas = st->opt.max_ctas;

@@ -181,8 +181,8 @@ Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, cons
   Builder bld{p, plan, g, block, comm::ProgramBuilder(p)};
   comm::ProgramBuilder& pb = bld.pb;
   const bool direct = net && !p.net_staged;
-  pb.buf("user_k", block, comm::Space::kUser, false, 0);
-  pb.buf("user_v", block, comm::Space::kUser, false, 1);
+  pb.buf("user_k", block, comm::Space::kUser, false, kUserSlotK);
+  pb.buf("user_v", block, comm::Space::kUser, false, kUserSlotV);
   pb.buf("slots_k", uint64_t(W) * block, comm::Space::kSymmetric, direct);
   pb.buf("slots_v", uint64_t(W) * block, comm::Space::kSymmetric, direct);
   pb.buf("token", direct ? 8ull * W : 0, comm::Space::kSymmetric, direct, -1, comm::kNoBuf, true);

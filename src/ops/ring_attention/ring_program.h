@@ -33,6 +33,9 @@ struct RingGeometry {
   int pieces = 0;            // ceil(S_l / chunk_tokens)
 };
 
+// The caller's K and V as the program names them (BufDecl::user_slot; DeviceProgram::user).
+constexpr int kUserSlotK = 0, kUserSlotV = 1;
+
 namespace RingBuf {
 enum : comm::BufId { kUserK = 0, kUserV = 1, kSlotsK = 2, kSlotsV = 3, kToken = 4, kSlotsKNet = 5, kSlotsVNet = 6,
                      kTokenNet = 7, kCount = 8 };
