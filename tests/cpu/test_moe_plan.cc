@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "src/comm/replay.h"
+#include "mkernel/ops/moe.h"
 #include "src/ops/moe/moe_plan.h"
 #include "tests/common/moe_routing.h"
 #include "tests/common/test_util.h"
@@ -196,6 +197,34 @@ TEST(MoeRouting, GeometryChecks) {
   EXPECT_EQ(r.erank[1], -1);
   EXPECT_EQ(r.ecount[3], 2);  // a repeated expert: two entries
   EXPECT_EQ(r.rec_tokens[1].size(), 1u);  // one record
+}
+
+// The operator's config rules before any GPU (MoeEp::can_implement): what create() refuses, with
+// the variable named, and the only dtype there is.
+TEST(MoeRouting, CanImplementBeforeAnyGpu) {
+  EXPECT_TRUE(MoeEp::can_implement({7168, 256, 8, 4096, 1, 0}, 8).ok());
+  EXPECT_TRUE(MoeEp::can_implement({2048, 128, 8, 1, 64, 1000}, 1).ok());
+  struct Bad {
+    MoeConfig cfg;
+    int world;
+    Code code;
+    const char* names;
+  };
+  const Bad bad[] = {
+      {{7168, 255, 8, 4096, 1, 0}, 8, Code::kInvalidArgument, "experts"},
+      {{7004, 256, 8, 4096, 1, 0}, 8, Code::kInvalidArgument, "hidden"},
+      {{7168, 256, 33, 4096, 1, 0}, 8, Code::kInvalidArgument, "topk"},
+      {{7168, 256, 8, 0, 1, 0}, 8, Code::kInvalidArgument, "max_tokens_per_rank"},
+      {{7168, 256, 8, 4096, 5000, 0}, 8, Code::kInvalidArgument, "expert_align"},
+      {{7168, 256, 8, 4096, 1, -1}, 8, Code::kInvalidArgument, "recv_capacity"},
+      {{7168, 256, 8, 4096, 1, 0}, 0, Code::kInvalidArgument, "world"},
+      {{7168, 256, 8, 4096, 1, 0, gemm::DType::kF16}, 8, Code::kNotSupported, "bf16 only"},
+  };
+  for (const Bad& b : bad) {
+    const Status s = MoeEp::can_implement(b.cfg, b.world);
+    EXPECT_EQ(s.code(), b.code) << b.names << ": " << s.to_string();
+    EXPECT_NE(s.message().find(b.names), std::string::npos) << s.to_string();
+  }
 }
 
 // Throughput mode across nodes: the twin's repack of a node slot gives, byte for byte, the

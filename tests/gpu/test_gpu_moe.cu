@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "mkernel/common/check.h"
+#include "mkernel/common/tunables.h"
 #include "mkernel/ops/moe.h"
 #include "src/ops/moe/moe_plan.h"
 #include "tests/common/moe_routing.h"
@@ -482,7 +483,31 @@ TEST(Moe, HostChecks) {
   EXPECT_EQ(ep->dispatch({p, reinterpret_cast<int32_t*>(p), reinterpret_cast<float*>(p), nullptr, 17}, o,
                          comm->stream()).code(), Code::kInvalidArgument);
   EXPECT_EQ(ep->combine({p}, p, comm->stream()).code(), Code::kInvalidArgument);  // no dispatch yet
+  // The same checks without a call (can_implement), and the enqueue path checks them too.
+  const ops::MoeDispatchArgs good{p, reinterpret_cast<int32_t*>(p), reinterpret_cast<float*>(p), nullptr, 16};
+  MK_EXPECT_OK(ep->can_implement(good, o));
+  EXPECT_EQ(ep->can_implement({p + 2, good.topk_ids, good.topk_weights, nullptr, 16}, o).code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(ep->dispatch_enqueue({nullptr, good.topk_ids, good.topk_weights, nullptr, 16}, o, comm->stream()).code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(ep->can_implement(ops::MoeCombineArgs{p}, p).code(), Code::kInvalidArgument);  // no dispatch yet
+  EXPECT_EQ(ep->combine_enqueue({p}, p, comm->stream()).code(), Code::kInvalidArgument);
   MK_EXPECT_OK(ep->destroy());
+  // With the debug agreement (check_calls, read at create) a bad argument on one rank is the
+  // same error on every rank, before any rank launches.
+  if (W > 1) {
+    MK_ASSERT_OK(tunables::set("check_calls", "1"));
+    std::unique_ptr<ops::MoeEp> checked;
+    const Status cs = ops::MoeEp::create(comm, cfg, {}, &checked);
+    MK_ASSERT_OK(tunables::reset("check_calls"));
+    MK_ASSERT_OK(cs);
+    ops::MoeDispatchArgs mine = good;
+    if (comm->rank() == W - 1) mine.x = nullptr;
+    const Status s = checked->dispatch(mine, o, comm->stream());
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find("failed on rank(s) " + std::to_string(W - 1)), std::string::npos) << s.to_string();
+    MK_EXPECT_OK(checked->destroy());
+  }
   // Geometry the operator cannot take.
   ops::MoeConfig odd = cfg;
   odd.num_experts = 2 * W + (W > 1 ? 1 : 0);

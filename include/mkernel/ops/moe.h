@@ -127,7 +127,10 @@ class MoeEp {
   // Memory an operator will take (`staged`: whether network traffic is host-staged).
   static Status buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool staged, MoeMemory* out,
                              MoeMode mode = MoeMode::kAuto);
-  // Collective: checks every rank asked for the same config (a mismatch is the same error on
+  // The config's rules, before any communicator or GPU (sizes, experts a multiple of the world
+  // size, dtype bf16). create() applies them too (the same error).
+  static Status can_implement(const MoeConfig& cfg, int world);
+  // Collective: checks every rank asked for the same config (a mismatch is the same kMismatch on
   // every rank, naming the first rank that differs), allocates and starts what it needs.
   static Status create(Communicator* comm, const MoeConfig& cfg, const MoeOptions& opt,
                        std::unique_ptr<MoeEp>* out);
@@ -136,13 +139,28 @@ class MoeEp {
   MoeEp& operator=(const MoeEp&) = delete;
   Status destroy();  // collective, idempotent
 
-  // Local checks, then enqueues (no host synchronization; graph-capturable). The routing goes
-  // into `handle` (null: the operator's own).
+  // Local checks of a call's arguments: null or misaligned pointers, token counts, a handle of
+  // another operator, a combine with no dispatch into its handle before it.
+  Status can_implement(const MoeDispatchArgs& a, const MoeDispatchOut& out, const MoeHandle* handle = nullptr) const;
+  Status can_implement(const MoeCombineArgs& a, const void* out, const MoeHandle* handle = nullptr) const;
+  // Refused once a call recorded bad input on the device (check()); local checks
+  // (can_implement, the communicator's health), then enqueues: no host collective, no host
+  // synchronization, graph-capturable. With the debug tunable check_calls=1 the ranks first
+  // agree on can_implement (a bad argument on one rank is then the same error on every rank).
+  // The routing goes into `handle` (null: the operator's own).
   Status dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& out, cudaStream_t stream,
                   MoeHandle* handle = nullptr);
   // Sends y back along the routes of the last dispatch into `handle` (null: the operator's
   // own); out: [tokens, H] bf16 (rows past that dispatch's token count are not written).
+  // Checked as dispatch.
   Status combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle = nullptr);
+  // dispatch() / combine() without the cross-rank agreement and without the refusal after a
+  // recorded bad input (graph capture, benchmarks; a layer that enqueues a dispatch and its
+  // combine together: a record the dispatch writes meanwhile must not leave this rank's combine
+  // out while the other ranks' wait for it).
+  Status dispatch_enqueue(const MoeDispatchArgs& a, const MoeDispatchOut& out, cudaStream_t stream,
+                          MoeHandle* handle = nullptr);
+  Status combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle = nullptr);
   // A handle for this operator's calls (local: device memory for one dispatch's routing).
   Status create_handle(std::unique_ptr<MoeHandle>* out);
   // After the stream completed: OK, or the first bad input a call met on the device (rank,
@@ -158,12 +176,7 @@ class MoeEp {
   bool hierarchical() const;
 
  private:
-  friend class MoeLayer;
   MoeEp() = default;
-  // combine() without its first step, the refusal after a recorded bad input: MoeLayer enqueues
-  // a dispatch and its combine in one call, and a record the dispatch writes meanwhile must not
-  // leave this rank's combine out while the other ranks' wait for it.
-  Status combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle);
   std::unique_ptr<MoeState> st_;
 };
 

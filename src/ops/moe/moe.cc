@@ -112,6 +112,13 @@ int route_chunks(const MoeGeometry& g) { return int((g.T + route_chunk_tokens(g)
 
 }  // namespace
 
+Status MoeEp::can_implement(const MoeConfig& cfg, int world) {
+  MoeGeometry g;
+  MK_CHECK(moe_geometry(cfg, world, &g));
+  MK_REQUIRE(cfg.dtype == gemm::DType::kBF16, Code::kNotSupported, "moe: dtype %d (bf16 only)", int(cfg.dtype));
+  return OkStatus();
+}
+
 Status MoeEp::buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool staged, MoeMemory* out, MoeMode mode) {
   MK_REQUIRE(out, Code::kInvalidArgument, "moe: null output");
   const int W = topo.world;
@@ -154,7 +161,7 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
              r.dtype);
     return std::string(b);
   }));
-  MK_REQUIRE(cfg.dtype == gemm::DType::kBF16, Code::kNotSupported, "moe: dtype %d (bf16 only)", int(cfg.dtype));
+  MK_CHECK(can_implement(cfg, W));
   std::unique_ptr<MoeEp> op(new MoeEp());
   op->st_ = std::make_unique<MoeState>();
   MoeState* st = op->st_.get();
@@ -342,11 +349,10 @@ Status MoeEp::create_handle(std::unique_ptr<MoeHandle>* out) {
   return OkStatus();
 }
 
-Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaStream_t stream, MoeHandle* handle) {
-  MoeState* st = st_.get();
+Status MoeEp::can_implement(const MoeDispatchArgs& a, const MoeDispatchOut& o, const MoeHandle* handle) const {
+  const MoeState* st = st_.get();
   MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
              "moe: the operator was destroyed (or its communicator was destroyed first)");
-  MK_CHECK(check());
   MK_REQUIRE(a.x && a.topk_ids && a.topk_weights && o.recv_x && o.counts, Code::kInvalidArgument,
              "moe dispatch: null x, topk_ids, topk_weights, recv_x or counts");
   MK_REQUIRE(aligned16(a.x) && aligned16(o.recv_x), Code::kInvalidArgument,
@@ -355,23 +361,11 @@ Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaSt
              "moe dispatch: %lld token rows (max_tokens_per_rank %lld)", (long long)a.tokens, (long long)st->g.T);
   MK_REQUIRE(!handle || (handle->st_ && handle->st_->owner == st), Code::kInvalidArgument,
              "moe dispatch: the handle belongs to another operator");
-  MK_CHECK(st->dses->check_call());
-  MoeLaunch with_handle;
-  MK_CHECK(moe_dispatch_launch(launch_for(*st, handle ? handle->st_.get() : nullptr, &with_handle), a.x, a.topk_ids,
-                               a.topk_weights, a.d_num_tokens, a.tokens, o.recv_x, o.counts,
-                               o.offsets, stream));
-  (handle ? handle->st_->dispatched : st->dispatched) = true;
   return OkStatus();
 }
 
-Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
-  MK_REQUIRE(st_, Code::kInvalidArgument, "moe: the operator was destroyed (or its communicator was destroyed first)");
-  MK_CHECK(check());
-  return combine_enqueue(a, out, stream, handle);
-}
-
-Status MoeEp::combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
-  MoeState* st = st_.get();
+Status MoeEp::can_implement(const MoeCombineArgs& a, const void* out, const MoeHandle* handle) const {
+  const MoeState* st = st_.get();
   MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
              "moe: the operator was destroyed (or its communicator was destroyed first)");
   MK_REQUIRE(!handle || (handle->st_ && handle->st_->owner == st), Code::kInvalidArgument,
@@ -381,6 +375,42 @@ Status MoeEp::combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t s
   MK_REQUIRE(a.y && out, Code::kInvalidArgument, "moe combine: null y or out");
   MK_REQUIRE(aligned16(a.y) && aligned16(out), Code::kInvalidArgument,
              "moe combine: y and out must be 16-byte aligned");
+  return OkStatus();
+}
+
+Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaStream_t stream, MoeHandle* handle) {
+  MK_REQUIRE(st_, Code::kInvalidArgument, "moe: the operator was destroyed (or its communicator was destroyed first)");
+  // The refusal after a recorded bad input, then the local checks (again in dispatch_enqueue);
+  // with the debug tunable check_calls the ranks agree on them first.
+  Status local = check();
+  if (local.ok()) local = can_implement(a, o, handle);
+  MK_CHECK(st_->dses ? st_->dses->agree_on_call(local, "moe dispatch arguments") : local);
+  return dispatch_enqueue(a, o, stream, handle);
+}
+
+Status MoeEp::dispatch_enqueue(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaStream_t stream,
+                               MoeHandle* handle) {
+  MK_CHECK(can_implement(a, o, handle));
+  MoeState* st = st_.get();
+  MK_CHECK(st->dses->check_call());
+  MoeLaunch with_handle;
+  MK_CHECK(moe_dispatch_launch(launch_for(*st, handle ? handle->st_.get() : nullptr, &with_handle), a.x, a.topk_ids,
+                               a.topk_weights, a.d_num_tokens, a.tokens, o.recv_x, o.counts, o.offsets, stream));
+  (handle ? handle->st_->dispatched : st->dispatched) = true;
+  return OkStatus();
+}
+
+Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
+  MK_REQUIRE(st_, Code::kInvalidArgument, "moe: the operator was destroyed (or its communicator was destroyed first)");
+  Status local = check();
+  if (local.ok()) local = can_implement(a, out, handle);
+  MK_CHECK(st_->cses ? st_->cses->agree_on_call(local, "moe combine arguments") : local);
+  return combine_enqueue(a, out, stream, handle);
+}
+
+Status MoeEp::combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
+  MK_CHECK(can_implement(a, out, handle));
+  MoeState* st = st_.get();
   MK_CHECK(st->cses->check_call());
   MoeLaunch with_handle;
   return moe_combine_launch(launch_for(*st, handle ? handle->st_.get() : nullptr, &with_handle), a.y, out, stream);

@@ -126,8 +126,8 @@ Status MoeLayer::run(const MoeLayerArgs& a, void* out, cudaStream_t stream) {
   MK_REQUIRE(a.w1 && a.w2 && out, Code::kInvalidArgument, "moe layer: null w1, w2 or out");
   MK_REQUIRE(aligned16(a.w1) && aligned16(a.w2), Code::kInvalidArgument,
              "moe layer: w1 and w2 must be 16-byte aligned");
-  MK_CHECK(st.ep->dispatch({a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens}, {st.recv_x, st.counts, st.offsets},
-                           stream));
+  MK_CHECK(st.ep->dispatch_enqueue({a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens},
+                                   {st.recv_x, st.counts, st.offsets}, stream));
   MK_CHECK(enqueue_experts(a.w1, a.w2, stream));
   MK_CUDA_CHECK(cudaMemcpyAsync(st.gemm_err_host, st.gemm_err_dev, 4, cudaMemcpyDeviceToHost, stream));
   // Not combine(): it refuses once a bad input was recorded, and this call's dispatch may record
