@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "src/common/per_device.h"
 #include "src/attention/fmha_launch.h"
 
 #if MK_WITH_CUTLASS
@@ -82,20 +82,13 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 }  // namespace
 
 Status fmha_ctas(int* out) {
-  static std::mutex mu;
-  static int cache[64] = {};
   int dev = 0;
   MK_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> g(mu);
-  if (dev < 64 && cache[dev]) {
-    *out = cache[dev];
+  static PerDeviceValue ctas;
+  return ctas.get(dev, [dev](int* v) -> Status {
+    MK_CUDA_CHECK(cudaDeviceGetAttribute(v, cudaDevAttrMultiProcessorCount, dev));
     return OkStatus();
-  }
-  int sms = 0;
-  MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (dev < 64) cache[dev] = sms;
-  *out = sms;
-  return OkStatus();
+  }, out);
 }
 
 Status can_implement(const ForwardArgs& a) {

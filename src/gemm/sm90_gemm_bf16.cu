@@ -8,11 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <map>
-#include <mutex>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "src/common/per_device.h"
 #include "mkernel/device/trace.h"
 #include "src/comm/device_program.h"
 #include "src/gemm/fused_launch.h"
@@ -219,39 +218,31 @@ TileCount tile_count(int64_t M, int64_t N) {
 
 Status persistent_ctas(int* out) {
 #if MK_WITH_CUTLASS
-  int dev = 0, sms = 0, per_sm = 0;
+  int dev = 0;
   MK_CUDA_CHECK(cudaGetDevice(&dev));
   // Every launch asks: the attributes, loads and the occupancy query run once per device.
-  static std::mutex mu;
-  static std::map<int, int> known;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    auto it = known.find(dev);
-    if (it != known.end()) {
-      *out = it->second;
-      return OkStatus();
-    }
-  }
-  // Under MPS this is the share of SMs this client may use, not the chip's count.
-  MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  // All variants have the same resources; loading them here keeps later launches load-free.
-  using namespace sm90;
-  static_assert(kPlainSmem <= kFusedSmem, "the occupancy below holds for every variant");
-  MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<false, StaticScheduler, comm::NoComm>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kPlainSmem));
-  MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<true, StaticScheduler, comm::NoComm>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kPlainSmem));
-  MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<false, DynamicScheduler, comm::CommRole>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
-  MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<true, DynamicScheduler, comm::CommRole>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
-  MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_gemm<false, DynamicScheduler, comm::CommRole>,
-                                                              kThreads, kFusedSmem));
-  MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "gemm: the kernel cannot be resident on this device");
-  *out = sms * per_sm;
-  std::lock_guard<std::mutex> g(mu);
-  known[dev] = *out;
-  return OkStatus();
+  static PerDeviceValue resident;
+  return resident.get(dev, [dev](int* v) -> Status {
+    int sms = 0, per_sm = 0;
+    // Under MPS this is the share of SMs this client may use, not the chip's count.
+    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    // All variants have the same resources; loading them here keeps later launches load-free.
+    using namespace sm90;
+    static_assert(kPlainSmem <= kFusedSmem, "the occupancy below holds for every variant");
+    MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<false, StaticScheduler, comm::NoComm>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kPlainSmem));
+    MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<true, StaticScheduler, comm::NoComm>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kPlainSmem));
+    MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<false, DynamicScheduler, comm::CommRole>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
+    MK_CUDA_CHECK(cudaFuncSetAttribute(persistent_gemm<true, DynamicScheduler, comm::CommRole>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
+    MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, persistent_gemm<false, DynamicScheduler, comm::CommRole>, kThreads, kFusedSmem));
+    MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "gemm: the kernel cannot be resident on this device");
+    *v = sms * per_sm;
+    return OkStatus();
+  }, out);
 #else
   *out = 0;
   return Status(Code::kNotSupported, "gemm: mkernel was built without CUTLASS headers");

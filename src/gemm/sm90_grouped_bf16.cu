@@ -4,11 +4,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
-#include <mutex>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "src/common/per_device.h"
 #include "src/runtime/cuda_driver.h"
 
 #if MK_WITH_CUTLASS
@@ -79,22 +78,16 @@ static_assert(kGroupedMaxGroups == kMaxGroups, "one group limit");
 Status resident_ctas(int* out) {
   int dev = 0;
   MK_CUDA_CHECK(cudaGetDevice(&dev));
-  static std::mutex mu;
-  static std::map<int, int> known;
-  std::lock_guard<std::mutex> g(mu);
-  auto it = known.find(dev);
-  if (it != known.end()) {
-    *out = it->second;
+  static PerDeviceValue resident;
+  return resident.get(dev, [dev](int* v) -> Status {
+    int sms = 0, per_sm = 0;
+    MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    MK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, grouped_gemm, kThreads, kSmem));
+    MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "grouped gemm: the kernel cannot be resident on this device");
+    *v = sms * per_sm;
     return OkStatus();
-  }
-  int sms = 0, per_sm = 0;
-  MK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  MK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  MK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, grouped_gemm, kThreads, kSmem));
-  MK_REQUIRE(per_sm >= 1, Code::kNotSupported, "grouped gemm: the kernel cannot be resident on this device");
-  known[dev] = sms * per_sm;
-  *out = known[dev];
-  return OkStatus();
+  }, out);
 }
 
 Status encode(const CudaDriver* drv, CUtensorMap* m, int rank, const void* base, const cuuint64_t* dims,
