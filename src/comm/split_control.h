@@ -6,7 +6,8 @@
 // grid, at its own work-item boundaries — samples progress the kernel keeps anyway and moves
 // that count in both directions. This header is the rule alone: plain arithmetic on a sample,
 // shared by the device controller and the CPU tests, which drive it from a simulated kernel
-// (tests/cpu/test_split_control.cc).
+// (tests/cpu/test_split_control.cc). The device side is split_control.cuh; the host side
+// src/ops/control/split_controller.h.
 //
 // The signals (SplitSample):
 //   ops_ready    of the next kSplitPeek ops not yet taken, how many have their waits met:

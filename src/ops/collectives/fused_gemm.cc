@@ -17,6 +17,7 @@
 #include "src/gemm/fused_launch.h"
 #include "src/comm/session.h"
 #include "src/comm/split_control.h"
+#include "src/ops/control/split_controller.h"
 #include "src/ops/control/split_memory.h"
 #include "src/ops/collectives/fused_testing.h"
 
@@ -37,20 +38,12 @@ struct FusedState {
   int* d_role = nullptr;   // communication CTAs (device; set_comm_ctas changes it)
   int* d_tile_counter = nullptr;
   int* d_order = nullptr;
-  // The SM-partition controller (fused_split=auto and no comm_ctas option): its device state,
-  // on until set_comm_ctas fixes a count; the split the calls settled on, written by each launch
-  // into a mapped pinned word (one call behind) and kept (SplitMemory) under split_key.
-  bool split_on = false;
-  comm::SplitCtl* d_split = nullptr;
-  int* h_mean = nullptr;
-  int recorded = 0;
-  std::string split_key;
+  // The SM-partition controller (fused_split=auto and no comm_ctas option), on until
+  // set_comm_ctas fixes a count.
+  SplitController split;
 };
 
 namespace {
-
-// The controller runs at most this often (its samples; split_control.h).
-constexpr int64_t kSplitIntervalNs = 2000;
 
 struct Request {
   int32_t kind, deterministic;
@@ -130,18 +123,8 @@ Status resolve(FusedState* st) {
   MK_CHECK(ses.upload(counters, &dc));
   st->d_role = dc;
   st->d_tile_counter = dc + 1;
-  if (st->split_on) {
-    comm::SplitCtl c{};
-    c.hi_auto = 1;
-    c.interval_ns = kSplitIntervalNs;
-    c.limits.lo = 1;
-    c.limits.hi = 1;
-    c.limits.in_order = p.kind == FusedKind::kAgGemm;  // no peeking at ops (FusedLaunch::peek_ops)
-    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->h_mean), sizeof(int), cudaHostAllocMapped));
-    *st->h_mean = 0;
-    MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&c.host_mean), st->h_mean, 0));
-    MK_CHECK(ses.upload(std::vector<comm::SplitCtl>{c}, &st->d_split));
-  }
+  // AG takes its ops in order (no peeking: FusedLaunch::peek_ops).
+  MK_CHECK(st->split.setup(ses, p.kind == FusedKind::kAgGemm));
   MK_REQUIRE(int(rp.tile_order.size()) == p.tiles_m * p.tiles_n, Code::kInternal, "plan: tile order incomplete");
   MK_CHECK(ses.upload(rp.tile_order, &st->d_order));
   return OkStatus();
@@ -168,25 +151,20 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   MK_CHECK(comm::OpSession::create(comm, name, opt.staging, &st->session));
   const std::string route = tunables::fused_route();
   st->route_bulk = route != "red";
-  const std::string split = tunables::fused_split();
-  int64_t cc = opt.comm_ctas;
-  st->split_on = cc < 0 && split == "auto" && comm->world() > 1;
-  if (cc < 0) cc = tunables::fused_comm_ctas();
-  if (st->split_on) {
+  int64_t cc = opt.comm_ctas < 0 ? tunables::fused_comm_ctas() : opt.comm_ctas;
+  if (SplitController::wanted(opt.comm_ctas, comm->world()))
     // The learned start: the split the controller settled on for this key (an earlier operator
     // of this process, or the split memory file).
-    st->split_key = split_key(name, shape.M, shape.N, shape.K, comm->world(), comm->topology().num_nodes,
-                              st->session->networked() ? st->session->net_name() : "nvlink", comm->rank());
-    int learned = 0;
-    if (SplitMemory::process().lookup(st->split_key, &learned)) cc = learned;
-  }
+    cc = st->split.start(split_key(name, shape.M, shape.N, shape.K, comm->world(), comm->topology().num_nodes,
+                                   st->session->networked() ? st->session->net_name() : "nvlink", comm->rank()),
+                         int(cc));
   st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int resident = 0;
   // Every setting valid (fused_split, fused_route, ... may have been set after the communicator
   // was created): a bad one is this create's error on every rank, naming the variable.
   Status rs = tunables::check_all();
   if (rs.ok()) rs = gemm::persistent_ctas(&resident);
-  if (rs.ok() && st->split_on && st->comm_ctas >= resident) st->comm_ctas = std::max(resident - 1, 1);
+  if (rs.ok() && st->split.on() && st->comm_ctas >= resident) st->comm_ctas = std::max(resident - 1, 1);
   if (rs.ok() && st->comm_ctas >= resident)
     rs = make_status(Code::kInvalidArgument,
                      "%s: %d communication CTAs leave none of the %d co-resident CTAs to compute", name,
@@ -209,50 +187,19 @@ FusedGemm::~FusedGemm() {
   if (!s.ok()) MK_WARN(kSubsysInit, "fused: destroy: %s", s.to_string().c_str());
 }
 
-namespace {
-// The split the controller settled on (the mapped word fused_begin writes, one call behind; 0
-// before the second call), kept for the next operator with this key.
-void remember_split(FusedState* st, bool write_now) {
-  if (!st->h_mean) return;
-  const int v = *reinterpret_cast<volatile int*>(st->h_mean);
-  if (v >= 1 && v != st->recorded) {
-    Status s = SplitMemory::process().record(st->split_key, v, false);
-    if (!s.ok()) MK_WARN(kSubsysTune, "%s", s.message().c_str());
-    st->recorded = v;
-  }
-  if (write_now) {
-    Status s = SplitMemory::process().flush();
-    if (!s.ok()) MK_WARN(kSubsysTune, "%s", s.message().c_str());
-  }
-}
-}  // namespace
-
 Status FusedGemm::destroy() {
   FusedState* st = st_.get();
   if (!st || !st->session) return OkStatus();
-  if (st->h_mean) {
-    // The last call's split, from the device state while it still exists (the calls done first).
-    // A graph that captured calls must be destroyed before the operator, as for its buffers.
-    if (st->d_split && st->session->alive() && cudaDeviceSynchronize() == cudaSuccess)
-      (void)cudaMemcpy(st->h_mean, &st->d_split->last_mean, sizeof(int), cudaMemcpyDeviceToHost);
-    remember_split(st, true);
-  }
-  const Status s = st->session->destroy();
-  if (st->h_mean) {
-    (void)cudaFreeHost(st->h_mean);
-    st->h_mean = nullptr;
-  }
-  return s;
+  // The last call's split, from the device state while it still exists (the calls done first).
+  st->split.finish(st->session->alive());
+  return st->session->destroy();
 }
 
 FusedKind FusedGemm::kind() const { return st_->kind; }
 const Plan& FusedGemmTesting::plan(const FusedGemm& op) { return op.st_->plan; }
 int FusedGemm::comm_ctas() const {
-  if (st_->split_on && st_->h_mean) {
-    const int v = *reinterpret_cast<volatile int*>(st_->h_mean);
-    if (v >= 1) return v;
-  }
-  return st_->comm_ctas;
+  const int settled = st_->split.settled();
+  return settled >= 1 ? settled : st_->comm_ctas;
 }
 bool FusedGemm::deterministic() const { return st_->plan.deterministic; }
 const void* FusedGemm::gathered_a() const {
@@ -265,48 +212,22 @@ Status FusedGemm::set_comm_ctas(int n, cudaStream_t stream) {
   MK_REQUIRE(n >= 1, Code::kInvalidArgument, "fused: at least one communication CTA");
   MK_CHECK(st_->session->check_call());
   st_->comm_ctas = n;
-  st_->split_on = false;  // a fixed count from now on: the controller is off
+  st_->split.turn_off();  // a fixed count from now on
   MK_CUDA_CHECK(cudaMemcpyAsync(st_->d_role, &st_->comm_ctas, sizeof(int), cudaMemcpyHostToDevice, stream));
   return OkStatus();
 }
 
-bool FusedGemm::split_controlled() const { return st_->split_on; }
+bool FusedGemm::split_controlled() const { return st_->split.on(); }
 
 Status FusedGemmTesting::split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream) {
-  MK_REQUIRE(op && op->st_ && op->st_->d_split, Code::kInvalidArgument, "fused: the controller was never on");
-  comm::SplitCtl c{};
-  MK_CUDA_CHECK(cudaMemcpyAsync(&c, op->st_->d_split, sizeof(c), cudaMemcpyDeviceToHost, stream));
-  MK_CUDA_CHECK(cudaStreamSynchronize(stream));
-  *has_mean = c.has_mean;
-  *last_mean = c.last_mean;
-  *changes = c.state.changes;
-  return OkStatus();
+  MK_REQUIRE(op && op->st_, Code::kInvalidArgument, "fused: no operator");
+  return op->st_->split.state(has_mean, last_mean, changes, stream);
 }
 
 Status FusedGemmTesting::force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n,
                                       cudaStream_t stream) {
-  MK_REQUIRE(op && op->st_ && op->st_->split_on && op->st_->d_split, Code::kInvalidArgument,
-             "fused: forced splits need the controller on (fused_split=auto, comm_ctas -1, W > 1)");
-  MK_REQUIRE(n >= 0 && n <= comm::kSplitForceMax && (n == 0 || (at_tiles && counts)), Code::kInvalidArgument,
-             "fused: 0..%d forced splits (got %d)", comm::kSplitForceMax, n);
-  struct Block {
-    int32_t n_force, next_force;
-    int32_t at[comm::kSplitForceMax], to[comm::kSplitForceMax];
-  } b{};
-  static_assert(offsetof(comm::SplitCtl, force_to) - offsetof(comm::SplitCtl, n_force) ==
-                    offsetof(Block, to) - offsetof(Block, n_force), "SplitCtl's forced-split block");
-  b.n_force = n;
-  for (int i = 0; i < n; ++i) {
-    MK_REQUIRE(counts[i] >= 1 && at_tiles[i] >= 0 && (i == 0 || at_tiles[i] >= at_tiles[i - 1]),
-               Code::kInvalidArgument, "fused: forced split %d: %d CTAs at %d tiles (counts >= 1, tiles ascending)",
-               i, counts[i], at_tiles[i]);
-    b.at[i] = at_tiles[i];
-    b.to[i] = counts[i];
-  }
-  char* dst = reinterpret_cast<char*>(op->st_->d_split) + offsetof(comm::SplitCtl, n_force);
-  MK_CUDA_CHECK(cudaMemcpyAsync(dst, &b, sizeof(b), cudaMemcpyHostToDevice, stream));
-  MK_CUDA_CHECK(cudaStreamSynchronize(stream));  // b lives on this stack
-  return OkStatus();
+  MK_REQUIRE(op && op->st_, Code::kInvalidArgument, "fused: no operator");
+  return op->st_->split.force(at_tiles, counts, n, stream);
 }
 
 Status FusedGemm::can_implement(const FusedArgs& a) const {
@@ -392,9 +313,9 @@ Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
   }
   gemm::RunConfig cfg;
   cfg.max_ctas = st->opt.max_ctas;
-  if (st->split_on) {
-    remember_split(st, false);
-    f.split = st->d_split;
+  if (st->split.on()) {
+    st->split.remember(false);
+    f.split = st->split.device();
   }
   return gemm::run_fused(g, f, stream, cfg);
 }
