@@ -220,40 +220,63 @@ struct Builder {
     tile_order_by_shards(rp, shard_order(me));
   }
 
-  // RS and AR: the node reduction, the network step between twins, the owner's final sum.
-  void build_reduce(int me, bool allreduce) {
-    RankPlan& rp = p.ranks[me];
-    const int n = L.node_of[me], l = L.local_of[me];
-    const int slots = p.deterministic ? local : 1;
-    const uint64_t row4 = uint64_t(N) * 4, row2 = uint64_t(N) * 2;
+  // One rank's reduction (RS/AR): where its workspaces hold what, and which tile-rows end in its
+  // own epilogue.
+  struct Reduce {
+    const Builder* b;
+    int me = 0;
+    bool allreduce = false;
+    int n = 0, l = 0;               // my node and local index
+    int slots = 1;                  // accumulation slots (deterministic: one per local rank)
+    uint64_t row4 = 0, row2 = 0;    // fp32 and bf16 bytes of a row of C
+    uint64_t per_tile_row = 0;      // adds to a reducer's row count per tile-row
     // One node: the owner's final sum of a tile-row that holds its rows only runs in the
     // epilogue of its own tiles (RankPlan::fin); they then add nothing to its row count. A
     // tile-row shared by shards keeps the final op: its tiles carry rows for other reducers,
     // whose own tiles of that row would wait for each other.
-    const bool fin = nodes == 1 && local > 1;
-    auto pure_row = [&](int tm) { return fin && chunks_in_row[tm] == 1; };  // one shard's rows only
-    auto fin_row = [&](int tm) {
+    bool fin = false;
+
+    bool pure_row(int tm) const { return fin && b->chunks_in_row[tm] == 1; }  // one shard's rows only
+    bool fin_row(int tm) const {
       const int64_t r0 = int64_t(tm) * kPlanTileM;
-      return pure_row(tm) && r0 >= me * Ms && r0 < (me + 1) * Ms;
-    };
-    const uint64_t per_tile_row = uint64_t(local) * p.tiles_n;  // adds to a reducer's row count
-    auto row_target = [&](int tm) { return fin_row(tm) ? per_tile_row - p.tiles_n : per_tile_row; };
+      return pure_row(tm) && r0 >= me * b->Ms && r0 < (me + 1) * b->Ms;
+    }
+    uint64_t row_target(int tm) const { return fin_row(tm) ? per_tile_row - b->p.tiles_n : per_tile_row; }
     // accum offset of row m of shard s (node n_s) in slot k
-    auto accum_off = [&](int s, int k, int64_t m) {
-      return ((uint64_t(k) * nodes + L.node_of[s]) * Ms + uint64_t(m - s * Ms)) * row4;
-    };
-    auto recv_off = [&](int s, int src_node, int64_t m) {
-      return (uint64_t(src_node) * Ms + uint64_t(m - s * Ms)) * row4;
-    };
+    uint64_t accum_off(int s, int k, int64_t m) const {
+      return ((uint64_t(k) * b->nodes + b->L.node_of[s]) * b->Ms + uint64_t(m - s * b->Ms)) * row4;
+    }
+    uint64_t recv_off(int s, int src_node, int64_t m) const {
+      return (uint64_t(src_node) * b->Ms + uint64_t(m - s * b->Ms)) * row4;
+    }
+  };
+  Reduce reduce_of(int me, bool allreduce) const {
+    Reduce r;
+    r.b = this;
+    r.me = me;
+    r.allreduce = allreduce;
+    r.n = L.node_of[me];
+    r.l = L.local_of[me];
+    r.slots = p.deterministic ? local : 1;
+    r.row4 = uint64_t(N) * 4;
+    r.row2 = uint64_t(N) * 2;
+    r.per_tile_row = uint64_t(local) * p.tiles_n;
+    r.fin = nodes == 1 && local > 1;
+    return r;
+  }
+
+  // The epilogue's routes (shard s -> its reducer on my node) and my own rows' final sum in it.
+  void reduce_epilogue(RankPlan& rp, const Reduce& r) const {
+    const int me = r.me;
     // Epilogue routing: shard s -> its reducer on my node (the rank with s's local index).
     rp.route.resize(W);
     for (int s = 0; s < W; ++s) {
-      const int red = L.node_ranks[n][L.local_of[s]];
-      rp.route[s] = buf_at(Buf::kAccum, red, accum_off(s, p.deterministic ? l : 0, s * Ms));
+      const int red = L.node_ranks[r.n][L.local_of[s]];
+      rp.route[s] = buf_at(Buf::kAccum, red, r.accum_off(s, p.deterministic ? r.l : 0, s * Ms));
     }
     int64_t fin_lo = -1, fin_hi = -1;  // rows of the tile-rows with fin_row
     for (int tm = 0; tm < p.tiles_m; ++tm)
-      if (fin_row(tm)) {
+      if (r.fin_row(tm)) {
         if (fin_lo < 0) fin_lo = int64_t(tm) * kPlanTileM;
         fin_hi = std::min<int64_t>(M, int64_t(tm + 1) * kPlanTileM);
       }
@@ -265,35 +288,41 @@ struct Builder {
       f.hi = fin_hi;
       if (p.deterministic) {
         // Slots in local order, this rank's own values at its own index.
-        for (int k = 0; k < slots; ++k)
-          if (k != l) f.srcs.push_back(buf_at(Buf::kAccum, me, accum_off(me, k, me * Ms)));
-        f.self = l;
+        for (int k = 0; k < r.slots; ++k)
+          if (k != r.l) f.srcs.push_back(buf_at(Buf::kAccum, me, r.accum_off(me, k, me * Ms)));
+        f.self = r.l;
       } else {
-        f.srcs = {buf_at(Buf::kAccum, me, accum_off(me, 0, me * Ms))};
+        f.srcs = {buf_at(Buf::kAccum, me, r.accum_off(me, 0, me * Ms))};
         f.self = 0;
         f.zero_srcs = true;
       }
       // AR: straight into my C, and into the node's other ranks' c_ws (they copy it to theirs).
-      f.dsts = {buf_at(Buf::kUserC, me, allreduce ? uint64_t(me * Ms) * row2 : 0)};
-      if (allreduce)
-        for (int q : local_peers(me)) f.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(me * Ms) * row2));
+      f.dsts = {buf_at(Buf::kUserC, me, r.allreduce ? uint64_t(me * Ms) * r.row2 : 0)};
+      if (r.allreduce)
+        for (int q : local_peers(me)) f.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(me * Ms) * r.row2));
     }
+  }
+
+  // The store hooks of every tile-row: wait for the reducers' entry (and, for my own rows, the
+  // node's shares), then count the tile at each reducer.
+  void reduce_row_hooks(RankPlan& rp, const Reduce& r) const {
+    const int me = r.me;
     rp.rows.resize(p.tiles_m);
     for (int tm = 0; tm < p.tiles_m; ++tm) {
       std::set<int> reducers;
       const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
-      for (int64_t s = r0 / Ms; s <= (r1 - 1) / Ms; ++s) reducers.insert(L.node_ranks[n][L.local_of[s]]);
+      for (int64_t s = r0 / Ms; s <= (r1 - 1) / Ms; ++s) reducers.insert(L.node_ranks[r.n][L.local_of[s]]);
       RowHooks& h = rp.rows[tm];
       h.store_wait0 = uint32_t(rp.waits.size());
       h.store_sig0 = uint32_t(rp.signals.size());
       for (int red : reducers) {
         if (red != me) rp.waits.push_back(wait_on(Region::kEntry, me, red, 1, red));
-        if (red != me || !fin_row(tm)) rp.signals.push_back(add_to(Region::kRowCount, red, tm));
+        if (red != me || !r.fin_row(tm)) rp.signals.push_back(add_to(Region::kRowCount, red, tm));
       }
-      if (fin_row(tm)) {
+      if (r.fin_row(tm)) {
         // My own rows: every other rank of the node routed its share of this tile-row here.
-        if (local > 1) rp.waits.push_back(wait_on(Region::kRowCount, me, tm, row_target(tm), -1));
-        if (allreduce)
+        if (local > 1) rp.waits.push_back(wait_on(Region::kRowCount, me, tm, r.row_target(tm), -1));
+        if (r.allreduce)
           for (int q : local_peers(me)) {
             if (!reducers.count(q)) rp.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
             rp.signals.push_back(add_to(Region::kOutRow, q, tm));
@@ -302,22 +331,24 @@ struct Builder {
       h.store_waits = uint32_t(rp.waits.size()) - h.store_wait0;
       h.store_sigs = uint32_t(rp.signals.size()) - h.store_sig0;
     }
-    rp.ops.push_back(entry_op(me));
-    net_entry_ops(rp, me);
-    std::map<uint32_t, Op> zeros;
-    // 1. Shards owned by my twins on other nodes: node-reduce here, send the partial.
+  }
+
+  // 1. Shards owned by my twins on other nodes: node-reduce here, send the partial (the zeroing
+  //    of a reduce-add source waits for the put's local completion: `zeros`, by chunk).
+  void reduce_partials_out(RankPlan& rp, const Reduce& r, std::map<uint32_t, Op>* zeros) {
+    const int me = r.me;
     for (int s : remote_twins(me))
       for (int c : shard_chunks[s]) {
         const Chunk& ch = p.chunks[c];
-        const uint64_t bytes = uint64_t(ch.rows) * row4;
-        Wait counted = wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1);
+        const uint64_t bytes = uint64_t(ch.rows) * r.row4;
+        Wait counted = wait_on(Region::kRowCount, me, ch.tile_row, r.per_tile_row, -1);
         Wait ready = counted;
-        if (p.deterministic && slots > 1) {
+        if (p.deterministic && r.slots > 1) {
           Op red;
           red.kind = OpKind::kReduce;
           red.waits = {counted};
-          for (int k = 0; k < slots; ++k) red.srcs.push_back(buf_at(Buf::kAccum, me, accum_off(s, k, ch.row0)));
-          red.dsts = {buf_at(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
+          for (int k = 0; k < r.slots; ++k) red.srcs.push_back(buf_at(Buf::kAccum, me, r.accum_off(s, k, ch.row0)));
+          red.dsts = {buf_at(Buf::kAccum, me, r.accum_off(s, 0, ch.row0))};
           red.dst_f32 = true;
           red.elems = uint64_t(ch.rows) * N;
           red.signals = {set_epoch(Region::kLocal, me, c)};
@@ -325,47 +356,51 @@ struct Builder {
           rp.ops.push_back(red);
           ready = wait_on(Region::kLocal, me, c, 1, me);
         }
-        Op put = pb.put(s, buf_at(Buf::kAccum, me, accum_off(s, 0, ch.row0)), buf_at(Buf::kRecv, s, recv_off(s, n, ch.row0)),
-                        bytes, flag_at(Region::kNetIn, s, uint32_t(c * nodes + n)), flag_at(Region::kSrcFree, me, c),
+        Op put = pb.put(s, buf_at(Buf::kAccum, me, r.accum_off(s, 0, ch.row0)), buf_at(Buf::kRecv, s, r.recv_off(s, r.n, ch.row0)),
+                        bytes, flag_at(Region::kNetIn, s, uint32_t(c * nodes + r.n)), flag_at(Region::kSrcFree, me, c),
                         "partial of chunk " + std::to_string(c) + " to rank " + std::to_string(s) + " (network)");
         put.waits = {ready, wait_on(Region::kEntryNet, me, s, 1, s)};
         if (!p.deterministic) {
           // The reduce-add accumulation must be zero for the next call once the proxy read it.
           Op z;
           z.kind = OpKind::kZero;
-          z.dsts = {buf_at(Buf::kAccum, me, accum_off(s, 0, ch.row0))};
+          z.dsts = {buf_at(Buf::kAccum, me, r.accum_off(s, 0, ch.row0))};
           z.bytes = bytes;
           z.what = "zero the sent partial of chunk " + std::to_string(c);
-          zeros[c] = z;
+          (*zeros)[c] = z;
         }
         rp.ops.push_back(put);
       }
-    // 2. My own shard: node sum + the other nodes' partials, in node order (one node: in the
-    //    epilogue instead, RankPlan::fin).
+  }
+
+  // 2. My own shard: node sum + the other nodes' partials, in node order (one node: in the
+  //    epilogue instead, RankPlan::fin).
+  void reduce_own_shard(RankPlan& rp, const Reduce& r) const {
+    const int me = r.me;
     for (int c : shard_chunks[me]) {
       const Chunk& ch = p.chunks[c];
-      if (fin_row(ch.tile_row)) continue;
+      if (r.fin_row(ch.tile_row)) continue;
       Op op;
       op.kind = OpKind::kReduce;
-      op.waits.push_back(wait_on(Region::kRowCount, me, ch.tile_row, per_tile_row, -1));
+      op.waits.push_back(wait_on(Region::kRowCount, me, ch.tile_row, r.per_tile_row, -1));
       for (int nn = 0; nn < nodes; ++nn) {
-        if (nn == n) {
-          for (int k = 0; k < slots; ++k) {
+        if (nn == r.n) {
+          for (int k = 0; k < r.slots; ++k) {
             if (!p.deterministic) op.zero_src_mask |= 1u << op.srcs.size();
-            op.srcs.push_back(buf_at(Buf::kAccum, me, accum_off(me, k, ch.row0)));
+            op.srcs.push_back(buf_at(Buf::kAccum, me, r.accum_off(me, k, ch.row0)));
           }
         } else {
-          op.waits.push_back(wait_on(Region::kNetIn, me, uint32_t(c * nodes + nn), 1, L.node_ranks[nn][l]));
+          op.waits.push_back(wait_on(Region::kNetIn, me, uint32_t(c * nodes + nn), 1, L.node_ranks[nn][r.l]));
           // Staged: the other nodes' partials are read where they landed, in the host mirror.
-          op.srcs.push_back(buf_at(p.net_staged ? Buf::kRecvNet : Buf::kRecv, me, recv_off(me, nn, ch.row0)));
+          op.srcs.push_back(buf_at(p.net_staged ? Buf::kRecvNet : Buf::kRecv, me, r.recv_off(me, nn, ch.row0)));
         }
       }
       op.elems = uint64_t(ch.rows) * N;
-      if (!allreduce) {
-        op.dsts = {buf_at(Buf::kUserC, me, uint64_t(ch.row0 - me * Ms) * row2)};
+      if (!r.allreduce) {
+        op.dsts = {buf_at(Buf::kUserC, me, uint64_t(ch.row0 - me * Ms) * r.row2)};
       } else {
         for (int q : local_all(me)) {
-          op.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(ch.row0) * row2));
+          op.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(ch.row0) * r.row2));
           if (q != me) op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
           op.signals.push_back(add_to(Region::kOutRow, q, ch.tile_row));
         }
@@ -374,37 +409,56 @@ struct Builder {
       op.what = "final sum of chunk " + std::to_string(c) + " (own shard)";
       rp.ops.push_back(op);
     }
-    if (allreduce) {
-      // 3. My final chunks to my twins; theirs forwarded inside my node.
-      for (int q : remote_twins(me))
-        for (int c : shard_chunks[me])
-          rp.ops.push_back(twin_put(me, q, c, Buf::kCws, row2, uint32_t(p.chunks.size() * nodes + c), "final chunk "));
-      for (int s : remote_twins(me))
-        for (int c : shard_chunks[s])
-          rp.ops.push_back(forward_op(me, s, c, Buf::kCws, row2, uint32_t(p.chunks.size() * nodes + c),
-                                      Region::kOutRow, "final chunk "));
-      // 4. The all-reduced rows into the caller's C, tile-row by tile-row as they complete.
-      for (int tm = 0; tm < p.tiles_m; ++tm) {
-        if (fin_row(tm)) continue;  // my own rows: my epilogue wrote them into C
-        const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
-        Op op;
-        op.kind = OpKind::kCopy;
-        // Each chunk of the row lands once (final op), or once per tile of its owner (epilogue).
-        op.waits = {wait_on(Region::kOutRow, me, tm, uint64_t(chunks_in_row[tm]) * (pure_row(tm) ? p.tiles_n : 1), -1)};
-        op.srcs = {buf_at(Buf::kCws, me, uint64_t(r0) * row2)};
-        op.dsts = {buf_at(Buf::kUserC, me, uint64_t(r0) * row2)};
-        op.bytes = uint64_t(r1 - r0) * row2;
-        op.what = "rows of tile-row " + std::to_string(tm) + " to C";
-        rp.ops.push_back(op);
-      }
+  }
+
+  // AR: 3. my final chunks to my twins, theirs forwarded inside my node; 4. the all-reduced rows
+  // into the caller's C.
+  void allreduce_out(RankPlan& rp, const Reduce& r) {
+    const int me = r.me;
+    if (!r.allreduce) return;
+    // 3. My final chunks to my twins; theirs forwarded inside my node.
+    for (int q : remote_twins(me))
+      for (int c : shard_chunks[me])
+        rp.ops.push_back(twin_put(me, q, c, Buf::kCws, r.row2, uint32_t(p.chunks.size() * nodes + c), "final chunk "));
+    for (int s : remote_twins(me))
+      for (int c : shard_chunks[s])
+        rp.ops.push_back(forward_op(me, s, c, Buf::kCws, r.row2, uint32_t(p.chunks.size() * nodes + c),
+                                    Region::kOutRow, "final chunk "));
+    // 4. The all-reduced rows into the caller's C, tile-row by tile-row as they complete.
+    for (int tm = 0; tm < p.tiles_m; ++tm) {
+      if (r.fin_row(tm)) continue;  // my own rows: my epilogue wrote them into C
+      const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
+      Op op;
+      op.kind = OpKind::kCopy;
+      // Each chunk of the row lands once (final op), or once per tile of its owner (epilogue).
+      op.waits = {wait_on(Region::kOutRow, me, tm, uint64_t(chunks_in_row[tm]) * (r.pure_row(tm) ? p.tiles_n : 1), -1)};
+      op.srcs = {buf_at(Buf::kCws, me, uint64_t(r0) * r.row2)};
+      op.dsts = {buf_at(Buf::kUserC, me, uint64_t(r0) * r.row2)};
+      op.bytes = uint64_t(r1 - r0) * r.row2;
+      op.what = "rows of tile-row " + std::to_string(tm) + " to C";
+      rp.ops.push_back(op);
     }
+  }
+
+  // RS and AR: the node reduction, the network step between twins, the owner's final sum.
+  void build_reduce(int me, bool allreduce) {
+    RankPlan& rp = p.ranks[me];
+    const Reduce r = reduce_of(me, allreduce);
+    reduce_epilogue(rp, r);
+    reduce_row_hooks(rp, r);
+    rp.ops.push_back(entry_op(me));
+    net_entry_ops(rp, me);
+    std::map<uint32_t, Op> zeros;
+    reduce_partials_out(rp, r, &zeros);
+    reduce_own_shard(rp, r);
+    allreduce_out(rp, r);
     finish_puts(rp, me, zeros);
     // Tiles: shards of other nodes first (their partials cross the network), then the node's,
     // own shard last, each list rotated from my position.
     std::vector<int> order;
     for (int d = 1; d < nodes; ++d) {
-      const auto& nr = L.node_ranks[(n + d) % nodes];
-      for (int i = 0; i < local; ++i) order.push_back(nr[(l + i) % local]);
+      const auto& nr = L.node_ranks[(r.n + d) % nodes];
+      for (int i = 0; i < local; ++i) order.push_back(nr[(r.l + i) % local]);
     }
     for (int q : local_peers(me)) order.push_back(q);
     order.push_back(me);
