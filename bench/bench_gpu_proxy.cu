@@ -1,7 +1,7 @@
 // bench_gpu_proxy: GPU-initiated networking through the proxy, next to the host's own limits.
 // Run under mpirun -np 2 with every rank on its own (emulated) node, e.g. on one GPU under MPS:
-//   MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=shm MK_NET_STAGING=always \
-//     mpirun -np 2 build/bench/bench_gpu_proxy [--json FILE]
+//   MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=shm MK_NET_STAGING=always
+//     mpirun -np 2 build/bench/bench_gpu_proxy [--json FILE]   (one command line)
 // Measures, in one run:
 //   host limits   GPU -> pinned host word -> CPU thread -> pinned word -> GPU round trip;
 //                 pinned copy rate host->device and device->host (256 MiB)

@@ -194,50 +194,39 @@ Status OpSession::address(const ProgramDecl& p, const BufRef& r, uint64_t* a) co
   return OkStatus();
 }
 
-Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved* out) {
-  const int me = comm_->rank();
-  const char* name = name_.c_str();
-  auto flag_addr = [&](const FlagRef& f, uint64_t** a) -> Status {
-    MK_REQUIRE(f.region < p.regions.size() && f.index < p.regions[f.region].size, Code::kInternal,
-               "%s: flag %s outside its region", name, flag_str(p, f).c_str());
-    MK_CHECK(region_addr(p, f.region, f.rank, a));
-    *a += f.index;
-    return OkStatus();
-  };
-  std::vector<DevOp> dops;
-  std::vector<DevWait> waits;
-  std::vector<DevSignal> sigs;
-  std::vector<uint64_t> ptrs;
-  auto add_wait = [&](const Wait& w) -> Status {
-    MK_REQUIRE(w.flag.rank == me, Code::kInternal, "%s: a wait on rank %d's flag", name, w.flag.rank);
+namespace {
+
+// A rank's program as device arrays, op by op (OpSession::resolve): the ops, and the pools of
+// waits, signals and pointers they and the compute side index.
+class Resolver {
+ public:
+  Resolver(const OpSession& ses, const ProgramDecl& p, const std::vector<uint32_t>& windows, bool networked)
+      : ses_(ses), p_(p), win_(windows), networked_(networked), me_(ses.comm()->rank()), name_(ses.name().c_str()) {}
+
+  Status add_wait(const Wait& w) {
+    MK_REQUIRE(w.flag.rank == me_, Code::kInternal, "%s: a wait on rank %d's flag", name_, w.flag.rank);
     DevWait d{};
     uint64_t* a = nullptr;
     MK_CHECK(flag_addr(w.flag, &a));
     d.flag = a;
     d.mul = w.mul;
     d.peer = w.peer;
-    d.index = int32_t(p.flag_index(w.flag));
+    d.index = int32_t(p_.flag_index(w.flag));
     waits.push_back(d);
     return OkStatus();
-  };
-  auto add_signal = [&](const Signal& g) -> Status {
-    MK_REQUIRE(!p.proxy_region(g.flag.region), Code::kInternal, "%s: device signal on proxy flag %s", name,
-               flag_str(p, g.flag).c_str());
+  }
+  Status add_signal(const Signal& g) {
+    MK_REQUIRE(!p_.proxy_region(g.flag.region), Code::kInternal, "%s: device signal on proxy flag %s", name_,
+               flag_str(p_, g.flag).c_str());
     DevSignal d{};
     MK_CHECK(flag_addr(g.flag, &d.flag));
     d.value = g.value;
     d.add = g.add ? 1 : 0;
     sigs.push_back(d);
     return OkStatus();
-  };
-  auto add_ptr = [&](const BufRef& r) -> Status {
-    uint64_t a = 0;
-    MK_CHECK(address(p, r, &a));
-    ptrs.push_back(a);
-    return OkStatus();
-  };
-  for (size_t i = 0; i < rp.ops.size(); ++i) {
-    const Op& op = rp.ops[i];
+  }
+  // Op `index` of the rank's list.
+  Status add_op(size_t index, const Op& op) {
     DevOp d{};
     d.kind = uint32_t(op.kind);
     d.wait0 = uint32_t(waits.size());
@@ -252,65 +241,107 @@ Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved*
     d.zero_mask = op.zero_src_mask;
     d.ptr0 = uint32_t(ptrs.size());
     bool host = false;
-    for (const auto& r : op.srcs) host |= p.is_host(r.buf);
-    for (const auto& r : op.dsts) host |= p.is_host(r.buf);
+    for (const auto& r : op.srcs) host |= p_.is_host(r.buf);
+    for (const auto& r : op.dsts) host |= p_.is_host(r.buf);
     if (host) d.flags |= kDevOpHostMem;
-    if (op.kind == OpKind::kNetPut) {
-      MK_REQUIRE(net_, Code::kInternal, "%s: a network put without a network session", name);
-      MK_REQUIRE(op.srcs.size() == 1 && op.dsts.size() == 1 && op.srcs[0].rank == me && op.dsts[0].rank == op.peer,
-                 Code::kInternal, "%s: malformed put '%s'", name, op.what.c_str());
-      const BufRef& s = op.srcs[0];
-      const BufRef& t = op.dsts[0];
-      MK_REQUIRE(p.bufs[s.buf].network && p.bufs[t.buf].network, Code::kInternal,
-                 "%s: put '%s' between buffers that are not network windows", name, op.what.c_str());
-      MK_REQUIRE(op.remote_flag.rank == op.peer && p.proxy_region(op.remote_flag.region), Code::kInternal,
-                 "%s: put '%s' raises %s", name, op.what.c_str(), flag_str(p, op.remote_flag).c_str());
-      const bool local_flag = op.local_flag.region != kNoRegion;
-      d.cmd = make_put(op.peer, win_[s.buf], s.offset, win_[t.buf], t.offset, op.bytes, p.flag_index(op.remote_flag),
-                       local_flag ? p.flag_index(op.local_flag) : kNoFlag, i);
-      if (op.stage_src.buf != kNoBuf) {
-        // Staged: the device copies the source into the host mirror, then pushes the put.
-        MK_REQUIRE(op.bytes % 16 == 0, Code::kInternal, "%s: staged put '%s' is not 16-byte sized", name,
-                   op.what.c_str());
-        d.nsrc = d.ndst = 1;
-        d.flags |= kDevOpHostMem;
-        MK_CHECK(add_ptr(op.stage_src));
-        MK_CHECK(add_ptr(s));
-      }
-    } else {
-      MK_REQUIRE(op.srcs.size() + op.dsts.size() <= 16, Code::kNotSupported,
-                 "%s: op '%s' touches %zu buffers (at most 16: fewer nodes or ranks per node)", name, op.what.c_str(),
-                 op.srcs.size() + op.dsts.size());
-      MK_REQUIRE(op.bytes % 16 == 0 && op.elems % 4 == 0, Code::kInternal, "%s: op '%s' is not 16-byte sized", name,
-                 op.what.c_str());
-      d.nsrc = uint32_t(op.srcs.size());
-      d.ndst = uint32_t(op.dsts.size());
-      for (const auto& r : op.srcs) MK_CHECK(add_ptr(r));
-      for (const auto& r : op.dsts) MK_CHECK(add_ptr(r));
-    }
+    MK_CHECK(op.kind == OpKind::kNetPut ? put_operands(index, op, &d) : plain_operands(op, &d));
     if (op.count_at.buf != kNoBuf) {
       MK_REQUIRE(op.kind == OpKind::kCopy || op.kind == OpKind::kZero || op.kind == OpKind::kNetPut, Code::kNotSupported,
-                 "%s: op '%s': a run-time byte count on a %s", name, op.what.c_str(), op_kind_name(op.kind));
-      MK_REQUIRE(op.count_at.rank == me && op.count_at.offset % 8 == 0, Code::kInternal,
-                 "%s: op '%s' reads its byte count from %s", name, op.what.c_str(), ref_str(p, op.count_at).c_str());
+                 "%s: op '%s': a run-time byte count on a %s", name_, op.what.c_str(), op_kind_name(op.kind));
+      MK_REQUIRE(op.count_at.rank == me_ && op.count_at.offset % 8 == 0, Code::kInternal,
+                 "%s: op '%s' reads its byte count from %s", name_, op.what.c_str(), ref_str(p_, op.count_at).c_str());
       d.flags |= kDevOpCountAt;
       d.count_ptr = uint32_t(ptrs.size());
       MK_CHECK(add_ptr(op.count_at));
     }
     dops.push_back(d);
+    return OkStatus();
   }
-  out->hook_wait0 = uint32_t(waits.size());
-  out->hook_signal0 = uint32_t(sigs.size());
-  for (const auto& w : rp.waits) MK_CHECK(add_wait(w));
-  for (const auto& g : rp.signals) MK_CHECK(add_signal(g));
+
+  std::vector<DevOp> dops;
+  std::vector<DevWait> waits;
+  std::vector<DevSignal> sigs;
+  std::vector<uint64_t> ptrs;
+
+ private:
+  Status flag_addr(const FlagRef& f, uint64_t** a) const {
+    MK_REQUIRE(f.region < p_.regions.size() && f.index < p_.regions[f.region].size, Code::kInternal,
+               "%s: flag %s outside its region", name_, flag_str(p_, f).c_str());
+    MK_CHECK(ses_.region_addr(p_, f.region, f.rank, a));
+    *a += f.index;
+    return OkStatus();
+  }
+  Status add_ptr(const BufRef& r) {
+    uint64_t a = 0;
+    MK_CHECK(ses_.address(p_, r, &a));
+    ptrs.push_back(a);
+    return OkStatus();
+  }
+  // A network put: the proxy command (windows, offsets, flags), and when staged the copy into
+  // the host mirror first.
+  Status put_operands(size_t index, const Op& op, DevOp* d) {
+    MK_REQUIRE(networked_, Code::kInternal, "%s: a network put without a network session", name_);
+    MK_REQUIRE(op.srcs.size() == 1 && op.dsts.size() == 1 && op.srcs[0].rank == me_ && op.dsts[0].rank == op.peer,
+               Code::kInternal, "%s: malformed put '%s'", name_, op.what.c_str());
+    const BufRef& s = op.srcs[0];
+    const BufRef& t = op.dsts[0];
+    MK_REQUIRE(p_.bufs[s.buf].network && p_.bufs[t.buf].network, Code::kInternal,
+               "%s: put '%s' between buffers that are not network windows", name_, op.what.c_str());
+    MK_REQUIRE(op.remote_flag.rank == op.peer && p_.proxy_region(op.remote_flag.region), Code::kInternal,
+               "%s: put '%s' raises %s", name_, op.what.c_str(), flag_str(p_, op.remote_flag).c_str());
+    const bool local_flag = op.local_flag.region != kNoRegion;
+    d->cmd = make_put(op.peer, win_[s.buf], s.offset, win_[t.buf], t.offset, op.bytes, p_.flag_index(op.remote_flag),
+                      local_flag ? p_.flag_index(op.local_flag) : kNoFlag, index);
+    if (op.stage_src.buf != kNoBuf) {
+      // Staged: the device copies the source into the host mirror, then pushes the put.
+      MK_REQUIRE(op.bytes % 16 == 0, Code::kInternal, "%s: staged put '%s' is not 16-byte sized", name_,
+                 op.what.c_str());
+      d->nsrc = d->ndst = 1;
+      d->flags |= kDevOpHostMem;
+      MK_CHECK(add_ptr(op.stage_src));
+      MK_CHECK(add_ptr(s));
+    }
+    return OkStatus();
+  }
+  // A copy, reduce, zero or signal: its sources, then its destinations, in the pointer pool.
+  Status plain_operands(const Op& op, DevOp* d) {
+    MK_REQUIRE(op.srcs.size() + op.dsts.size() <= 16, Code::kNotSupported,
+               "%s: op '%s' touches %zu buffers (at most 16: fewer nodes or ranks per node)", name_, op.what.c_str(),
+               op.srcs.size() + op.dsts.size());
+    MK_REQUIRE(op.bytes % 16 == 0 && op.elems % 4 == 0, Code::kInternal, "%s: op '%s' is not 16-byte sized", name_,
+               op.what.c_str());
+    d->nsrc = uint32_t(op.srcs.size());
+    d->ndst = uint32_t(op.dsts.size());
+    for (const auto& r : op.srcs) MK_CHECK(add_ptr(r));
+    for (const auto& r : op.dsts) MK_CHECK(add_ptr(r));
+    return OkStatus();
+  }
+
+  const OpSession& ses_;
+  const ProgramDecl& p_;
+  const std::vector<uint32_t>& win_;
+  const bool networked_;
+  const int me_;
+  const char* name_;
+};
+
+}  // namespace
+
+Status OpSession::resolve(const ProgramDecl& p, const RankProgram& rp, Resolved* out) {
+  Resolver r(*this, p, win_, net_ != nullptr);
+  for (size_t i = 0; i < rp.ops.size(); ++i) MK_CHECK(r.add_op(i, rp.ops[i]));
+  out->hook_wait0 = uint32_t(r.waits.size());
+  out->hook_signal0 = uint32_t(r.sigs.size());
+  for (const auto& w : rp.waits) MK_CHECK(r.add_wait(w));
+  for (const auto& g : rp.signals) MK_CHECK(r.add_signal(g));
   DeviceProgram& h = out->program;
   h = DeviceProgram{};
-  MK_CHECK(upload(dops, const_cast<DevOp**>(&h.ops)));
-  h.n_ops = int32_t(dops.size());
+  MK_CHECK(upload(r.dops, const_cast<DevOp**>(&h.ops)));
+  h.n_ops = int32_t(r.dops.size());
   h.world = p.layout.world;
-  MK_CHECK(upload(waits, const_cast<DevWait**>(&h.waits)));
-  MK_CHECK(upload(sigs, const_cast<DevSignal**>(&h.signals)));
-  MK_CHECK(upload(ptrs, const_cast<uint64_t**>(&h.ptrs)));
+  MK_CHECK(upload(r.waits, const_cast<DevWait**>(&h.waits)));
+  MK_CHECK(upload(r.sigs, const_cast<DevSignal**>(&h.signals)));
+  MK_CHECK(upload(r.ptrs, const_cast<uint64_t**>(&h.ptrs)));
   void* ctr = nullptr;
   MK_CHECK(alloc_zeroed(sizeof(int), &ctr));
   h.op_counter = static_cast<int*>(ctr);

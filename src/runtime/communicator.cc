@@ -72,6 +72,33 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   MK_CHECK(bs_->allgather(&me, infos.data(), sizeof(me)));
 
   // 2. GPU
+  MK_CHECK(select_gpu(cfg, infos, &me));
+
+  // 3. topology (pure function of the gathered infos; agreed, so all ranks fail alike)
+  MK_CHECK(bs_->allgather(&me, infos.data(), sizeof(me)));
+  int rpn = cfg.ranks_per_node >= 0 ? cfg.ranks_per_node
+                                    : static_cast<int>(tunables::ranks_per_node());
+  Status ts = build_topology(rank, infos, rpn, cuda_peer_access, &topo_);
+  MK_CHECK(agree(*bs_, ts, "communicator: topology"));
+  MK_INFO(kSubsysTopo, "%s", topo_.describe().c_str());
+
+  // 4. the job's IPC secret and this rank's socket
+  MK_CHECK(start_ipc());
+
+  // 5. heap, streams, diagnostic record
+  Status gs = make_heap(cfg, infos);
+  if (gs.ok() && device_ >= 0) gs = make_streams();
+  MK_CHECK(agree(*bs_, gs, "communicator: streams and diagnostics"));
+  MK_INFO(kSubsysInit, "communicator ready: rank %d/%d, node %d/%d, GPU %d", rank, world,
+          topo_.node, topo_.num_nodes, device_);
+  return OkStatus();
+}
+
+// Picks this rank's GPU (the option, the tunable, else its index on its host) and fills its
+// share of `me`; agreed: a rank whose GPU is present but unusable, or missing when one is
+// required, fails the communicator on every rank.
+Status Communicator::select_gpu(const CommConfig& cfg, const std::vector<RankInfo>& infos, RankInfo* me) {
+  const int rank = bs_->rank();
   int ndev = 0;
   Status gpu_err;
   const std::string no_gpu = no_gpu_reason();
@@ -90,7 +117,7 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
     } else {
       Status s = [&]() -> Status {
         MK_CUDA_CHECK(cudaSetDevice(want));
-        MK_CHECK(fill_gpu_info(want, &me));
+        MK_CHECK(fill_gpu_info(want, me));
         return OkStatus();
       }();
       if (s.ok()) device_ = want;
@@ -105,18 +132,14 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
   }
   if (device_ < 0 && !gpu_err.ok())
     MK_INFO(kSubsysInit, "rank %d: running without GPU (%s)", rank, gpu_err.message().c_str());
+  return OkStatus();
+}
 
-  // 3. topology (pure function of the gathered infos; agreed, so all ranks fail alike)
-  MK_CHECK(bs_->allgather(&me, infos.data(), sizeof(me)));
-  int rpn = cfg.ranks_per_node >= 0 ? cfg.ranks_per_node
-                                    : static_cast<int>(tunables::ranks_per_node());
-  Status ts = build_topology(rank, infos, rpn, cuda_peer_access, &topo_);
-  MK_CHECK(agree(*bs_, ts, "communicator: topology"));
-  MK_INFO(kSubsysTopo, "%s", topo_.describe().c_str());
-
-  // 4. the job's IPC secret (rank 0 draws it) and this rank's socket, under a name the rank
-  //    draws at random when it binds; the names travel through the bootstrap, so no rank's
-  //    name can be computed from anything another local user sees.
+// The job's IPC secret (rank 0 draws it) and this rank's socket, under a name the rank draws at
+// random when it binds; the names travel through the bootstrap, so no rank's name can be
+// computed from anything another local user sees. Every step agreed.
+Status Communicator::start_ipc() {
+  const int rank = bs_->rank(), world = bs_->size();
   heap_ctx_ = std::make_unique<HeapContext>();
   Status ss = (rank == 0) ? make_ipc_secret(&heap_ctx_->secret) : OkStatus();
   MK_CHECK(agree(*bs_, ss, "communicator: drawing the job secret"));
@@ -135,8 +158,13 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
       ns = ipc_name_from_record(recs[r], r, &heap_ctx_->ipc_names[r]);
     MK_CHECK(agree(*bs_, ns, "communicator: exchanging IPC socket names"));
   }
+  return OkStatus();
+}
 
-  // 5. heap, streams, diagnostic record
+// The symmetric heap's context (the requested mode: its parse error is returned, agreed by the
+// caller) and the heap.
+Status Communicator::make_heap(const CommConfig& cfg, const std::vector<RankInfo>& infos) {
+  const int rank = bs_->rank(), world = bs_->size();
   std::string mode = cfg.symmem_mode.empty() ? tunables::symmem_mode()
                                              : cfg.symmem_mode;
   Status ms = parse_mode(mode, &heap_ctx_->requested);
@@ -162,31 +190,27 @@ Status Communicator::init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg) 
             "(a bounded wait then reports it). Set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
             "starts, or use one process per rank.",
             rank, same_process_gpu);
+  return ms;
+}
 
-  Status gs = ms;
-  if (gs.ok() && device_ >= 0) {
-    gs = [&]() -> Status {
-      MK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-      MK_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
-      MK_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
-      heap_ctx_->own_streams = {stream_, comm_stream_, setup_stream_};
-      MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&diag_), sizeof(DiagRecord),
-                                  cudaHostAllocMapped | cudaHostAllocPortable));
-      memset(diag_, 0, sizeof(DiagRecord));
-      diag_->size = sizeof(DiagRecord);
-      diag_->version = kDiagVersion;
-      MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&abort_word_), sizeof(uint64_t),
-                                  cudaHostAllocMapped | cudaHostAllocPortable));
-      *abort_word_ = 0;
-      MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&diag_claim_), sizeof(uint32_t)));
-      MK_CUDA_CHECK(cudaMemsetAsync(diag_claim_, 0, sizeof(uint32_t), setup_stream_));
-      MK_CHECK(sync_stream_bounded(setup_stream_, setup_timeout_ms(), "communicator: zeroing the claim word"));
-      return OkStatus();
-    }();
-  }
-  MK_CHECK(agree(*bs_, gs, "communicator: streams and diagnostics"));
-  MK_INFO(kSubsysInit, "communicator ready: rank %d/%d, node %d/%d, GPU %d", rank, world,
-          topo_.node, topo_.num_nodes, device_);
+// The communicator's streams, the pinned mapped diagnostic record and abort word, the device
+// claim word (zeroed, bounded).
+Status Communicator::make_streams() {
+  MK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  MK_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+  MK_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
+  heap_ctx_->own_streams = {stream_, comm_stream_, setup_stream_};
+  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&diag_), sizeof(DiagRecord),
+                              cudaHostAllocMapped | cudaHostAllocPortable));
+  memset(diag_, 0, sizeof(DiagRecord));
+  diag_->size = sizeof(DiagRecord);
+  diag_->version = kDiagVersion;
+  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&abort_word_), sizeof(uint64_t),
+                              cudaHostAllocMapped | cudaHostAllocPortable));
+  *abort_word_ = 0;
+  MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&diag_claim_), sizeof(uint32_t)));
+  MK_CUDA_CHECK(cudaMemsetAsync(diag_claim_, 0, sizeof(uint32_t), setup_stream_));
+  MK_CHECK(sync_stream_bounded(setup_stream_, setup_timeout_ms(), "communicator: zeroing the claim word"));
   return OkStatus();
 }
 

@@ -123,6 +123,11 @@ class Communicator {
   Communicator();
   Status health() const;  // check() without failing the job
   Status init(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg);
+  // init's steps (collective; each agreed, so every rank fails alike).
+  Status select_gpu(const CommConfig& cfg, const std::vector<RankInfo>& infos, RankInfo* me);
+  Status start_ipc();
+  Status make_heap(const CommConfig& cfg, const std::vector<RankInfo>& infos);
+  Status make_streams();
 
   std::unique_ptr<Bootstrap> bs_;
   Topology topo_;

@@ -149,6 +149,99 @@ Status MoeEp::buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool stag
   return OkStatus();
 }
 
+namespace {
+
+// Zeroed device memory from the dispatch session (which owns it), typed.
+template <class T>
+Status session_alloc(comm::OpSession& ses, size_t bytes, T** p) {
+  void* v = nullptr;
+  MK_CHECK(ses.alloc_zeroed(std::max<size_t>(bytes, 16), &v));
+  *p = static_cast<T*>(v);
+  return OkStatus();
+}
+
+// Throughput mode across nodes: the node slots, the node's receive slots as this rank's peer
+// stores reach them, the kernels' pools of the dispatch program (r: its resolved form).
+Status build_hier_launch(MoeState* st, const comm::Layout& layout, int me, int pieces, const comm::Resolved& r) {
+  MoeLaunch& l = st->l;
+  comm::OpSession& d = *st->dses;
+  const MoeNodeGeometry& ng = st->ng;
+  l.hier = true;
+  l.nodes = layout.nodes(), l.local = layout.local();
+  l.my_node = layout.node_of[me], l.my_local = layout.local_of[me];
+  std::vector<int32_t> nr, no(layout.node_of.begin(), layout.node_of.end());
+  for (const auto& v : layout.node_ranks) nr.insert(nr.end(), v.begin(), v.end());
+  MK_CHECK(d.upload(nr, const_cast<int32_t**>(&l.node_ranks)));
+  MK_CHECK(d.upload(no, const_cast<int32_t**>(&l.node_of)));
+  l.nmeta_bytes = ng.nmeta_bytes, l.nrec_bytes = ng.nrec_bytes, l.nhdr_bytes = ng.nhdr_bytes;
+  l.nslot_bytes = ng.nslot_bytes;
+  l.nsend = static_cast<char*>(d.local(MoeBuf::kNSend));
+  l.nrecv = static_cast<char*>(d.local(MoeBuf::kNRecv));
+  l.npiece = static_cast<uint64_t*>(d.local(MoeBuf::kNPieceBytes));
+  l.nP = moe_pieces(ng.nslot_bytes, pieces), l.npb = moe_piece_bytes(ng.nslot_bytes, pieces);
+  MK_REQUIRE(l.nsend && l.nrecv && l.npiece, Code::kInternal, "moe: a node slot buffer was not allocated");
+  MK_CHECK(session_alloc(d, 4, &l.repack_done));
+  std::vector<uint64_t> peers;
+  for (int r2 : layout.node_ranks[l.my_node]) {
+    uint64_t a = 0;
+    MK_CHECK(d.address(st->dprog, comm::BufRef{MoeBuf::kRecv, r2, 0}, &a));
+    peers.push_back(a);
+  }
+  MK_CHECK(d.upload(peers, reinterpret_cast<uint64_t**>(const_cast<char***>(&l.peer_recv))));
+  const MoeHierPools pl = moe_hier_pools(layout, me);
+  l.rw0 = r.hook_wait0, l.rwn = pl.repack_waits;
+  l.lw0 = r.hook_wait0 + pl.repack_waits, l.lwn = pl.layout_waits;
+  l.rs0 = r.hook_signal0, l.rsn = pl.repack_signals;
+  return OkStatus();
+}
+
+// The operator's launch (after both sessions' setup): sizes, the slot buffers, the routing state
+// and error record, the resolved dispatch and combine programs.
+Status build_launch(MoeState* st, const comm::Layout& layout, int me, int comm_ctas, int pieces) {
+  const MoeGeometry& g = st->g;
+  MoeLaunch& l = st->l;
+  l = MoeLaunch{};
+  l.W = layout.world, l.me = me, l.E = g.E, l.El = g.El, l.k = g.k, l.align = g.align;
+  l.H = g.H, l.T = g.T, l.row_bytes = g.row_bytes, l.rec_bytes = g.rec_bytes, l.hdr_bytes = g.hdr_bytes;
+  l.slot_bytes = g.slot_bytes, l.chdr_bytes = g.chdr_bytes, l.cslot_bytes = g.cslot_bytes, l.recv_rows = g.recv_rows;
+  l.chunk_tokens = route_chunk_tokens(g);
+  l.nchunks = route_chunks(g);
+  l.comm_ctas = comm_ctas;
+  l.dP = moe_pieces(g.slot_bytes, pieces), l.dpb = moe_piece_bytes(g.slot_bytes, pieces);
+  l.cP = moe_pieces(g.cslot_bytes, pieces), l.cpb = moe_piece_bytes(g.cslot_bytes, pieces);
+  comm::OpSession& d = *st->dses;
+  comm::OpSession& c = *st->cses;
+  l.send = static_cast<char*>(d.local(MoeBuf::kSend));
+  l.recv = static_cast<char*>(d.local(MoeBuf::kRecv));
+  l.dpiece = static_cast<uint64_t*>(d.local(MoeBuf::kPieceBytes));
+  l.csend = static_cast<char*>(c.local(MoeBuf::kSend));
+  l.crecv = static_cast<char*>(c.local(MoeBuf::kRecv));
+  l.cpiece = static_cast<uint64_t*>(c.local(MoeBuf::kPieceBytes));
+  MK_REQUIRE(l.send && l.recv && l.csend && l.crecv && l.dpiece && l.cpiece, Code::kInternal,
+             "moe: a slot buffer was not allocated");
+  MoeRouteState own;  // the session owns the memory
+  MK_CHECK(alloc_route_state(g, layout.nodes(), l.nchunks, st->hier,
+                             [&](size_t bytes, void** p) { return d.alloc_zeroed(bytes, p); }, &own));
+  set_route_state(l, own);
+  MK_CHECK(session_alloc(d, 4, &l.err_claim));
+  MK_CHECK(session_alloc(d, 4, &l.scan_done));
+  MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->err_host), sizeof(MoeErrorRecord),
+                              cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(st->err_host, 0, sizeof(MoeErrorRecord));
+  MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&l.err), st->err_host, 0));
+  comm::Resolved r;
+  MK_CHECK(d.resolve(st->dprog, st->dprog.ranks[me], &r));
+  l.dispatch_program = r.program;
+  if (st->hier) MK_CHECK(build_hier_launch(st, layout, me, pieces, r));
+  MK_CHECK(c.resolve(st->cprog, st->cprog.ranks[me], &r));
+  l.combine_program = r.program;
+  MK_CHECK(moe_prepare_launch(l));
+  MK_CUDA_CHECK(cudaDeviceSynchronize());
+  return OkStatus();
+}
+
+}  // namespace
+
 Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions& opt, std::unique_ptr<MoeEp>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "moe: null communicator or output");
   const int W = comm->world(), me = comm->rank();
@@ -187,83 +280,7 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
   MK_CHECK(st->dses->setup(st->dprog));
   MK_CHECK(st->cses->setup(st->cprog));
 
-  auto build = [&]() -> Status {
-    MoeLaunch& l = st->l;
-    l = MoeLaunch{};
-    l.W = W, l.me = me, l.E = g.E, l.El = g.El, l.k = g.k, l.align = g.align;
-    l.H = g.H, l.T = g.T, l.row_bytes = g.row_bytes, l.rec_bytes = g.rec_bytes, l.hdr_bytes = g.hdr_bytes;
-    l.slot_bytes = g.slot_bytes, l.chdr_bytes = g.chdr_bytes, l.cslot_bytes = g.cslot_bytes, l.recv_rows = g.recv_rows;
-    l.chunk_tokens = route_chunk_tokens(g);
-    l.nchunks = route_chunks(g);
-    l.comm_ctas = comm_ctas;
-    l.dP = moe_pieces(g.slot_bytes, pieces), l.dpb = moe_piece_bytes(g.slot_bytes, pieces);
-    l.cP = moe_pieces(g.cslot_bytes, pieces), l.cpb = moe_piece_bytes(g.cslot_bytes, pieces);
-    comm::OpSession& d = *st->dses;
-    comm::OpSession& c = *st->cses;
-    l.send = static_cast<char*>(d.local(MoeBuf::kSend));
-    l.recv = static_cast<char*>(d.local(MoeBuf::kRecv));
-    l.dpiece = static_cast<uint64_t*>(d.local(MoeBuf::kPieceBytes));
-    l.csend = static_cast<char*>(c.local(MoeBuf::kSend));
-    l.crecv = static_cast<char*>(c.local(MoeBuf::kRecv));
-    l.cpiece = static_cast<uint64_t*>(c.local(MoeBuf::kPieceBytes));
-    MK_REQUIRE(l.send && l.recv && l.csend && l.crecv && l.dpiece && l.cpiece, Code::kInternal,
-               "moe: a slot buffer was not allocated");
-    auto alloc = [&](size_t bytes, auto** p) -> Status {
-      void* v = nullptr;
-      MK_CHECK(d.alloc_zeroed(std::max<size_t>(bytes, 16), &v));
-      *p = static_cast<std::remove_reference_t<decltype(**p)>*>(v);
-      return OkStatus();
-    };
-    MoeRouteState own;  // the session owns the memory
-    MK_CHECK(alloc_route_state(g, layout.nodes(), l.nchunks, st->hier,
-                               [&](size_t bytes, void** p) { return d.alloc_zeroed(bytes, p); }, &own));
-    set_route_state(l, own);
-    MK_CHECK(alloc(4, &l.err_claim));
-    MK_CHECK(alloc(4, &l.scan_done));
-    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st->err_host), sizeof(MoeErrorRecord),
-                                cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(st->err_host, 0, sizeof(MoeErrorRecord));
-    MK_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&l.err), st->err_host, 0));
-    comm::Resolved r;
-    MK_CHECK(d.resolve(st->dprog, st->dprog.ranks[me], &r));
-    l.dispatch_program = r.program;
-    if (st->hier) {
-      const MoeNodeGeometry& ng = st->ng;
-      l.hier = true;
-      l.nodes = layout.nodes(), l.local = layout.local();
-      l.my_node = layout.node_of[me], l.my_local = layout.local_of[me];
-      std::vector<int32_t> nr, no(layout.node_of.begin(), layout.node_of.end());
-      for (const auto& v : layout.node_ranks) nr.insert(nr.end(), v.begin(), v.end());
-      MK_CHECK(d.upload(nr, const_cast<int32_t**>(&l.node_ranks)));
-      MK_CHECK(d.upload(no, const_cast<int32_t**>(&l.node_of)));
-      l.nmeta_bytes = ng.nmeta_bytes, l.nrec_bytes = ng.nrec_bytes, l.nhdr_bytes = ng.nhdr_bytes;
-      l.nslot_bytes = ng.nslot_bytes;
-      l.nsend = static_cast<char*>(d.local(MoeBuf::kNSend));
-      l.nrecv = static_cast<char*>(d.local(MoeBuf::kNRecv));
-      l.npiece = static_cast<uint64_t*>(d.local(MoeBuf::kNPieceBytes));
-      l.nP = moe_pieces(ng.nslot_bytes, pieces), l.npb = moe_piece_bytes(ng.nslot_bytes, pieces);
-      MK_REQUIRE(l.nsend && l.nrecv && l.npiece, Code::kInternal, "moe: a node slot buffer was not allocated");
-      MK_CHECK(alloc(4, &l.repack_done));
-      // Every rank of the node's receive slots, as this rank's peer stores reach them.
-      std::vector<uint64_t> peers;
-      for (int r2 : layout.node_ranks[l.my_node]) {
-        uint64_t a = 0;
-        MK_CHECK(d.address(st->dprog, comm::BufRef{MoeBuf::kRecv, r2, 0}, &a));
-        peers.push_back(a);
-      }
-      MK_CHECK(d.upload(peers, reinterpret_cast<uint64_t**>(const_cast<char***>(&l.peer_recv))));
-      const MoeHierPools pl = moe_hier_pools(layout, me);
-      l.rw0 = r.hook_wait0, l.rwn = pl.repack_waits;
-      l.lw0 = r.hook_wait0 + pl.repack_waits, l.lwn = pl.layout_waits;
-      l.rs0 = r.hook_signal0, l.rsn = pl.repack_signals;
-    }
-    MK_CHECK(c.resolve(st->cprog, st->cprog.ranks[me], &r));
-    l.combine_program = r.program;
-    MK_CHECK(moe_prepare_launch(l));
-    MK_CUDA_CHECK(cudaDeviceSynchronize());
-    return OkStatus();
-  };
-  MK_CHECK(agree(comm->bootstrap(), build(), "moe create"));
+  MK_CHECK(agree(comm->bootstrap(), build_launch(st, layout, me, comm_ctas, pieces), "moe create"));
   MK_CHECK(comm->bootstrap().barrier());
   *out = std::move(op);
   return OkStatus();
