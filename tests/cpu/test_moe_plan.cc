@@ -20,6 +20,7 @@
 #include "src/comm/replay.h"
 #include "mkernel/ops/moe.h"
 #include "src/ops/moe/moe_plan.h"
+#include "src/ops/moe/moe_program.h"
 #include "tests/common/moe_routing.h"
 #include "tests/common/test_util.h"
 

@@ -16,6 +16,7 @@
 #include "src/comm/session.h"
 #include "src/ops/moe/moe_launch.h"
 #include "src/ops/moe/moe_plan.h"
+#include "src/ops/moe/moe_program.h"
 
 namespace mk {
 namespace ops {

@@ -11,6 +11,7 @@
 #include "mkernel/device/signal.cuh"
 #include "src/comm/executor.cuh"
 #include "src/ops/moe/moe_plan.h"
+#include "src/ops/moe/moe_program.h"
 
 namespace mk {
 namespace ops {
@@ -220,7 +221,7 @@ __device__ void write_headers(const MoeLaunch& l) {
     reinterpret_cast<int32_t*>(dispatch_slot(l, r) + 16)[le] = l.totals[r * l.El + le];
   }
   if (!l.hier) return;
-  // Node slots (moe_plan.h): bytes in use, records, then per rank of the node its records,
+  // Node slots (moe_program.h): bytes in use, records, then per rank of the node its records,
   // entries and per-expert counts.
   const int64_t per_l = 8 + 4 * int64_t(l.El);
   for (int n = threadIdx.x; n < l.nodes; n += blockDim.x) {
