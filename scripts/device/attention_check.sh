@@ -49,10 +49,10 @@ fits() { (( $(date +%s) - t0 + $1 < deadline )) || { echo "skipped $2: past the 
 ring_test() {  # ring_test CONFIG EXPECTED_S
   local t=$1 pct=25
   [[ $t == np1 ]] && pct=100; [[ $t == np2 ]] && pct=50
-  [[ -n $(ctest --test-dir build -N -R "^test_gpu_ring_${t}\$" | grep "Test #") ]] || return 0
-  fits "$2" "test_gpu_ring_$t" || return 0
-  MK_TRACE_OUT=$OUT/trace_$t CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout ${MK_RING_TIMEOUT:-200} ctest --test-dir build -V -R "^test_gpu_ring_${t}\$" > "$OUT/ring_$t.log" 2>&1
-  echo "test_gpu_ring_$t rc=$? ($(( $(date +%s) - t0 )) s)"
+  [[ -n $(ctest --test-dir build -N -R "^test_gpu_ring_attention_${t}\$" | grep "Test #") ]] || return 0
+  fits "$2" "test_gpu_ring_attention_$t" || return 0
+  MK_TRACE_OUT=$OUT/trace_$t CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout ${MK_RING_TIMEOUT:-200} ctest --test-dir build -V -R "^test_gpu_ring_attention_${t}\$" > "$OUT/ring_$t.log" 2>&1
+  echo "test_gpu_ring_attention_$t rc=$? ($(( $(date +%s) - t0 )) s)"
   grep -E "\[  (PASSED|FAILED) |FAILED  \]|\[       OK \]|Failure|Expected|Which is|wrong|timed out|error|trace ring" "$OUT/ring_$t.log" | sed 's/^[0-9]*: //' | head -16
   for j in "$OUT"/trace_$t.*.0.json; do [[ -f $j ]] && python3 tools/trace_png.py "$j" "${j%.json}.png" >/dev/null 2>&1; done
   rm -f "$OUT"/trace_$t.*.[1-9].json

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SM-partition controller on the one-GPU machine from carried binaries (.devbin), in one call:
-#   unit   the ctest entries of test_gpu_fused (W = 1, 2, 4, 2 nodes x 2 over shm and tcp: the
+#   unit   the ctest entries of test_gpu_fused_gemm (W = 1, 2, 4, 2 nodes x 2 over shm and tcp: the
 #          controller tests ControllerMatchesReference, ForcedRoleSwitchesMidCall,
 #          ControllerGraphReplays, ControllerRefusals among them) via suite.sh
 #   matrix test_gpu_matrix in every layout with MK_FUSED_SPLIT=auto (matrix_check.sh)
@@ -19,7 +19,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 s=""
 has setup && s+="setup "
 has unit && s+="unit"
-[[ -n $s ]] && MK_SUITE_STEPS="$s" MK_UNIT_ONLY="test_gpu_fused_" bash scripts/device/suite.sh 2>&1 | tail -10
+[[ -n $s ]] && MK_SUITE_STEPS="$s" MK_UNIT_ONLY="test_gpu_fused_gemm_" bash scripts/device/suite.sh 2>&1 | tail -10
 if has matrix; then
   MK_MATRIX_SPLIT=auto MK_MATRIX_LOGS=/tmp/mk-matrix-auto bash scripts/device/matrix_check.sh 2>&1 | tail -25
   tar czf "$RESULT/matrix_auto_logs.tgz" -C /tmp mk-matrix-auto 2>/dev/null

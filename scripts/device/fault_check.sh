@@ -100,7 +100,7 @@ step_cli() {
 
 step_dead() {
   mps_on
-  for t in test_gpu_fused_dead_np2 test_gpu_ring_dead_np2 test_gpu_moe_dead_np2; do
+  for t in test_gpu_fused_gemm_dead_np2 test_gpu_ring_attention_dead_np2 test_gpu_moe_dead_np2; do
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout 120 ctest --test-dir "$B" -R "^$t\$" --output-on-failure > "$L/$t.log" 2>&1
     note "dead: $t rc $? $(grep -oE '[0-9]+% tests passed' "$L/$t.log")"
   done

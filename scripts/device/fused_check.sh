@@ -27,8 +27,8 @@ nvidia-cuda-mps-control -d
 if has fused; then
   for t in np1 np2 np4 2nodes_shm_np4 2nodes_tcp_np4; do
     pct=25; [[ $t == np1 ]] && pct=100; [[ $t == np2 ]] && pct=50
-    MK_TRACE_OUT="$OUT/trace_$t" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 280 ctest --test-dir build -V -R "^test_gpu_fused_${t}\$" > "$OUT/fused_$t.log" 2>&1
-    echo "test_gpu_fused_$t rc=$? ($(( $(date +%s) - t0 )) s)"
+    MK_TRACE_OUT="$OUT/trace_$t" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct timeout 280 ctest --test-dir build -V -R "^test_gpu_fused_gemm_${t}\$" > "$OUT/fused_$t.log" 2>&1
+    echo "test_gpu_fused_gemm_$t rc=$? ($(( $(date +%s) - t0 )) s)"
     grep -E "\[  (PASSED|FAILED) |FAILED  \]|Failure|Expected|Which is|wrong|timed out|error" "$OUT/fused_$t.log" | head -12
   done
 fi
@@ -38,8 +38,8 @@ if has fused; then  # timelines of the traced fused calls (rank 0): PNGs come ba
   done
 fi
 if has dead; then
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout 120 ctest --test-dir build -V -R "^test_gpu_fused_dead_np2\$" > "$OUT/fused_dead.log" 2>&1
-  echo "test_gpu_fused_dead rc=$?"; grep -E "rank [0-9]: |\[  (PASSED|FAILED) " "$OUT/fused_dead.log" | head -6
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout 120 ctest --test-dir build -V -R "^test_gpu_fused_gemm_dead_np2\$" > "$OUT/fused_dead.log" 2>&1
+  echo "test_gpu_fused_gemm_dead rc=$?"; grep -E "rank [0-9]: |\[  (PASSED|FAILED) " "$OUT/fused_dead.log" | head -6
 fi
 if has bench && [[ -x build/mkernel ]] && build/mkernel help 2>/dev/null | grep -q bench; then
   for np in ${MK_BENCH_NPS:-1 2 4}; do

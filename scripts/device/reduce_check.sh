@@ -33,7 +33,7 @@ bench() {  # np route tag args...
   grep -vE "^vm:|^route " "$L/$tag.log" | grep -E "^(ag_gemm|gemm_rs|gemm_ar) |trace rank|WRONG|error|check: .*(FAIL|WRONG)" | head -40
 }
 if has tests; then
-  for t in ${MK_REDUCE_TESTS:-test_gpu_gemm test_gpu_fused_np1 test_gpu_fused_np2 test_gpu_fused_np4 test_gpu_fused_2nodes_shm_np4}; do
+  for t in ${MK_REDUCE_TESTS:-test_gpu_gemm test_gpu_fused_gemm_np1 test_gpu_fused_gemm_np2 test_gpu_fused_gemm_np4 test_gpu_fused_gemm_2nodes_shm_np4}; do
     np=$(sed -n 's/.*_np\([0-9]*\)$/\1/p' <<<"$t"); np=${np:-1}
     s=$(date +%s)
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)) timeout 200 ctest --test-dir "$B" -R "^${t}\$" \

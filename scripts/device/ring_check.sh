@@ -18,14 +18,14 @@ pack() { tar -C "$OUT" --exclude="*.json" -czf "$RESULT/ring_logs.tgz" .; }
 left() { echo $(( deadline - ($(date +%s) - t0) )); }
 limit() { local l; l=$(left); (( l > $1 )) && echo "$1" || echo $(( l > 5 ? l : 5 )); }
 cmake -S . -B build -G Ninja > "$OUT/cmake.log" 2>&1 &&
-  timeout "$(limit 150)" ninja -C build -j16 mkernel mkernel_cli test_gpu_ring > "$OUT/build.log" 2>&1
+  timeout "$(limit 150)" ninja -C build -j16 mkernel mkernel_cli test_gpu_ring_attention > "$OUT/build.log" 2>&1
 echo "build rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "error|FAILED" "$OUT/build.log" | head -20
 nvidia-cuda-mps-control -d
 ring_test() {  # ring_test CONFIG PCT SECONDS
   local t=$1
   MK_TRACE_OUT=$OUT/trace_$t CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$2 timeout "$(limit "$3")" \
-    ctest --test-dir build -V -R "^test_gpu_ring_${t}\$" > "$OUT/ring_$t.log" 2>&1
-  echo "test_gpu_ring_$t rc=$? ($(( $(date +%s) - t0 )) s)"
+    ctest --test-dir build -V -R "^test_gpu_ring_attention_${t}\$" > "$OUT/ring_$t.log" 2>&1
+  echo "test_gpu_ring_attention_$t rc=$? ($(( $(date +%s) - t0 )) s)"
   grep -E "\[  (PASSED|FAILED) |FAILED  \]|\[       OK \]|Failure|Expected|Which is|wrong|timed out|error|trace ring" \
     "$OUT/ring_$t.log" | sed 's/^[0-9]*: //' | head -16
 }

@@ -3,7 +3,7 @@
 #   memcheck1  every GPU test binary as one process (its np-1 registration's gtest filter)
 #   memcheck2  every MPI GPU test binary at -np 2 (its np-2 registration's filter), ranks sharing
 #              the GPU under MPS (50 % each)
-#   racecheck  shared-memory hazards: the GEMM and grouped GEMM (np 1), attention (test_gpu_ring
+#   racecheck  shared-memory hazards: the GEMM and grouped GEMM (np 1), attention (test_gpu_ring_attention
 #              at np 1: the attention kernel alone) and, at np 2 with the communication roles
 #              active, the fused GEMMs, the ring, MoE dispatch/combine and the MoE layer
 #   synccheck  the same runs: barrier and warp-sync misuse
@@ -11,7 +11,7 @@
 # path stays) and the filters below. The whole set fits two calls of the GPU machine:
 #   MK_SAN_STEPS="memcheck1 memcheck2"   then   MK_SAN_STEPS="racecheck synccheck"
 # (tests/gpu/test_attention.py is not run: torch under compute-sanitizer does not fit the budget;
-# test_gpu_ring covers the attention kernel.)
+# test_gpu_ring_attention covers the attention kernel.)
 # After every run no process of the run may hold the GPU: leftover ranks are killed, and the next
 # run starts only once the GPU lists none of them (else MPS is restarted, and the run says so).
 # Uses the test binaries already in MK_BUILD_DIR (default /tmp/mkb; suite.sh's setup puts them
@@ -48,7 +48,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Tests that end a device wait on purpose (planted timeouts, a silent rank, abort): memcheck
 # counts the launch failure they provoke, so they run only with MK_SAN_PLANTED=1 (and then with
 # --report-api-errors no: only memory errors count).
-planted=(test_gpu_abort test_gpu_signal_timeout test_gpu_fused_dead test_gpu_ring_dead)
+planted=(test_gpu_abort test_gpu_signal_timeout test_gpu_fused_gemm_dead test_gpu_ring_attention_dead)
 planted_filter_test_gpu_threads="-*Planted*"
 # Not run under a sanitizer: test_gpu_threads' ranks are threads of one process whose kernels
 # wait on each other, and the sanitizers serialize a process's kernel launches (each rank's
@@ -61,7 +61,7 @@ excluded=(test_gpu_threads)
 #    with "no kernel image" inside ncclCommInitRank) and carries on.
 api_errors_expected=(test_gpu_heap test_gpu_baseline)
 # The racecheck/synccheck runs: binary -> ranks (np 1: no communication roles; np 2: with them).
-declare -A race_np=([test_gpu_gemm]=1 [test_gpu_grouped]=1 [test_gpu_ring]="1 2" [test_gpu_fused]=2
+declare -A race_np=([test_gpu_gemm]=1 [test_gpu_grouped]=1 [test_gpu_ring_attention]="1 2" [test_gpu_fused_gemm]=2
                     [test_gpu_moe]=2 [test_gpu_moe_layer]=2)
 # Gtest filters (tool:binary, or tool:binary:np). Without one, a run takes the filter of the
 # ctest registration at that np (e.g. test_gpu_moe leaves out its dead-rank test there).
@@ -76,13 +76,13 @@ declare -A filter=(
   [racecheck:test_gpu_grouped]="Grouped.ExactOnSmallIntegers:Grouped.SwigluAgainstDoubleReference"
   [synccheck:test_gpu_grouped]="Grouped.ExactOnSmallIntegers:Grouped.SwigluAgainstDoubleReference"
   # np 1: the attention kernel (causal zigzag, D 64 with GQA); np 2: the ring's forwarding too.
-  [racecheck:test_gpu_ring:1]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
-  [synccheck:test_gpu_ring:1]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
-  [racecheck:test_gpu_ring:2]="Ring.ZigzagCausal:Ring.ContiguousFullTails"
-  [synccheck:test_gpu_ring:2]="Ring.ZigzagCausal:Ring.ContiguousFullTails"
+  [racecheck:test_gpu_ring_attention:1]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
+  [synccheck:test_gpu_ring_attention:1]="Ring.ZigzagCausal:Ring.ContiguousCausalD64"
+  [racecheck:test_gpu_ring_attention:2]="Ring.ZigzagCausal:Ring.ContiguousFullTails"
+  [synccheck:test_gpu_ring_attention:2]="Ring.ZigzagCausal:Ring.ContiguousFullTails"
   # Each fused operator (AG, RS, AR; 1 and 16 communication CTAs) at the small shapes.
-  [racecheck:test_gpu_fused]="Fused.GemmRsMatchesReference:Fused.OneAndManyCommCtas"
-  [synccheck:test_gpu_fused]="Fused.AgGemmMatchesReference:Fused.GemmRsMatchesReference:Fused.GemmArMatchesReference:Fused.OneAndManyCommCtas"
+  [racecheck:test_gpu_fused_gemm]="Fused.GemmRsMatchesReference:Fused.OneAndManyCommCtas"
+  [synccheck:test_gpu_fused_gemm]="Fused.AgGemmMatchesReference:Fused.GemmRsMatchesReference:Fused.GemmArMatchesReference:Fused.OneAndManyCommCtas"
   # Both modes, every routing (dispatch, combine); the layer: grouped GEMMs between them.
   [racecheck:test_gpu_moe]="Moe.DispatchCombineEveryRouting"
   [synccheck:test_gpu_moe]="Moe.DispatchCombineEveryRouting:Moe.TwoHandlesInFlight"

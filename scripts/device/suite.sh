@@ -33,8 +33,8 @@ step_setup() {
     # ctest files name the paths of the machine that built them: point them here.
     find "$B" -name CTestTestfile.cmake -print0 | xargs -0 sed -i -e "s#${origin[0]}#$B#g" -e "s#${origin[1]}#$PWD#g" \
       -e "s#\"[^\"]*/python3[.0-9]*\"#\"$(command -v python3)\"#g"
-    if ldd "$B/tests/gpu/test_gpu_fused" | grep -q "not found"; then
-      note "setup: carried binaries lack libraries here: $(ldd "$B/tests/gpu/test_gpu_fused" | grep 'not found' | tr '\n' ' ')"
+    if ldd "$B/tests/gpu/test_gpu_fused_gemm" | grep -q "not found"; then
+      note "setup: carried binaries lack libraries here: $(ldd "$B/tests/gpu/test_gpu_fused_gemm" | grep 'not found' | tr '\n' ' ')"
     else
       note "setup: carried binaries of ${origin[3]:0:12} ($(elapsed) s)"
     fi

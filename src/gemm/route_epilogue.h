@@ -1,6 +1,6 @@
 // mkernel — the routed epilogue of the fused GEMM collectives (host and device code): where a
 // reduce-scatter / all-reduce GEMM's tiles go instead of C. Filled by the operator
-// (src/ops/collectives/fused_gemm.cc) from its plan's routes and epilogue final sum
+// (src/ops/fused_gemm/fused_gemm.cc) from its plan's routes and epilogue final sum
 // (ops::RankPlan::route, ::fin); read by the GEMM kernel's epilogue (kernel/epilogue.cuh).
 #pragma once
 

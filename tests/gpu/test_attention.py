@@ -225,7 +225,7 @@ def main():
             case(B, H, Hkv, S, D, causal, layout)
             n += 1
     # Tails, GQA, causal and offsets. (Single calls run the static schedule; the dynamic one,
-    # the ring's, is checked by test_gpu_ring against this kernel's single calls.)
+    # the ring's, is checked by test_gpu_ring_attention against this kernel's single calls.)
     case(2, 8, 2, 1000, 128, False, "bshd")
     case(1, 32, 8, 4096, 128, True, "bhsd")
     case(1, 8, 8, 2000, 64, True, "bshd")

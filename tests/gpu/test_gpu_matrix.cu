@@ -33,7 +33,7 @@
 #include "mkernel/ops/ring_attention.h"
 #include "src/attention/fmha_launch.h"
 #include "src/ops/ring_attention/ring_attention_testing.h"
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 #include "tests/gpu/mpi_fixture.h"
 
 namespace mk {
@@ -159,7 +159,7 @@ Status gemm_ref(const void* A, const void* B, void* C, int64_t M, int64_t N, int
 
 // The "many" communication-CTA count of a case, within what this context can hold: with 8
 // ranks sharing the GPU under MPS a client has about 14 co-resident CTAs, and the operators refuse
-// a split that leaves none to compute (tested in test_gpu_fused). 1 and the default pass as
+// a split that leaves none to compute (tested in test_gpu_fused_gemm). 1 and the default pass as
 // they are; a larger count keeps two CTAs computing.
 int comm_ctas_here(int asked, bool ring = false) {
   if (asked <= 1) return asked;

@@ -2,7 +2,7 @@
 // comes from cuBLAS or NCCL.
 #include "tools/baseline/baseline.h"
 #include "src/ops/ring_attention/ring_attention_testing.h"
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 
 #include <cublas_v2.h>
 #include <nccl.h>

@@ -1,7 +1,7 @@
 // mkernel — fused GEMM collectives: AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce.
 //
 // One persistent kernel per call: compute CTAs run the GEMM's tiles in the plan's order
-// (src/ops/collectives/plan.h), communication CTAs run the plan's communication program — peer stores over
+// (src/ops/fused_gemm/fused_gemm_plan.h), communication CTAs run the plan's communication program — peer stores over
 // NVLink inside a node, puts through the proxy (libfabric) between nodes, hierarchically: RS and
 // AR send only node-reduced partials between twins (same local rank), AG sends each shard once
 // per remote node and forwards it inside the node. With W = nodes x local ranks:
@@ -112,7 +112,7 @@ class FusedGemm {
 
  private:
   FusedGemm() = default;
-  // Tests reach the plan and the controller's hooks through src/ops/collectives/fused_testing.h
+  // Tests reach the plan and the controller's hooks through src/ops/fused_gemm/fused_gemm_testing.h
   // (not installed).
   friend struct FusedGemmTesting;
   std::unique_ptr<FusedState> st_;

@@ -1,7 +1,7 @@
 // mkernel — ring attention: sequence-parallel attention over W ranks in one persistent kernel
 // per call.
 //
-// Each rank holds a shard of the sequence (src/ops/ring_attention/ring_plan.h: contiguous, or zigzag so that causal
+// Each rank holds a shard of the sequence (src/ops/ring_attention/ring_attention_plan.h: contiguous, or zigzag so that causal
 // work is balanced): Q, K, V and O of its tokens, [B, S/W, heads, D] bf16 contiguous, its chunks
 // in token order (zigzag: chunk r, then chunk 2W - 1 - r). K/V blocks travel around a node-major
 // ring: at step t a rank computes against the block it holds and forwards that block to the next

@@ -2,7 +2,7 @@
 // communication program (see include/mkernel/ops/ring_attention.h).
 #include "mkernel/ops/ring_attention.h"
 #include "src/ops/ring_attention/ring_attention_testing.h"
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 
 #include <cuda_runtime_api.h>
 
@@ -18,7 +18,7 @@
 #include "mkernel/runtime/communicator.h"
 #include "src/attention/fmha_launch.h"
 #include "src/comm/session.h"
-#include "src/ops/ring_attention/ring_program.h"
+#include "src/ops/ring_attention/ring_attention_program.h"
 
 namespace mk {
 namespace ops {

@@ -6,7 +6,7 @@
 
 #include "mkernel/common/status.h"
 #include "mkernel/ops/ring_attention.h"
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 
 namespace mk {
 namespace ops {

@@ -6,7 +6,7 @@
 
 #include "mkernel/common/status.h"
 #include "mkernel/ops/fused.h"
-#include "src/ops/collectives/plan.h"
+#include "src/ops/fused_gemm/fused_gemm_plan.h"
 
 namespace mk {
 namespace ops {

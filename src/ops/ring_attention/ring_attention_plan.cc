@@ -1,5 +1,5 @@
 // The schedule of ring attention (see include/mkernel/ops/ring_plan.h).
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 
 #include "mkernel/common/check.h"
 

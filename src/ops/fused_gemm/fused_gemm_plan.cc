@@ -1,5 +1,5 @@
-// Plans of the fused GEMM collectives (see include/mkernel/ops/plan.h).
-#include "src/ops/collectives/plan.h"
+// Plans of the fused GEMM collectives (see src/ops/fused_gemm/fused_gemm_plan.h).
+#include "src/ops/fused_gemm/fused_gemm_plan.h"
 
 #include <algorithm>
 #include <cstdio>

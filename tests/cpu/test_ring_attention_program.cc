@@ -1,4 +1,4 @@
-// Ring attention's communication program (src/ops/ring_attention/ring_program.h) replayed on the
+// Ring attention's communication program (src/ops/ring_attention/ring_attention_program.h) replayed on the
 // CPU through the same replayer as the GEMM collectives (src/comm/replay.h): every rank's program
 // at once, random interleavings of its communication slots, its kernel's steps and its proxy, over
 // three calls, in every layout (one node, several nodes of one or more ranks, ranks of a node not
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "src/comm/replay.h"
-#include "src/ops/ring_attention/ring_program.h"
+#include "src/ops/ring_attention/ring_attention_program.h"
 #include "tests/common/test_util.h"
 
 namespace mk {

@@ -2,7 +2,7 @@
 // GEMM+AllReduce): which tile each rank computes in which order, where each finished tile's
 // values go, and the communication program its communication CTAs run. Pure host code, no
 // CUDA: the same plan is resolved into device descriptors by the operator (ops/fused.h) and
-// replayed on CPU buffers by the tests (tests/cpu/test_plan.cc), which check the math, the
+// replayed on CPU buffers by the tests (tests/cpu/test_fused_gemm_plan.cc), which check the math, the
 // flag counts and that no schedule can deadlock.
 //
 // Vocabulary

@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 #include "tests/common/test_util.h"
 
 namespace mk {

@@ -1,4 +1,4 @@
-// CPU replay of the fused-operator plans (ops/plan.h). Every rank's plan runs at once on host
+// CPU replay of the fused-operator plans (src/ops/fused_gemm/fused_gemm_plan.h). Every rank's plan runs at once on host
 // buffers under a seeded random interleaving of its communication slots (several comm CTAs
 // taking ops in list order), its GEMM tile slots and its proxy (puts delivered later, reading
 // their source at delivery), for three consecutive calls (epochs 1..3); a rank starts its next
@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "src/comm/replay.h"
-#include "src/ops/collectives/plan.h"
+#include "src/ops/fused_gemm/fused_gemm_plan.h"
 #include "tests/common/test_util.h"
 
 namespace mk {

@@ -25,7 +25,7 @@
 #include "mkernel/device/trace.h"
 #include "mkernel/ops/ring_attention.h"
 #include "src/ops/ring_attention/ring_attention_testing.h"
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 #include "tests/common/test_util.h"
 #include "tests/gpu/mpi_fixture.h"
 

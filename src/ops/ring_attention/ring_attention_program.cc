@@ -1,5 +1,5 @@
-// Ring attention's communication program (see src/ops/ring_attention/ring_program.h).
-#include "src/ops/ring_attention/ring_program.h"
+// Ring attention's communication program (see src/ops/ring_attention/ring_attention_program.h).
+#include "src/ops/ring_attention/ring_attention_program.h"
 
 #include <algorithm>
 #include <string>

@@ -1,6 +1,6 @@
 // mkernel — ring attention's communication program (host code, no CUDA): how each rank's K/V
 // block travels the ring in pieces, as a comm::Program that the session resolves and the CPU
-// replayer checks (tests/cpu/test_ring_plan.cc).
+// replayer checks (tests/cpu/test_ring_attention_plan.cc).
 //
 // Buffers: the caller's K and V (user slots 0 and 1: [B][S/W][Hkv][D] bf16), the K/V slots
 // ([W][B][S/W][Hkv][D], slot r holds rank r's block once it passed through), an 8-byte token
@@ -20,7 +20,7 @@
 
 #include "mkernel/common/status.h"
 #include "src/comm/program.h"
-#include "src/ops/ring_attention/ring_plan.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
 
 namespace mk {
 namespace ops {

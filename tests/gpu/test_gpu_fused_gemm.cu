@@ -25,8 +25,8 @@
 #include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/ops/fused.h"
-#include "src/ops/collectives/fused_testing.h"
-#include "src/ops/collectives/plan.h"
+#include "src/ops/fused_gemm/fused_gemm_testing.h"
+#include "src/ops/fused_gemm/fused_gemm_plan.h"
 #include "tests/gpu/mpi_fixture.h"
 
 namespace mk {

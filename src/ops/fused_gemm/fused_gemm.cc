@@ -1,6 +1,6 @@
 // Fused GEMM collectives: plan resolution, workspaces, the network stack, launch.
 #include "mkernel/ops/fused.h"
-#include "src/ops/collectives/plan.h"
+#include "src/ops/fused_gemm/fused_gemm_plan.h"
 
 #include <cuda_runtime_api.h>
 
@@ -19,7 +19,7 @@
 #include "src/comm/split_control.h"
 #include "src/ops/control/split_controller.h"
 #include "src/ops/control/split_memory.h"
-#include "src/ops/collectives/fused_testing.h"
+#include "src/ops/fused_gemm/fused_gemm_testing.h"
 
 namespace mk {
 namespace ops {
