@@ -194,7 +194,7 @@ reclaim() {  # exe rc
 
 rows=()
 failures=0
-row() { rows+=("$(printf '%-26s %-10s %-3s %-14s %s' "$@")"); printf '%-26s %-10s %-3s %-14s %s\n' "$@"; }
+row() { rows+=("$(printf '%-30s %-10s %-3s %-14s %s' "$@")"); printf '%-30s %-10s %-3s %-14s %s\n' "$@"; }
 
 # The gtest filter of a run: the user's, the script's (tool:bin:np, then tool:bin), else the one
 # ctest registered at that np (then at any np: the first).
@@ -267,7 +267,7 @@ run() {
   fi
 }
 
-printf '%-26s %-10s %-3s %-14s %s\n' test tool np result errors
+printf '%-30s %-10s %-3s %-14s %s\n' test tool np result errors
 if [[ -n $(gpu_users) ]]; then echo "sanitize_check: the GPU is in use before the first run: $(gpu_users | tr '\n' ' ')"; fi
 for step in $steps; do
   for line in "${bins[@]}"; do
@@ -302,7 +302,7 @@ mps_off
   # need not carry the same git metadata).
   rev=$( [[ -f .devbin/origin.txt ]] && sed -n 4p .devbin/origin.txt | cut -c1-12 || git rev-parse --short HEAD 2>/dev/null)
   echo "compute-sanitizer over the GPU tests ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), binaries of $rev, steps: $steps)"
-  printf '%-26s %-10s %-3s %-14s %s\n' test tool np result errors
+  printf '%-30s %-10s %-3s %-14s %s\n' test tool np result errors
   printf '%s\n' "${rows[@]}"
   [[ -f $L/cleanup.txt ]] && { echo "cleanup after runs:"; cat "$L/cleanup.txt"; }
   echo "runs: ${#rows[@]}, clean: $(printf '%s\n' "${rows[@]}" | grep -c ' clean '), not clean: $failures, total $(( $(date +%s) - t0 )) s"
