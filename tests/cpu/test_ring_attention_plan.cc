@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "mkernel/ops/ring_attention.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
 #include "tests/common/test_util.h"
 
@@ -115,6 +116,30 @@ TEST(RingPlan, RejectsSequencesThatDoNotSplit) {
   EXPECT_NE(s.message().find("equal chunks"), std::string::npos) << s.to_string();
   s = build_ring_plan(comm::Layout::uniform(4, 1), 4 * 3, SeqLayout::kZigzag, false, &p);  // 12 % 8 != 0
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
+}
+
+// The operator's shape rules before any GPU (RingAttention::can_implement), each named.
+TEST(RingPlan, CanImplementBeforeAnyGpu) {
+  EXPECT_TRUE(RingAttention::can_implement({2, 32, 8, 128, 4096, SeqLayout::kZigzag, true}, 4).ok());
+  EXPECT_TRUE(RingAttention::can_implement({1, 8, 8, 64, 1000, SeqLayout::kContiguous, false}, 1).ok());
+  struct Bad {
+    RingAttentionShape shape;
+    int world;
+    const char* names;
+  };
+  const Bad bad[] = {
+      {{1, 8, 8, 96, 1024, SeqLayout::kContiguous, false}, 2, "head dimension"},
+      {{1, 12, 8, 128, 1024, SeqLayout::kContiguous, false}, 2, "multiple of 8 key/value heads"},
+      {{0, 8, 8, 128, 1024, SeqLayout::kContiguous, false}, 2, "empty shape"},
+      {{1, 8, 8, 128, 1001, SeqLayout::kContiguous, false}, 4, "4 equal chunks"},
+      {{1, 8, 8, 128, 12, SeqLayout::kZigzag, true}, 4, "8 equal chunks (zigzag"},
+      {{1, 8, 8, 128, 1024, SeqLayout::kContiguous, false}, 0, "world size"},
+  };
+  for (const Bad& b : bad) {
+    const Status s = RingAttention::can_implement(b.shape, b.world);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << b.names << ": " << s.to_string();
+    EXPECT_NE(s.message().find(b.names), std::string::npos) << s.to_string();
+  }
 }
 
 }  // namespace

@@ -67,8 +67,11 @@ struct RingState;
 
 class RingAttention {
  public:
-  // Collective: checks that every rank asked for the same shape (a mismatch is the same error on
-  // every rank), builds the ring plan, allocates the K/V slots, the merge workspace and the
+  // The shape rules, before any communicator or GPU: D 64 or 128, H a multiple of Hkv, S split
+  // into W (contiguous) or 2W (zigzag) equal chunks. create() applies them too (the same error).
+  static Status can_implement(const RingAttentionShape& shape, int world);
+  // Collective: checks that every rank asked for the same shape (a mismatch is the same kMismatch
+  // on every rank), builds the ring plan, allocates the K/V slots, the merge workspace and the
   // signal pad, and starts the network backend and proxy when ranks span several nodes.
   static Status create(Communicator* comm, const RingAttentionShape& shape, const RingAttentionOptions& opt,
                        std::unique_ptr<RingAttention>* out);

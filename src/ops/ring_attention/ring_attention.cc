@@ -47,6 +47,7 @@ struct Request {
 };
 
 Status check_shape(const RingAttentionShape& s, int W) {
+  MK_REQUIRE(W >= 1, Code::kInvalidArgument, "ring_attention: world size %d", W);
   MK_REQUIRE(s.D == 64 || s.D == 128, Code::kInvalidArgument, "ring_attention: head dimension %d (64 or 128)", s.D);
   MK_REQUIRE(s.B >= 1 && s.H >= 1 && s.Hkv >= 1 && s.S >= 1, Code::kInvalidArgument,
              "ring_attention: empty shape B %d H %d Hkv %d S %lld", s.B, s.H, s.Hkv, (long long)s.S);
@@ -54,6 +55,11 @@ Status check_shape(const RingAttentionShape& s, int W) {
              "ring_attention: %d query heads are not a multiple of %d key/value heads", s.H, s.Hkv);
   MK_REQUIRE(s.S / W <= (int64_t(1) << 30), Code::kInvalidArgument, "ring_attention: %lld tokens per rank",
              (long long)(s.S / W));
+  const int nchunks = s.layout == SeqLayout::kZigzag ? 2 * W : W;
+  MK_REQUIRE(s.S % nchunks == 0, Code::kInvalidArgument,
+             "ring_attention: a sequence of %lld tokens does not split into %d equal chunks (%s layout over %d "
+             "ranks)",
+             (long long)s.S, nchunks, s.layout == SeqLayout::kZigzag ? "zigzag" : "contiguous", W);
   return OkStatus();
 }
 
@@ -183,6 +189,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 }  // namespace
 
+Status RingAttention::can_implement(const RingAttentionShape& shape, int world) { return check_shape(shape, world); }
+
 Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape, const RingAttentionOptions& opt,
                              std::unique_ptr<RingAttention>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "ring_attention: null communicator or output");
@@ -194,7 +202,7 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
              r.layout, r.causal);
     return std::string(b);
   }));
-  MK_CHECK(check_shape(shape, W));
+  MK_CHECK(can_implement(shape, W));
   std::unique_ptr<RingAttention> op(new RingAttention());
   op->st_ = std::make_unique<RingState>();
   RingState* st = op->st_.get();
