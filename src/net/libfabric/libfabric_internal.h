@@ -175,6 +175,9 @@ class LibfabricBackend final : public Backend {
 
   Status choose_provider(const Topology& topo, const std::string& requested, std::string* prov);
   Status open_endpoint(const Topology& topo, const std::string& prov);
+  Status select_info(const Topology& topo, const std::string& prov);
+  Status open_objects(const std::string& prov);
+  Status open_control_area();
   void name_shm_endpoint();
   Status exchange_addresses();
   Status reg(void* base, size_t bytes, uint64_t access, MemKind kind, fid_mr** mr);

@@ -243,6 +243,30 @@ void LibfabricBackend::name_shm_endpoint() {
 Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& prov) {
   prov_ = prov;
   name_ = "libfabric/" + prov;
+  MK_CHECK(select_info(topo, prov));
+  MK_CHECK(open_objects(prov));
+  MK_CHECK(open_control_area());
+  if (hmem_) probe_gpu_registration();
+  caps_.cuda_windows = hmem_;
+  caps_.cuda_windows_note = hmem_note_;
+  caps_.imm_bytes = static_cast<uint32_t>(std::min<size_t>(info_->domain_attr->cq_data_size, 8));
+  caps_.max_put_bytes = info_->ep_attr->max_msg_size;
+  caps_.inject_bytes = inject_size_;
+  MK_INFO(kSubsysNet,
+          "%s: fabric %s, domain %s, api %u.%u, mode %s, mr_mode %s, cq_data %zu B, inject %zu B, "
+          "max_msg %zu B, tx/rx depth %zu/%zu, hmem %s",
+          name_.c_str(), info_->fabric_attr->name, info_->domain_attr->name,
+          FI_MAJOR(kFiVersion), FI_MINOR(kFiVersion), mode_names(info_->mode).c_str(),
+          mr_mode_names(info_->domain_attr->mr_mode).c_str(), info_->domain_attr->cq_data_size,
+          inject_size_, info_->ep_attr->max_msg_size, info_->tx_attr ? info_->tx_attr->size : 0,
+          info_->rx_attr ? info_->rx_attr->size : 0, hmem_ ? "yes" : "no");
+  return OkStatus();
+}
+
+// The provider's info entry for this rank (with FI_HMEM where this rank has a GPU and GPU windows
+// may be registered directly, else without), copied into info_; kNotSupported naming what the
+// provider offered when no entry fits.
+Status LibfabricBackend::select_info(const Topology& topo, const std::string& prov) {
   bool one_host = true;
   for (const RankInfo& i : topo.info) one_host &= i.host_hash == topo.info[0].host_hash;
   const int host_local = host_local_index(topo.info, rank_);
@@ -289,7 +313,11 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
   mr_mode_ = static_cast<uint64_t>(info_->domain_attr->mr_mode);
   rx_cq_data_ = (info_->mode & FI_RX_CQ_DATA) != 0;
   inject_size_ = info_->tx_attr ? info_->tx_attr->inject_size : 0;
+  return OkStatus();
+}
 
+// Fabric, domain, completion queue, address vector and the enabled endpoint.
+Status LibfabricBackend::open_objects(const std::string& prov) {
   int ret = fi_fabric(info_->fabric_attr, &fabric_, nullptr);
   MK_REQUIRE(ret == 0, Code::kSystemError, "%s: fi_fabric(%s): %s", name_.c_str(),
              info_->fabric_attr->name, fi_err(ret).c_str());
@@ -322,8 +350,12 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
              ret == -FI_EBUSY && prov == "shm"
                  ? " (a region of this endpoint's name is in /dev/shm, owned by a live process)"
                  : "");
+  return OkStatus();
+}
 
-  // The control area and the scratch region.
+// The control area (receive slots, quiet-message send slots), the scratch region for zero-byte
+// windows, and the pool of posted receives.
+Status LibfabricBackend::open_control_area() {
   ctrl_buf_.assign((static_cast<size_t>(kRecvPool) + 2 * static_cast<size_t>(world_)) * kSlot, 0);
   send_busy_.assign(2 * static_cast<size_t>(world_), 0);
   MK_CHECK(reg(ctrl_buf_.data(), ctrl_buf_.size(), FI_SEND | FI_RECV, MemKind::kHost, &ctrl_mr_));
@@ -346,21 +378,6 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
   }
   for (int i = 0; i < kRecvPool; ++i) post_recv(&recv_ctx_[i]);
   MK_CHECK(post_error_);
-
-  if (hmem_) probe_gpu_registration();
-  caps_.cuda_windows = hmem_;
-  caps_.cuda_windows_note = hmem_note_;
-  caps_.imm_bytes = static_cast<uint32_t>(std::min<size_t>(info_->domain_attr->cq_data_size, 8));
-  caps_.max_put_bytes = info_->ep_attr->max_msg_size;
-  caps_.inject_bytes = inject_size_;
-  MK_INFO(kSubsysNet,
-          "%s: fabric %s, domain %s, api %u.%u, mode %s, mr_mode %s, cq_data %zu B, inject %zu B, "
-          "max_msg %zu B, tx/rx depth %zu/%zu, hmem %s",
-          name_.c_str(), info_->fabric_attr->name, info_->domain_attr->name,
-          FI_MAJOR(kFiVersion), FI_MINOR(kFiVersion), mode_names(info_->mode).c_str(),
-          mr_mode_names(info_->domain_attr->mr_mode).c_str(), info_->domain_attr->cq_data_size,
-          inject_size_, info_->ep_attr->max_msg_size, info_->tx_attr ? info_->tx_attr->size : 0,
-          info_->rx_attr ? info_->rx_attr->size : 0, hmem_ ? "yes" : "no");
   return OkStatus();
 }
 
