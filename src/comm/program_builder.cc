@@ -27,17 +27,12 @@ Op ProgramBuilder::signal_op(std::vector<Signal> signals, std::string what) {
   return op;
 }
 
-Op ProgramBuilder::put(int to, BufRef src, BufRef dst, uint64_t bytes, FlagRef remote_flag, FlagRef local_flag,
-                       std::string what) {
+Op ProgramBuilder::net_op(int to, BufRef src, BufRef dst, uint64_t bytes, FlagRef remote_flag, FlagRef local_flag,
+                          std::string what) {
   Op op;
   op.kind = OpKind::kNetPut;
   op.srcs = {src};
   op.dsts = {dst};
-  if (p_.net_staged) {
-    op.stage_src = src;
-    op.srcs[0].buf = p_.mirror(src.buf);
-    op.dsts[0].buf = p_.mirror(dst.buf);
-  }
   op.bytes = bytes;
   op.peer = to;
   op.remote_flag = remote_flag;
@@ -47,19 +42,21 @@ Op ProgramBuilder::put(int to, BufRef src, BufRef dst, uint64_t bytes, FlagRef r
   return op;
 }
 
+Op ProgramBuilder::put(int to, BufRef src, BufRef dst, uint64_t bytes, FlagRef remote_flag, FlagRef local_flag,
+                       std::string what) {
+  Op op = net_op(to, src, dst, bytes, remote_flag, local_flag, std::move(what));
+  if (p_.net_staged) {
+    op.stage_src = src;
+    op.srcs[0].buf = p_.mirror(src.buf);
+    op.dsts[0].buf = p_.mirror(dst.buf);
+  }
+  return op;
+}
+
 Op ProgramBuilder::token_put(int me, int to, BufId token, FlagRef remote_flag, FlagRef local_flag, std::string what) {
   const BufId tok = p_.net_staged ? p_.mirror(token) : token;
-  Op op;
-  op.kind = OpKind::kNetPut;
-  op.srcs = {BufRef{tok, me, 8ull * uint64_t(me)}};
-  op.dsts = {BufRef{tok, to, 8ull * uint64_t(me)}};
-  op.bytes = 8;
-  op.peer = to;
-  op.remote_flag = remote_flag;
-  op.local_flag = local_flag;
-  if (local_flag.region != kNoRegion) ++completions_[{local_flag.region, local_flag.rank, local_flag.index}];
-  op.what = std::move(what);
-  return op;
+  return net_op(to, BufRef{tok, me, 8ull * uint64_t(me)}, BufRef{tok, to, 8ull * uint64_t(me)}, 8, remote_flag,
+                local_flag, std::move(what));
 }
 
 std::vector<std::pair<uint32_t, uint64_t>> ProgramBuilder::completions(RegionId region, int rank) const {

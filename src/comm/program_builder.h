@@ -53,13 +53,15 @@ class ProgramBuilder {
   // the token's host mirror, which holds the same words (no staging copy). local_flag may be none.
   Op token_put(int me, int to, BufId token, FlagRef remote_flag, FlagRef local_flag, std::string what);
 
-  // Local completions counted on local flags by put(), by flag index within `region` of `rank`
-  // (ascending), and in all; forget() starts a new count (a new rank's program).
+  // Local completions counted on local flags by put() and token_put(): per flag index within
+  // `region` of `rank` (ascending), and on one flag.
   std::vector<std::pair<uint32_t, uint64_t>> completions(RegionId region, int rank) const;
   uint64_t completions_at(const FlagRef& f) const;
-  void forget() { completions_.clear(); }
 
  private:
+  // A put as it is, its local completion counted (put and token_put).
+  Op net_op(int to, BufRef src, BufRef dst, uint64_t bytes, FlagRef remote_flag, FlagRef local_flag, std::string what);
+
   ProgramDecl& p_;
   std::map<std::tuple<RegionId, int, uint32_t>, uint64_t> completions_;
 };

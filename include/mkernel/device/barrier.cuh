@@ -18,7 +18,6 @@ namespace device {
 
 // CUTLASS's ReservedNamedBarrierCount (cutlass/arch/barrier.h, 4.x): ids below it are CUTLASS's.
 constexpr uint32_t kNamedBarrierBase = 8;
-constexpr uint32_t kHardwareNamedBarriers = 16;
 
 // The threads of `threads` (a multiple of 32, every thread of the warps taking part) meet at
 // kernel barrier `id` (0 .. 7).

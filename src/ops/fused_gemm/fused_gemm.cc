@@ -4,7 +4,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstddef>
 #include <cstring>
 #include <vector>
 
@@ -16,7 +15,6 @@
 #include "mkernel/runtime/communicator.h"
 #include "src/gemm/fused_launch.h"
 #include "src/comm/session.h"
-#include "src/comm/split_control.h"
 #include "src/ops/control/split_controller.h"
 #include "src/ops/control/split_memory.h"
 #include "src/ops/fused_gemm/fused_gemm_testing.h"

@@ -82,16 +82,13 @@ struct Builder {
       op.waits.push_back(wait_on(Region::kSrcFree, me, c, uint64_t(count), me));
       rp.ops.push_back(op);
     }
-    pb.forget();
   }
 
-  std::vector<int> local_peers(int me) const { return L.node_peers(me); }
   std::vector<int> local_all(int me) const {
     std::vector<int> out{me};
     for (int q : L.node_peers(me)) out.push_back(q);
     return out;
   }
-  std::vector<int> remote_twins(int me) const { return L.twins(me); }
   // Shards in the order their rows become available to `me`: own, same node, then other nodes.
   std::vector<int> shard_order(int me) const {
     std::vector<int> out = local_all(me);
@@ -115,12 +112,12 @@ struct Builder {
   Op entry_op(int me) const {
     Op op;
     op.kind = OpKind::kSignal;
-    for (int q : local_peers(me)) op.signals.push_back(set_epoch(Region::kEntry, q, me));
+    for (int q : L.node_peers(me)) op.signals.push_back(set_epoch(Region::kEntry, q, me));
     op.what = "entry signal to the node's peers";
     return op;
   }
   void net_entry_ops(RankPlan& rp, int me) {
-    for (int q : remote_twins(me))
+    for (int q : L.twins(me))
       rp.ops.push_back(pb.token_put(me, q, Buf::kToken, flag_at(Region::kEntryNet, q, me), comm::FlagRef{},
                                     "entry signal to rank " + std::to_string(q) + " (network)"));
   }
@@ -155,7 +152,7 @@ struct Builder {
       op.dsts.push_back(op.srcs[0]);
       op.srcs[0].buf = net_mirror(buf);
     }
-    for (int q : local_peers(me)) {
+    for (int q : L.node_peers(me)) {
       op.dsts.push_back(buf_at(buf, q, uint64_t(ch.row0) * row_bytes));
       op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
     }
@@ -182,7 +179,7 @@ struct Builder {
         Op op;
         op.kind = OpKind::kCopy;
         op.srcs = {buf_at(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
-        for (int q : local_peers(me)) {
+        for (int q : L.node_peers(me)) {
           op.dsts.push_back(buf_at(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
           op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
           op.signals.push_back(add_to(Region::kRowReady, q, ch.tile_row));
@@ -192,10 +189,10 @@ struct Builder {
         rp.ops.push_back(op);
       }
     // 2. My shard to my twin on every other node, once per node.
-    for (int q : remote_twins(me))
+    for (int q : L.twins(me))
       for (int c : shard_chunks[me]) rp.ops.push_back(twin_put(me, q, c, Buf::kAFull, rowb, c, "AG chunk ", true));
     // 3. Shards of my twins arrive over the network: forward them inside the node.
-    for (int s : remote_twins(me))
+    for (int s : L.twins(me))
       for (int c : shard_chunks[s])
         rp.ops.push_back(forward_op(me, s, c, Buf::kAFull, rowb, c, Region::kRowReady, "AG chunk "));
     finish_puts(rp, me, {});
@@ -299,7 +296,7 @@ struct Builder {
       // AR: straight into my C, and into the node's other ranks' c_ws (they copy it to theirs).
       f.dsts = {buf_at(Buf::kUserC, me, r.allreduce ? uint64_t(me * Ms) * r.row2 : 0)};
       if (r.allreduce)
-        for (int q : local_peers(me)) f.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(me * Ms) * r.row2));
+        for (int q : L.node_peers(me)) f.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(me * Ms) * r.row2));
     }
   }
 
@@ -323,7 +320,7 @@ struct Builder {
         // My own rows: every other rank of the node routed its share of this tile-row here.
         if (local > 1) rp.waits.push_back(wait_on(Region::kRowCount, me, tm, r.row_target(tm), -1));
         if (r.allreduce)
-          for (int q : local_peers(me)) {
+          for (int q : L.node_peers(me)) {
             if (!reducers.count(q)) rp.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
             rp.signals.push_back(add_to(Region::kOutRow, q, tm));
           }
@@ -337,7 +334,7 @@ struct Builder {
   //    of a reduce-add source waits for the put's local completion: `zeros`, by chunk).
   void reduce_partials_out(RankPlan& rp, const Reduce& r, std::map<uint32_t, Op>* zeros) {
     const int me = r.me;
-    for (int s : remote_twins(me))
+    for (int s : L.twins(me))
       for (int c : shard_chunks[s]) {
         const Chunk& ch = p.chunks[c];
         const uint64_t bytes = uint64_t(ch.rows) * r.row4;
@@ -417,10 +414,10 @@ struct Builder {
     const int me = r.me;
     if (!r.allreduce) return;
     // 3. My final chunks to my twins; theirs forwarded inside my node.
-    for (int q : remote_twins(me))
+    for (int q : L.twins(me))
       for (int c : shard_chunks[me])
         rp.ops.push_back(twin_put(me, q, c, Buf::kCws, r.row2, uint32_t(p.chunks.size() * nodes + c), "final chunk "));
-    for (int s : remote_twins(me))
+    for (int s : L.twins(me))
       for (int c : shard_chunks[s])
         rp.ops.push_back(forward_op(me, s, c, Buf::kCws, r.row2, uint32_t(p.chunks.size() * nodes + c),
                                     Region::kOutRow, "final chunk "));
@@ -460,7 +457,7 @@ struct Builder {
       const auto& nr = L.node_ranks[(r.n + d) % nodes];
       for (int i = 0; i < local; ++i) order.push_back(nr[(r.l + i) % local]);
     }
-    for (int q : local_peers(me)) order.push_back(q);
+    for (int q : L.node_peers(me)) order.push_back(q);
     order.push_back(me);
     tile_order_by_shards(rp, order);
   }

@@ -13,10 +13,6 @@ namespace mk {
 namespace ops {
 
 namespace {
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-}  // namespace
-
-namespace {
 
 using comm::add_to;
 using comm::BufId;
@@ -141,7 +137,7 @@ Op final_op(const ProgramBuilder& pb, int me, const std::vector<std::pair<int, u
 
 int64_t moe_piece_bytes(int64_t slot_bytes, int pieces) {
   pieces = std::max(pieces, 1);
-  return round_up((slot_bytes + pieces - 1) / pieces, 16);
+  return ((slot_bytes + pieces - 1) / pieces + 15) / 16 * 16;  // rounded up to 16 bytes
 }
 int moe_pieces(int64_t slot_bytes, int pieces) {
   const int64_t pb = moe_piece_bytes(slot_bytes, pieces);
@@ -167,7 +163,7 @@ Status build_moe_program(const comm::Layout& layout, int64_t slot_bytes, int pie
   declare_regions(p, false);
   p.ranks.resize(W);
   auto slot = [&](BufId b, int rank, int index) { return BufRef{b, rank, uint64_t(index) * uint64_t(slot_bytes)}; };
-  auto remote = [&](int a, int b) { return layout.node_of[a] != layout.node_of[b]; };
+  auto remote = [&](int a, int b) { return !layout.same_node(a, b); };
   for (int me = 0; me < W; ++me) {
     comm::RankProgram& rp = p.ranks[me];
     rp.rank = me;

@@ -73,8 +73,8 @@ struct Builder {
     if (W == 1) return;
     const auto& steps = plan.steps[me];
     const int next = steps[0].send_to, prev = steps[0].recv_from;
-    const bool next_remote = p.layout.node_of[next] != p.layout.node_of[me];
-    const bool prev_remote = p.layout.node_of[prev] != p.layout.node_of[me];
+    const bool next_remote = !p.layout.same_node(next, me);
+    const bool prev_remote = !p.layout.same_node(prev, me);
     // Entry: tell the previous rank that this rank's slots are free for this call (its call
     // started, so its previous call ended: stream order).
     {
