@@ -5,6 +5,9 @@
 # with carry). One solid xz archive: the binaries share most of their bytes (the kernels), so
 # it stays small. On the GPU machine scripts/device/suite.sh unpacks it into /tmp/mkb and
 # rewrites ctest's paths; it builds there instead when the archive is absent.
+# MK_PACK_SLIM=1 packs only what the suite's compare step runs (mkernel, the C ABI library,
+# bench_gemm, bench_host_call): the full pack and .devbin-before together are over the 64 MiB
+# a device call carries.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -17,6 +20,7 @@ files=(mkernel libmkernel_capi.so CTestTestfile.cmake tests/CTestTestfile.cmake 
 for f in "$build"/tests/gpu/test_gpu_* "$build"/tests/gpu/fault_rank; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
 # The benchmarks that run on the GPU, when built.
 for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy; do [[ -x $build/$f ]] && files+=("$f"); done
+[[ ${MK_PACK_SLIM:-0} == 1 ]] && files=(mkernel libmkernel_capi.so bench/bench_gemm bench/bench_host_call)
 for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done
 tar -C "$build" -cf - "${files[@]}" | xz -T2 -9e > "$out/bins.tar.xz"
 # Where this build came from: the suite rewrites these paths on the GPU machine.
