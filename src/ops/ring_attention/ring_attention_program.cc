@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "mkernel/common/check.h"
 #include "src/comm/program_builder.h"
@@ -64,6 +65,80 @@ struct Builder {
     }
   }
 
+  // Entry: tell the previous rank that this rank's slots are free for this call (its call
+  // started, so its previous call ended: stream order).
+  Op entry_signal(int me, int prev, bool prev_remote) {
+    if (prev_remote)
+      return pb.token_put(me, prev, RingBuf::kToken, flag_at(RingRegion::kEntryNet, prev, 0),
+                          flag_at(RingRegion::kSrcFree, me, 0), "entry signal to rank " + std::to_string(prev) + " (network)");
+    return comm::ProgramBuilder::signal_op({add_to(RingRegion::kEntry, prev, 0)}, "entry signal to rank " + std::to_string(prev));
+  }
+
+  // Step t's piece (b, pc) of block blk, K and V, on to `next`: over the network from the slot
+  // (staged: from its host mirror, which the CTA copies the slot into first), or a copy into
+  // next's slot. At step 0 the own block goes out from the user's K/V (over the network: into
+  // the own slot first, a registered buffer or the staging copy's source).
+  void forward(RingRank& rp, int me, int next, int prev, bool next_remote, int t, int blk, int b, int pc) {
+    const uint64_t bytes = rows_of(pc) * g.row_bytes;
+    const uint64_t off = uint64_t(blk) * slot_bytes + in_block(b, pc);
+    const uint32_t a = p.arrived_index(blk, b, pc);
+    const comm::RegionId entry = next_remote ? RingRegion::kEntryNet : RingRegion::kEntry;
+    if (t == 0 && next_remote)
+      for (int kv = 0; kv < 2; ++kv) {
+        Op op;
+        op.kind = OpKind::kCopy;
+        op.srcs = {BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}};
+        op.dsts = {BufRef{slots(kv), me, off}};
+        op.bytes = bytes;
+        op.signals = {add_to(RingRegion::kArrived, me, a)};
+        op.what = "own " + piece_name(blk, b, pc, kv) + " into the own slot";
+        rp.ops.push_back(op);
+      }
+    for (int kv = 0; kv < 2; ++kv) {
+      Op op;
+      if (next_remote) {
+        op = pb.put(next, BufRef{slots(kv), me, off}, BufRef{slots(kv), next, off}, bytes,
+                    flag_at(RingRegion::kArrivedNet, next, a), flag_at(RingRegion::kSrcFree, me, 0),
+                    piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next) + " (network)");
+      } else {
+        op.kind = OpKind::kCopy;
+        op.bytes = bytes;
+        op.srcs = {t == 0 ? BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)} : BufRef{slots(kv), me, off}};
+        op.dsts = {BufRef{slots(kv), next, off}};
+        op.signals = {add_to(RingRegion::kArrived, next, a)};
+        op.what = piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next);
+      }
+      op.waits = {wait_on(entry, me, 0, 1, next)};
+      if (t > 0 || next_remote) op.waits.push_back(wait_on(RingRegion::kArrived, me, a, 2, t > 0 ? prev : me));
+      rp.ops.push_back(op);
+    }
+  }
+
+  // Waits on every piece of the block that step t reads (two arrivals each: K and V).
+  void wait_block(std::vector<comm::Wait>* waits, int me, int prev, int t) const {
+    for (int b = 0; b < g.B; ++b)
+      for (int pc = 0; pc < g.pieces; ++pc)
+        waits->push_back(wait_on(RingRegion::kArrived, me, p.arrived_index(plan.steps[me][t].kv_rank, b, pc), 2, prev));
+  }
+
+  // A call ends only once every block meant for this rank is in its slot (also those no query
+  // needs and the last one, which is not forwarded): no write of this call can land during the
+  // next one. Nor while the proxy still reads this call's sources.
+  void call_end(RingRank& rp, int me, int prev) {
+    Op op;
+    op.kind = OpKind::kSignal;
+    for (int t = 1; t < plan.world; ++t) wait_block(&op.waits, me, prev, t);
+    op.what = "every block of the call arrived";
+    rp.ops.push_back(op);
+    if (const uint64_t net_puts = pb.completions_at(flag_at(RingRegion::kSrcFree, me, 0))) {
+      Op done;
+      done.kind = OpKind::kSignal;
+      done.waits = {wait_on(RingRegion::kSrcFree, me, 0, net_puts, me)};
+      done.what = "the proxy finished reading this call's sources";
+      rp.ops.push_back(done);
+    }
+  }
+
   void build(int me) {
     RingRank& rp = p.ranks[me];
     rp.rank = me;
@@ -75,89 +150,21 @@ struct Builder {
     const int next = steps[0].send_to, prev = steps[0].recv_from;
     const bool next_remote = !p.layout.same_node(next, me);
     const bool prev_remote = !p.layout.same_node(prev, me);
-    // Entry: tell the previous rank that this rank's slots are free for this call (its call
-    // started, so its previous call ended: stream order).
-    {
-      rp.ops.push_back(prev_remote ? pb.token_put(me, prev, RingBuf::kToken, flag_at(RingRegion::kEntryNet, prev, 0),
-                                                  flag_at(RingRegion::kSrcFree, me, 0),
-                                                  "entry signal to rank " + std::to_string(prev) + " (network)")
-                                   : comm::ProgramBuilder::signal_op({add_to(RingRegion::kEntry, prev, 0)},
-                                                                     "entry signal to rank " + std::to_string(prev)));
-    }
-    const comm::RegionId entry = next_remote ? RingRegion::kEntryNet : RingRegion::kEntry;
-    for (int t = 0; t + 1 < W; ++t) {
-      const int blk = steps[t].kv_rank;
+    rp.ops.push_back(entry_signal(me, prev, prev_remote));
+    for (int t = 0; t + 1 < W; ++t)
       for (int b = 0; b < g.B; ++b)
         for (int pc = 0; pc < g.pieces; ++pc) {
-          const uint64_t bytes = rows_of(pc) * g.row_bytes;
-          const uint64_t off = uint64_t(blk) * slot_bytes + in_block(b, pc);
-          const uint32_t a = p.arrived_index(blk, b, pc);
-          if (t >= 1 && prev_remote) relay(rp, me, prev, blk, b, pc);
-          if (t == 0 && next_remote)
-            // The own block goes out over the network from the slot (a registered buffer, or the
-            // source of the staging copy): into the own slot first.
-            for (int kv = 0; kv < 2; ++kv) {
-              Op op;
-              op.kind = OpKind::kCopy;
-              op.srcs = {BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}};
-              op.dsts = {BufRef{slots(kv), me, off}};
-              op.bytes = bytes;
-              op.signals = {add_to(RingRegion::kArrived, me, a)};
-              op.what = "own " + piece_name(blk, b, pc, kv) + " into the own slot";
-              rp.ops.push_back(op);
-            }
-          for (int kv = 0; kv < 2; ++kv) {
-            Op op;
-            if (next_remote) {
-              // From the slot (staged: from its host mirror, which the CTA copies the slot into first).
-              op = pb.put(next, BufRef{slots(kv), me, off}, BufRef{slots(kv), next, off}, bytes,
-                          flag_at(RingRegion::kArrivedNet, next, a), flag_at(RingRegion::kSrcFree, me, 0),
-                          piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next) + " (network)");
-            } else {
-              op.kind = OpKind::kCopy;
-              op.bytes = bytes;
-              op.srcs = {t == 0 ? BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}
-                                : BufRef{slots(kv), me, off}};
-              op.dsts = {BufRef{slots(kv), next, off}};
-              op.signals = {add_to(RingRegion::kArrived, next, a)};
-              op.what = piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next);
-            }
-            op.waits = {wait_on(entry, me, 0, 1, next)};
-            if (t > 0 || next_remote) op.waits.push_back(wait_on(RingRegion::kArrived, me, a, 2, t > 0 ? prev : me));
-            rp.ops.push_back(op);
-          }
+          if (t >= 1 && prev_remote) relay(rp, me, prev, steps[t].kv_rank, b, pc);
+          forward(rp, me, next, prev, next_remote, t, steps[t].kv_rank, b, pc);
         }
-    }
     if (prev_remote)
       for (int b = 0; b < g.B; ++b)
         for (int pc = 0; pc < g.pieces; ++pc) relay(rp, me, prev, steps[W - 1].kv_rank, b, pc);
-    // A call ends only once every block meant for this rank is in its slot (also those no query
-    // needs and the last one, which is not forwarded): no write of this call can land during the
-    // next one.
-    {
-      Op op;
-      op.kind = OpKind::kSignal;
-      for (int t = 1; t < W; ++t)
-        for (int b = 0; b < g.B; ++b)
-          for (int pc = 0; pc < g.pieces; ++pc)
-            op.waits.push_back(wait_on(RingRegion::kArrived, me, p.arrived_index(steps[t].kv_rank, b, pc), 2, prev));
-      op.what = "every block of the call arrived";
-      rp.ops.push_back(op);
-    }
-    if (const uint64_t net_puts = pb.completions_at(flag_at(RingRegion::kSrcFree, me, 0))) {
-      // A call never ends while the proxy still reads this call's sources.
-      Op op;
-      op.kind = OpKind::kSignal;
-      op.waits = {wait_on(RingRegion::kSrcFree, me, 0, net_puts, me)};
-      op.what = "the proxy finished reading this call's sources";
-      rp.ops.push_back(op);
-    }
+    call_end(rp, me, prev);
     // The kernel's waits: step t reads block steps[t].kv_rank once every piece of it arrived.
     for (int t = 1; t < W; ++t) {
       rp.step_wait0[t] = uint32_t(rp.waits.size());
-      for (int b = 0; b < g.B; ++b)
-        for (int pc = 0; pc < g.pieces; ++pc)
-          rp.waits.push_back(wait_on(RingRegion::kArrived, me, p.arrived_index(steps[t].kv_rank, b, pc), 2, prev));
+      wait_block(&rp.waits, me, prev, t);
       rp.step_waits[t] = uint32_t(rp.waits.size()) - rp.step_wait0[t];
     }
   }
