@@ -1,7 +1,8 @@
 // `mkernel bench <op>`: the fused operators against their unfused baselines on the local GPUs.
 //
 //   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K | --sweep] [--deterministic]
-//                                             [--splits] [--reps R] [--warmup U] [--json FILE] [--trace PREFIX]
+//                                             [--splits] [--reps R] [--warmup U] [--json FILE]
+//                                             [--trace PREFIX [--trace-calls N]]
 //   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
 //                                [--trace PREFIX]
 //   mkernel bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]
@@ -49,6 +50,7 @@ struct BenchArgs {
   std::vector<int64_t> seqs;
   bool causal = true;
   bool sweep = false, deterministic = false, splits = false;
+  int trace_calls = 0;  // --trace-calls (fused operators; 0: not given, 10 consecutive calls)
   std::vector<std::string> presets;  // moe_dispatch, moe_layer (checked against the operator's list after parsing)
   int64_t tokens = 0;
   std::vector<std::string> fused_only, ring_only, moe_only;  // options given that apply to one family
@@ -93,6 +95,9 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       b->moe_only.push_back(a);
     } else if (a == "--trace") {
       ok = ar.value(&b->trace);
+    } else if (a == "--trace-calls") {
+      ok = ar.int_value(1, 1000, &b->trace_calls);
+      b->fused_only.push_back(a);
     } else if (a == "--sweep" || a == "--deterministic" || a == "--splits") {
       ok = ar.no_value();
       (a == "--sweep" ? b->sweep : a == "--splits" ? b->splits : b->deterministic) = true;
@@ -136,6 +141,10 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
   }
   if (moe && !b->fused_only.empty()) {
     *err = b->fused_only[0] + " does not apply to " + b->which + " (use --preset, --tokens)";
+    return false;
+  }
+  if (b->trace_calls && b->trace.empty()) {
+    *err = "--trace-calls needs --trace PREFIX";
     return false;
   }
   if (moe && !b->trace.empty()) {
@@ -243,6 +252,7 @@ int bench(const std::vector<std::string>& args) {
     fo.deterministic = ba.deterministic;
     fo.splits = ba.splits;
     fo.trace = ba.trace;
+    if (ba.trace_calls) fo.trace_calls = ba.trace_calls;
     rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k, fo);
   }
   // A failed job: every rank says, in one line, who the culprit was and what this rank saw

@@ -154,6 +154,46 @@ Status traced_call(Communicator* comm, cudaStream_t st, uint32_t capacity, const
   return agreed(comm, s, "the traced call");
 }
 
+// The host's steady clock (ns), and its offset from the device's %globaltimer (host - device,
+// within a microsecond or two; tools/bench/trace_clock.cu).
+int64_t host_now_ns();
+Status host_minus_device_ns(Communicator* comm, int64_t* out);
+// The events as a tab-separated table with absolute device-clock times (one line per event:
+// role, peer, sm, cta, item, t0_ns, t1_ns; `header` as the first comment line), the input of
+// tools/trace_report.py.
+Status write_event_table(const std::vector<TraceEvent>& events, const std::string& header, const std::string& path);
+
+// `calls` consecutive traced calls on every rank, started together and enqueued back to back as
+// time_it's calls are: every event of all of them, plus one Role::kHost event per call (its
+// enqueue on the host, in the device's clock; cta and item = the call's index), come back in
+// `ev` and go to `path`.tsv (write_event_table; `header` first) and `path`.json (Chrome trace).
+// The ranks' tables share one clock when they share a GPU. Collective.
+template <class F>
+Status traced_calls(Communicator* comm, cudaStream_t st, int calls, uint32_t capacity, const std::string& header,
+                    const std::string& path, F&& enqueue, std::vector<TraceEvent>* ev, uint64_t* dropped) {
+  TraceRecorder rec;
+  int64_t offset = 0;
+  Status s = TraceRecorder::create(capacity, &rec);
+  if (s.ok()) s = host_minus_device_ns(comm, &offset);
+  MK_CHECK(agreed(comm, s, "preparing the traced calls"));
+  std::vector<TraceEvent> host(calls);
+  MK_CHECK(comm->bootstrap().barrier());
+  for (int i = 0; i < calls && s.ok(); ++i) {
+    const int64_t t0 = host_now_ns();
+    s = decoded(comm, enqueue(rec.device()));
+    const int64_t t1 = host_now_ns();
+    host[i] = TraceEvent{uint64_t(t0 - offset), uint64_t(t1 - offset), 0, uint32_t(i), uint32_t(Role::kHost), i};
+  }
+  if (s.ok()) s = synced(comm, st);
+  if (s.ok()) s = rec.fetch(ev, dropped);
+  if (s.ok()) {
+    ev->insert(ev->end(), host.begin(), host.end());
+    s = write_event_table(*ev, header + " calls " + std::to_string(calls), path + ".tsv");
+  }
+  if (s.ok()) s = write_chrome_trace(*ev, path + ".json");
+  return agreed(comm, s, "the traced calls");
+}
+
 // Counts the elements where `got` differs from `want` (or is far from it) with `launch`, after
 // the call that wrote `got` was synchronized and checked; every rank gets the world's total.
 template <class Launch>
@@ -232,7 +272,8 @@ struct FusedBenchOpts {
   bool sweep = false;          // --sweep
   bool deterministic = false;  // --deterministic (RS/AR)
   bool splits = false;         // --splits: static splits {1..32} against the SM-partition controller
-  std::string trace;           // --trace PREFIX: one traced call per shape and rank
+  std::string trace;           // --trace PREFIX: traced calls per shape and rank
+  int trace_calls = 10;        // --trace-calls: how many consecutive calls are traced
 };
 int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o);
 

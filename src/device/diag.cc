@@ -19,6 +19,9 @@ const char* role_name(Role r) {
     case Role::kLoad: return "load";
     case Role::kWait: return "wait";
     case Role::kEpilogue: return "epilogue";
+    case Role::kSpin: return "spin";
+    case Role::kCta: return "cta";
+    case Role::kHost: return "host";
   }
   return "unknown";
 }

@@ -48,12 +48,14 @@ Status write_chrome_trace(const std::vector<TraceEvent>& events, const std::stri
   fprintf(f, "{\"displayTimeUnit\": \"ns\", \"traceEvents\": [\n");
   bool first = true;
   for (const TraceEvent& e : events) {
-    const char* role = role_name(static_cast<Role>(e.role));
+    // Role::kSpin carries the awaited peer + 1 in the role's bits 8 and up.
+    const uint32_t r = e.role & 0xffu;
+    const char* role = role_name(static_cast<Role>(r));
     fprintf(f,
             "%s{\"name\": \"%s %d\", \"cat\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, "
-            "\"pid\": %u, \"tid\": %u, \"args\": {\"cta\": %u, \"item\": %d}}",
+            "\"pid\": %u, \"tid\": %u, \"args\": {\"cta\": %u, \"item\": %d, \"peer\": %d}}",
             first ? "" : ",\n", role, e.item, role, (e.t0_ns - t_min) / 1e3,
-            (e.t1_ns - e.t0_ns) / 1e3, e.role, e.sm, e.cta, e.item);
+            (e.t1_ns - e.t0_ns) / 1e3, r, e.sm, e.cta, e.item, int(e.role >> 8) - 1);
     first = false;
   }
   fprintf(f, "\n]}\n");

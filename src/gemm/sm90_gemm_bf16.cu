@@ -347,6 +347,11 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
     p.epi = EpiKind::kRoute;
     p.route = f->route_epi;
   }
+  if (a.trace) {  // every wait that has to spin records how long, on whom
+    p.comm.program.wait.trace_events = a.trace->events;
+    p.comm.program.wait.trace_count = a.trace->count;
+    p.comm.program.wait.trace_capacity = a.trace->capacity;
+  }
   if (f->split && f->program.n_ops > 0) {
     // The controller: its per-call reset and the starting count, with the counters' zeroing.
     p.comm.split = f->split;

@@ -11,9 +11,9 @@
 //
 // fused / compute (f/c): the fused call over the same GEMM without communication, both timed with
 // every rank running: 1.0 means all communication was hidden. --sweep runs the Llama-3-70B TP8
-// shapes; --trace PREFIX writes one traced fused call per shape and rank (Chrome JSON) and prints
-// rank 0's breakdown: per-tile MMA and epilogue time, the communication ops, the tail after the
-// last tile.
+// shapes; --trace PREFIX traces --trace-calls (10) consecutive fused calls per shape on every rank
+// (a table per rank for tools/trace_report.py and Chrome JSON) and prints rank 0's breakdown:
+// per-tile MMA and epilogue time, the communication ops, the waits, the tail after the last tile.
 //
 // Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
 #include <cuda_bf16.h>
@@ -79,42 +79,68 @@ struct Row {
   int default_split = 0;
 };
 
-// Rank 0's traced call, summarized: what a tile costs and where the call's time goes.
+// Rank 0's traced calls, summarized per call: what a tile costs and where the kernel's time goes
+// (tools/trace_report.py breaks down every rank's calls from the tables).
 struct TraceSummary {
-  double span_us = 0;          // first event start to last event end
-  int tiles = 0, ops = 0;
+  int calls = 0;
+  double span_us = 0;          // median over calls: the kernel's first CTA start to its last CTA end
+  double tiles = 0, ops = 0;   // per call
   double mma_us = 0;           // mean per tile: compute event minus its epilogue
   double epi_us = 0;           // mean per tile: the epilogue (route or store, and its signals)
-  double ops_us = 0;           // sum of the communication ops' times (waits included)
-  double tail_us = 0;          // last compute end to last event end
+  double ops_us = 0;           // per call: the communication ops' times (waits included)
+  double spin_us = 0;          // per call: the waits that had to spin, all CTAs and warps
+  double tail_us = 0;          // median over calls: last compute end to the kernel's end
 };
 
-TraceSummary summarize_trace(const std::vector<TraceEvent>& ev) {
+TraceSummary summarize_trace(const std::vector<TraceEvent>& ev, int calls) {
   TraceSummary t;
-  if (ev.empty()) return t;
-  uint64_t first = ev[0].t0_ns, last = ev[0].t1_ns, last_compute = 0;
-  double compute = 0, epi = 0;
-  for (const TraceEvent& e : ev) {
-    first = std::min(first, e.t0_ns);
-    last = std::max(last, e.t1_ns);
-    const double d = double(e.t1_ns - e.t0_ns) * 1e-3;
-    if (e.role == uint32_t(Role::kCompute)) {
-      ++t.tiles;
-      compute += d;
-      last_compute = std::max(last_compute, e.t1_ns);
-    } else if (e.role == uint32_t(Role::kEpilogue)) {
-      epi += d;
-    } else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) {
-      ++t.ops;
-      t.ops_us += d;
+  std::vector<TraceEvent> ctas;
+  for (const TraceEvent& e : ev)
+    if ((e.role & 0xffu) == uint32_t(Role::kCta)) ctas.push_back(e);
+  if (calls <= 0 || ctas.empty() || ctas.size() % size_t(calls)) return t;  // not one grid per call
+  std::sort(ctas.begin(), ctas.end(), [](const TraceEvent& a, const TraceEvent& b) { return a.t0_ns < b.t0_ns; });
+  const size_t grid = ctas.size() / size_t(calls);
+  std::vector<double> spans, tails;
+  double compute = 0, epi = 0, tiles = 0;
+  for (int c = 0; c < calls; ++c) {
+    uint64_t first = ~uint64_t(0), last = 0, last_compute = 0;
+    for (size_t i = 0; i < grid; ++i) {
+      first = std::min(first, ctas[c * grid + i].t0_ns);
+      last = std::max(last, ctas[c * grid + i].t1_ns);
     }
+    for (const TraceEvent& e : ev) {
+      if (e.t0_ns < first || e.t1_ns > last) continue;
+      const uint32_t r = e.role & 0xffu;
+      const double d = double(e.t1_ns - e.t0_ns) * 1e-3;
+      if (r == uint32_t(Role::kCompute)) {
+        ++tiles;
+        compute += d;
+        last_compute = std::max(last_compute, e.t1_ns);
+      } else if (r == uint32_t(Role::kEpilogue)) {
+        epi += d;
+      } else if (r == uint32_t(Role::kComm) || r == uint32_t(Role::kNetSend)) {
+        ++t.ops;
+        t.ops_us += d;
+      } else if (r == uint32_t(Role::kSpin)) {
+        t.spin_us += d;
+      }
+    }
+    spans.push_back(double(last - first) * 1e-3);
+    tails.push_back(last_compute ? double(last - last_compute) * 1e-3 : 0);
   }
-  t.span_us = double(last - first) * 1e-3;
-  if (t.tiles) {
-    t.mma_us = (compute - epi) / t.tiles;
-    t.epi_us = epi / t.tiles;
+  std::sort(spans.begin(), spans.end());
+  std::sort(tails.begin(), tails.end());
+  t.calls = calls;
+  t.span_us = spans[spans.size() / 2];
+  t.tail_us = tails[tails.size() / 2];
+  if (tiles) {
+    t.mma_us = (compute - epi) / tiles;
+    t.epi_us = epi / tiles;
   }
-  t.tail_us = last_compute ? double(last - last_compute) * 1e-3 : 0;
+  t.tiles = tiles / calls;
+  t.ops /= calls;
+  t.ops_us /= calls;
+  t.spin_us /= calls;
   return t;
 }
 
@@ -153,7 +179,7 @@ Status split_sweep(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64
 }
 
 Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64_t M, int64_t N, int64_t K,
-                      const RunCfg& rc, const std::string& trace, bool splits, Row* row) {
+                      const RunCfg& rc, const std::string& trace, int trace_calls, bool splits, Row* row) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
   const int64_t a_rows = kind == FusedKind::kAgGemm ? M / W : M;
@@ -234,15 +260,21 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   row->compute_min = t.min_ms;
   if (splits && W > 1) MK_CHECK(split_sweep(comm, op, kind, M, N, K, op->deterministic(), rc, fa, row));
   if (!trace.empty() && W > 1) {
-    // One traced fused call per rank (FusedArgs::trace records where the fused kernel runs: W > 1);
-    // room for three events per tile and the communication ops (a plan has far fewer than 16384).
+    // trace_calls consecutive traced calls per rank (FusedArgs::trace records where the fused
+    // kernel runs: W > 1); room per call for three events per tile, the communication ops and
+    // the waits that spin.
     const gemm::TileCount tc = gemm::tile_count(M, N);
     std::vector<TraceEvent> ev;
     uint64_t dropped = 0;
-    const std::string path = trace + "." + row->op + ".m" + std::to_string(M) + ".n" + std::to_string(N) + ".k" +
-                             std::to_string(K) + ".w" + std::to_string(W) + ".rank" + std::to_string(me) + ".json";
-    MK_CHECK(traced_call(
-        comm, st, uint32_t(4 * tc.total() + 16384), path,
+    const std::string name = trace + "." + row->op + ".m" + std::to_string(M) + ".n" + std::to_string(N) + ".k" +
+                             std::to_string(K) + ".w" + std::to_string(W);
+    char header[256];
+    snprintf(header, sizeof header, "op %s M %lld N %lld K %lld world %d rank %d nodes %d fused_median_ms %.4f "
+             "compute_median_ms %.4f", row->op.c_str(), (long long)M, (long long)N, (long long)K, W, me,
+             comm->topology().num_nodes, row->fused, row->compute);
+    MK_CHECK(traced_calls(
+        comm, st, trace_calls, uint32_t(trace_calls * (8 * tc.total() + 32768)), header,
+        name + ".rank" + std::to_string(me),
         [&](const TraceBuffer* tb) {
           ops::FusedArgs ta = fa;
           ta.trace = tb;
@@ -250,11 +282,12 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
         },
         &ev, &dropped));
     if (me == 0) {
-      const TraceSummary ts = summarize_trace(ev);
-      printf("  trace rank 0: %.1f us, %d tiles (MMA %.2f us + epilogue %.2f us per tile), %d ops (%.1f us "
-             "in all), tail %.1f us after the last tile%s -> %s\n",
-             ts.span_us, ts.tiles, ts.mma_us, ts.epi_us, ts.ops, ts.ops_us, ts.tail_us,
-             dropped ? " (events dropped)" : "", path.c_str());
+      const TraceSummary ts = summarize_trace(ev, trace_calls);
+      printf("  trace rank 0, %d calls: kernel %.1f us (median), %.0f tiles (MMA %.2f us + epilogue %.2f us per "
+             "tile), %.0f ops (%.1f us), waits spinning %.1f us over all CTAs, tail %.1f us after the last tile%s "
+             "-> %s.rank*.tsv (tools/trace_report.py)\n",
+             ts.calls, ts.span_us, ts.tiles, ts.mma_us, ts.epi_us, ts.ops, ts.ops_us, ts.spin_us, ts.tail_us,
+             dropped ? " (events dropped)" : "", name.c_str());
     }
   }
 #if MK_HAVE_NCCL
@@ -316,7 +349,7 @@ Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64
   fo.deterministic = o.deterministic;
   MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &op));
   row->deterministic = op->deterministic();
-  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, o.splits, row);
+  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, o.trace_calls, o.splits, row);
   // Every rank gets here on the same path (the body's failures are agreed): destroy is collective.
   const Status d = op->destroy();
   return s.ok() ? d : s;

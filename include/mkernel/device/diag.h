@@ -10,6 +10,8 @@
 
 namespace mk {
 
+struct TraceEvent;  // device/trace.h
+
 enum class Role : uint32_t {
   kNone = 0,
   kCompute = 1,
@@ -21,6 +23,9 @@ enum class Role : uint32_t {
   kLoad = 7,       // the TMA producer of a GEMM
   kWait = 8,       // a producer waiting for data from a peer (ring attention arrivals)
   kEpilogue = 9,   // a GEMM tile's epilogue after its MMA (the traced fused kernel)
+  kSpin = 10,      // a bounded wait that had to spin (traced fused kernel; the peer in the role's high bits)
+  kCta = 11,       // a CTA from its start to the end of its work (traced fused kernel)
+  kHost = 12,      // the host enqueueing a call (written by the host, in the device's clock)
 };
 const char* role_name(Role r);
 
@@ -71,7 +76,13 @@ struct WaitCtx {
   uint32_t op_tag;
   uint32_t role;
   uint32_t pad;
+  // Traced launches only (null otherwise): a wait that had to spin records one Role::kSpin
+  // event (device/trace.h) here when it is met.
+  TraceEvent* trace_events;
+  unsigned int* trace_count;
+  uint32_t trace_capacity;
+  uint32_t pad2;
 };
-static_assert(sizeof(WaitCtx) == 48, "WaitCtx is a kernel parameter");
+static_assert(sizeof(WaitCtx) == 72, "WaitCtx is a kernel parameter");
 
 }  // namespace mk

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "mkernel/device/diag.h"
+#include "mkernel/device/trace.h"
 
 namespace mk {
 namespace device {
@@ -97,6 +98,21 @@ inline __device__ __noinline__ void leave_wait(const WaitCtx& ctx, const uint64_
   leave_wait_body(ctx, flag, peer, flag_index, expected, seen, waited_ns, reason);
 }
 
+// A traced launch's wait that had to spin, once met: one Role::kSpin event from its first poll to
+// now, the peer (+ 1, 0: none) in the role's bits 8 and up, the flag's index as the item.
+__device__ __forceinline__ void trace_spin_body(const WaitCtx& ctx, uint64_t start, int peer, int flag_index) {
+  const unsigned int i = atomicAdd(ctx.trace_count, 1u);
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  if (i < ctx.trace_capacity)
+    ctx.trace_events[i] = TraceEvent{start, global_timer_ns(), sm, blockIdx.x,
+                                     static_cast<uint32_t>(Role::kSpin) | (static_cast<uint32_t>(peer + 1) << 8),
+                                     flag_index};
+}
+inline __device__ __noinline__ void trace_spin(const WaitCtx& ctx, uint64_t start, int peer, int flag_index) {
+  trace_spin_body(ctx, start, peer, flag_index);
+}
+
 __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
   return *reinterpret_cast<const volatile uint64_t*>(p);
 }
@@ -132,6 +148,10 @@ __device__ __forceinline__ bool wait_ge(const WaitCtx& ctx, const uint64_t* flag
           return false;
         }
       }
+    }
+    if (ctx.trace_events) {
+      if constexpr (kInlineReport) trace_spin_body(ctx, start, peer, flag_index);
+      else trace_spin(ctx, start, peer, flag_index);
     }
   }
   fence_acq_rel_sys();

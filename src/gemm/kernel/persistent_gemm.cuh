@@ -246,6 +246,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(Scheduler_::kDynamic || !Comm_::kEnabled,
                 "a communication role hands ops to the consumers: it needs the dynamic scheduler");
+  uint64_t t_start = 0;  // traced: the CTA's start (its Role::kCta event)
+  if constexpr (kTrace_) t_start = device::trace_now_ns();
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage<Comm_>& smem = *reinterpret_cast<SharedStorage<Comm_>*>(smem_raw);
   const int wg = cutlass::canonical_warp_group_idx();
@@ -308,6 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_gemm(__grid_constant__
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     consume<kTrace_, Scheduler_>(params, smem, item_pipeline, mainloop, mainloop_pipeline, epi_load_pipeline,
                                  epi_store_pipeline, num_tiles, mma_tid, epoch);
+    if constexpr (kTrace_)
+      if (mma_tid == 0) device::trace_record(params.trace, Role::kCta, -1, t_start);
   }
   Comm_::finish(params.comm);
 #elif defined(__CUDA_ARCH__)
