@@ -5,28 +5,35 @@
 # calls on every rank, then tools/trace_report.py over every rank's table; also the GPU's copy
 # bandwidth (torch, one process) for the bytes-against-HBM account.
 # Binaries: .devbin (scripts/device/pack_binaries.sh), unpacked by suite.sh's setup into /tmp/mkb.
-#   MK_OVERLAP_STEPS   steps, in order (default "setup hbm trace nodes")
+#   MK_OVERLAP_STEPS   steps, in order (default "setup hbm peer trace nodes"); peer: bench_peer_write
+#                      (stores and reduce-adds into the own and a peer's memory, every rank at once)
+#                      with ranks as processes under MPS and as threads of one process
 #   MK_OVERLAP_NPS     world sizes (default "2 4")
 #   MK_OVERLAP_SHAPES  "M,N,K ..." (default: 8192,3584,4096 and the near-empty 8192,3584,64)
-# Prints rank 0's trace line and the per-rank medians of each report; the whole reports, the
-# tables and the bench logs come back in $OUT/overlap_logs.tgz.
+# Prints rank 0's trace line and the per-rank medians of each report; the whole reports and the
+# bench logs come back in $OUT/overlap_logs.tgz, the tables (xz) in $OUT/overlap_tables_<tag>.tar.xz.
 set -uo pipefail
 RESULT=${OUT:-/tmp/mk-out}
 L=/tmp/mk-overlap
 rm -rf "$L" && mkdir -p "$L" "$RESULT"
-trap 'tar -C "$L" -czf "$RESULT/overlap_logs.tgz" . 2>/dev/null' EXIT
-steps=${MK_OVERLAP_STEPS:-"setup hbm trace nodes"}
+steps=${MK_OVERLAP_STEPS:-"setup hbm peer trace nodes"}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 B=/tmp/mkb
 t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
 if has setup; then
-  MK_SUITE_STEPS=setup bash scripts/device/suite.sh 2>&1 | grep -E "setup|gpu:"
+  OUT=/tmp/mk-out-setup MK_SUITE_STEPS=setup bash scripts/device/suite.sh 2>&1 | grep -E "setup|gpu:"
 fi
 started=0
 if ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then nvidia-cuda-mps-control -d && started=1; fi
-trap '[[ $started == 1 ]] && echo quit | nvidia-cuda-mps-control; tar -C "$L" -czf "$RESULT/overlap_logs.tgz" . 2>/dev/null' EXIT
+pack() {
+  tar -C "$L" --exclude='*.tsv' --exclude='*.rank*.json' -czf "$RESULT/overlap_logs.tgz" . 2>/dev/null
+  for t in $(cd "$L" && ls *.rank0.tsv 2>/dev/null | cut -d_ -f1-2 | sort -u); do  # tr_np2, tr_np4, tr_2x2shm
+    (cd "$L" && tar -cf - "$t"_*.tsv | xz -T4 -6 > "$RESULT/overlap_tables_$t.tar.xz")
+  done
+}
+trap '[[ $started == 1 ]] && echo quit | nvidia-cuda-mps-control; pack' EXIT
 
 if has hbm; then
   timeout 60 python3 - > "$L/hbm.log" 2>&1 <<'PY'
@@ -43,6 +50,15 @@ print("hbm: device copy of 1 GiB: %.3f ms median of 20, %.0f GB/s read + write (
       % (ms, 2 * n / ms / 1e6, n / ms / 1e6))
 PY
   cat "$L/hbm.log"
+fi
+
+if has peer; then
+  for np in ${MK_OVERLAP_NPS:-2 4}; do
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)) timeout 120 mpirun --allow-run-as-root -np "$np" --bind-to none \
+      "$B/bench/bench_peer_write" 256 20 2>&1 | tee "$L/peer_np$np.log"
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 timeout 120 "$B/bench/bench_peer_write" --threads "$np" 256 20 2>&1 |
+      tee "$L/peer_threads$np.log"
+  done
 fi
 
 bench() {  # tag np env... -- args...
@@ -67,6 +83,9 @@ if has trace; then
       IFS=, read -r m n k <<<"$shape"
       bench "tr_np${np}_${m}x${n}x${k}" "$np" -- all --m "$m" --n "$n" --k "$k"
     done
+    # A one-off beside it: the reduction into per-rank slots (stores, no reduce-add) at the
+    # near-empty shape, where the adds' cost would show most.
+    [[ $np -gt 2 ]] && bench "tr_np${np}_det_8192x3584x64" "$np" -- gemm_rs --m 8192 --n 3584 --k 64 --deterministic
   done
 fi
 if has nodes; then

@@ -90,7 +90,7 @@ declare -A filter=(
   [synccheck:test_gpu_moe_layer]="MoeLayer.IntegerExact:MoeLayer.RunExpertsRedoesTheExpertOutputs"
 )
 # Binaries none of whose tests can run at np 1 (memcheck1 lists them as "n/a(np 1)").
-needs_two=(test_gpu_proxy)
+needs_two=(test_gpu_proxy test_gpu_fused_gemm_dead test_gpu_ring_attention_dead)  # the dead-rank tests: registered at np 2
 IFS=';' read -ra user_filters <<<"${MK_SAN_FILTERS:-}"
 declare -A user_filter=()
 for f in "${user_filters[@]}"; do [[ $f == *=* ]] && user_filter[${f%%=*}]=${f#*=}; done

@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -413,8 +414,9 @@ TEST_F(Fused, GraphReplaysBackToBack) {
   }
 }
 
-// The traced fused kernel: every tile computed once, every communication op run once, on one
-// timeline with sane stamps; the result is still exact (at W = 1, where the plain GEMM runs and
+// The traced fused kernel: every tile computed once, every communication op run once, every CTA's
+// span once (holding its items), every wait that spun naming a rank of the world and lying inside
+// its CTA's span, on one timeline with sane stamps; the result is still exact (at W = 1, where the plain GEMM runs and
 // records nothing, only that). MK_TRACE_OUT=prefix writes each rank's timeline as
 // prefix.<rank>.json (Chrome/Perfetto; tools/trace_png.py draws it).
 TEST_F(Fused, TraceRecordsTilesAndOps) {
@@ -429,13 +431,37 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
     std::vector<TraceEvent> ev;
     uint64_t dropped = 0;
     unsigned long long bad = 0, first = 0;
-    MK_ASSERT_OK(c.traced_call(0, uint32_t(4 * tiles + n_ops + 64), &ev, &dropped, &bad, &first));
+    // Room for the tiles' three events, the ops, the CTAs and any number of spinning waits the
+    // test could plausibly see (a drop fails the test).
+    MK_ASSERT_OK(c.traced_call(0, uint32_t(8 * tiles + n_ops + 65536), &ev, &dropped, &bad, &first));
     ASSERT_EQ(bad, 0ull) << "traced " << ops::fused_kind_name(kind);
     if (one) continue;  // FusedArgs::trace records only where the fused kernel runs (W > 1)
     EXPECT_EQ(dropped, 0u);
     std::vector<int> computed(tiles, 0), epilogues(tiles, 0), loaded(tiles, 0), ran(n_ops, 0);
+    std::map<uint32_t, std::pair<uint64_t, uint64_t>> cta_span;  // CTA -> its kCta event
+    for (const auto& e : ev)
+      if (e.role == uint32_t(Role::kCta)) {
+        EXPECT_EQ(e.item, -1);
+        EXPECT_TRUE(cta_span.emplace(e.cta, std::make_pair(e.t0_ns, e.t1_ns)).second) << "CTA " << e.cta << " twice";
+      }
+    EXPECT_GE(cta_span.size(), 2u) << "a fused launch has at least two CTAs";
+    int spins = 0;
     for (const auto& e : ev) {
       EXPECT_LE(e.t0_ns, e.t1_ns);
+      const auto span = cta_span.find(e.cta);
+      if (span == cta_span.end()) {
+        ADD_FAILURE() << "an event of CTA " << e.cta << " that recorded no span (role " << e.role << ")";
+      } else if ((e.role & 0xffu) != uint32_t(Role::kLoad)) {  // the producer may finish after the consumers
+        EXPECT_GE(e.t0_ns, span->second.first) << "role " << e.role << " item " << e.item;
+        EXPECT_LE(e.t1_ns, span->second.second) << "role " << e.role << " item " << e.item;
+      }
+      if ((e.role & 0xffu) == uint32_t(Role::kSpin)) {
+        const int peer = int(e.role >> 8) - 1;
+        EXPECT_TRUE(peer >= -1 && peer < comm->world()) << "a spinning wait on rank " << peer;
+        ++spins;
+        continue;
+      }
+      if (e.role == uint32_t(Role::kCta)) continue;
       if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
       else if (e.role == uint32_t(Role::kEpilogue)) ++epilogues.at(e.item);
       else if (e.role == uint32_t(Role::kLoad)) ++loaded.at(e.item);
@@ -447,6 +473,8 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
     for (int t = 0; t < tiles; ++t) EXPECT_EQ(epilogues[t], 1) << "tile " << t;
     for (int t = 0; t < tiles; ++t) EXPECT_EQ(loaded[t], 1) << "tile " << t;
     for (int o = 0; o < n_ops; ++o) EXPECT_EQ(ran[o], 1) << "op " << o << ": " << plan.ranks[comm->rank()].ops[o].what;
+    printf("[rank %d] traced %s: %zu CTAs, %d waits spun\n", comm->rank(), ops::fused_kind_name(kind), cta_span.size(),
+           spins);
     if (const char* out = getenv("MK_TRACE_OUT")) {
       const std::string path = std::string(out) + "." + ops::fused_kind_name(kind) + "." +
                                std::to_string(comm->rank()) + ".json";
