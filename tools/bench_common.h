@@ -158,15 +158,11 @@ Status traced_call(Communicator* comm, cudaStream_t st, uint32_t capacity, const
 // within a microsecond or two; tools/bench/trace_clock.cu).
 int64_t host_now_ns();
 Status host_minus_device_ns(Communicator* comm, int64_t* out);
-// The events as a tab-separated table with absolute device-clock times (one line per event:
-// role, peer, sm, cta, item, t0_ns, t1_ns; `header` as the first comment line), the input of
-// tools/trace_report.py.
-Status write_event_table(const std::vector<TraceEvent>& events, const std::string& header, const std::string& path);
 
 // `calls` consecutive traced calls on every rank, started together and enqueued back to back as
 // time_it's calls are: every event of all of them, plus one Role::kHost event per call (its
 // enqueue on the host, in the device's clock; cta and item = the call's index), come back in
-// `ev` and go to `path`.tsv (write_event_table; `header` first) and `path`.json (Chrome trace).
+// `ev` and go to `path`.tsv (write_trace_table; `header` first) and `path`.json (Chrome trace).
 // The ranks' tables share one clock when they share a GPU. Collective.
 template <class F>
 Status traced_calls(Communicator* comm, cudaStream_t st, int calls, uint32_t capacity, const std::string& header,
@@ -188,7 +184,7 @@ Status traced_calls(Communicator* comm, cudaStream_t st, int calls, uint32_t cap
   if (s.ok()) s = rec.fetch(ev, dropped);
   if (s.ok()) {
     ev->insert(ev->end(), host.begin(), host.end());
-    s = write_event_table(*ev, header + " calls " + std::to_string(calls), path + ".tsv");
+    s = write_trace_table(*ev, header + " calls " + std::to_string(calls), path + ".tsv");
   }
   if (s.ok()) s = write_chrome_trace(*ev, path + ".json");
   return agreed(comm, s, "the traced calls");

@@ -5,7 +5,9 @@
 # calls on every rank, then tools/trace_report.py over every rank's table; also the GPU's copy
 # bandwidth (torch, one process) for the bytes-against-HBM account.
 # Binaries: .devbin (scripts/device/pack_binaries.sh), unpacked by suite.sh's setup into /tmp/mkb.
-#   MK_OVERLAP_STEPS   steps, in order (default "setup hbm peer trace nodes"); peer: bench_peer_write
+#   MK_OVERLAP_STEPS   steps (default "setup hbm threads peer trace nodes"), run in that order;
+#                      threads: bench_fused_threads, the operators with ranks as threads of one
+#                      process (before MPS starts: no MPS at all), traced; peer: bench_peer_write
 #                      (stores and reduce-adds into the own and a peer's memory, every rank at once)
 #                      with ranks as processes under MPS and as threads of one process
 #   MK_OVERLAP_NPS     world sizes (default "2 4")
@@ -16,7 +18,7 @@ set -uo pipefail
 RESULT=${OUT:-/tmp/mk-out}
 L=/tmp/mk-overlap
 rm -rf "$L" && mkdir -p "$L" "$RESULT"
-steps=${MK_OVERLAP_STEPS:-"setup hbm peer trace nodes"}
+steps=${MK_OVERLAP_STEPS:-"setup hbm threads peer trace nodes"}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 B=/tmp/mkb
@@ -25,14 +27,13 @@ elapsed() { echo $(( $(date +%s) - t0 )); }
 if has setup; then
   OUT=/tmp/mk-out-setup MK_SUITE_STEPS=setup bash scripts/device/suite.sh 2>&1 | grep -E "setup|gpu:"
 fi
-started=0
-if ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then nvidia-cuda-mps-control -d && started=1; fi
 pack() {
   tar -C "$L" --exclude='*.tsv' --exclude='*.rank*.json' -czf "$RESULT/overlap_logs.tgz" . 2>/dev/null
   for t in $(cd "$L" && ls *.rank0.tsv 2>/dev/null | cut -d_ -f1-2 | sort -u); do  # tr_np2, tr_np4, tr_2x2shm
     (cd "$L" && tar -cf - "$t"_*.tsv | xz -T4 -6 > "$RESULT/overlap_tables_$t.tar.xz")
   done
 }
+started=0
 trap '[[ $started == 1 ]] && echo quit | nvidia-cuda-mps-control; pack' EXIT
 
 if has hbm; then
@@ -51,6 +52,29 @@ print("hbm: device copy of 1 GiB: %.3f ms median of 20, %.0f GB/s read + write (
 PY
   cat "$L/hbm.log"
 fi
+
+if has threads; then
+  if echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+    echo "threads: an MPS server is running: these runs are under MPS too"
+  fi
+  for np in ${MK_OVERLAP_NPS:-2 4}; do
+    for shape in ${MK_OVERLAP_SHAPES:-8192,3584,4096 8192,3584,64}; do
+      IFS=, read -r m n k <<<"$shape"
+      for op in ag_gemm gemm_rs gemm_ar; do
+        tag="th_np${np}_${m}x${n}x${k}"
+        timeout 120 "$B/bench/bench_fused_threads" "$np" "$op" "$m" "$n" "$k" "${MK_OVERLAP_REPS:-30}" \
+          --trace "$L/$tag" 2>&1 | tee -a "$L/threads.log"
+      done
+      base=$L/$tag
+      for g in $(ls "$L/$tag".*.rank0.tsv 2>/dev/null); do
+        base=${g%.rank0.tsv}
+        python3 tools/trace_report.py "$base".rank*.tsv --json "$base.report.json" > "$base.report.txt" 2>&1
+        sed -n '/^per rank/,$p' "$base.report.txt" | sed "s#^#  $(basename "$base"): #" | head -8
+      done
+    done
+  done
+fi
+if ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then nvidia-cuda-mps-control -d && started=1; fi
 
 if has peer; then
   for np in ${MK_OVERLAP_NPS:-2 4}; do

@@ -19,7 +19,7 @@ files=(mkernel libmkernel_capi.so CTestTestfile.cmake tests/CTestTestfile.cmake 
        tests/gpu/CTestTestfile.cmake)
 for f in "$build"/tests/gpu/test_gpu_* "$build"/tests/gpu/fault_rank; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
 # The benchmarks that run on the GPU, when built.
-for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy bench/bench_peer_write; do [[ -x $build/$f ]] && files+=("$f"); done
+for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy bench/bench_peer_write bench/bench_fused_threads; do [[ -x $build/$f ]] && files+=("$f"); done
 [[ ${MK_PACK_SLIM:-0} == 1 ]] && files=(mkernel libmkernel_capi.so bench/bench_gemm bench/bench_host_call)
 for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done
 tar -C "$build" -cf - "${files[@]}" | xz -T2 -9e > "$out/bins.tar.xz"

@@ -74,17 +74,5 @@ Status host_minus_device_ns(Communicator* comm, int64_t* out) {
   return s;
 }
 
-Status write_event_table(const std::vector<TraceEvent>& events, const std::string& header, const std::string& path) {
-  FILE* f = fopen(path.c_str(), "w");
-  MK_REQUIRE(f, Code::kSystemError, "trace: cannot write %s", path.c_str());
-  fprintf(f, "# %s\n# role\tpeer\tsm\tcta\titem\tt0_ns\tt1_ns\n", header.c_str());
-  for (const TraceEvent& e : events)
-    fprintf(f, "%s\t%d\t%u\t%u\t%d\t%llu\t%llu\n", role_name(static_cast<Role>(e.role & 0xffu)), int(e.role >> 8) - 1,
-            e.sm, e.cta, e.item, static_cast<unsigned long long>(e.t0_ns), static_cast<unsigned long long>(e.t1_ns));
-  const bool ok = fclose(f) == 0;
-  MK_REQUIRE(ok, Code::kSystemError, "trace: writing %s failed", path.c_str());
-  return OkStatus();
-}
-
 }  // namespace bench
 }  // namespace mk

@@ -50,4 +50,9 @@ class TraceRecorder {
 // in microseconds from the first event.
 Status write_chrome_trace(const std::vector<TraceEvent>& events, const std::string& path);
 
+// The events as a tab-separated table with absolute device-clock times, one line per event
+// (role, peer, sm, cta, item, t0_ns, t1_ns; the peer is Role::kSpin's, else -1), after `header`
+// as a comment line: the input of tools/trace_report.py.
+Status write_trace_table(const std::vector<TraceEvent>& events, const std::string& header, const std::string& path);
+
 }  // namespace mk

@@ -1,0 +1,274 @@
+// bench_fused_threads: a fused GEMM collective with its ranks as threads of one process on one
+// GPU (thread bootstrap, one CUDA context, a stream per rank, no MPS), against the same GEMM with
+// every rank running it at once — what `mkernel bench` measures with ranks as processes under
+// MPS, without MPS. Each rank's persistent grid is SMs / W CTAs (FusedOptions::max_ctas and the
+// GEMM's RunConfig::max_ctas: the kernels of all ranks must be co-resident, as MPS at 100/W %
+// gives each process that share).
+//   bench_fused_threads W gemm_rs|gemm_ar|ag_gemm M N K [reps] [--trace PREFIX]
+// First a checked call on small integers, bit-exact against one unfused GEMM over the ranks'
+// inputs (as the CLI's check); then on approximately normal data the median (and fastest) of
+// `reps` calls of the slowest rank, enqueued back to back after a barrier, fused and GEMM alone.
+// --trace PREFIX: 10 consecutive traced fused calls per rank into PREFIX.<op>.m.n.k.wW.rankR.tsv
+// (tools/trace_report.py; no host events). Prints one JSON line.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/device/trace.h"
+#include "mkernel/gemm/gemm.h"
+#include "mkernel/mkernel.h"
+#include "mkernel/ops/fused.h"
+
+using namespace mk;
+
+namespace {
+
+__host__ __device__ inline uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+// rows x cols at p (leading dimension ld) from seed; element (r + row0, c) of a src_cols-wide matrix.
+__global__ void fill(__nv_bfloat16* p, int64_t rows, int64_t cols, int64_t ld, uint64_t seed, int64_t row0,
+                     bool ints) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    const uint64_t h = mix(seed ^ (uint64_t(r + row0) * 0x9e3779b97f4a7c15ull + uint64_t(c)));
+    const float v = ints ? float(int(h % 5) - 2) : float(int(h % 2001) - 1000) / 1000.f;
+    p[r * ld + c] = __float2bfloat16(v);
+  }
+}
+__global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t n, unsigned long long* bad) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    if (a[i] != b[i]) atomicAdd(bad, 1ull);
+}
+
+struct DevBuf {
+  void* p = nullptr;
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  Status alloc(size_t bytes) {
+    MK_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+    return OkStatus();
+  }
+  __nv_bfloat16* bf() const { return static_cast<__nv_bfloat16*>(p); }
+};
+
+struct Opts {
+  int W = 2;
+  ops::FusedKind kind = ops::FusedKind::kGemmRs;
+  int64_t M = 8192, N = 3584, K = 4096;
+  int reps = 30;
+  std::string trace;
+};
+
+struct RankOut {
+  Status s;
+  std::vector<double> fused, compute;  // ms per rep
+  unsigned long long bad = 0;
+};
+
+// Times `reps` calls of f enqueued back to back after a barrier (this rank's events).
+template <class F>
+Status time_calls(Communicator* comm, int reps, F&& f, std::vector<double>* ms) {
+  cudaStream_t st = comm->stream();
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) MK_CUDA_CHECK(cudaEventCreate(&e));
+  Status s;
+  for (int i = 0; i < 3 && s.ok(); ++i) s = f();
+  if (s.ok()) s = comm->sync(st);
+  if (s.ok()) s = comm->bootstrap().barrier();
+  for (int i = 0; i < reps && s.ok(); ++i) {
+    cudaEventRecord(ev[2 * i], st);
+    s = f();
+    cudaEventRecord(ev[2 * i + 1], st);
+  }
+  if (s.ok()) s = comm->sync(st);
+  for (int i = 0; i < reps && s.ok(); ++i) {
+    float t = 0;
+    if (cudaEventElapsedTime(&t, ev[2 * i], ev[2 * i + 1]) != cudaSuccess) s = Status(Code::kCudaError, "event");
+    ms->push_back(t);
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  return s;
+}
+
+Status run_rank(Communicator* comm, const Opts& o, int ctas, RankOut* out) {
+  const int W = comm->world(), me = comm->rank();
+  const int64_t M = o.M, N = o.N, K = o.K;
+  const bool ag = o.kind == ops::FusedKind::kAgGemm;
+  const int64_t a_rows = ag ? M / W : M, c_rows = o.kind == ops::FusedKind::kGemmRs ? M / W : M;
+  cudaStream_t st = comm->stream();
+  ops::FusedOptions fo;
+  fo.max_ctas = ctas;
+  std::unique_ptr<ops::FusedGemm> op;
+  MK_CHECK(ops::FusedGemm::create(comm, o.kind, {M, N, K}, fo, &op));
+  DevBuf A, B, C, Aref, Bref, Cref, bad;
+  MK_CHECK(A.alloc(size_t(a_rows) * K * 2));
+  MK_CHECK(B.alloc(size_t(N) * K * 2));
+  MK_CHECK(C.alloc(size_t(c_rows) * N * 2));
+  MK_CHECK(Aref.alloc(ag ? size_t(M) * K * 2 : size_t(M) * K * W * 2));
+  MK_CHECK(Bref.alloc(ag ? 16 : size_t(N) * K * W * 2));
+  MK_CHECK(Cref.alloc(size_t(M) * N * 2));
+  MK_CHECK(bad.alloc(8));
+  const uint64_t sa = 0x5eed0000, sb = 0x5eed1000;
+  auto fill_inputs = [&](bool ints) {
+    if (ag) {
+      fill<<<264, 256, 0, st>>>(A.bf(), M / W, K, K, sa, me * (M / W), ints);
+      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, ints);
+      if (ints) fill<<<264, 256, 0, st>>>(Aref.bf(), M, K, K, sa, 0, ints);
+    } else {
+      fill<<<264, 256, 0, st>>>(A.bf(), M, K, K, sa + me, 0, ints);
+      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, ints);
+      if (ints)
+        for (int r = 0; r < W; ++r) {
+          fill<<<264, 256, 0, st>>>(Aref.bf() + r * K, M, K, W * K, sa + r, 0, ints);
+          fill<<<264, 256, 0, st>>>(Bref.bf() + r * K, N, K, W * K, sb + r, 0, ints);
+        }
+    }
+    MK_CUDA_CHECK(cudaGetLastError());
+    return OkStatus();
+  };
+  // The checked call: every element against one unfused GEMM over all ranks' inputs.
+  MK_CHECK(fill_inputs(true));
+  gemm::Arguments ref;
+  ref.A = Aref.p, ref.B = ag ? B.p : Bref.p, ref.C = Cref.p;
+  ref.M = M, ref.N = N, ref.K = ag ? K : K * W;
+  MK_CHECK(gemm::run(ref, st));
+  MK_CUDA_CHECK(cudaMemsetAsync(C.p, 0xff, size_t(c_rows) * N * 2, st));
+  MK_CUDA_CHECK(cudaMemsetAsync(bad.p, 0, 8, st));
+  MK_CHECK(comm->sync(st));
+  MK_CHECK(comm->bootstrap().barrier());
+  ops::FusedArgs fa;
+  fa.A = A.p, fa.B = B.p, fa.C = C.p;
+  MK_CHECK(op->run(fa, st));
+  MK_CHECK(comm->sync(st));
+  const int64_t row0 = o.kind == ops::FusedKind::kGemmRs ? me * (M / W) : 0;
+  count_diff<<<264, 256, 0, st>>>(static_cast<uint16_t*>(C.p), static_cast<uint16_t*>(Cref.p) + row0 * N, c_rows * N,
+                                  static_cast<unsigned long long*>(bad.p));
+  MK_CUDA_CHECK(cudaMemcpyAsync(&out->bad, bad.p, 8, cudaMemcpyDeviceToHost, st));
+  MK_CHECK(comm->sync(st));
+  // Timing on non-integer data.
+  MK_CHECK(fill_inputs(false));
+  MK_CHECK(comm->sync(st));
+  MK_CHECK(time_calls(comm, o.reps, [&] { return op->enqueue(fa, st); }, &out->fused));
+  gemm::Arguments g;
+  g.A = ag ? op->gathered_a() : A.p, g.B = B.p, g.C = Cref.p;
+  g.M = M, g.N = N, g.K = K;
+  gemm::RunConfig gc;
+  gc.max_ctas = ctas;
+  MK_CHECK(time_calls(comm, o.reps, [&] { return gemm::run(g, st, gc); }, &out->compute));
+  if (!o.trace.empty()) {
+    constexpr int kCalls = 10;
+    const int64_t tiles = ((M + 127) / 128) * ((N + 255) / 256);
+    TraceRecorder rec;
+    MK_CHECK(TraceRecorder::create(uint32_t(kCalls * (8 * tiles + 32768)), &rec));
+    MK_CHECK(comm->bootstrap().barrier());
+    for (int i = 0; i < kCalls; ++i) {
+      ops::FusedArgs ta = fa;
+      ta.trace = rec.device();
+      MK_CHECK(op->enqueue(ta, st));
+    }
+    MK_CHECK(comm->sync(st));
+    std::vector<TraceEvent> ev;
+    uint64_t dropped = 0;
+    MK_CHECK(rec.fetch(&ev, &dropped));
+    const std::string name = o.trace + "." + ops::fused_kind_name(o.kind) + ".m" + std::to_string(M) + ".n" +
+                             std::to_string(N) + ".k" + std::to_string(K) + ".w" + std::to_string(W);
+    char header[256];
+    snprintf(header, sizeof header, "op %s M %lld N %lld K %lld world %d rank %d nodes 1 ranks threads calls %d",
+             ops::fused_kind_name(o.kind), (long long)M, (long long)N, (long long)K, W, me, kCalls);
+    MK_CHECK(write_trace_table(ev, header, name + ".rank" + std::to_string(me) + ".tsv"));
+    if (dropped) fprintf(stderr, "bench_fused_threads: rank %d: %llu trace events dropped\n", me, (unsigned long long)dropped);
+  }
+  return op->destroy();
+}
+
+// The slowest rank per rep, then the median and the fastest.
+void stats(const std::vector<RankOut>& out, std::vector<double> RankOut::*field, double* med, double* min) {
+  std::vector<double> t = out[0].*field;
+  for (const RankOut& r : out)
+    for (size_t i = 0; i < t.size() && i < (r.*field).size(); ++i) t[i] = std::max(t[i], (r.*field)[i]);
+  std::sort(t.begin(), t.end());
+  *med = t.empty() ? 0 : t[t.size() / 2];
+  *min = t.empty() ? 0 : t[0];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Opts o;
+  std::vector<std::string> pos;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--trace" && i + 1 < argc) o.trace = argv[++i];
+    else pos.push_back(a);
+  }
+  if (pos.size() < 5) {
+    fprintf(stderr, "usage: bench_fused_threads W gemm_rs|gemm_ar|ag_gemm M N K [reps] [--trace PREFIX]\n");
+    return 2;
+  }
+  o.W = atoi(pos[0].c_str());
+  if (pos[1] == "ag_gemm") o.kind = ops::FusedKind::kAgGemm;
+  else if (pos[1] == "gemm_ar") o.kind = ops::FusedKind::kGemmAr;
+  else if (pos[1] != "gemm_rs") return fprintf(stderr, "bench_fused_threads: unknown operator %s\n", pos[1].c_str()), 2;
+  o.M = atoll(pos[2].c_str()), o.N = atoll(pos[3].c_str()), o.K = atoll(pos[4].c_str());
+  if (pos.size() > 5) o.reps = atoi(pos[5].c_str());
+  if (o.W < 2 || o.reps < 1 || o.M < 1 || o.N < 1 || o.K < 1)
+    return fprintf(stderr, "bench_fused_threads: W >= 2, reps >= 1 and a positive shape\n"), 2;
+  const Status shape_ok = ops::FusedGemm::can_implement(o.kind, {o.M, o.N, o.K}, o.W);
+  if (!shape_ok.ok()) return fprintf(stderr, "bench_fused_threads: %s\n", shape_ok.to_string().c_str()), 2;
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 2 * o.W)
+    return fprintf(stderr, "bench_fused_threads: no usable GPU\n"), 1;
+  const int ctas = sms / o.W;
+  std::vector<std::unique_ptr<Bootstrap>> world;
+  Status s = make_thread_world(o.W, &world);
+  if (!s.ok()) return fprintf(stderr, "bench_fused_threads: %s\n", s.to_string().c_str()), 1;
+  std::vector<RankOut> out(o.W);
+  std::vector<std::thread> th;
+  for (int r = 0; r < o.W; ++r)
+    th.emplace_back([&, r] {
+      CommConfig cfg;
+      cfg.require_gpu = true;
+      std::unique_ptr<Communicator> comm;
+      out[r].s = Communicator::create(std::move(world[r]), cfg, &comm);
+      if (out[r].s.ok()) out[r].s = run_rank(comm.get(), o, ctas, &out[r]);
+      // A failed rank fails the job so that the others leave their waits and collectives.
+      if (comm && !out[r].s.ok()) out[r].s = comm->failure(out[r].s);
+      if (comm) {
+        const Status d = comm->destroy();
+        if (out[r].s.ok()) out[r].s = d;
+      }
+    });
+  for (auto& t : th) t.join();
+  unsigned long long bad = 0;
+  for (int r = 0; r < o.W; ++r) {
+    if (!out[r].s.ok()) {
+      fprintf(stderr, "bench_fused_threads: rank %d: %s\n", r, out[r].s.to_string().c_str());
+      return 1;
+    }
+    bad += out[r].bad;
+  }
+  double fm, fmin, cm, cmin;
+  stats(out, &RankOut::fused, &fm, &fmin);
+  stats(out, &RankOut::compute, &cm, &cmin);
+  printf("{\"ranks\": \"threads\", \"op\": \"%s\", \"M\": %lld, \"N\": %lld, \"K\": %lld, \"world\": %d, "
+         "\"ctas_per_rank\": %d, \"mismatches\": %llu, \"fused_ms\": %.4f, \"fused_min_ms\": %.4f, \"compute_ms\": %.4f, "
+         "\"compute_min_ms\": %.4f, \"f_over_c\": %.3f, \"median_over_fastest\": %.3f}\n",
+         ops::fused_kind_name(o.kind), (long long)o.M, (long long)o.N, (long long)o.K, o.W, ctas, bad, fm, fmin, cm,
+         cmin, cm > 0 ? fm / cm : 0.0, fmin > 0 ? fm / fmin : 0.0);
+  return bad ? 1 : 0;
+}
