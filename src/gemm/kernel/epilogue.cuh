@@ -240,8 +240,10 @@ __device__ __forceinline__ bool final_tile_row(const RouteEpilogue& h, int tile_
 }
 
 // The owner's final sum of one of its own tiles (RouteEpilogue::fin_*), per thread: its two rows,
-// 8-column groups in batches of 8 so that the loads of a term are in flight together. The
-// tile-row's store waits (every other rank's share arrived) came first.
+// 8-column groups in batches of kFinBatch so that the loads of a term are in flight together (the
+// sum is bound by their latency: 32 / kFinBatch round trips per row and term). The tile-row's
+// store waits (every other rank's share arrived) came first.
+constexpr int kFinBatch = 16;
 template <class Accum_>
 __device__ __forceinline__ void final_tile(const comm::DeviceProgram& prog, const RouteEpilogue& h, const ProblemShape& problem, Accum_& accum,
                                            int mma_tid, int tile_m, int tile_n) {
@@ -255,27 +257,27 @@ __device__ __forceinline__ void final_tile(const comm::DeviceProgram& prog, cons
     if (m >= M || m >= h.fin_hi) continue;
     const int64_t row = (int64_t(m) - h.fin_row0) * N;
     CUTLASS_PRAGMA_UNROLL
-    for (int gb = 0; gb < 32; gb += 8) {
-      float2 a[8];
+    for (int gb = 0; gb < 32; gb += kFinBatch) {
+      float2 a[kFinBatch];
       int k = 0;
       for (int t = 0; t <= h.fin_nsrc; ++t) {
-        float2 x[8];
+        float2 x[kFinBatch];
         if (t == h.fin_self) {
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < 8; ++g) {
+          for (int g = 0; g < kFinBatch; ++g) {
             const int i = 4 * (gb + g) + 2 * half;
             x[g] = make_float2(accum(i), accum(i + 1));
           }
         } else {
           const float* src = h.fin_srcs[k++] + row;
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < 8; ++g) {
+          for (int g = 0; g < kFinBatch; ++g) {
             const int n = n0 + 8 * (gb + g);
             x[g] = n < N ? *reinterpret_cast<const float2*>(src + n) : make_float2(0.f, 0.f);
           }
         }
         CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < 8; ++g) {
+        for (int g = 0; g < kFinBatch; ++g) {
           if (t == 0) a[g] = x[g];
           else a[g] = make_float2(a[g].x + x[g].x, a[g].y + x[g].y);
         }
@@ -284,18 +286,18 @@ __device__ __forceinline__ void final_tile(const comm::DeviceProgram& prog, cons
         for (int s = 0; s < h.fin_nsrc; ++s) {
           float* src = const_cast<float*>(h.fin_srcs[s]) + row;
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < 8; ++g) {
+          for (int g = 0; g < kFinBatch; ++g) {
             const int n = n0 + 8 * (gb + g);
             if (n < N) *reinterpret_cast<float2*>(src + n) = make_float2(0.f, 0.f);
           }
         }
-      __nv_bfloat162 b[8];
+      __nv_bfloat162 b[kFinBatch];
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 8; ++g) b[g] = __floats2bfloat162_rn(a[g].x, a[g].y);
+      for (int g = 0; g < kFinBatch; ++g) b[g] = __floats2bfloat162_rn(a[g].x, a[g].y);
       for (int d = 0; d < h.fin_ndst; ++d) {
         __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(comm::op_ptr(prog, h.fin_dsts[d])) + row / 2;
         CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < 8; ++g) {
+        for (int g = 0; g < kFinBatch; ++g) {
           const int n = n0 + 8 * (gb + g);
           if (n < N) dst[n / 2] = b[g];
         }
