@@ -23,9 +23,11 @@ Per call and rank (microseconds; times from the first kernel start of the run):
            elsewhere (the producer's load waits before a tile, or taking an op)
   idle     summed over CTAs: CTA time not in a tile or an op (the consumers waiting for an item)
   tail     the kernel's end minus its last tile's end
-Then per rank the medians, the calls' start and end skew across ranks, and the consecutive
+Then per rank the medians (with, for gemm_rs and gemm_ar on one node, the epilogue of the rank's
+own tiles — the final sum over the peers' shares — apart from the routed ones, the calls' start and end skew across ranks, and the consecutive
 calls' period (what back-to-back timing sees).
 """
+TILE_M = 128  # the persistent GEMM's tile rows (src/gemm/kernel/config.cuh)
 import argparse
 import collections
 import json
@@ -75,6 +77,29 @@ def split_calls(events, calls):
         group = ctas[c * grid:(c + 1) * grid]
         out.append((min(e[5] for e in group), max(e[6] for e in group), group))
     return out
+
+
+def own_tile_rows(header):
+    """The tile rows whose epilogue is the final sum (gemm_rs/gemm_ar on one node), or None."""
+    if header.get("op") not in ("gemm_rs", "gemm_ar") or header.get("nodes") != "1":
+        return None
+    M, W, r = int(header["M"]), int(header["world"]), int(header["rank"])
+    lo, hi = r * (M // W), (r + 1) * (M // W)
+    # A tile row is final when it starts inside this rank's shard (RouteEpilogue::fin_lo/hi).
+    return {tm for tm in range((M + TILE_M - 1) // TILE_M) if lo <= tm * TILE_M < hi}
+
+
+def epilogue_split(events, header):
+    """Median epilogue (us) of the rank's own tiles and of the routed ones; None when not split."""
+    own = own_tile_rows(header)
+    if own is None:
+        return None
+    tiles_m = (int(header["M"]) + TILE_M - 1) // TILE_M
+    mine, routed = [], []
+    for e in events:
+        if e[0] == "epilogue":
+            (mine if e[4] % tiles_m in own else routed).append(e[6] - e[5])
+    return (statistics.median(mine) / 1e3 if mine else 0.0, statistics.median(routed) / 1e3 if routed else 0.0)
 
 
 def analyze_rank(events, calls):
@@ -157,9 +182,11 @@ def report(paths, out=sys.stdout):
     for name, ranks in sorted(groups.items()):
         per_rank = {}
         header = {}
+        splits = {}
         for r, p in sorted(ranks.items()):
             header, events = load(p)
             per_rank[r] = analyze_rank(events, int(header.get("calls", "0")))
+            splits[r] = epilogue_split(events, header)
         t0 = min(row["start"] for rows in per_rank.values() for row in rows)
         print("== %s: %s M %s N %s K %s, %d rank(s) traced (world %s, nodes %s); untraced medians: fused %s ms, "
               "compute %s ms" % (name, header.get("op"), header.get("M"), header.get("N"), header.get("K"),
@@ -179,7 +206,7 @@ def report(paths, out=sys.stdout):
         print("per rank, median over calls (us):  kernel  period   gap spread   1st  spin:op   epi other    idle"
               "   tail  spin by peer", file=out)
         for r, rows in sorted(per_rank.items()):
-            med = lambda k: statistics.median(x[k] for x in rows)
+            med = lambda k: statistics.median(x[k] for x in rows)  # noqa: E731
             periods = [rows[i]["end"] - rows[i - 1]["end"] for i in range(1, len(rows))]
             peers = collections.Counter()
             for x in rows:
@@ -188,12 +215,17 @@ def report(paths, out=sys.stdout):
                                           "idle", "tail", "mma", "epi")}
             s["period"] = us(statistics.median(periods)) if periods else float("nan")
             s["spin_by_peer"] = {str(p): us(v) / len(rows) for p, v in sorted(peers.items())}
+            if splits.get(r):
+                s["epi_own"], s["epi_routed"] = splits[r]
             summary[r] = s
             print("  rank %-3d %30.1f %7.1f %5.1f %6.1f %5.1f %8.1f %5.1f %5.1f %7.1f %6.1f  %s"
                   % (r, s["kernel"], s["period"], s["gap"], s["spread"], s["first"], s["spin_op"], s["spin_epi"],
                      s["spin_other"], s["idle"], s["tail"],
                      " ".join("%s:%.0f" % (p if p != "-1" else "-", v) for p, v in s["spin_by_peer"].items())),
                   file=out)
+            if "epi_own" in s:
+                print("           epilogue per tile (median, us): own tiles (the final sum) %.2f, routed %.2f"
+                      % (s["epi_own"], s["epi_routed"]), file=out)
         calls = min(len(rows) for rows in per_rank.values())
         if len(per_rank) > 1 and calls:
             start_skew = [us(max(per_rank[r][c]["start"] for r in per_rank) - min(per_rank[r][c]["start"] for r in per_rank))

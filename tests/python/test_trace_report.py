@@ -38,7 +38,7 @@ def write(path, rank, calls, shift, drop_cta=False):
             ev("cta", -1, 1, -1, base + 10, base + 90)
         ev("spin", -1, 1, 5, base + 12, base + 20)
         ev("compute", -1, 1, 1, base + 20, base + 60)
-        ev("epilogue", -1, 1, 1, base + 50, base + 60)
+        ev("epilogue", -1, 1, 1, base + 48, base + 60)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -64,8 +64,8 @@ def main():
         "spread": (x["spread"], 10 * US),
         "first": (x["first"], 6 * US),  # CTA 0: 2 us, CTA 1: 10 us
         "tiles": (x["tiles"], 2),
-        "mma": (x["mma"], 30 * US),
-        "epi": (x["epi"], 10 * US),
+        "mma": (x["mma"], 29 * US),
+        "epi": (x["epi"], 11 * US),
         "ops": (x["ops"], 1),
         "op_us": (x["op_us"], 10 * US),
         "spin_op": (x["spin_op"], 4 * US),
@@ -78,6 +78,9 @@ def main():
         assert near(got, want), "%s: got %s, want %s" % (k, got, want)
     assert near(calls[0]["gap"], 40 * US), calls[0]["gap"]  # the first call: after its enqueue
     assert x["spin_peer"] == {1: 10 * US, -1: 8 * US}, x["spin_peer"]
+    # Tile 0 (rows 0-127) is rank 0's own (its final sum), tile 1 rank 1's.
+    assert near(g["ranks"][0]["epi_own"], 10.0) and near(g["ranks"][0]["epi_routed"], 12.0), g["ranks"][0]
+    assert near(g["ranks"][1]["epi_own"], 12.0) and near(g["ranks"][1]["epi_routed"], 10.0), g["ranks"][1]
     r0 = g["ranks"][0]
     assert near(r0["period"], 200.0), r0["period"]
     assert all(near(v, 3.0) for v in g["ranks"]["start_skew_us"]), g["ranks"]["start_skew_us"]
