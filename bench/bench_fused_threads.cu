@@ -26,18 +26,13 @@
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/mkernel.h"
 #include "mkernel/ops/fused.h"
+#include "tools/bench_common.h"
 
 using namespace mk;
 
 namespace {
 
-__host__ __device__ inline uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  return x ^ (x >> 33);
-}
+using bench::mix;  // the CLI benchmarks' input hash
 // rows x cols at p (leading dimension ld) from seed; element (r + row0, c) of a src_cols-wide matrix.
 __global__ void fill(__nv_bfloat16* p, int64_t rows, int64_t cols, int64_t ld, uint64_t seed, int64_t row0,
                      bool ints) {
