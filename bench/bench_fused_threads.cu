@@ -4,12 +4,14 @@
 // MPS, without MPS. Each rank's persistent grid is SMs / W CTAs (FusedOptions::max_ctas and the
 // GEMM's RunConfig::max_ctas: the kernels of all ranks must be co-resident, as MPS at 100/W %
 // gives each process that share).
-//   bench_fused_threads W gemm_rs|gemm_ar|ag_gemm M N K [reps] [--trace PREFIX]
+//   bench_fused_threads W gemm_rs|gemm_ar|ag_gemm M N K [reps] [--trace PREFIX] [--json FILE]
+//   bench_fused_threads W --sweep [reps] [--json FILE]   (every operator at the CLI's --sweep shapes)
 // First a checked call on small integers, bit-exact against one unfused GEMM over the ranks'
 // inputs (as the CLI's check); then on approximately normal data the median (and fastest) of
 // `reps` calls of the slowest rank, enqueued back to back after a barrier, fused and GEMM alone.
 // --trace PREFIX: 10 consecutive traced fused calls per rank into PREFIX.<op>.m.n.k.wW.rankR.tsv
-// (tools/trace_report.py; no host events). Prints one JSON line.
+// (tools/trace_report.py; no host events). Prints one JSON line per operator and shape; --json
+// FILE writes them as tools/sweep_report.py reads them.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -200,35 +202,10 @@ void stats(const std::vector<RankOut>& out, std::vector<double> RankOut::*field,
   *min = t.empty() ? 0 : t[0];
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Opts o;
-  std::vector<std::string> pos;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--trace" && i + 1 < argc) o.trace = argv[++i];
-    else pos.push_back(a);
-  }
-  if (pos.size() < 5) {
-    fprintf(stderr, "usage: bench_fused_threads W gemm_rs|gemm_ar|ag_gemm M N K [reps] [--trace PREFIX]\n");
-    return 2;
-  }
-  o.W = atoi(pos[0].c_str());
-  if (pos[1] == "ag_gemm") o.kind = ops::FusedKind::kAgGemm;
-  else if (pos[1] == "gemm_ar") o.kind = ops::FusedKind::kGemmAr;
-  else if (pos[1] != "gemm_rs") return fprintf(stderr, "bench_fused_threads: unknown operator %s\n", pos[1].c_str()), 2;
-  o.M = atoll(pos[2].c_str()), o.N = atoll(pos[3].c_str()), o.K = atoll(pos[4].c_str());
-  if (pos.size() > 5) o.reps = atoi(pos[5].c_str());
-  if (o.W < 2 || o.reps < 1 || o.M < 1 || o.N < 1 || o.K < 1)
-    return fprintf(stderr, "bench_fused_threads: W >= 2, reps >= 1 and a positive shape\n"), 2;
+// One operator and shape: W threads, each its communicator; the JSON row into *row.
+int run_job(const Opts& o, int ctas, std::string* row) {
   const Status shape_ok = ops::FusedGemm::can_implement(o.kind, {o.M, o.N, o.K}, o.W);
   if (!shape_ok.ok()) return fprintf(stderr, "bench_fused_threads: %s\n", shape_ok.to_string().c_str()), 2;
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 2 * o.W)
-    return fprintf(stderr, "bench_fused_threads: no usable GPU\n"), 1;
-  const int ctas = sms / o.W;
   std::vector<std::unique_ptr<Bootstrap>> world;
   Status s = make_thread_world(o.W, &world);
   if (!s.ok()) return fprintf(stderr, "bench_fused_threads: %s\n", s.to_string().c_str()), 1;
@@ -260,10 +237,86 @@ int main(int argc, char** argv) {
   double fm, fmin, cm, cmin;
   stats(out, &RankOut::fused, &fm, &fmin);
   stats(out, &RankOut::compute, &cm, &cmin);
-  printf("{\"ranks\": \"threads\", \"op\": \"%s\", \"M\": %lld, \"N\": %lld, \"K\": %lld, \"world\": %d, "
-         "\"ctas_per_rank\": %d, \"mismatches\": %llu, \"fused_ms\": %.4f, \"fused_min_ms\": %.4f, \"compute_ms\": %.4f, "
-         "\"compute_min_ms\": %.4f, \"f_over_c\": %.3f, \"median_over_fastest\": %.3f}\n",
-         ops::fused_kind_name(o.kind), (long long)o.M, (long long)o.N, (long long)o.K, o.W, ctas, bad, fm, fmin, cm,
-         cmin, cm > 0 ? fm / cm : 0.0, fmin > 0 ? fm / fmin : 0.0);
+  char b[640];
+  snprintf(b, sizeof b,
+           "{\"ranks\": \"threads\", \"op\": \"%s\", \"M\": %lld, \"N\": %lld, \"K\": %lld, \"world\": %d, "
+           "\"ctas_per_rank\": %d, \"correct\": %s, \"mismatches\": %llu, \"fused_ms\": %.4f, \"fused_min_ms\": %.4f, "
+           "\"compute_only_ms\": %.4f, \"compute_min_ms\": %.4f, \"f_over_c\": %.3f, \"median_over_fastest\": %.3f}",
+           ops::fused_kind_name(o.kind), (long long)o.M, (long long)o.N, (long long)o.K, o.W, ctas,
+           bad ? "false" : "true", bad, fm, fmin, cm, cmin, cm > 0 ? fm / cm : 0.0, fmin > 0 ? fm / fmin : 0.0);
+  *row = b;
   return bad ? 1 : 0;
+}
+
+int usage() {
+  fprintf(stderr,
+          "usage: bench_fused_threads W (gemm_rs|gemm_ar|ag_gemm M N K | --sweep) [reps] [--trace PREFIX] "
+          "[--json FILE]\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Opts o;
+  std::string json;
+  bool sweep = false;
+  std::vector<std::string> pos;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if ((a == "--trace" || a == "--json") && i + 1 < argc) (a == "--trace" ? o.trace : json) = argv[++i];
+    else if (a == "--sweep") sweep = true;
+    else if (a.rfind("--", 0) == 0) return usage();
+    else pos.push_back(a);
+  }
+  // W, then op M N K (or --sweep), then reps.
+  if (pos.empty() || (!sweep && pos.size() < 5)) return usage();
+  o.W = atoi(pos[0].c_str());
+  std::vector<Opts> jobs;
+  size_t next = 1;
+  if (sweep) {
+    // The CLI's --sweep (tools/bench_common.h): every operator at the Llama-3-70B TP8 shapes.
+    for (ops::FusedKind kind : {ops::FusedKind::kAgGemm, ops::FusedKind::kGemmRs, ops::FusedKind::kGemmAr})
+      for (const bench::SweepShape& sh : bench::llama70b_tp8_sweep(kind == ops::FusedKind::kAgGemm)) {
+        Opts j = o;
+        j.kind = kind, j.M = sh.M, j.N = sh.N, j.K = sh.K;
+        jobs.push_back(j);
+      }
+  } else {
+    if (pos[1] == "ag_gemm") o.kind = ops::FusedKind::kAgGemm;
+    else if (pos[1] == "gemm_ar") o.kind = ops::FusedKind::kGemmAr;
+    else if (pos[1] != "gemm_rs") return fprintf(stderr, "bench_fused_threads: unknown operator %s\n", pos[1].c_str()), 2;
+    o.M = atoll(pos[2].c_str()), o.N = atoll(pos[3].c_str()), o.K = atoll(pos[4].c_str());
+    jobs.push_back(o);
+    next = 5;
+  }
+  const int reps = pos.size() > next ? atoi(pos[next].c_str()) : 30;
+  if (o.W < 2 || reps < 1 || (!sweep && (o.M < 1 || o.N < 1 || o.K < 1)))
+    return fprintf(stderr, "bench_fused_threads: W >= 2, reps >= 1 and a positive shape\n"), 2;
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 2 * o.W)
+    return fprintf(stderr, "bench_fused_threads: no usable GPU\n"), 1;
+  int rc = 0;
+  std::vector<std::string> rows;
+  for (Opts& j : jobs) {
+    j.reps = reps;
+    std::string row;
+    const int r = run_job(j, sms / o.W, &row);
+    if (!row.empty()) {
+      printf("%s\n", row.c_str());
+      fflush(stdout);
+      rows.push_back(row);
+    }
+    rc = std::max(rc, r);
+  }
+  if (!json.empty()) {  // tools/sweep_report.py reads it
+    FILE* f = fopen(json.c_str(), "w");
+    if (!f) return fprintf(stderr, "bench_fused_threads: cannot write %s\n", json.c_str()), 1;
+    fprintf(f, "{\"ranks\": \"threads\", \"world\": %d, \"results\": [\n", o.W);
+    for (size_t i = 0; i < rows.size(); ++i) fprintf(f, "%s%s\n", rows[i].c_str(), i + 1 < rows.size() ? "," : "");
+    fprintf(f, "]}\n");
+    if (fclose(f) != 0) return fprintf(stderr, "bench_fused_threads: writing %s failed\n", json.c_str()), 1;
+  }
+  return rc;
 }

@@ -260,6 +260,28 @@ struct Env {
   std::string json;         // --json FILE, "" for none
 };
 
+// The fused operators' --sweep: Llama-3-70B (hidden 8192, intermediate 28672, 64 query / 8 KV
+// heads of 128) at tensor parallelism 8, per GPU; M = tokens 2048..16384. AG: the column-parallel
+// GEMMs (gate+up: N = 2 * 28672 / 8; QKV: N = (8192 + 2 * 1024) / 8) over the gathered rows; RS
+// and AR: the row-parallel ones (down: K = 28672 / 8; o_proj: K = 8192 / 8) into the full hidden
+// size. Also bench/bench_fused_threads's --sweep.
+struct SweepShape {
+  int64_t M, N, K;
+};
+inline std::vector<SweepShape> llama70b_tp8_sweep(bool ag) {
+  std::vector<SweepShape> out;
+  for (int64_t tokens : {2048, 4096, 8192, 16384}) {
+    if (ag) {
+      out.push_back(SweepShape{tokens, 7168, 8192});
+      out.push_back(SweepShape{tokens, 1280, 8192});
+    } else {
+      out.push_back(SweepShape{tokens, 8192, 3584});
+      out.push_back(SweepShape{tokens, 8192, 1024});
+    }
+  }
+  return out;
+}
+
 // tools/bench/fused_gemm.cu. `which`: ag_gemm, gemm_rs, gemm_ar or all. m, n, k: the shape
 // given (0: left out, 4096), all three 0 for the default shapes (o.sweep: the Llama-3-70B TP8
 // sweep).

@@ -5,9 +5,11 @@
 # calls on every rank, then tools/trace_report.py over every rank's table; also the GPU's copy
 # bandwidth (torch, one process) for the bytes-against-HBM account.
 # Binaries: .devbin (scripts/device/pack_binaries.sh), unpacked by suite.sh's setup into /tmp/mkb.
-#   MK_OVERLAP_STEPS   steps (default "setup hbm threads peer trace nodes"), run in that order;
-#                      threads: bench_fused_threads, the operators with ranks as threads of one
-#                      process (before MPS starts: no MPS at all), traced; peer: bench_peer_write
+#   MK_OVERLAP_STEPS   steps (default "setup hbm threads sweep peer trace nodes"), run in that
+#                      order; threads: bench_fused_threads, the operators with ranks as threads of
+#                      one process (before MPS starts: no MPS at all), traced; sweep: the same over
+#                      the CLI's --sweep shapes at every world size, with tools/sweep_report.py's
+#                      table (th_sweep.md); peer: bench_peer_write
 #                      (stores and reduce-adds into the own and a peer's memory, every rank at once)
 #                      with ranks as processes under MPS and as threads of one process
 #   MK_OVERLAP_NPS     world sizes (default "2 4")
@@ -18,7 +20,7 @@ set -uo pipefail
 RESULT=${OUT:-/tmp/mk-out}
 L=/tmp/mk-overlap
 rm -rf "$L" && mkdir -p "$L" "$RESULT"
-steps=${MK_OVERLAP_STEPS:-"setup hbm threads peer trace nodes"}
+steps=${MK_OVERLAP_STEPS:-"setup hbm threads sweep peer trace nodes"}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 B=/tmp/mkb
@@ -73,6 +75,16 @@ if has threads; then
       done
     done
   done
+fi
+if has sweep; then
+  files=()
+  for np in ${MK_OVERLAP_NPS:-2 4}; do
+    timeout 400 "$B/bench/bench_fused_threads" "$np" --sweep "${MK_OVERLAP_REPS:-30}" --json "$L/th_sweep_np$np.json" \
+      > "$L/th_sweep_np$np.log" 2>&1
+    echo "== sweep, threads, W = $np: rc=$? ($(elapsed) s)"
+    files+=("$L/th_sweep_np$np.json")
+  done
+  python3 tools/sweep_report.py --md "$L/th_sweep.md" "${files[@]}" && cat "$L/th_sweep.md"
 fi
 if ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then nvidia-cuda-mps-control -d && started=1; fi
 

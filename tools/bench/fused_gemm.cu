@@ -400,20 +400,8 @@ struct Shape {
 std::vector<Shape> shapes_of(FusedKind kind, int64_t m, int64_t n, int64_t k, int W, bool sweep) {
   if (m > 0 || n > 0 || k > 0) return {Shape{m > 0 ? m : 4096, n > 0 ? n : 4096, k > 0 ? k : 4096}};
   if (sweep) {
-    // Llama-3-70B (hidden 8192, intermediate 28672, 64 query / 8 KV heads of 128) at tensor
-    // parallelism 8, per GPU; M = tokens. AG: the column-parallel GEMMs (gate+up: N = 2 * 28672
-    // / 8; QKV: N = (8192 + 2 * 1024) / 8) over the gathered rows; RS and AR: the row-parallel
-    // ones (down: K = 28672 / 8; o_proj: K = 8192 / 8) into the full hidden size.
     std::vector<Shape> out;
-    for (int64_t tokens : {2048, 4096, 8192, 16384}) {
-      if (kind == FusedKind::kAgGemm) {
-        out.push_back(Shape{tokens, 7168, 8192});
-        out.push_back(Shape{tokens, 1280, 8192});
-      } else {
-        out.push_back(Shape{tokens, 8192, 3584});
-        out.push_back(Shape{tokens, 8192, 1024});
-      }
-    }
+    for (const SweepShape& sh : llama70b_tp8_sweep(kind == FusedKind::kAgGemm)) out.push_back(Shape{sh.M, sh.N, sh.K});
     return out;
   }
   if (kind == FusedKind::kAgGemm) return {Shape{4096, 3584, 8192}, Shape{8192, 3584, 8192}};
