@@ -29,38 +29,17 @@
 #include "mkernel/mkernel.h"
 #include "mkernel/ops/fused.h"
 #include "tools/bench_common.h"
+#include "tools/bench/fused_inputs.cuh"
 
 using namespace mk;
 
 namespace {
 
-using bench::mix;  // the CLI benchmarks' input hash
-// rows x cols at p (leading dimension ld) from seed; element (r + row0, c) of a src_cols-wide matrix.
-__global__ void fill(__nv_bfloat16* p, int64_t rows, int64_t cols, int64_t ld, uint64_t seed, int64_t row0,
-                     bool ints) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / cols, c = i % cols;
-    const uint64_t h = mix(seed ^ (uint64_t(r + row0) * 0x9e3779b97f4a7c15ull + uint64_t(c)));
-    const float v = ints ? float(int(h % 5) - 2) : float(int(h % 2001) - 1000) / 1000.f;
-    p[r * ld + c] = __float2bfloat16(v);
-  }
-}
-__global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t n, unsigned long long* bad) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    if (a[i] != b[i]) atomicAdd(bad, 1ull);
-}
-
-struct DevBuf {
-  void* p = nullptr;
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  Status alloc(size_t bytes) {
-    MK_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
-    return OkStatus();
-  }
-  __nv_bfloat16* bf() const { return static_cast<__nv_bfloat16*>(p); }
-};
+// Buffers, inputs and the comparison as `mkernel bench` has them (tools/bench_common.h,
+// tools/bench/fused_inputs.cuh).
+using bench::Buf;
+using bench::count_diff;
+using bench::fill_fused_inputs;
 
 struct Opts {
   int W = 2;
@@ -111,30 +90,16 @@ Status run_rank(Communicator* comm, const Opts& o, int ctas, RankOut* out) {
   fo.max_ctas = ctas;
   std::unique_ptr<ops::FusedGemm> op;
   MK_CHECK(ops::FusedGemm::create(comm, o.kind, {M, N, K}, fo, &op));
-  DevBuf A, B, C, Aref, Bref, Cref, bad;
-  MK_CHECK(A.alloc(size_t(a_rows) * K * 2));
-  MK_CHECK(B.alloc(size_t(N) * K * 2));
-  MK_CHECK(C.alloc(size_t(c_rows) * N * 2));
-  MK_CHECK(Aref.alloc(ag ? size_t(M) * K * 2 : size_t(M) * K * W * 2));
-  MK_CHECK(Bref.alloc(ag ? 16 : size_t(N) * K * W * 2));
-  MK_CHECK(Cref.alloc(size_t(M) * N * 2));
-  MK_CHECK(bad.alloc(8));
-  const uint64_t sa = 0x5eed0000, sb = 0x5eed1000;
+  Buf A, B, C, Aref, Bref, Cref, bad;
+  MK_CUDA_CHECK(A.alloc(size_t(a_rows) * K * 2));
+  MK_CUDA_CHECK(B.alloc(size_t(N) * K * 2));
+  MK_CUDA_CHECK(C.alloc(size_t(c_rows) * N * 2));
+  MK_CUDA_CHECK(Aref.alloc(ag ? size_t(M) * K * 2 : size_t(M) * K * W * 2));
+  MK_CUDA_CHECK(Bref.alloc(ag ? 16 : size_t(N) * K * W * 2));
+  MK_CUDA_CHECK(Cref.alloc(size_t(M) * N * 2));
+  MK_CUDA_CHECK(bad.alloc(8));
   auto fill_inputs = [&](bool ints) {
-    if (ag) {
-      fill<<<264, 256, 0, st>>>(A.bf(), M / W, K, K, sa, me * (M / W), ints);
-      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, ints);
-      if (ints) fill<<<264, 256, 0, st>>>(Aref.bf(), M, K, K, sa, 0, ints);
-    } else {
-      fill<<<264, 256, 0, st>>>(A.bf(), M, K, K, sa + me, 0, ints);
-      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, ints);
-      if (ints)
-        for (int r = 0; r < W; ++r) {
-          fill<<<264, 256, 0, st>>>(Aref.bf() + r * K, M, K, W * K, sa + r, 0, ints);
-          fill<<<264, 256, 0, st>>>(Bref.bf() + r * K, N, K, W * K, sb + r, 0, ints);
-        }
-    }
-    MK_CUDA_CHECK(cudaGetLastError());
+    MK_CUDA_CHECK(fill_fused_inputs(o.kind, M, N, K, W, me, ints, A.bf(), B.bf(), Aref.bf(), Bref.bf(), st));
     return OkStatus();
   };
   // The checked call: every element against one unfused GEMM over all ranks' inputs.
@@ -156,7 +121,7 @@ Status run_rank(Communicator* comm, const Opts& o, int ctas, RankOut* out) {
                                   static_cast<unsigned long long*>(bad.p));
   MK_CUDA_CHECK(cudaMemcpyAsync(&out->bad, bad.p, 8, cudaMemcpyDeviceToHost, st));
   MK_CHECK(comm->sync(st));
-  // Timing on non-integer data.
+  // Timing on approximately normal data (the GEMM's speed depends on the data).
   MK_CHECK(fill_inputs(false));
   MK_CHECK(comm->sync(st));
   MK_CHECK(time_calls(comm, o.reps, [&] { return op->enqueue(fa, st); }, &out->fused));

@@ -138,7 +138,8 @@ def analyze_rank(events, calls):
             idle += (cta[6] - cta[5]) - union_len([(o[5], o[6]) for o in mine])
         last_tile = max((e[6] for e in tiles), default=w1)
         host = hosts[c] if c < len(hosts) else None
-        ready = max(x for x in (prev_end, host[6] if host else None) if x is not None) if (prev_end or host) else w0
+        # The kernel could start once the previous one ended and this call was enqueued.
+        ready = max([x for x in (prev_end, host[6] if host else None) if x is not None], default=w0)
         rows.append({
             "call": c,
             "enq": host[5] if host else None,

@@ -33,6 +33,7 @@
 #include "mkernel/mkernel.h"
 #include "mkernel/ops/fused.h"
 #include "tools/bench_common.h"
+#include "tools/bench/fused_inputs.cuh"
 #if MK_HAVE_NCCL
 #include "tools/baseline/baseline.h"
 #endif
@@ -42,23 +43,6 @@ namespace bench {
 namespace {
 
 using ops::FusedKind;
-
-// ints: integers in [-2, 2] (exact products); else approximately normal values (sum of 4 uniforms).
-__global__ void fill(__nv_bfloat16* p, int64_t rows, int64_t cols, int64_t ld, uint64_t seed, int64_t row0,
-                     int64_t src_cols, bool ints) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / cols, c = i % cols;
-    const uint64_t h = mix(seed ^ (uint64_t(r + row0) * uint64_t(src_cols) + uint64_t(c)));
-    float v;
-    if (ints) v = float(int(h % 5) - 2);
-    else v = (float(h & 0xffff) + float((h >> 16) & 0xffff) + float((h >> 32) & 0xffff) + float(h >> 48)) / 65536.f - 2.f;
-    p[r * ld + c] = __float2bfloat16(v);
-  }
-}
-__global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t n, unsigned long long* bad) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    if (a[i] != b[i]) atomicAdd(bad, 1ull);
-}
 
 struct Row {
   std::string op;
@@ -188,21 +172,7 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   // Correctness: exact small integers; the reference is the unfused GEMM over inputs every rank
   // rebuilds (AG: the gathered A; RS/AR: one GEMM over the ranks' concatenated K).
   auto fill_inputs = [&](bool ints) {
-    const uint64_t sa = 0x5eed0000, sb = 0x5eed1000;
-    if (kind == FusedKind::kAgGemm) {
-      fill<<<264, 256, 0, st>>>(A.bf(), M / W, K, K, sa, me * (M / W), K, ints);
-      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, K, ints);
-      if (ints) fill<<<264, 256, 0, st>>>(Aref.bf(), M, K, K, sa, 0, K, ints);
-    } else {
-      fill<<<264, 256, 0, st>>>(A.bf(), M, K, K, sa + me, 0, K, ints);
-      fill<<<264, 256, 0, st>>>(B.bf(), N, K, K, sb + me, 0, K, ints);
-      if (ints)
-        for (int r = 0; r < W; ++r) {
-          fill<<<264, 256, 0, st>>>(Aref.bf() + r * K, M, K, W * K, sa + r, 0, K, ints);
-          fill<<<264, 256, 0, st>>>(Bref.bf() + r * K, N, K, W * K, sb + r, 0, K, ints);
-        }
-    }
-    return CLI_CUDA(comm, cudaGetLastError());
+    return CLI_CUDA(comm, fill_fused_inputs(kind, M, N, K, W, me, ints, A.bf(), B.bf(), Aref.bf(), Bref.bf(), st));
   };
   gemm::Arguments ref;
   Status s = [&]() -> Status {

@@ -23,14 +23,12 @@ __global__ void clock_probe(volatile unsigned long long* out, const volatile int
   } while (!*stop && t - t0 < 500000000ull);
 }
 
-int64_t steady_ns() {
+}  // namespace
+
+int64_t host_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-
-}  // namespace
-
-int64_t host_now_ns() { return steady_ns(); }
 
 Status host_minus_device_ns(Communicator* comm, int64_t* out) {
   unsigned long long* word = nullptr;
@@ -54,10 +52,10 @@ Status host_minus_device_ns(Communicator* comm, int64_t* out) {
       volatile unsigned long long* w = word;
       int64_t best = INT64_MAX;
       int samples = 0;
-      const int64_t give_up = steady_ns() + 300000000;  // the probe may start late under MPS
-      while (samples < 20000 && steady_ns() < give_up) {
+      const int64_t give_up = host_now_ns() + 300000000;  // the probe may start late under MPS
+      while (samples < 20000 && host_now_ns() < give_up) {
         const unsigned long long v = *w;
-        const int64_t h = steady_ns();
+        const int64_t h = host_now_ns();
         if (v == 0) continue;
         ++samples;
         best = std::min<int64_t>(best, h - int64_t(v));
