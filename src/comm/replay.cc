@@ -122,6 +122,7 @@ Replay::Replay(const ProgramDecl& p, std::vector<const RankProgram*> ranks, Repl
     }
     s.flags.assign(p.pad_flags, 0);
     s.comm.assign(std::max(1, o.comm_slots), -1);
+    s.held.assign(s.comm.size(), 0);
     s.units.assign(std::max(1, o.compute_slots), {-1, 0});
   }
 }
@@ -171,10 +172,11 @@ void Replay::start_call(int me) {
   RankState& s = ranks_[me];
   ++s.epoch;
   s.active = true;
-  s.speed = 1u << (2 * (rng_() % 3));  // 1, 4 or 16
-  s.w_comm = 1u << (2 * (rng_() % 3));
-  s.w_unit = 1u << (2 * (rng_() % 3));
-  s.w_net = 1u << (2 * (rng_() % 3));
+  const uint64_t levels = uint64_t(std::min(std::max(opt_.speed_levels, 1), 8));
+  s.speed = 1u << (2 * (rng_() % levels));  // 1, 4, 16, ...
+  s.w_comm = 1u << (2 * (rng_() % levels));
+  s.w_unit = 1u << (2 * (rng_() % levels));
+  s.w_net = 1u << (2 * (rng_() % levels));
   s.next_op = s.ops_done = s.next_unit = s.units_done = 0;
   compute_->start_call(*this, me, s.epoch);
 }
@@ -329,8 +331,12 @@ bool Replay::run() {
       if (!s.active) continue;
       busy = true;
       for (size_t i = 0; i < s.comm.size(); ++i) {
-        if (s.comm[i] < 0 && s.next_op < rp.ops.size()) s.comm[i] = int(s.next_op++);  // take the next op
-        if (s.comm[i] >= 0 && !unmet(r, rp.ops[s.comm[i]].waits)) units.push_back({UnitKind::kComm, r, int(i)});
+        if (s.comm[i] < 0 && s.next_op < rp.ops.size()) {  // take the next op
+          s.comm[i] = int(s.next_op++);
+          s.held[i] = opt_.hold_one_in > 0 && rng_() % uint64_t(opt_.hold_one_in) == 0;
+        }
+        if (s.comm[i] >= 0 && !s.held[i] && !unmet(r, rp.ops[s.comm[i]].waits))
+          units.push_back({UnitKind::kComm, r, int(i)});
       }
       const size_t nu = compute_->units(r);
       for (size_t i = 0; i < s.units.size(); ++i) {
@@ -342,7 +348,18 @@ bool Replay::run() {
         if (!unmet(r, ws, n)) units.push_back({UnitKind::kCompute, r, int(i)});
       }
     }
-    if (units.empty()) return busy ? (ctx_ = "replay", fail(deadlock_report())) : true;
+    if (units.empty()) {
+      std::vector<std::pair<int, size_t>> held;  // nothing else moves: let one held op go
+      for (int r = 0; r < W_; ++r)
+        for (size_t i = 0; i < ranks_[r].held.size(); ++i)
+          if (ranks_[r].held[i]) held.push_back({r, i});
+      if (!held.empty()) {
+        const auto h = held[rng_() % held.size()];
+        ranks_[h.first].held[h.second] = 0;
+        continue;
+      }
+      return busy ? (ctx_ = "replay", fail(deadlock_report())) : true;
+    }
     uint64_t total = 0;  // a random unit, weighted by its rank's speed and its kind's weight
     auto weight = [&](const Unit& x) -> uint64_t {
       const RankState& r = ranks_[x.rank];

@@ -71,6 +71,14 @@ struct ReplayOptions {
   int comm_slots = 1;
   int compute_slots = 1;
   int calls = 3;
+  // Each call draws its rank's speed and the weights of its communication, compute and proxy
+  // work from 4^0 .. 4^(speed_levels - 1): more levels, more lopsided interleavings (one rank
+  // or one kind of work far behind the rest), which rare races need.
+  int speed_levels = 3;
+  // 0: off; n: an op taken by a communication slot is, one time in n, held until nothing else
+  // can move (then one held op, at random, is let go): one CTA descheduled while the rest of
+  // the job runs as far as the program lets it.
+  int hold_one_in = 0;
 };
 
 class Replay {
@@ -101,6 +109,7 @@ class Replay {
     bool active = false;
     size_t next_op = 0, ops_done = 0, next_unit = 0, units_done = 0;
     std::vector<int> comm;                    // op held by each comm slot; -1: free
+    std::vector<char> held;                   // per comm slot: its op is held (hold_one_in)
     std::vector<std::pair<long, int>> units;  // (unit, phase) held by each compute slot; unit -1: free
     std::deque<std::pair<int, uint64_t>> in_flight;  // issued puts (op index, bytes), delivered in order
   };

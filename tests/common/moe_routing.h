@@ -17,7 +17,10 @@ enum class MoeRouting : int {
   kLocal = 2,       // every expert on the token's own rank
   kSparse = 3,      // most slots -1
   kEmptyRanks = 4,  // odd ranks route no token (0 tokens); the others uniform
+  kFull = 5,        // every token of a rank to the same k ranks (offset by the seed), all T
+                    // tokens in use: those k send slots full, every piece of them carrying rows
 };
+constexpr int kMoeRoutings = 6;
 inline const char* moe_routing_name(MoeRouting r) {
   switch (r) {
     case MoeRouting::kUniform: return "uniform";
@@ -25,6 +28,7 @@ inline const char* moe_routing_name(MoeRouting r) {
     case MoeRouting::kLocal: return "local";
     case MoeRouting::kSparse: return "sparse";
     case MoeRouting::kEmptyRanks: return "empty_ranks";
+    case MoeRouting::kFull: return "full";
   }
   return "?";
 }
@@ -44,6 +48,8 @@ inline void make_moe_routing(MoeRouting kind, uint64_t seed, int rank, int W, in
   int64_t cnt = T - (int64_t(rank) * 3) % 5;
   if (cnt < 0) cnt = 0;
   if (kind == MoeRouting::kEmptyRanks && rank % 2 == 1) cnt = 0;
+  if (kind == MoeRouting::kFull) cnt = T;
+  const int full_off = int(seed % uint64_t(W));
   *n = cnt;
   for (int64_t t = 0; t < T; ++t) {
     for (int kk = 0; kk < k; ++kk) {
@@ -69,6 +75,9 @@ inline void make_moe_routing(MoeRouting kind, uint64_t seed, int rank, int W, in
         }
         case MoeRouting::kLocal:
           e = kk < El ? int32_t(rank * El + (int64_t(kk) + t) % El) : -1;
+          break;
+        case MoeRouting::kFull:
+          e = int32_t(((rank + 1 + full_off + kk) % W) * El + (t + kk / W) % El);
           break;
       }
       (*ids)[t * k + kk] = e;

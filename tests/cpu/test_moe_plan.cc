@@ -12,6 +12,8 @@
 //  - mutants (a dropped wait or signal, a shifted destination) are rejected.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -147,7 +149,7 @@ void check_world(const MoeConfig& cfg, int W, const World& wd, const std::string
 TEST(MoeRouting, EveryEntryAccountedFor) {
   int cases = 0;
   for (int W : {1, 2, 3, 4, 6, 8, 16})
-    for (int kind = 0; kind < 5; ++kind)
+    for (int kind = 0; kind < test::kMoeRoutings; ++kind)
       for (int variant = 0; variant < 2; ++variant) {
         MoeConfig cfg;
         cfg.hidden = 16;
@@ -237,7 +239,7 @@ TEST(MoeRouting, NodeSlotsRepackToTheDirectRecords) {
       for (int strided = 0; strided < 2; ++strided) {
         if (W % nodes || W / nodes < 2) continue;
         const comm::Layout layout = strided ? comm::Layout::strided(W, nodes) : comm::Layout::uniform(W, nodes);
-        for (int kind = 0; kind < 5; ++kind) {
+        for (int kind = 0; kind < test::kMoeRoutings; ++kind) {
           MoeConfig cfg{16, 2 * W, 4, 29, 1, 0};
           const uint64_t seed = test::mix(test::test_seed(), uint64_t(W) * 1000 + nodes * 10 + kind + 77 * strided);
           World wd;
@@ -312,8 +314,13 @@ class MoeComputeBase : public comm::ReplayCompute {
       : p_(p), cfg_(cfg), pieces_(pieces), seed_(seed) {
     EXPECT_TRUE(moe_geometry(cfg, p.layout.world, &g_).ok());
   }
+  // Call e's routing: in a third of the replays every call kFull (send slots full to their last
+  // piece in consecutive calls: a piece overwritten by the next call before it was read shows
+  // only then); otherwise every kind in turn from a point the seed picks.
   void world(int e, World* wd) const {
-    make_world(cfg_, p_.layout.world, MoeRouting(e % 5), test::mix(seed_, uint64_t(e)), wd);
+    const int kind = seed_ % 3 == 0 ? int(test::MoeRouting::kFull)
+                                    : int((uint64_t(e) + seed_ / 3 % test::kMoeRoutings) % test::kMoeRoutings);
+    make_world(cfg_, p_.layout.world, MoeRouting(kind), test::mix(seed_, uint64_t(e)), wd);
   }
 
  protected:
@@ -422,9 +429,11 @@ std::vector<const comm::RankProgram*> programs(const comm::Program& p) {
   for (const auto& r : p.ranks) v.push_back(&r);
   return v;
 }
-std::string replay(const comm::Program& p, const ProgConfig& c, uint64_t seed) {
+std::string replay(const comm::Program& p, const ProgConfig& c, uint64_t seed, int comm_slots = 0,
+                   int speed_levels = 3, int hold_one_in = 0) {
   MoeCompute compute(p, replay_cfg(c.W), c.pieces, seed);
-  comm::Replay rep(p, programs(p), &compute, comm::ReplayOptions{seed, c.comm_slots, 1, 3});
+  comm::Replay rep(p, programs(p), &compute,
+                   comm::ReplayOptions{seed, comm_slots ? comm_slots : c.comm_slots, 1, 3, speed_levels, hold_one_in});
   return rep.run() ? "" : rep.error();
 }
 uint64_t seed_of(const ProgConfig& c, uint64_t salt) {
@@ -463,19 +472,22 @@ INSTANTIATE_TEST_SUITE_P(Sweep, MoeReplay, ::testing::ValuesIn(sweep()),
 struct Mutant {
   std::string what;
   std::function<void(comm::Program&)> apply;
+  bool implied = false;  // a dropped wait that changes nothing (op_mutants says why)
 };
 
-// Mutants of a program's ops: every wait dropped but the implied ones, every signal dropped,
+// Mutants of a program's ops: every wait dropped (the implied ones marked), every signal dropped,
 // and — with `shift_every` > 0 — the destination of a slot's first piece (the one carrying its
 // header; offset a multiple of shift_every) moved 16 bytes on. Implied waits (a dropped copy
-// changes nothing): a wait on an arrival that an op of the same list (a relay) raises — a call
-// ends only when every op is done; staged, the wait for the proxy to finish reading the host
-// mirrors (only this rank's next call writes them, after the destination entered that call, so
-// after it received this call's slot); the same wait `comm_slots` or more places earlier in the
-// list (ops are taken in order); with `later_pieces_implied`, the entry wait of a piece past the
-// first (it guards bytes past the first piece, which the small replays' slots rarely fill; the
-// first piece's is checked).
-std::vector<Mutant> op_mutants(const comm::Program& p, int comm_slots, uint64_t shift_every, bool later_pieces_implied) {
+// changes nothing, whatever the number of communication CTAs — the library runs up to 1024,
+// each taking the next op of the list, so no op is known to have finished before a later one
+// starts):
+//  - a wait on an arrival that an op of the same list (a relay) raises: a call ends only when
+//    every op is done, that one included;
+//  - staged, the wait for the proxy to finish reading the host mirrors: only this rank's next
+//    call writes them, by puts that wait until the destination entered that call, which it does
+//    only after its own call ended, i.e. after it received every slot of this call, i.e. after
+//    the proxy read them.
+std::vector<Mutant> op_mutants(const comm::Program& p, uint64_t shift_every) {
   std::vector<Mutant> ms;
   for (int r = 0; r < p.layout.world; ++r) {
     const auto& ops = p.ranks[r].ops;
@@ -489,15 +501,8 @@ std::vector<Mutant> op_mutants(const comm::Program& p, int comm_slots, uint64_t 
           for (const auto& o : ops)
             for (const auto& sg : o.signals) implied |= sg.flag.region == w.flag.region && sg.flag.index == w.flag.index;
         if (w.flag.region == MoeRegion::kSrcFree && p.net_staged) implied = true;
-        for (size_t q = 0; q + size_t(comm_slots) <= i; ++q)
-          for (const auto& x : ops[q].waits)
-            implied |= x.flag.region == w.flag.region && x.flag.rank == w.flag.rank && x.flag.index == w.flag.index &&
-                       x.mul >= w.mul;
-        if (later_pieces_implied && (w.flag.region == MoeRegion::kEntry || w.flag.region == MoeRegion::kEntryNet))
-          implied |= op.what.find(" piece ") != std::string::npos && op.what.find(" piece 0 ") == std::string::npos;
-        if (implied) continue;
         ms.push_back({site + ": drop wait " + std::to_string(j),
-                      [=](comm::Program& m) { auto& v = m.ranks[r].ops[i].waits; v.erase(v.begin() + j); }});
+                      [=](comm::Program& m) { auto& v = m.ranks[r].ops[i].waits; v.erase(v.begin() + j); }, implied});
       }
       for (size_t j = 0; j < op.signals.size(); ++j)
         ms.push_back({site + ": drop signal " + std::to_string(j),
@@ -511,24 +516,56 @@ std::vector<Mutant> op_mutants(const comm::Program& p, int comm_slots, uint64_t 
   return ms;
 }
 
-// Replays a mutant gets before it counts as not rejected. A few mutants show only under rare
-// interleavings (a remote slot's final wait dropped: the slot must still be in flight when the
-// call would end): 256 missed about one run in a hundred; 2048 take a few milliseconds more.
+// Replays a mutant gets before it counts as not rejected, cycling through the configuration's
+// communication slots and 4, 8 and 16 (a wait guarding an op against one several places ahead
+// of it shows only when that many run at once), with lopsided speeds (kMutantSpeedLevels). A
+// few mutants show only under rare interleavings (a remote slot's final wait dropped: the slot
+// must still be in flight when the call would end; a later piece's entry wait: the slot must be
+// full, kFull, in a call that runs ahead of its destination).
 constexpr uint64_t kMutantReplays = 2048;
+constexpr int kMutantSpeedLevels = 5;
+constexpr int kMutantHoldOneIn = 32;
+int mutant_slots(const ProgConfig& c, uint64_t k) {
+  const int s[] = {c.comm_slots, 4, 8, 16};
+  return s[k % 4];
+}
+// Replays of each implied mutant, which must all pass (64; MK_IMPLIED_REPLAYS raises it).
+uint64_t implied_replays() {
+  const char* env = getenv("MK_IMPLIED_REPLAYS");
+  return env ? std::strtoull(env, nullptr, 10) : 64;
+}
 
 // Each mutant applied alone must fail `reject` (the static check, then replays); returns how
 // many did.
+// `reject(m, k)`: "" when replay k of program m passes, else why it failed (k = 0 also runs
+// the static check). Each mutant but the implied ones must fail one of kMutantReplays; each
+// implied one must pass implied_replays() (a replay that caught one would prove its argument
+// wrong). Returns how many were rejected.
 int rejected(const comm::Program& p, const std::vector<Mutant>& ms, const std::string& name,
-             const std::function<std::string(const comm::Program&)>& reject) {
-  int caught = 0;
+             const std::function<std::string(const comm::Program&, uint64_t)>& reject) {
+  int caught = 0, implied = 0;
+  uint64_t most = 0;
   for (const Mutant& mu : ms) {
     comm::Program m = p;
     mu.apply(m);
-    const std::string why = reject(m);
-    EXPECT_FALSE(why.empty()) << name << ": mutant not rejected: " << mu.what;
+    if (mu.implied) {
+      ++implied;
+      std::string why;
+      for (uint64_t k = 0; why.empty() && k < implied_replays(); ++k) why = reject(m, k);
+      EXPECT_EQ(why, "") << name << ": an implied wait dropped, yet caught: " << mu.what;
+      continue;
+    }
+    std::string why;
+    uint64_t k = 0;
+    for (; why.empty() && k < kMutantReplays; ++k) why = reject(m, k);
+    most = std::max(most, k);
+    EXPECT_FALSE(why.empty()) << name << ": mutant not rejected in " << kMutantReplays << " replays: " << mu.what
+                              << " (MK_TEST_SEED=" << test::test_seed() << ")";
     caught += !why.empty();
   }
-  printf("%s: %zu mutants, %d rejected\n", name.c_str(), ms.size(), caught);
+  printf("%s: %zu mutants, %d rejected (at most %llu replays), %d implied ones unseen in %llu replays each\n",
+         name.c_str(), ms.size() - size_t(implied), caught, static_cast<unsigned long long>(most), implied,
+         static_cast<unsigned long long>(implied_replays()));
   return caught;
 }
 
@@ -625,9 +662,11 @@ std::string hier_static(const comm::Program& p) {
   }
   return comm::check_static(p, programs(p), raises, waits);
 }
-std::string replay_hier(const comm::Program& p, const ProgConfig& c, uint64_t seed) {
+std::string replay_hier(const comm::Program& p, const ProgConfig& c, uint64_t seed, int comm_slots = 0,
+                        int speed_levels = 3, int hold_one_in = 0) {
   MoeHierCompute compute(p, replay_cfg(c.W), c.pieces, seed);
-  comm::Replay rep(p, programs(p), &compute, comm::ReplayOptions{seed, c.comm_slots, 2, 3});
+  comm::Replay rep(p, programs(p), &compute,
+                   comm::ReplayOptions{seed, comm_slots ? comm_slots : c.comm_slots, 2, 3, speed_levels, hold_one_in});
   return rep.run() ? "" : rep.error();
 }
 
@@ -662,17 +701,18 @@ TEST(MoeHierMutation, EveryMutantIsRejected) {
   for (const ProgConfig& c : {ProgConfig{4, 2, false, false, 1, 2}, ProgConfig{4, 2, true, true, 2, 2}}) {
     comm::Program p;
     ASSERT_NO_FATAL_FAILURE(build_hier(c, &p));
-    std::vector<Mutant> ms = op_mutants(p, c.comm_slots, 0, true);
+    std::vector<Mutant> ms = op_mutants(p, 0);
     // The pools: a kernel-side wait turned into no wait (mul 0 is "none" for the kernel; here a
     // wait on its own flag at 0).
     for (int r = 0; r < c.W; ++r)
       for (size_t j = 0; j < p.ranks[r].waits.size(); ++j)
         ms.push_back({"rank " + std::to_string(r) + " pool wait " + std::to_string(j) + ": waits for 0",
                       [=](comm::Program& m) { m.ranks[r].waits[j].mul = 0; }});
-    rejected(p, ms, name_of(c), [&](const comm::Program& m) {
-      std::string why = hier_static(m);
-      for (uint64_t k = 0; why.empty() && k < kMutantReplays; ++k) why = replay_hier(m, c, seed_of(c, 900 + k));
-      return why;
+    rejected(p, ms, name_of(c), [&](const comm::Program& m, uint64_t k) {
+      const std::string why = k == 0 ? hier_static(m) : "";
+      return why.empty() ? replay_hier(m, c, seed_of(c, 900 + k), mutant_slots(c, k), kMutantSpeedLevels,
+                                       kMutantHoldOneIn)
+                         : why;
     });
   }
 }
@@ -687,12 +727,12 @@ TEST_P(MoeMutation, EveryMutantIsRejected) {
   ASSERT_NO_FATAL_FAILURE(build(c, &p));
   MoeGeometry g;
   ASSERT_TRUE(moe_geometry(replay_cfg(c.W), c.W, &g).ok());
-  auto reject = [&](const comm::Program& m) {
-    std::string why = comm::check_static(m, programs(m), {}, {});
-    for (uint64_t k = 0; why.empty() && k < kMutantReplays; ++k) why = replay(m, c, seed_of(c, 100 + k));
-    return why;
+  auto reject = [&](const comm::Program& m, uint64_t k) {
+    const std::string why = k == 0 ? comm::check_static(m, programs(m), {}, {}) : "";
+    return why.empty() ? replay(m, c, seed_of(c, 100 + k), mutant_slots(c, k), kMutantSpeedLevels, kMutantHoldOneIn)
+                       : why;
   };
-  const int caught = rejected(p, op_mutants(p, c.comm_slots, uint64_t(g.slot_bytes), false), name_of(c), reject);
+  const int caught = rejected(p, op_mutants(p, uint64_t(g.slot_bytes)), name_of(c), reject);
   EXPECT_GT(caught, 0);
 }
 

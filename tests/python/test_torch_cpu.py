@@ -131,8 +131,51 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual(node.args[2:], (self.name, W, False))
         self.assertEqual(tuple(node.meta["val"][1].shape), (8 * W, 32))
 
+    def _backward_graph(self, op, *shapes):
+        """The graph of forward + backward of op(inputs).sum() traced with fake tensors: the
+        calls of the mkernel ops in it, as (target, args) pairs, and the gradients' shapes."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def fwd_bwd(*xs):
+            leaves = [x.detach().requires_grad_() for x in xs]
+            out = op(*leaves)
+            return torch.autograd.grad(out.float().sum(), leaves)
+
+        gm = make_fx(fwd_bwd, tracing_mode="fake")(*[meta(*s) for s in shapes])
+        calls = [(str(n.target), n.args) for n in gm.graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith("mkernel.")]
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        return calls, [tuple(g.meta["val"].shape) for g in out]
+
+    def test_backward_calls_the_other_op(self):
+        """Traced forward + backward (make_fx): all_gather_matmul's backward is one
+        matmul_reduce_scatter of the output gradient with b^T (d a) and the kept gathered A for
+        d b; matmul_reduce_scatter's is one all_gather_matmul of the gradient that keeps the
+        gathered gradient (return_a) for d b; matmul_all_reduce's calls no collective (its
+        output gradient is already the same on every rank)."""
+        name = self.name
+        calls, grads = self._backward_graph(lambda a, w: mkt.all_gather_matmul(a, w.t())[1], (32, 64), (128, 64))
+        self.assertEqual([c[0] for c in calls], ["mkernel.all_gather_matmul.default",
+                                                 "mkernel.matmul_reduce_scatter.default"])
+        self.assertEqual(calls[0][1][2:], (name, W, True))  # b needs a gradient: the gathered A is kept
+        self.assertEqual(calls[1][1][2:], (name, W))
+        self.assertEqual(tuple(calls[1][1][0].meta["val"].shape), (32 * W, 128))  # the output gradient
+        self.assertEqual(grads, [(32, 64), (128, 64)])
+
+        calls, grads = self._backward_graph(lambda h, w: mkt.matmul_reduce_scatter(h, w.t()), (128, 96), (64, 96))
+        self.assertEqual([c[0] for c in calls], ["mkernel.matmul_reduce_scatter.default",
+                                                 "mkernel.all_gather_matmul.default"])
+        self.assertEqual(calls[1][1][2:], (name, W, True))  # w needs a gradient: the gathered gradient is kept
+        self.assertEqual(tuple(calls[1][1][0].meta["val"].shape), (128 // W, 64))  # this rank's gradient rows
+        self.assertEqual(grads, [(128, 96), (64, 96)])
+
+        calls, grads = self._backward_graph(lambda x, w: mkt.matmul_all_reduce(x, w), (16, 32), (32, 8))
+        self.assertEqual([c[0] for c in calls], ["mkernel.matmul_all_reduce.default"])
+        self.assertEqual(grads, [(16, 32), (32, 8)])
+
     def test_autograd_wiring(self):
-        """Forward and backward on meta tensors: each op's backward calls the other op."""
+        """Forward and backward on meta tensors: gradients of every input, of the right shapes
+        (which op each backward calls: test_backward_calls_the_other_op)."""
         a, w = meta(32, 64, requires_grad=True), meta(128, 64, requires_grad=True)
         _, c = mkt.all_gather_matmul(a, w.t())
         c.sum().backward()

@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""A mutation run of the project's own tests: each mutation below is a small, plausible bug
+(a dropped wait, a copy one row short, two slots swapped, a skipped weight, a controller that
+never moves) applied alone to a scratch copy of the tree; the tests that should catch it are
+built and run there. A mutation the tests pass is a SURVIVOR: a hole in the tests. The report
+lists every mutation, whether it was caught and by which test; the exit status is 1 when any
+survived (or could not be built, or its test was skipped), 0 when every one was caught but
+those marked as known holes (each mark names the issue that closes it).
+
+The scratch copy (tracked and untracked, not ignored, files of this tree) gets its own build
+folder; with ccache (scripts/setup.sh's settings: keys relative to the tree) only the mutated
+files compile anew. Before any mutation the listed tests must pass on the unmutated copy.
+
+  scripts/mutation_check.py                 the CPU mutations (CI runs this)
+  scripts/mutation_check.py --gpu           the GPU ones too (on a GPU machine; the ranks of a
+                                            multi-rank test share the GPU under MPS there)
+  scripts/mutation_check.py --list          the mutations, without running anything
+  scripts/mutation_check.py --only NAME...  just these
+Environment: MK_BUILD_DIR (the main build, for its CMake settings; default build),
+MK_MUTATION_DIR (the scratch folder; default /tmp/mk-mutation), MK_MUTATION_JSON (also write
+the report there).
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Mutation:
+    name: str
+    file: str       # relative to the tree
+    find: str       # must occur exactly once
+    replace: str
+    tests: list     # ctest names (exact) that should catch it; any failing one catches it.
+                    # "name:FILTER": only those GoogleTest cases of CPU test `name`
+    why: str        # the bug it stands for
+    gpu: bool = False
+    targets: list = field(default_factory=list)  # ninja targets to build (default: the tests' binaries)
+    # A hole known and not yet closed: reported as SURVIVED (known: why) and not counted in the
+    # exit status; once caught, the report says to drop the mark.
+    known: str = ""
+
+
+RING = "src/ops/ring_attention/ring_attention_program.cc"
+MOE = "src/ops/moe/moe_program.cc"
+FUSED = "src/ops/fused_gemm/fused_gemm_plan.cc"
+SPLIT = "src/comm/split_control.h"
+TORCH = "python/mkernel/torch.py"
+
+MUTATIONS = [
+    Mutation("ring-arrival-wait", RING,
+             "      if (t > 0 || next_remote) op.waits.push_back(wait_on(RingRegion::kArrived, me, a, 2, t > 0 ? prev : me));\n",
+             "",
+             ["test_ring_attention_program"],
+             "ring attention forwards a block piece before it arrived (drop a wait)"),
+    Mutation("ring-copy-one-row-short", RING,
+             "    const uint64_t bytes = rows_of(pc) * g.row_bytes;\n    const uint64_t off = uint64_t(blk) * slot_bytes",
+             "    const uint64_t bytes = (rows_of(pc) - 1) * g.row_bytes;\n    const uint64_t off = uint64_t(blk) * slot_bytes",
+             ["test_ring_attention_program"],
+             "a forwarded piece one row short (off by one in a copy length)"),
+    Mutation("ring-kv-slots-swapped", RING,
+             "        op.dsts = {BufRef{slots(kv), next, off}};",
+             "        op.dsts = {BufRef{slots(1 - kv), next, off}};",
+             ["test_ring_attention_program"],
+             "K lands in the next rank's V slots and V in its K slots (swap two slots)"),
+    Mutation("moe-entry-wait", MOE,
+             "      op.waits = {wait_on(MoeRegion::kEntry, m.me, uint32_t(m.to), 1, m.to)};",
+             "      op.waits = {};",
+             ["test_moe_plan"],
+             "a slot copied into a peer that has not entered the call (drop a wait)"),
+    Mutation("moe-piece-short", MOE,
+             "    const uint64_t bytes = uint64_t(std::min<int64_t>(pb_bytes, m.slot_bytes - int64_t(off)));",
+             "    const uint64_t bytes = uint64_t(std::min<int64_t>(pb_bytes, m.slot_bytes - int64_t(off))) - 16;",
+             ["test_moe_plan"],
+             "each piece of a dispatch slot 16 bytes short (off by one in a copy length)"),
+    Mutation("fused-row-ready-wait", FUSED,
+             "      rp.waits.push_back(wait_on(Region::kRowReady, me, tm, uint64_t(others), owner));",
+             "",
+             ["test_fused_gemm_plan"],
+             "a tile row read before the peers' rows are ready (drop a wait)"),
+    Mutation("controller-never-moves", SPLIT,
+             "  if (x.tiles_taken >= x.tiles_total || x.ops_taken >= x.ops_total) return s->comm;",
+             "  return s->comm;",
+             ["test_split_control:SplitSim.*"],
+             "the SM-partition controller never moves the split (the model alone must see it)"),
+    Mutation("controller-jumps-to-ceiling", SPLIT,
+             "  int32_t up = s->comm + step;",
+             "  int32_t up = lim.hi;",
+             ["test_split_control:SplitSim.*"],
+             "the controller grows straight to its ceiling (the model alone must see it)",
+             known="issue 40 item 1: the controller's model charges nothing for sampling, draining a role "
+                   "on a switch or contention, so extra communication CTAs cost almost nothing there"),
+    Mutation("torch-ag-backward-local", TORCH,
+             "        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size)",
+             "        grad_a = (grad_out @ b.t())[: grad_out.shape[0] // ctx.world_size]",
+             ["test_torch_cpu"],
+             "all_gather_matmul's backward skips the reduce-scatter (a local product of the right shape)"),
+    Mutation("torch-rs-backward-local", TORCH,
+             "    full, grad_a = torch.ops.mkernel.all_gather_matmul(grad_out.to(torch.bfloat16).contiguous(), b.t(),\n"
+             "                                                       ctx.group_name, ctx.world_size, need_b)",
+             "    full = grad_out.to(torch.bfloat16).repeat(ctx.world_size, 1)\n    grad_a = full @ b.t()",
+             ["test_torch_cpu"],
+             "matmul_reduce_scatter's backward skips the all-gather (the local gradient repeated)"),
+    # ---- on the GPU machine
+    Mutation("moe-combine-weight", "src/ops/moe/moe_kernels.cu",
+             "          const float wk = wt[k0 + j];",
+             "          const float wk = 1.f;",
+             ["test_gpu_moe_np1", "test_gpu_moe_np2", "test_gpu_moe_layer_np1"],
+             "combine sums the experts' rows without the routing weights (skip the combine weight)",
+             gpu=True, targets=["test_gpu_moe", "test_gpu_moe_layer"]),
+]
+
+
+def run(cmd, cwd, log, timeout=None, env=None):
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.time() - t0
+
+
+def tail(path, n=15):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def scratch_copy(dst):
+    """Brings the scratch tree up to this tree: files whose content differs are written anew
+    (a new modification time, so the scratch build rebuilds them: a file restored after an
+    earlier run's mutation is newer than its object, but not necessarily than this tree's copy);
+    files this tree no longer has are removed."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    keep = set()
+    for rel in files:
+        src = os.path.join(ROOT, rel)
+        if not rel or not os.path.isfile(src):
+            continue
+        keep.add(rel)
+        out = os.path.join(dst, rel)
+        with open(src, "rb") as f:
+            data = f.read()
+        if os.path.isfile(out):
+            with open(out, "rb") as f:
+                if f.read() == data:
+                    continue
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "wb") as f:
+            f.write(data)
+        shutil.copymode(src, out)
+    for d, _, names in os.walk(dst):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), dst)
+            if rel not in keep:
+                os.remove(os.path.join(d, n))
+
+
+def cmake_args(main_build):
+    """The main build's cache settings that matter for a like-for-like scratch build."""
+    args = []
+    cache = os.path.join(main_build, "CMakeCache.txt")
+    keep = ("CMAKE_CUDA_COMPILER:", "MK_CUTLASS_DIR:", "CMAKE_BUILD_TYPE:", "CMAKE_CUDA_ARCHITECTURES:")
+    if os.path.exists(cache):
+        for line in open(cache):
+            if line.startswith(keep) and "=" in line:
+                k, v = line.rstrip("\n").split("=", 1)
+                if v:
+                    args.append(f"-D{k}={v}")
+    return args
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", action="store_true", help="also the mutations whose tests need a GPU")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None)
+    o = ap.parse_args()
+    chosen = [m for m in MUTATIONS if (o.gpu or not m.gpu) and (o.only is None or m.name in o.only)]
+    if o.only:
+        unknown = set(o.only) - {m.name for m in MUTATIONS}
+        if unknown:
+            sys.exit(f"mutation_check: no mutation named {', '.join(sorted(unknown))} (--list)")
+    if o.list:
+        for m in MUTATIONS:
+            print(f"{m.name:30s} {'gpu' if m.gpu else 'cpu'}  {m.file}: {m.why}  [{', '.join(m.tests)}]")
+        return 0
+    for m in chosen:  # each applies exactly once to the tree as it is
+        n = open(os.path.join(ROOT, m.file)).read().count(m.find)
+        if n != 1:
+            sys.exit(f"mutation_check: {m.name}: its text occurs {n} times in {m.file} (must be once): update the list")
+
+    scratch = os.environ.get("MK_MUTATION_DIR", "/tmp/mk-mutation")
+    tree, build, logs = os.path.join(scratch, "tree"), os.path.join(scratch, "build"), os.path.join(scratch, "logs")
+    main_build = os.path.join(ROOT, os.environ.get("MK_BUILD_DIR", "build"))
+    scratch_copy(tree)
+    os.makedirs(logs, exist_ok=True)
+    env = dict(os.environ, CCACHE_BASEDIR=tree, CCACHE_NOHASHDIR="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("MK_TEST_INSTALLED", None)
+    rc, _ = run(["cmake", "-S", tree, "-B", build, "-G", "Ninja"] + cmake_args(main_build),
+                tree, os.path.join(logs, "configure.log"), env=env)
+    if rc:
+        print(tail(os.path.join(logs, "configure.log")))
+        sys.exit("mutation_check: the scratch copy did not configure")
+
+    def targets_of(m):
+        return m.targets or [t.split(":")[0] for t in m.tests if not t.startswith("test_torch")]
+
+    def build_and_test(m, tag):
+        tg = sorted({t for t in targets_of(m)} | ({"mkernel_capi"} if any(t.startswith("test_torch") for t in m.tests) else set()))
+        log = os.path.join(logs, f"{tag}.build.log")
+        rc, bt = run(["ninja", "-C", build] + tg, tree, log, env=env)
+        if rc:
+            return "build failed", None, bt, 0.0, log
+        failed, tt = None, 0.0
+        for t in m.tests:
+            tlog = os.path.join(logs, f"{tag}.{t.split(':')[0]}.log")
+            if ":" in t:
+                name, filt = t.split(":", 1)
+                cmd = [os.path.join(build, "tests", "cpu", name), f"--gtest_filter={filt}"]
+            else:
+                cmd = ["ctest", "--test-dir", build, "-R", f"^{t}$", "--output-on-failure", "--no-tests=error"]
+            rc, dt = run(cmd, tree, tlog, timeout=1800, env=env)
+            tt += dt
+            if rc:
+                failed = (t, tlog)
+                break
+            if "Skipped" in open(tlog, errors="replace").read():  # a skip proves nothing
+                return "test skipped: " + t, None, bt, tt, tlog
+        return "ok", failed, bt, tt, None
+
+    # The unmutated copy first: the tests must pass, or a "caught" below means nothing.
+    print(f"mutation_check: {len(chosen)} mutations in {tree}; first the unmutated tree")
+    base = Mutation("unmutated", "", "", "", sorted({t for m in chosen for t in m.tests}), "",
+                    targets=sorted({t for m in chosen for t in targets_of(m)}))
+    status, failed, bt, tt, blog = build_and_test(base, "unmutated")
+    if status != "ok" or failed:
+        print(tail(blog or failed[1], 30))
+        sys.exit(f"mutation_check: the unmutated tree fails ({status}, {failed[0] if failed else ''}): fix that first")
+    print(f"  unmutated: every test passes (build {bt:.0f} s, tests {tt:.0f} s)")
+
+    report, bad = [], 0
+    for m in chosen:
+        path = os.path.join(tree, m.file)
+        original = open(path).read()
+        with open(path, "w") as f:
+            f.write(original.replace(m.find, m.replace, 1))
+        try:
+            status, failed, bt, tt, blog = build_and_test(m, m.name)
+        finally:
+            with open(path, "w") as f:
+                f.write(original)
+        if status == "build failed":
+            verdict, by = "NOT BUILT", (tail(blog, 8).strip().splitlines() or [""])[-1]
+            bad += 1
+        elif status != "ok":
+            verdict, by = "SKIPPED", status
+            bad += 1
+        elif failed:
+            verdict, by = "caught", failed[0] + (" (marked known: drop the mark)" if m.known else "")
+            bad += bool(m.known)
+        elif m.known:
+            verdict, by = "SURVIVED", "known: " + m.known
+        else:
+            verdict, by = "SURVIVED", "every listed test passed"
+            bad += 1
+        print(f"  {m.name:30s} {verdict:9s} {by}  (build {bt:.0f} s, tests {tt:.0f} s)")
+        report.append({"name": m.name, "file": m.file, "why": m.why, "verdict": verdict, "by": by,
+                       "tests": m.tests, "build_s": round(bt, 1), "test_s": round(tt, 1)})
+    if os.environ.get("MK_MUTATION_JSON"):
+        with open(os.environ["MK_MUTATION_JSON"], "w") as f:
+            json.dump(report, f, indent=1)
+    caught = sum(r["verdict"] == "caught" for r in report)
+    known = sum(r["verdict"] == "SURVIVED" and r["by"].startswith("known: ") for r in report)
+    print(f"mutation_check: {caught} of {len(report)} caught, {known} known survivors, {bad} to act on "
+          f"(survived, not built, skipped, or a known mark to drop); logs in {logs}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
