@@ -17,9 +17,12 @@
 // 0.98-5.7 of the default (ag_w8_heavy_wide: the default is 5.7x off the best, so a controller
 // that never moves fails); the miss is rs_nvlink_wide, where the links are wide enough that the
 // tail would absorb the ops cheaply and the rule, pricing the tail at the op rate it has seen,
-// overlaps them at some cost to the tiles (about 2%). Not modelled yet: the cost of sampling,
-// of draining a role on a switch and of bandwidth contention between tiles and copies, without
-// which growing straight to the ceiling is as good as the rule (issue 40).
+// overlaps them at some cost to the tiles (about 2%). Not modelled by default: the cost of
+// sampling, of draining a role on a switch and of bandwidth contention between tiles and
+// copies, without which growing straight to the ceiling is as good as the rule (issue 40).
+// MK_SPLIT_CONTENTION=k slows a tile by k * (CTAs copying) / grid: at k = 1 both the rule
+// (rs_nvlink_wide 0.922 of the best; ag_mps_light 0.971 of the default: it grows on stalls and
+// does not come back) and a rule that jumps to the ceiling fail — the rule's next work.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -230,6 +233,7 @@ class Sim {
     row_taken_.assign(sc_.tiles_m, 0);
     row_end_.assign(sc_.tiles_m, 0.0);
     op_cta_end_.assign(n_ops, kInf);
+    op_begin_.assign(n_ops, kInf);
     op_end_.assign(n_ops, kInf);
     held_.assign(sc_.grid, -1);
     link_start_.clear();
@@ -270,7 +274,7 @@ class Sim {
         } else {
           const int t = held_[cta];
           held_[cta] = -1;
-          finish_tile(t, std::max(now, need) + sc_.tile_us * jitter(rng_), cta, &q);
+          finish_tile(t, std::max(now, need) + tile_time(std::max(now, need)) * jitter(rng_), cta, &q);
         }
         continue;
       }
@@ -309,6 +313,7 @@ class Sim {
           op_end_[op] = cta_end;
         }
         op_cta_end_[op] = cta_end;
+        op_begin_[op] = begin;
         q.push({free_at, cta});
         continue;
       }
@@ -324,7 +329,7 @@ class Sim {
         }
         start = std::max(now, need);
       }
-      finish_tile(t, start + sc_.tile_us * jitter(rng_), cta, &q);
+      finish_tile(t, start + tile_time(start) * jitter(rng_), cta, &q);
     }
     Result r;
     r.makespan_us = end;
@@ -335,6 +340,15 @@ class Sim {
   }
 
  private:
+  // A tile's time when it starts at t: copies in flight then share the SMs' memory bandwidth
+  // with it (MK_SPLIT_CONTENTION: the slowdown with every other CTA copying; 0: none).
+  double tile_time(double t) const {
+    static const double k = getenv("MK_SPLIT_CONTENTION") ? atof(getenv("MK_SPLIT_CONTENTION")) : 0.0;
+    if (k <= 0) return sc_.tile_us;
+    int active = 0;
+    for (size_t i = 0; i < op_begin_.size(); ++i) active += op_begin_[i] <= t && op_cta_end_[i] > t;
+    return sc_.tile_us * (1.0 + k * double(active) / double(sc_.grid));
+  }
   template <class Q>
   void finish_tile(int t, double end, int cta, Q* q) {
     const int row = t / sc_.tiles_n;
@@ -376,7 +390,7 @@ class Sim {
 
   const Scenario& sc_;
   std::mt19937_64 rng_;
-  std::vector<double> row_end_, op_cta_end_, op_end_, link_start_;
+  std::vector<double> row_end_, op_cta_end_, op_begin_, op_end_, link_start_;
   std::vector<int> row_taken_, held_;
   int tile_next_ = 0, op_next_ = 0, stalls_ = 0;
   double link_free_ = 0, nvlink_free_ = 0;
