@@ -108,6 +108,11 @@ MUTATIONS = [
              "    full = grad_out.to(torch.bfloat16).repeat(ctx.world_size, 1)\n    grad_a = full @ b.t()",
              ["test_torch_cpu"],
              "matmul_reduce_scatter's backward skips the all-gather (the local gradient repeated)"),
+    Mutation("net-sequential-keys", "src/net/libfabric/libfabric_setup.cc",
+             "  do {\n    MK_CHECK(random_bytes(key, sizeof(*key)));",
+             "  static uint64_t next = 0;\n  *key = ++next;\n  if (false) do {\n    MK_CHECK(random_bytes(key, sizeof(*key)));",
+             ["test_net_backend_tcp_np2"],
+             "memory keys numbered 1, 2, 3 ... in registration order (guessable by any sender)"),
     # ---- on the GPU machine
     Mutation("moe-combine-weight", "src/ops/moe/moe_kernels.cu",
              "          const float wk = wt[k0 + j];",

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
@@ -17,6 +16,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
+#include "src/common/random.h"
 
 namespace mk {
 namespace {
@@ -73,18 +73,6 @@ bool send_reply(int conn, Code code, int fd) {
   return k == static_cast<ssize_t>(sizeof(rep));
 }
 
-// n bytes from getrandom(2) (blocking until the pool is initialized, as at boot).
-Status random_fill(uint8_t* buf, size_t n) {
-  size_t got = 0;
-  while (got < n) {
-    ssize_t k = getrandom(buf + got, n - got, 0);
-    if (k < 0 && errno == EINTR) continue;
-    MK_SYS_CHECK(k);
-    got += static_cast<size_t>(k);
-  }
-  return OkStatus();
-}
-
 std::string hex(const uint8_t* p, size_t n) {
   static const char* d = "0123456789abcdef";
   std::string s;
@@ -109,13 +97,13 @@ sockaddr_un ipc_abstract_addr(const std::string& name, socklen_t* len) {
 }
 
 Status make_ipc_secret(IpcSecret* out) {
-  MK_CHECK(random_fill(out->token.data(), out->token.size()));
+  MK_CHECK(random_bytes(out->token.data(), out->token.size()));
   return OkStatus();
 }
 
 Status draw_ipc_socket_name(std::string* out) {
   uint8_t r[kIpcNameRandomBytes];
-  MK_CHECK(random_fill(r, sizeof(r)));
+  MK_CHECK(random_bytes(r, sizeof(r)));
   *out = kIpcNamePrefix + hex(r, sizeof(r));
   return OkStatus();
 }

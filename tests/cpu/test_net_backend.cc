@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "mkernel/runtime/bootstrap_mpi.h"
+#include "src/net/libfabric/libfabric_internal.h"
 #endif
 
 namespace mk {
@@ -551,6 +552,41 @@ TEST_F(NetMpi, Windows) {
 
 // Ranks posing as separate hosts: "auto" must skip shm and take tcp;ofi_rxm on a routable
 // (non-loopback) fabric. It does not depend on the provider under test: every suite runs it.
+// Memory keys are drawn at random (issue 39): a process that can reach an endpoint (another
+// user's, on tcp any host that reaches the listener) must not be able to guess the key of a
+// window and write into it. Keys numbered 1, 2, 3 ... in registration order (as before) fail
+// every check here. Where the provider chooses the keys (FI_MR_PROV_KEY) ours are not used.
+TEST_F(NetMpi, MemoryKeysAreNotGuessable) {
+  MK_ASSERT_OK(create());
+  auto* lf = dynamic_cast<net::lf::LibfabricBackend*>(be_.get());
+  ASSERT_NE(lf, nullptr);
+  if (lf->provider_keys()) GTEST_SKIP() << be_->name() << " chooses its own memory keys";
+  constexpr int kWindows = 16;
+  std::vector<std::vector<uint8_t>> mem(kWindows, std::vector<uint8_t>(4096));
+  std::vector<net::WindowId> ids(kWindows);
+  for (int i = 0; i < kWindows; ++i) MK_ASSERT_OK(be_->register_window(mem[i].data(), 4096, net::MemKind::kHost, &ids[i]));
+  std::string why;
+  std::vector<uint64_t> keys;
+  for (int i = 0; i < kWindows; ++i)
+    for (int r = 0; r < size_; ++r) keys.push_back(lf->window_key(ids[i], r));
+  const uint64_t small = lf->key_bits() >= 32 ? uint64_t(1) << 20 : 0;
+  for (uint64_t k : keys)
+    if (k == 0 || k < small) why = "key " + std::to_string(k) + " is small enough to guess";
+  std::vector<uint64_t> sorted = keys;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) why = "two windows share a key";
+  bool progression = true;  // this rank's keys in registration order, a fixed step apart
+  for (int i = 2; i < kWindows; ++i)
+    progression &= keys[size_t(i) * size_] - keys[size_t(i - 1) * size_] ==
+                   keys[size_t(i - 1) * size_] - keys[size_t(i - 2) * size_];
+  if (progression) why = "the keys of successive windows are a fixed step apart";
+  if (lf->key_bits() < 64)
+    for (uint64_t k : keys)
+      if (k >> lf->key_bits()) why = "key " + std::to_string(k) + " exceeds the provider's key size";
+  for (int i = 0; i < kWindows; ++i) MK_ASSERT_OK(be_->deregister_window(ids[i]));
+  expect_empty_everywhere(why);
+}
+
 TEST_F(NetMpi, AutoAcrossHostsTakesTcp) {
   std::vector<RankInfo> infos = topo_.info;
   for (int r = 0; r < size_; ++r) infos[r].host_hash ^= 0x5151000000000000ull + static_cast<uint64_t>(r);

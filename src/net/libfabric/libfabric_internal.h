@@ -162,6 +162,15 @@ class LibfabricBackend final : public Backend {
   Status progress(std::vector<LocalDone>* done, std::vector<Arrival>* arrivals) override;
   Status finalize() override;
 
+  // Tests: the memory key rank `rank` published for window `id` (0 for none); whether the
+  // provider chooses the keys (FI_MR_PROV_KEY) rather than taking ours; our keys' bits.
+  uint64_t window_key(WindowId id, int rank) const {
+    return id < windows_.size() && rank >= 0 && size_t(rank) < windows_[id].remote.size() ? windows_[id].remote[rank].key
+                                                                                          : 0;
+  }
+  bool provider_keys() const { return (mr_mode_ & FI_MR_PROV_KEY) != 0; }
+  unsigned key_bits() const { return key_bits_; }
+
  private:
   struct Window {
     bool live = false;
@@ -248,7 +257,11 @@ class LibfabricBackend final : public Backend {
   bool hmem_ = false;
   std::string hmem_note_;  // why GPU windows are not offered although FI_HMEM was asked for
   size_t inject_size_ = 0;
-  uint64_t next_key_ = 1;
+  // Memory keys when the provider takes ours (no FI_MR_PROV_KEY): drawn at random from the
+  // operating system within the provider's key size, so a process that can reach this endpoint
+  // cannot guess one (with keys 1, 2, 3 ... any sender could write into a window).
+  unsigned key_bits_ = 64;
+  Status draw_key(uint64_t* key) const;
 
   // Control area: kRecvPool receive slots, then 2 * world send slots (epoch parity).
   std::vector<uint8_t> ctrl_buf_;

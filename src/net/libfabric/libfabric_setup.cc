@@ -2,6 +2,8 @@
 // the entry points (see src/net/libfabric/libfabric_internal.h).
 #include "src/net/libfabric/libfabric_internal.h"
 
+#include "src/common/random.h"
+
 namespace mk {
 namespace net {
 namespace lf {
@@ -311,6 +313,10 @@ Status LibfabricBackend::select_info(const Topology& topo, const std::string& pr
   info_ = fi_dupinfo(chosen);
   MK_REQUIRE(info_ != nullptr, Code::kOutOfMemory, "fi_dupinfo failed");
   mr_mode_ = static_cast<uint64_t>(info_->domain_attr->mr_mode);
+  {
+    const size_t ks = info_->domain_attr->mr_key_size;  // bytes; 0 or more than 8: the full 64 bits
+    key_bits_ = ks > 0 && ks < 8 ? unsigned(8 * ks) : 64u;
+  }
   rx_cq_data_ = (info_->mode & FI_RX_CQ_DATA) != 0;
   inject_size_ = info_->tx_attr ? info_->tx_attr->inject_size : 0;
   return OkStatus();
@@ -442,6 +448,14 @@ Status LibfabricBackend::exchange_addresses() {
   return OkStatus();
 }
 
+Status LibfabricBackend::draw_key(uint64_t* key) const {
+  do {
+    MK_CHECK(random_bytes(key, sizeof(*key)));
+    if (key_bits_ < 64) *key &= (uint64_t(1) << key_bits_) - 1;
+  } while (*key == 0);
+  return OkStatus();
+}
+
 Status LibfabricBackend::reg(void* base, size_t bytes, uint64_t access, MemKind kind, fid_mr** mr) {
   *mr = nullptr;
   fi_mr_attr attr;
@@ -452,7 +466,6 @@ Status LibfabricBackend::reg(void* base, size_t bytes, uint64_t access, MemKind 
   attr.mr_iov = &iov;
   attr.iov_count = 1;
   attr.access = access;
-  attr.requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_++;
   attr.iface = FI_HMEM_SYSTEM;
   if (kind == MemKind::kCuda) {
     cudaPointerAttributes pa;
@@ -463,7 +476,14 @@ Status LibfabricBackend::reg(void* base, size_t bytes, uint64_t access, MemKind 
     attr.iface = FI_HMEM_CUDA;
     attr.device.cuda = pa.device;
   }
-  int ret = fi_mr_regattr(domain_, &attr, 0, mr);
+  // A drawn key another region of this domain already holds (the provider says -FI_ENOKEY):
+  // draw again; 2^-(key bits - log2 regions) per try.
+  int ret = 0;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    if (!(mr_mode_ & FI_MR_PROV_KEY)) MK_CHECK(draw_key(&attr.requested_key));
+    ret = fi_mr_regattr(domain_, &attr, 0, mr);
+    if (ret != -FI_ENOKEY || (mr_mode_ & FI_MR_PROV_KEY)) break;
+  }
   if (ret != 0) {
     *mr = nullptr;
     return make_status(ret == -FI_ENOMEM ? Code::kOutOfMemory : Code::kSystemError,
