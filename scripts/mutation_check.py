@@ -112,7 +112,8 @@ MUTATIONS = [
              "  do {\n    MK_CHECK(random_bytes(key, sizeof(*key)));",
              "  static uint64_t next = 0;\n  *key = ++next;\n  if (false) do {\n    MK_CHECK(random_bytes(key, sizeof(*key)));",
              ["test_net_backend_tcp_np2"],
-             "memory keys numbered 1, 2, 3 ... in registration order (guessable by any sender)"),
+             "memory keys numbered 1, 2, 3 ... in registration order (guessable by any sender)",
+             targets=["test_net_backend"]),
     # ---- on the GPU machine
     Mutation("moe-combine-weight", "src/ops/moe/moe_kernels.cu",
              "          const float wk = wt[k0 + j];",
