@@ -225,7 +225,7 @@ def main():
         return m.targets or [t.split(":")[0] for t in m.tests if not t.startswith("test_torch")]
 
     def build_and_test(m, tag):
-        tg = sorted({t for t in targets_of(m)} | ({"mkernel_capi"} if any(t.startswith("test_torch") for t in m.tests) else set()))
+        tg = sorted(set(targets_of(m)) | ({"mkernel_capi"} if any(t.startswith("test_torch") for t in m.tests) else set()))
         log = os.path.join(logs, f"{tag}.build.log")
         rc, bt = run(["ninja", "-C", build] + tg, tree, log, env=env)
         if rc:

@@ -13,7 +13,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -24,6 +23,7 @@
 #include "src/ops/moe/moe_plan.h"
 #include "src/ops/moe/moe_program.h"
 #include "tests/common/moe_routing.h"
+#include "tests/common/mutant_replay.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -429,11 +429,10 @@ std::vector<const comm::RankProgram*> programs(const comm::Program& p) {
   for (const auto& r : p.ranks) v.push_back(&r);
   return v;
 }
-std::string replay(const comm::Program& p, const ProgConfig& c, uint64_t seed, int comm_slots = 0,
-                   int speed_levels = 3, int hold_one_in = 0) {
-  MoeCompute compute(p, replay_cfg(c.W), c.pieces, seed);
-  comm::Replay rep(p, programs(p), &compute,
-                   comm::ReplayOptions{seed, comm_slots ? comm_slots : c.comm_slots, 1, 3, speed_levels, hold_one_in});
+// A replay of p under o (its seed also draws the calls' routings); compute slots: 1.
+std::string replay(const comm::Program& p, const ProgConfig& c, const comm::ReplayOptions& o) {
+  MoeCompute compute(p, replay_cfg(c.W), c.pieces, o.seed);
+  comm::Replay rep(p, programs(p), &compute, o);
   return rep.run() ? "" : rep.error();
 }
 uint64_t seed_of(const ProgConfig& c, uint64_t salt) {
@@ -461,7 +460,7 @@ TEST_P(MoeReplay, ThreeCallsDeliverEveryRow) {
   ASSERT_EQ(comm::check_static(p, programs(p), {}, {}), "") << name_of(c);
   for (uint64_t k = 0; k < 4; ++k) {
     const uint64_t seed = seed_of(c, k);
-    ASSERT_EQ(replay(p, c, seed), "") << name_of(c) << " replay seed " << seed
+    ASSERT_EQ(replay(p, c, comm::ReplayOptions{seed, c.comm_slots, 1, 3}), "") << name_of(c) << " replay seed " << seed
                                       << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
   }
 }
@@ -516,30 +515,11 @@ std::vector<Mutant> op_mutants(const comm::Program& p, uint64_t shift_every) {
   return ms;
 }
 
-// Replays a mutant gets before it counts as not rejected, cycling through the configuration's
-// communication slots and 4, 8 and 16 (a wait guarding an op against one several places ahead
-// of it shows only when that many run at once), with lopsided speeds (kMutantSpeedLevels). A
-// few mutants show only under rare interleavings (a remote slot's final wait dropped: the slot
-// must still be in flight when the call would end; a later piece's entry wait: the slot must be
-// full, kFull, in a call that runs ahead of its destination).
-constexpr uint64_t kMutantReplays = 2048;
-constexpr int kMutantSpeedLevels = 5;
-constexpr int kMutantHoldOneIn = 32;
-int mutant_slots(const ProgConfig& c, uint64_t k) {
-  const int s[] = {c.comm_slots, 4, 8, 16};
-  return s[k % 4];
-}
-// Replays of each implied mutant, which must all pass (64; MK_IMPLIED_REPLAYS raises it).
-uint64_t implied_replays() {
-  const char* env = getenv("MK_IMPLIED_REPLAYS");
-  return env ? std::strtoull(env, nullptr, 10) : 64;
-}
-
-// Each mutant applied alone must fail `reject` (the static check, then replays); returns how
-// many did.
 // `reject(m, k)`: "" when replay k of program m passes, else why it failed (k = 0 also runs
-// the static check). Each mutant but the implied ones must fail one of kMutantReplays; each
-// implied one must pass implied_replays() (a replay that caught one would prove its argument
+// the static check). Each mutant but the implied ones must fail one of test::kMutantReplays
+// (tests/common/mutant_replay.h: a few need hundreds — a later piece's entry wait shows only when
+// the slot is full, kFull, in consecutive calls); each implied one must pass
+// test::implied_replays() (a replay that caught one would prove its argument
 // wrong). Returns how many were rejected.
 int rejected(const comm::Program& p, const std::vector<Mutant>& ms, const std::string& name,
              const std::function<std::string(const comm::Program&, uint64_t)>& reject) {
@@ -551,21 +531,21 @@ int rejected(const comm::Program& p, const std::vector<Mutant>& ms, const std::s
     if (mu.implied) {
       ++implied;
       std::string why;
-      for (uint64_t k = 0; why.empty() && k < implied_replays(); ++k) why = reject(m, k);
+      for (uint64_t k = 0; why.empty() && k < test::implied_replays(); ++k) why = reject(m, k);
       EXPECT_EQ(why, "") << name << ": an implied wait dropped, yet caught: " << mu.what;
       continue;
     }
     std::string why;
     uint64_t k = 0;
-    for (; why.empty() && k < kMutantReplays; ++k) why = reject(m, k);
+    for (; why.empty() && k < test::kMutantReplays; ++k) why = reject(m, k);
     most = std::max(most, k);
-    EXPECT_FALSE(why.empty()) << name << ": mutant not rejected in " << kMutantReplays << " replays: " << mu.what
+    EXPECT_FALSE(why.empty()) << name << ": mutant not rejected in " << test::kMutantReplays << " replays: " << mu.what
                               << " (MK_TEST_SEED=" << test::test_seed() << ")";
     caught += !why.empty();
   }
   printf("%s: %zu mutants, %d rejected (at most %llu replays), %d implied ones unseen in %llu replays each\n",
          name.c_str(), ms.size() - size_t(implied), caught, static_cast<unsigned long long>(most), implied,
-         static_cast<unsigned long long>(implied_replays()));
+         static_cast<unsigned long long>(test::implied_replays()));
   return caught;
 }
 
@@ -662,11 +642,10 @@ std::string hier_static(const comm::Program& p) {
   }
   return comm::check_static(p, programs(p), raises, waits);
 }
-std::string replay_hier(const comm::Program& p, const ProgConfig& c, uint64_t seed, int comm_slots = 0,
-                        int speed_levels = 3, int hold_one_in = 0) {
-  MoeHierCompute compute(p, replay_cfg(c.W), c.pieces, seed);
-  comm::Replay rep(p, programs(p), &compute,
-                   comm::ReplayOptions{seed, comm_slots ? comm_slots : c.comm_slots, 2, 3, speed_levels, hold_one_in});
+// Compute slots: 2 (the repack and the layout).
+std::string replay_hier(const comm::Program& p, const ProgConfig& c, const comm::ReplayOptions& o) {
+  MoeHierCompute compute(p, replay_cfg(c.W), c.pieces, o.seed);
+  comm::Replay rep(p, programs(p), &compute, o);
   return rep.run() ? "" : rep.error();
 }
 
@@ -686,7 +665,7 @@ TEST_P(MoeHierReplay, ThreeCallsDeliverEverySlot) {
   ASSERT_EQ(hier_static(p), "") << name_of(c);
   for (uint64_t k = 0; k < 4; ++k) {
     const uint64_t seed = seed_of(c, 500 + k);
-    ASSERT_EQ(replay_hier(p, c, seed), "") << name_of(c) << " replay seed " << seed
+    ASSERT_EQ(replay_hier(p, c, comm::ReplayOptions{seed, c.comm_slots, 2, 3}), "") << name_of(c) << " replay seed " << seed
                                            << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
   }
 }
@@ -710,9 +689,7 @@ TEST(MoeHierMutation, EveryMutantIsRejected) {
                       [=](comm::Program& m) { m.ranks[r].waits[j].mul = 0; }});
     rejected(p, ms, name_of(c), [&](const comm::Program& m, uint64_t k) {
       const std::string why = k == 0 ? hier_static(m) : "";
-      return why.empty() ? replay_hier(m, c, seed_of(c, 900 + k), mutant_slots(c, k), kMutantSpeedLevels,
-                                       kMutantHoldOneIn)
-                         : why;
+      return why.empty() ? replay_hier(m, c, test::mutant_replay(seed_of(c, 900 + k), c.comm_slots, 2, k)) : why;
     });
   }
 }
@@ -729,8 +706,7 @@ TEST_P(MoeMutation, EveryMutantIsRejected) {
   ASSERT_TRUE(moe_geometry(replay_cfg(c.W), c.W, &g).ok());
   auto reject = [&](const comm::Program& m, uint64_t k) {
     const std::string why = k == 0 ? comm::check_static(m, programs(m), {}, {}) : "";
-    return why.empty() ? replay(m, c, seed_of(c, 100 + k), mutant_slots(c, k), kMutantSpeedLevels, kMutantHoldOneIn)
-                       : why;
+    return why.empty() ? replay(m, c, test::mutant_replay(seed_of(c, 100 + k), c.comm_slots, 1, k)) : why;
   };
   const int caught = rejected(p, op_mutants(p, uint64_t(g.slot_bytes)), name_of(c), reject);
   EXPECT_GT(caught, 0);

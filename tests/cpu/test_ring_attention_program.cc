@@ -11,7 +11,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -19,6 +18,7 @@
 
 #include "src/comm/replay.h"
 #include "src/ops/ring_attention/ring_attention_program.h"
+#include "tests/common/mutant_replay.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -158,9 +158,9 @@ std::string static_check(const RingProgram& p) {
   return comm::check_static(p, programs(p), {}, waits);
 }
 
-std::string replay(const RingPlan& plan, const RingProgram& p, const RingConfig& c, uint64_t seed) {
+std::string replay(const RingPlan& plan, const RingProgram& p, const comm::ReplayOptions& o) {
   RingCompute compute(plan, p);
-  comm::Replay rep(p, programs(p), &compute, comm::ReplayOptions{seed, c.comm_slots, c.unit_slots, 3});
+  comm::Replay rep(p, programs(p), &compute, o);
   return rep.run() ? "" : rep.error();
 }
 
@@ -201,7 +201,7 @@ TEST_P(RingReplay, ThreeCallsDeliverEveryBlock) {
   ASSERT_EQ(static_check(b.prog), "") << name_of(c);
   for (uint64_t k = 0; k < 4; ++k) {
     const uint64_t seed = seed_of(c, k);
-    ASSERT_EQ(replay(b.plan, b.prog, c, seed), "")
+    ASSERT_EQ(replay(b.plan, b.prog, comm::ReplayOptions{seed, c.comm_slots, c.unit_slots, 3}), "")
         << name_of(c) << " replay seed " << seed << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
   }
 }
@@ -294,18 +294,6 @@ bool implied(const RingPlan& plan, const RingProgram& p, int r, size_t i, size_t
   return false;
 }
 
-// How a mutant is replayed: up to kMutantReplays seeds, cycling through the configuration's
-// communication slots and 4, 8 and 16 (the device runs any count; a wait that guards an op from
-// one several places ahead of it shows only when that many run at once), with lopsided speeds
-// (5 levels) and one op in 32 held until nothing else can move. The rarest mutants (an entry
-// wait of a network put dropped: the rest of the ring must run into the next call while one
-// rank still has to read its mirror) need a few hundred replays: at most 528 in 20 runs of the
-// W4n2 staged case (MK_TEST_SEED 21..30, hold 16 and 32; without holds up to 1436, and one miss
-// in 2048 at MK_TEST_SEED 11 — the CI failure of 246a773, then 256 replays and no holds).
-constexpr uint64_t kMutantReplays = 2048;
-constexpr int kMutantSpeedLevels = 5;
-constexpr int kMutantHoldOneIn = 32;
-
 class RingMutation : public ::testing::TestWithParam<RingConfig> {};
 
 TEST_P(RingMutation, EveryMutantIsRejected) {
@@ -313,7 +301,6 @@ TEST_P(RingMutation, EveryMutantIsRejected) {
   Built b;
   ASSERT_NO_FATAL_FAILURE(build(c, &b));
   const std::vector<Mutant> ms = mutants(b.plan, b.prog);
-  const int slots[] = {c.comm_slots, 4, 8, 16};
   int caught = 0, skipped = 0;
   uint64_t most = 0;
   for (const Mutant& mu : ms) {
@@ -325,15 +312,10 @@ TEST_P(RingMutation, EveryMutantIsRejected) {
     mu.apply(m);
     std::string why = static_check(m);
     uint64_t k = 0;
-    for (; why.empty() && k < kMutantReplays; ++k) {
-      RingCompute compute(b.plan, m);
-      comm::Replay rep(m, programs(m), &compute,
-                       comm::ReplayOptions{seed_of(c, 100 + k), slots[k % 4], c.unit_slots, 3, kMutantSpeedLevels,
-                                           kMutantHoldOneIn});
-      if (!rep.run()) why = rep.error();
-    }
+    for (; why.empty() && k < test::kMutantReplays; ++k)
+      why = replay(b.plan, m, test::mutant_replay(seed_of(c, 100 + k), c.comm_slots, c.unit_slots, k));
     most = std::max(most, k);
-    EXPECT_FALSE(why.empty()) << name_of(c) << ": mutant not rejected in " << kMutantReplays
+    EXPECT_FALSE(why.empty()) << name_of(c) << ": mutant not rejected in " << test::kMutantReplays
                               << " replays: " << mu.what << " (MK_TEST_SEED=" << test::test_seed() << ")";
     caught += !why.empty();
   }
@@ -343,29 +325,21 @@ TEST_P(RingMutation, EveryMutantIsRejected) {
 }
 
 // The other side of implied(): a wait it leaves out, dropped, must never show — a replay that
-// caught one would prove the argument above wrong. 64 replays each (cycling the slots as above);
-// MK_IMPLIED_REPLAYS raises it (2048: the bound; run by hand).
+// caught one would prove the argument above wrong (test::implied_replays() replays each).
 TEST_P(RingMutation, ImpliedWaitsChangeNothing) {
   const RingConfig c = GetParam();
   Built b;
   ASSERT_NO_FATAL_FAILURE(build(c, &b));
-  const char* env = getenv("MK_IMPLIED_REPLAYS");
-  const uint64_t n = env ? std::strtoull(env, nullptr, 10) : 64;
-  const int slots[] = {c.comm_slots, 4, 8, 16};
+  const uint64_t n = test::implied_replays();
   int checked = 0;
   for (const Mutant& mu : mutants(b.plan, b.prog)) {
     if (mu.rank < 0 || !implied(b.plan, b.prog, mu.rank, mu.op, mu.wait)) continue;
     RingProgram m = b.prog;
     mu.apply(m);
     ASSERT_EQ(static_check(m), "") << name_of(c) << ": " << mu.what;
-    for (uint64_t k = 0; k < n; ++k) {
-      RingCompute compute(b.plan, m);
-      comm::Replay rep(m, programs(m), &compute,
-                       comm::ReplayOptions{seed_of(c, 5000 + k), slots[k % 4], c.unit_slots, 3, kMutantSpeedLevels,
-                                           kMutantHoldOneIn});
-      ASSERT_TRUE(rep.run()) << name_of(c) << ": an implied wait dropped, yet caught: " << mu.what << "\n"
-                             << rep.error();
-    }
+    for (uint64_t k = 0; k < n; ++k)
+      ASSERT_EQ(replay(b.plan, m, test::mutant_replay(seed_of(c, 5000 + k), c.comm_slots, c.unit_slots, k)), "")
+          << name_of(c) << ": an implied wait dropped, yet caught: " << mu.what;
     ++checked;
   }
   printf("%s: %d implied waits dropped, %llu replays each, none caught\n", name_of(c).c_str(), checked,
