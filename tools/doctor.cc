@@ -177,7 +177,8 @@ StoreCallbacks dir_store(const std::string& dir, std::function<bool()> peer_gone
       return make_status(Code::kSystemError, "doctor store: writing %s: %s", key.c_str(), strerror(errno));
     return OkStatus();
   };
-  cb.try_get = [path, peer_gone](const std::string& key, std::vector<uint8_t>* v, bool* found) -> Status {
+  cb.try_get = [path, peer_gone](const std::string& key, size_t max_bytes, std::vector<uint8_t>* v,
+                                 bool* found) -> Status {
     *found = false;
     int fd = open(path(key).c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -188,7 +189,7 @@ StoreCallbacks dir_store(const std::string& dir, std::function<bool()> peer_gone
     v->clear();
     uint8_t buf[4096];
     ssize_t k;
-    while ((k = read(fd, buf, sizeof(buf))) > 0) v->insert(v->end(), buf, buf + k);
+    while (v->size() <= max_bytes && (k = read(fd, buf, sizeof(buf))) > 0) v->insert(v->end(), buf, buf + k);
     close(fd);
     *found = true;
     return OkStatus();

@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 2
+#define MK_C_API_VERSION 3
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -56,11 +56,15 @@ typedef struct mk_comm_info {
 /* A key-value store the caller serves (PyTorch's c10d store, through ctypes). Each callback
  * returns 0 on success; on failure non-zero, with the caller's reason readable through `why`.
  * get copies the value into buf when it fits (cap bytes) and sets *len to its size; *found = 0
- * when the key is absent; a value larger than cap: *len says how large, and the call is repeated. */
+ * when the key is absent; a value larger than cap: *len says how large, and the call is repeated
+ * (once, and only when *len is within what the library expects under that key: a larger value is
+ * an error, MK_MISMATCH, and nothing of that size is allocated). why writes the reason of the
+ * last failure into buf (cap bytes; the library terminates it at buf[cap - 1] whatever it wrote)
+ * and returns 0. No callback may throw or unwind through the library. */
 typedef int (*mk_store_set_fn)(void* ctx, const char* key, const void* data, size_t len);
 typedef int (*mk_store_get_fn)(void* ctx, const char* key, void* buf, size_t cap, size_t* len, int* found);
 typedef int (*mk_store_erase_fn)(void* ctx, const char* key);
-typedef const char* (*mk_store_why_fn)(void* ctx);
+typedef int (*mk_store_why_fn)(void* ctx, char* buf, size_t cap);
 
 /* ---- errors, version, tunables ---- */
 

@@ -16,10 +16,11 @@ STORE_SET = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_void_p, c_size_t)
 STORE_GET = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_void_p, c_size_t, ctypes.POINTER(c_size_t),
                              ctypes.POINTER(c_int))
 STORE_ERASE = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p)
-STORE_WHY = ctypes.CFUNCTYPE(c_char_p, c_void_p)
+# why fills the library's buffer: a callback returning c_char_p would leak a Python object per call.
+STORE_WHY = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t)
 
 # The C ABI this module speaks (c_api.h: MK_C_API_VERSION); the library must say the same.
-API_VERSION = 2
+API_VERSION = 3
 
 
 class CommInfo(ctypes.Structure):

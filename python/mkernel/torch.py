@@ -90,8 +90,12 @@ class _StoreBridge:
         except Exception as e:  # noqa: BLE001
             return self._fail(e)
 
-    def _why(self, _ctx):
-        return self.why
+    def _why(self, _ctx, buf, cap):
+        if cap:
+            n = min(len(self.why), cap - 1)
+            ctypes.memmove(buf, self.why, n)
+            ctypes.memset(buf + n, 0, 1)
+        return 0
 
 
 class Communicator:

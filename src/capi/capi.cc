@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -53,10 +54,14 @@ static_assert(MK_OK == static_cast<int>(mk::Code::kOk) && MK_INVALID_ARGUMENT ==
 
 int invalid(const std::string& what) { return ret(mk::Status(mk::Code::kInvalidArgument, what)); }
 
+// The callback's reason, terminated here whatever it wrote (at most kWhyBytes - 1 characters).
+constexpr size_t kWhyBytes = 512;
 mk::Status store_failure(const char* op, const std::string& key, mk_store_why_fn why, void* ctx) {
-  std::string reason = why ? why(ctx) : "";
+  char reason[kWhyBytes] = {0};
+  if (why && why(ctx, reason, sizeof(reason)) != 0) reason[0] = '\0';
+  reason[sizeof(reason) - 1] = '\0';
   return mk::Status(mk::Code::kSystemError,
-                    std::string("store ") + op + " '" + key + "' failed" + (reason.empty() ? "" : ": " + reason));
+                    std::string("store ") + op + " '" + key + "' failed" + (reason[0] ? std::string(": ") + reason : ""));
 }
 
 mk::StoreCallbacks store_callbacks(void* ctx, mk_store_set_fn set, mk_store_get_fn get, mk_store_erase_fn erase,
@@ -66,8 +71,10 @@ mk::StoreCallbacks store_callbacks(void* ctx, mk_store_set_fn set, mk_store_get_
     if (set(ctx, key.c_str(), value.data(), value.size()) != 0) return store_failure("set", key, why, ctx);
     return mk::Status();
   };
-  cb.try_get = [=](const std::string& key, std::vector<uint8_t>* value, bool* found) -> mk::Status {
-    value->resize(std::max<size_t>(value->capacity(), 256));
+  // The size the callback reports is checked against what the bootstrap expects under the key
+  // before anything of that size is allocated: a store anyone can write to must not choose it.
+  cb.try_get = [=](const std::string& key, size_t max_bytes, std::vector<uint8_t>* value, bool* found) -> mk::Status {
+    value->resize(std::max<size_t>(1, std::min<size_t>(max_bytes, 256)));
     for (int attempt = 0; attempt < 2; ++attempt) {
       size_t len = 0;
       int f = 0;
@@ -77,6 +84,11 @@ mk::StoreCallbacks store_callbacks(void* ctx, mk_store_set_fn set, mk_store_get_
         value->clear();
         return mk::Status();
       }
+      if (len > max_bytes)
+        return mk::Status(mk::Code::kMismatch, "store get '" + key + "': the store holds " + std::to_string(len) +
+                                                   " bytes under it, mkernel expects at most " +
+                                                   std::to_string(max_bytes) +
+                                                   " (another job or writer using this key prefix?)");
       if (len <= value->size()) {
         value->resize(len);
         return mk::Status();
@@ -93,6 +105,30 @@ mk::StoreCallbacks store_callbacks(void* ctx, mk_store_set_fn set, mk_store_get_
   }
   return cb;
 }
+
+// Every entry point runs its body through guard(): no C++ exception crosses the C boundary (an
+// allocation failure, a callback's size, a library bug); each becomes a status with the entry's name.
+void set_error(mk::Code code, const char* fn, const char* what) noexcept {
+  try {
+    g_last_error = mk::Status(code, std::string(fn) + ": " + what).to_string();
+  } catch (...) {
+    g_last_error.clear();  // no memory even for the message: the code still says what happened
+  }
+}
+template <class F>
+int guard(const char* fn, F&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    set_error(mk::Code::kOutOfMemory, fn, "out of host memory");
+    return static_cast<int>(mk::Code::kOutOfMemory);
+  } catch (const std::exception& e) {
+    set_error(mk::Code::kInternal, fn, e.what());
+  } catch (...) {
+    set_error(mk::Code::kInternal, fn, "an unknown exception");
+  }
+  return static_cast<int>(mk::Code::kInternal);
+}
 }  // namespace
 
 extern "C" {
@@ -105,34 +141,42 @@ int mk_api_version(void) { return MK_C_API_VERSION; }
 int mk_attention_forward(const void* q, const void* k, const void* v, void* o, float* lse, const int64_t* strides12,
                          int B, int H, int Hkv, int Sq, int Skv, int D, float scale, int causal, int64_t q_pos0,
                          int64_t kv_pos0, void* stream) {
-  mk::attention::ForwardArgs a;
-  a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
-  a.q_stride = strides(strides12);
-  a.k_stride = strides(strides12 + 3);
-  a.v_stride = strides(strides12 + 6);
-  a.o_stride = strides(strides12 + 9);
-  a.B = B, a.H = H, a.Hkv = Hkv, a.Sq = Sq, a.Skv = Skv, a.D = D;
-  a.scale = scale;
-  a.causal = causal != 0;
-  a.q_pos0 = q_pos0, a.kv_pos0 = kv_pos0;
-  return ret(mk::attention::forward(a, static_cast<cudaStream_t>(stream)));
+  return guard("mk_attention_forward", [&]() -> int {
+    mk::attention::ForwardArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
+    a.q_stride = strides(strides12);
+    a.k_stride = strides(strides12 + 3);
+    a.v_stride = strides(strides12 + 6);
+    a.o_stride = strides(strides12 + 9);
+    a.B = B, a.H = H, a.Hkv = Hkv, a.Sq = Sq, a.Skv = Skv, a.D = D;
+    a.scale = scale;
+    a.causal = causal != 0;
+    a.q_pos0 = q_pos0, a.kv_pos0 = kv_pos0;
+    return ret(mk::attention::forward(a, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, void* stream) {
-  return ret(mk::attention::merge_init(o_acc, lse_acc, B, H, S, D, static_cast<cudaStream_t>(stream)));
+  return guard("mk_attention_merge_init", [&]() -> int {
+    return ret(mk::attention::merge_init(o_acc, lse_acc, B, H, S, D, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part, const int64_t* part_strides,
                        const float* lse_part, int B, int H, int S, int D, void* stream) {
-  mk::attention::MergeArgs a;
-  a.o_acc = o_acc, a.lse_acc = lse_acc, a.o_part = o_part, a.part_stride = strides(part_strides);
-  a.lse_part = lse_part, a.B = B, a.H = H, a.S = S, a.D = D;
-  return ret(mk::attention::merge(a, static_cast<cudaStream_t>(stream)));
+  return guard("mk_attention_merge", [&]() -> int {
+    mk::attention::MergeArgs a;
+    a.o_acc = o_acc, a.lse_acc = lse_acc, a.o_part = o_part, a.part_stride = strides(part_strides);
+    a.lse_part = lse_part, a.B = B, a.H = H, a.S = S, a.D = D;
+    return ret(mk::attention::merge(a, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 int mk_attention_merge_finish(const float* o_acc, void* o, const int64_t* o_strides, int B, int H, int S, int D,
                               void* stream) {
-  return ret(mk::attention::merge_finish(o_acc, o, strides(o_strides), B, H, S, D, static_cast<cudaStream_t>(stream)));
+  return guard("mk_attention_merge_finish", [&]() -> int {
+    return ret(mk::attention::merge_finish(o_acc, o, strides(o_strides), B, H, S, D, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 // ---- communicator over a caller's key-value store ----
@@ -144,49 +188,59 @@ int mk_attention_merge_finish(const float* o_acc, void* o, const int64_t* o_stri
 int mk_comm_create_store(int rank, int size, const char* prefix, void* ctx, mk_store_set_fn set, mk_store_get_fn get,
                          mk_store_erase_fn erase, mk_store_why_fn why, int device, int ranks_per_node, int require_gpu,
                          mk_comm_t* out) {
-  if (!out || !set || !get || !prefix) return invalid("mk_comm_create_store: null argument");
-  *out = nullptr;
-  std::unique_ptr<mk::Bootstrap> bs;
-  mk::Status s = mk::make_store_bootstrap(rank, size, prefix, store_callbacks(ctx, set, get, erase, why), &bs);
-  if (!s.ok()) return ret(s);
-  mk::CommConfig cfg;
-  cfg.device = device;
-  cfg.ranks_per_node = ranks_per_node;
-  cfg.require_gpu = require_gpu != 0;
-  std::unique_ptr<mk::Communicator> comm;
-  s = mk::Communicator::create(std::move(bs), cfg, &comm);
-  if (!s.ok()) return ret(s);
-  *out = reinterpret_cast<mk_comm_t>(comm.release());
-  return 0;
+  return guard("mk_comm_create_store", [&]() -> int {
+    if (!out || !set || !get || !prefix) return invalid("mk_comm_create_store: null argument");
+    *out = nullptr;
+    std::unique_ptr<mk::Bootstrap> bs;
+    mk::Status s = mk::make_store_bootstrap(rank, size, prefix, store_callbacks(ctx, set, get, erase, why), &bs);
+    if (!s.ok()) return ret(s);
+    mk::CommConfig cfg;
+    cfg.device = device;
+    cfg.ranks_per_node = ranks_per_node;
+    cfg.require_gpu = require_gpu != 0;
+    std::unique_ptr<mk::Communicator> comm;
+    s = mk::Communicator::create(std::move(bs), cfg, &comm);
+    if (!s.ok()) return ret(s);
+    *out = reinterpret_cast<mk_comm_t>(comm.release());
+    return 0;
+  });
 }
 
 int mk_comm_info(mk_comm_t comm, mk_comm_info_t* out) {
-  if (!comm || !out) return invalid("mk_comm_info: null argument");
-  mk::Communicator* c = comm_of(comm);
-  const mk::Topology& t = c->topology();
-  *out = mk_comm_info_t{c->rank(), c->world(), t.node, t.num_nodes, t.local_rank, t.local_size, c->device()};
-  return 0;
+  return guard("mk_comm_info", [&]() -> int {
+    if (!comm || !out) return invalid("mk_comm_info: null argument");
+    mk::Communicator* c = comm_of(comm);
+    const mk::Topology& t = c->topology();
+    *out = mk_comm_info_t{c->rank(), c->world(), t.node, t.num_nodes, t.local_rank, t.local_size, c->device()};
+    return 0;
+  });
 }
 
 // The communicator's health: a device wait that gave up, an abort, a proxy error.
 int mk_comm_check(mk_comm_t comm) {
-  if (!comm) return invalid("mk_comm_check: null communicator");
-  return ret(comm_of(comm)->check());
+  return guard("mk_comm_check", [&]() -> int {
+    if (!comm) return invalid("mk_comm_check: null communicator");
+    return ret(comm_of(comm)->check());
+  });
 }
 
 // Collective: destroys the operators still attached, then the communicator, and frees it.
 int mk_comm_destroy(mk_comm_t comm) {
-  if (!comm) return 0;
-  mk::Communicator* c = comm_of(comm);
-  mk::Status s = c->destroy();
-  delete c;
-  return ret(s);
+  return guard("mk_comm_destroy", [&]() -> int {
+    if (!comm) return 0;
+    mk::Communicator* c = comm_of(comm);
+    mk::Status s = c->destroy();
+    delete c;
+    return ret(s);
+  });
 }
 
 // A tunable by name (`mkernel doctor` lists them), before the objects that read it are created.
 int mk_tunable_set(const char* name, const char* value) {
-  if (!name || !value) return invalid("mk_tunable_set: null argument");
-  return ret(mk::tunables::set(name, value));
+  return guard("mk_tunable_set", [&]() -> int {
+    if (!name || !value) return invalid("mk_tunable_set: null argument");
+    return ret(mk::tunables::set(name, value));
+  });
 }
 
 // ---- fused GEMM collectives (include/mkernel/ops/fused.h) ----
@@ -194,64 +248,76 @@ int mk_tunable_set(const char* name, const char* value) {
 // kind: 0 ag_gemm, 1 gemm_rs, 2 gemm_ar. Collective. comm_ctas -1: tunable. staging: "" tunable.
 int mk_fused_create(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K, int deterministic, int comm_ctas,
                     const char* staging, mk_fused_t* out) {
-  if (!comm || !out) return invalid("mk_fused_create: null argument");
-  if (kind < 0 || kind > 2) return invalid("mk_fused_create: kind " + std::to_string(kind) + " is not 0, 1 or 2");
-  *out = nullptr;
-  mk::ops::FusedOptions opt;
-  opt.deterministic = deterministic != 0;
-  opt.comm_ctas = comm_ctas;
-  opt.staging = staging ? staging : "";
-  auto h = std::make_unique<FusedHandle>();
-  h->kind = static_cast<mk::ops::FusedKind>(kind);
-  h->M = M, h->N = N, h->K = K;
-  mk::Status s = mk::ops::FusedGemm::create(comm_of(comm), h->kind, {M, N, K}, opt, &h->op);
-  if (!s.ok()) return ret(s);
-  *out = reinterpret_cast<mk_fused_t>(h.release());
-  return 0;
+  return guard("mk_fused_create", [&]() -> int {
+    if (!comm || !out) return invalid("mk_fused_create: null argument");
+    if (kind < 0 || kind > 2) return invalid("mk_fused_create: kind " + std::to_string(kind) + " is not 0, 1 or 2");
+    *out = nullptr;
+    mk::ops::FusedOptions opt;
+    opt.deterministic = deterministic != 0;
+    opt.comm_ctas = comm_ctas;
+    opt.staging = staging ? staging : "";
+    auto h = std::make_unique<FusedHandle>();
+    h->kind = static_cast<mk::ops::FusedKind>(kind);
+    h->M = M, h->N = N, h->K = K;
+    mk::Status s = mk::ops::FusedGemm::create(comm_of(comm), h->kind, {M, N, K}, opt, &h->op);
+    if (!s.ok()) return ret(s);
+    *out = reinterpret_cast<mk_fused_t>(h.release());
+    return 0;
+  });
 }
 
 // bf16 A, B, C (fused.h: shapes per kind). Enqueues on `stream`; capturable in a CUDA graph.
 int mk_fused_run(mk_fused_t op, const void* A, const void* B, void* C, void* stream) {
-  if (!op) return invalid("mk_fused_run: null operator");
-  mk::ops::FusedArgs a;
-  a.A = A, a.B = B, a.C = C;
-  return ret(fused(op)->run(a, static_cast<cudaStream_t>(stream)));
+  return guard("mk_fused_run", [&]() -> int {
+    if (!op) return invalid("mk_fused_run: null operator");
+    mk::ops::FusedArgs a;
+    a.A = A, a.B = B, a.C = C;
+    return ret(fused(op)->run(a, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 // ag_gemm: the gathered A [M, K] of the last call (valid once it completed on its stream).
 int mk_fused_gathered_a(mk_fused_t op, const void** out) {
-  if (!op || !out) return invalid("mk_fused_gathered_a: null argument");
-  *out = fused(op)->gathered_a();
-  return 0;
+  return guard("mk_fused_gathered_a", [&]() -> int {
+    if (!op || !out) return invalid("mk_fused_gathered_a: null argument");
+    *out = fused(op)->gathered_a();
+    return 0;
+  });
 }
 
 // Copies the gathered A [M, K] bf16 of the last call into dst, on `stream` (after that call).
 int mk_fused_copy_gathered_a(mk_fused_t op, void* dst, void* stream) {
-  if (!op || !dst) return invalid("mk_fused_copy_gathered_a: null argument");
-  FusedHandle* h = handle(op);
-  if (h->kind != mk::ops::FusedKind::kAgGemm) return invalid("mk_fused_copy_gathered_a: not an ag_gemm operator");
-  cudaError_t e = cudaMemcpyAsync(dst, h->op->gathered_a(), static_cast<size_t>(h->M * h->K) * 2, cudaMemcpyDeviceToDevice,
-                                  static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();  // not left behind for the next launch's check
-    return ret(mk::Status(mk::Code::kCudaError, std::string("mk_fused_copy_gathered_a: ") + cudaGetErrorString(e)));
-  }
-  return 0;
+  return guard("mk_fused_copy_gathered_a", [&]() -> int {
+    if (!op || !dst) return invalid("mk_fused_copy_gathered_a: null argument");
+    FusedHandle* h = handle(op);
+    if (h->kind != mk::ops::FusedKind::kAgGemm) return invalid("mk_fused_copy_gathered_a: not an ag_gemm operator");
+    cudaError_t e = cudaMemcpyAsync(dst, h->op->gathered_a(), static_cast<size_t>(h->M * h->K) * 2, cudaMemcpyDeviceToDevice,
+                                    static_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // not left behind for the next launch's check
+      return ret(mk::Status(mk::Code::kCudaError, std::string("mk_fused_copy_gathered_a: ") + cudaGetErrorString(e)));
+    }
+    return 0;
+  });
 }
 
 int mk_fused_comm_ctas(mk_fused_t op, int* out) {
-  if (!op || !out) return invalid("mk_fused_comm_ctas: null argument");
-  *out = fused(op)->comm_ctas();
-  return 0;
+  return guard("mk_fused_comm_ctas", [&]() -> int {
+    if (!op || !out) return invalid("mk_fused_comm_ctas: null argument");
+    *out = fused(op)->comm_ctas();
+    return 0;
+  });
 }
 
 // Collective: destroys (idempotent; a no-op after its communicator was destroyed) and frees.
 int mk_fused_destroy(mk_fused_t op) {
-  if (!op) return 0;
-  FusedHandle* h = handle(op);
-  mk::Status s = h->op->destroy();
-  delete h;
-  return ret(s);
+  return guard("mk_fused_destroy", [&]() -> int {
+    if (!op) return 0;
+    FusedHandle* h = handle(op);
+    mk::Status s = h->op->destroy();
+    delete h;
+    return ret(s);
+  });
 }
 
 // ---- ring attention (include/mkernel/ops/ring_attention.h) ----
@@ -259,38 +325,44 @@ int mk_fused_destroy(mk_fused_t op) {
 // layout: 0 contiguous, 1 zigzag. Collective. scale 0: 1/sqrt(D).
 int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal, float scale,
                    int comm_ctas, const char* staging, mk_ring_t* out) {
-  if (!comm || !out) return invalid("mk_ring_create: null argument");
-  if (layout != 0 && layout != 1) return invalid("mk_ring_create: layout " + std::to_string(layout) + " is not 0 or 1");
-  *out = nullptr;
-  mk::ops::RingAttentionShape shape;
-  shape.B = B, shape.H = H, shape.Hkv = Hkv, shape.D = D, shape.S = S;
-  shape.layout = static_cast<mk::ops::SeqLayout>(layout);
-  shape.causal = causal != 0;
-  mk::ops::RingAttentionOptions opt;
-  opt.comm_ctas = comm_ctas;
-  opt.scale = scale;
-  opt.staging = staging ? staging : "";
-  std::unique_ptr<mk::ops::RingAttention> op;
-  mk::Status s = mk::ops::RingAttention::create(comm_of(comm), shape, opt, &op);
-  if (!s.ok()) return ret(s);
-  *out = reinterpret_cast<mk_ring_t>(op.release());
-  return 0;
+  return guard("mk_ring_create", [&]() -> int {
+    if (!comm || !out) return invalid("mk_ring_create: null argument");
+    if (layout != 0 && layout != 1) return invalid("mk_ring_create: layout " + std::to_string(layout) + " is not 0 or 1");
+    *out = nullptr;
+    mk::ops::RingAttentionShape shape;
+    shape.B = B, shape.H = H, shape.Hkv = Hkv, shape.D = D, shape.S = S;
+    shape.layout = static_cast<mk::ops::SeqLayout>(layout);
+    shape.causal = causal != 0;
+    mk::ops::RingAttentionOptions opt;
+    opt.comm_ctas = comm_ctas;
+    opt.scale = scale;
+    opt.staging = staging ? staging : "";
+    std::unique_ptr<mk::ops::RingAttention> op;
+    mk::Status s = mk::ops::RingAttention::create(comm_of(comm), shape, opt, &op);
+    if (!s.ok()) return ret(s);
+    *out = reinterpret_cast<mk_ring_t>(op.release());
+    return 0;
+  });
 }
 
 // q, o [B, S/W, H, D], k, v [B, S/W, Hkv, D] bf16 contiguous; lse [B, H, S/W] fp32 or null.
 int mk_ring_run(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse, void* stream) {
-  if (!op) return invalid("mk_ring_run: null operator");
-  mk::ops::RingAttentionArgs a;
-  a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
-  return ret(ring_of(op)->run(a, static_cast<cudaStream_t>(stream)));
+  return guard("mk_ring_run", [&]() -> int {
+    if (!op) return invalid("mk_ring_run: null operator");
+    mk::ops::RingAttentionArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
+    return ret(ring_of(op)->run(a, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 int mk_ring_destroy(mk_ring_t op) {
-  if (!op) return 0;
-  mk::ops::RingAttention* o = ring_of(op);
-  mk::Status s = o->destroy();
-  delete o;
-  return ret(s);
+  return guard("mk_ring_destroy", [&]() -> int {
+    if (!op) return 0;
+    mk::ops::RingAttention* o = ring_of(op);
+    mk::Status s = o->destroy();
+    delete o;
+    return ret(s);
+  });
 }
 
 // ---- MoE dispatch and combine (include/mkernel/ops/moe.h) ----
@@ -298,63 +370,75 @@ int mk_ring_destroy(mk_ring_t op) {
 int mk_moe_create(mk_comm_t comm, int64_t hidden, int num_experts, int topk, int64_t max_tokens_per_rank,
                   int expert_align, int64_t recv_capacity, int mode, int comm_ctas, const char* staging,
                   mk_moe_t* out) {
-  if (!comm || !out) return invalid("mk_moe_create: null argument");
-  if (mode < 0 || mode > 2) return invalid("mk_moe_create: mode " + std::to_string(mode) + " is not 0, 1 or 2");
-  *out = nullptr;
-  mk::ops::MoeConfig cfg;
-  cfg.hidden = hidden;
-  cfg.num_experts = num_experts;
-  cfg.topk = topk;
-  cfg.max_tokens_per_rank = max_tokens_per_rank;
-  cfg.expert_align = expert_align;
-  cfg.recv_capacity = recv_capacity;
-  mk::ops::MoeOptions opt;
-  opt.mode = static_cast<mk::ops::MoeMode>(mode);
-  opt.comm_ctas = comm_ctas;
-  opt.staging = staging ? staging : "";
-  std::unique_ptr<mk::ops::MoeEp> ep;
-  mk::Status s = mk::ops::MoeEp::create(comm_of(comm), cfg, opt, &ep);
-  if (!s.ok()) return ret(s);
-  *out = reinterpret_cast<mk_moe_t>(ep.release());
-  return 0;
+  return guard("mk_moe_create", [&]() -> int {
+    if (!comm || !out) return invalid("mk_moe_create: null argument");
+    if (mode < 0 || mode > 2) return invalid("mk_moe_create: mode " + std::to_string(mode) + " is not 0, 1 or 2");
+    *out = nullptr;
+    mk::ops::MoeConfig cfg;
+    cfg.hidden = hidden;
+    cfg.num_experts = num_experts;
+    cfg.topk = topk;
+    cfg.max_tokens_per_rank = max_tokens_per_rank;
+    cfg.expert_align = expert_align;
+    cfg.recv_capacity = recv_capacity;
+    mk::ops::MoeOptions opt;
+    opt.mode = static_cast<mk::ops::MoeMode>(mode);
+    opt.comm_ctas = comm_ctas;
+    opt.staging = staging ? staging : "";
+    std::unique_ptr<mk::ops::MoeEp> ep;
+    mk::Status s = mk::ops::MoeEp::create(comm_of(comm), cfg, opt, &ep);
+    if (!s.ok()) return ret(s);
+    *out = reinterpret_cast<mk_moe_t>(ep.release());
+    return 0;
+  });
 }
 
 int mk_moe_recv_rows(mk_moe_t ep, int64_t* out) {
-  if (!ep || !out) return invalid("mk_moe_recv_rows: null argument");
-  *out = moe_of(ep)->recv_rows();
-  return 0;
+  return guard("mk_moe_recv_rows", [&]() -> int {
+    if (!ep || !out) return invalid("mk_moe_recv_rows: null argument");
+    *out = moe_of(ep)->recv_rows();
+    return 0;
+  });
 }
 
 int mk_moe_local_experts(mk_moe_t ep, int* out) {
-  if (!ep || !out) return invalid("mk_moe_local_experts: null argument");
-  *out = moe_of(ep)->local_experts();
-  return 0;
+  return guard("mk_moe_local_experts", [&]() -> int {
+    if (!ep || !out) return invalid("mk_moe_local_experts: null argument");
+    *out = moe_of(ep)->local_experts();
+    return 0;
+  });
 }
 
 int mk_moe_dispatch(mk_moe_t ep, const void* x, const int32_t* topk_ids, const float* topk_weights,
                     const int32_t* d_num_tokens, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
                     void* stream) {
-  if (!ep) return invalid("mk_moe_dispatch: null operator");
-  mk::ops::MoeDispatchArgs a;
-  a.x = x, a.topk_ids = topk_ids, a.topk_weights = topk_weights, a.d_num_tokens = d_num_tokens, a.tokens = tokens;
-  mk::ops::MoeDispatchOut o;
-  o.recv_x = recv_x, o.counts = counts, o.offsets = offsets;
-  return ret(moe_of(ep)->dispatch(a, o, static_cast<cudaStream_t>(stream)));
+  return guard("mk_moe_dispatch", [&]() -> int {
+    if (!ep) return invalid("mk_moe_dispatch: null operator");
+    mk::ops::MoeDispatchArgs a;
+    a.x = x, a.topk_ids = topk_ids, a.topk_weights = topk_weights, a.d_num_tokens = d_num_tokens, a.tokens = tokens;
+    mk::ops::MoeDispatchOut o;
+    o.recv_x = recv_x, o.counts = counts, o.offsets = offsets;
+    return ret(moe_of(ep)->dispatch(a, o, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 int mk_moe_combine(mk_moe_t ep, const void* y, void* combined, void* stream) {
-  if (!ep) return invalid("mk_moe_combine: null operator");
-  mk::ops::MoeCombineArgs a;
-  a.y = y;
-  return ret(moe_of(ep)->combine(a, combined, static_cast<cudaStream_t>(stream)));
+  return guard("mk_moe_combine", [&]() -> int {
+    if (!ep) return invalid("mk_moe_combine: null operator");
+    mk::ops::MoeCombineArgs a;
+    a.y = y;
+    return ret(moe_of(ep)->combine(a, combined, static_cast<cudaStream_t>(stream)));
+  });
 }
 
 int mk_moe_destroy(mk_moe_t ep) {
-  if (!ep) return 0;
-  mk::ops::MoeEp* e = moe_of(ep);
-  mk::Status s = e->destroy();
-  delete e;
-  return ret(s);
+  return guard("mk_moe_destroy", [&]() -> int {
+    if (!ep) return 0;
+    mk::ops::MoeEp* e = moe_of(ep);
+    mk::Status s = e->destroy();
+    delete e;
+    return ret(s);
+  });
 }
 
 }  // extern "C"

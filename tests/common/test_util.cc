@@ -154,14 +154,14 @@ StoreCallbacks file_store(const std::string& dir) {
       return make_status(Code::kSystemError, "file store: cannot rename %s", tmp.c_str());
     return OkStatus();
   };
-  cb.try_get = [path_of](const std::string& key, std::vector<uint8_t>* v, bool* found) -> Status {
+  cb.try_get = [path_of](const std::string& key, size_t max_bytes, std::vector<uint8_t>* v, bool* found) -> Status {
     FILE* f = fopen(path_of(key).c_str(), "rb");
     *found = f != nullptr;
     if (!f) return OkStatus();
     v->clear();
     uint8_t buf[4096];
     size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) v->insert(v->end(), buf, buf + n);
+    while (v->size() <= max_bytes && (n = fread(buf, 1, sizeof(buf), f)) > 0) v->insert(v->end(), buf, buf + n);
     fclose(f);
     return OkStatus();
   };

@@ -460,7 +460,7 @@ class MemStore {
       if (map_.size() > max_keys_) max_keys_ = map_.size();
       return OkStatus();
     };
-    cb.try_get = [this](const std::string& key, std::vector<uint8_t>* value, bool* found) {
+    cb.try_get = [this](const std::string& key, size_t, std::vector<uint8_t>* value, bool* found) {
       std::lock_guard<std::mutex> g(mu_);
       auto it = map_.find(key);
       *found = it != map_.end();
@@ -678,13 +678,45 @@ TEST(StoreBootstrap, SizeMismatchIsAnError) {
   }
 }
 
+// Every read tells the store how large the value may be (the C ABI refuses a larger one before
+// allocating it): the byte count for a contribution, sizeof the notice for a failure notice.
+TEST(StoreBootstrap, TellsTheStoreHowLargeAValueMayBe) {
+  MemStore store;
+  StoreCallbacks cb = store.callbacks();
+  std::mutex mu;
+  std::map<std::string, size_t> asked;  // key -> max_bytes
+  auto get = cb.try_get;
+  cb.try_get = [&](const std::string& key, size_t max_bytes, std::vector<uint8_t>* v, bool* found) {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      asked[key] = max_bytes;
+    }
+    return get(key, max_bytes, v, found);
+  };
+  const size_t bytes = 3 + mix(test::test_seed(), 21) % 200;
+  std::vector<Status> st(2);
+  run_ranks(2, [&](int rank) {
+    std::unique_ptr<Bootstrap> b;
+    st[rank] = make_store_bootstrap(rank, 2, "cap", cb, &b);
+    if (!st[rank].ok()) return;
+    std::vector<uint8_t> send(bytes, static_cast<uint8_t>(rank)), recv(2 * bytes);
+    st[rank] = b->allgather(send.data(), recv.data(), bytes, kOpTimeoutMs);
+  });
+  for (int r = 0; r < 2; ++r) MK_EXPECT_OK(st[r]);
+  ASSERT_TRUE(asked.count("cap/0/0") && asked.count("cap/0/1"));
+  EXPECT_EQ(asked["cap/0/0"], bytes);
+  EXPECT_EQ(asked["cap/0/1"], bytes);
+  for (const auto& [key, max_bytes] : asked)
+    if (key.find("/abort") != std::string::npos) EXPECT_LE(max_bytes, 16u) << key;
+}
+
 TEST(StoreBootstrap, StoreErrorsPropagate) {
   StoreCallbacks cb;
   const std::string why = "store down " + std::to_string(mix(test::test_seed(), 9) % 100000);
   cb.set = [&](const std::string&, const std::vector<uint8_t>&) {
     return Status(Code::kSystemError, why);
   };
-  cb.try_get = [](const std::string&, std::vector<uint8_t>*, bool* found) {
+  cb.try_get = [](const std::string&, size_t, std::vector<uint8_t>*, bool* found) {
     *found = false;
     return OkStatus();
   };

@@ -1,6 +1,8 @@
 /* The C ABI from C (include/mkernel/c_api.h compiled as C99, linked against libmkernel_capi.so):
  * the version, and the errors of calls that need no GPU — null handles and arguments, an unknown
- * tunable — each with its code and a message naming the function. ctest: capi_c (label capi). */
+ * tunable, a store that reports a value of 2^62 bytes, a store failure whose reason fills the
+ * whole buffer unterminated — each with its code and a message naming the function (the lying
+ * store once ended the process with std::bad_alloc escaping the C ABI). ctest: capi_c (label capi). */
 #include <stdio.h>
 #include <string.h>
 
@@ -22,6 +24,29 @@ static void expect_error(int rc, int code, const char* word, const char* what) {
   const char* msg = mk_last_error();
   EXPECT(rc == code, "%s returned %d, expected %d (%s)", what, rc, code, msg);
   EXPECT(msg != NULL && strstr(msg, word) != NULL, "%s: message '%s' lacks '%s'", what, msg ? msg : "(null)", word);
+}
+
+/* A store that fails nothing and holds, under every key, a value it says is 2^62 bytes long. */
+static int lying_set(void* ctx, const char* key, const void* data, size_t len) {
+  (void)ctx, (void)key, (void)data, (void)len;
+  return 0;
+}
+static int lying_get(void* ctx, const char* key, void* buf, size_t cap, size_t* len, int* found) {
+  (void)ctx, (void)key;
+  memset(buf, 0x5a, cap);
+  *len = (size_t)1 << 62;
+  *found = 1;
+  return 0;
+}
+/* A store that fails every set, and says why with more than the buffer holds, unterminated. */
+static int failing_set(void* ctx, const char* key, const void* data, size_t len) {
+  (void)ctx, (void)key, (void)data, (void)len;
+  return 1;
+}
+static int long_why(void* ctx, char* buf, size_t cap) {
+  (void)ctx;
+  memset(buf, 'w', cap);
+  return 0;
 }
 
 int main(void) {
@@ -51,6 +76,16 @@ int main(void) {
   expect_error(mk_moe_dispatch(NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL), MK_INVALID_ARGUMENT,
                "mk_moe_dispatch", "mk_moe_dispatch(NULL)");
   expect_error(mk_tunable_set("no_such_setting", "1"), MK_INVALID_ARGUMENT, "no_such_setting", "an unknown tunable");
+  /* Sizes from the store are checked before anything of that size is allocated. Two ranks: the
+   * bootstrap reads the peer's key (a world of one reads nothing). */
+  expect_error(mk_comm_create_store(0, 2, "lie", NULL, lying_set, lying_get, NULL, NULL, -1, -1, 0, &comm),
+               MK_MISMATCH, "4611686018427387904 bytes", "a store value of 2^62 bytes");
+  EXPECT(comm == NULL, "a failed create left a handle");
+  /* The reason is cut at the buffer's last byte and terminated there. */
+  expect_error(mk_comm_create_store(0, 1, "why", NULL, failing_set, lying_get, NULL, long_why, -1, -1, 0, &comm),
+               MK_SYSTEM_ERROR, "failed: wwww", "a failing store with a long reason");
+  EXPECT(strlen(mk_last_error()) < 1024, "the reason was not cut: %zu characters", strlen(mk_last_error()));
+  EXPECT(comm == NULL, "a failed create left a handle");
   /* Destroying nothing is a no-op. */
   EXPECT(mk_comm_destroy(NULL) == MK_OK && mk_fused_destroy(NULL) == MK_OK && mk_ring_destroy(NULL) == MK_OK &&
              mk_moe_destroy(NULL) == MK_OK,

@@ -70,7 +70,8 @@ def expected_ctype(ctype, pname, callbacks):
     if stars == 0:
         return SCALARS[b]
     if b == "char" and stars == 1:
-        return ctypes.c_char_p
+        # const char*: a string passed in; char*: a buffer the callee fills (an address)
+        return ctypes.c_char_p if "const" in ctype else ctypes.c_void_p
     host = pname is not None and (pname == "out" or pname.endswith("strides") or pname == "strides12")
     if not host:
         return ctypes.c_void_p  # device memory (or an opaque context), passed as an address

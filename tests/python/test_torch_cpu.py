@@ -5,6 +5,7 @@ between two real processes (gloo) with a CPU-only communicator.
 
 Run: python3 tests/python/test_torch_cpu.py   (exit 77: torch is not installed — skipped)
 """
+import ctypes
 import os
 import sys
 import tempfile
@@ -242,7 +243,6 @@ class StoreBootstrap(unittest.TestCase):
     def test_bridge_values_larger_than_the_buffer(self):
         """The get callback: absent key, a value that fits, one that does not (asked again with
         the size it reported), and a store failure reported through `why`."""
-        import ctypes
         store = dist.HashStore()
         big = bytes(range(256)) * 5
         store.set("k", big)
@@ -263,7 +263,29 @@ class StoreBootstrap(unittest.TestCase):
                 raise OSError("store went away")
         br = mkt._StoreBridge(Broken())
         self.assertEqual(br.set_cb(None, b"x", b"1", 1), 1)
-        self.assertIn(b"store went away", br.why_cb(None))
+        # why fills the caller's buffer, cut and terminated at its last byte, and leaks nothing
+        # (a callback returning c_char_p made ctypes warn "memory leak in callback function").
+        import warnings
+        why = ctypes.create_string_buffer(b"\xff" * 64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual(br.why_cb(None, ctypes.addressof(why), 64), 0)
+            self.assertEqual(br.why_cb(None, ctypes.addressof(why), 12), 0)
+        self.assertEqual([str(w.message) for w in caught], [])
+        self.assertEqual(why.raw[:12], b"OSError: st\0")
+
+    def test_store_failure_reaches_the_error_through_why(self):
+        """A failing store through the library: the reason from `why` is in the MkError."""
+        class Broken:
+            def set(self, *_):
+                raise OSError("store went away")
+        br = mkt._StoreBridge(Broken())
+        comm = ctypes.c_void_p()
+        rc = mkernel._capi.lib().mk_comm_create_store(0, 1, b"broken", None, br.set_cb, br.get_cb, br.erase_cb,
+                                                      br.why_cb, -1, -1, 0, ctypes.byref(comm))
+        self.assertEqual(rc, 5)  # system error
+        self.assertIn("OSError: store went away", mkernel._capi.lib().mk_last_error().decode())
+        self.assertIsNone(comm.value)
 
     def test_init_without_process_group(self):
         with self.assertRaises(mkernel.MkError) as cm:

@@ -116,8 +116,12 @@ Status make_thread_world(int size, std::vector<std::unique_ptr<Bootstrap>>* out)
 struct StoreCallbacks {
   // Store `value` under `key`; keys are never rewritten by mkernel.
   std::function<Status(const std::string& key, const std::vector<uint8_t>& value)> set;
-  // Non-blocking: *found = false when the key is absent (not an error).
-  std::function<Status(const std::string& key, std::vector<uint8_t>* value, bool* found)> try_get;
+  // Non-blocking: *found = false when the key is absent (not an error). mkernel expects at most
+  // max_bytes under `key`: a larger value is an error of the store (kMismatch), and the callback
+  // need not read past max_bytes + 1 bytes of it (a store another writer filled must not make
+  // mkernel allocate what that writer chose).
+  std::function<Status(const std::string& key, size_t max_bytes, std::vector<uint8_t>* value, bool* found)>
+      try_get;
   // Optional: delete a key mkernel no longer needs (keeps the store small).
   std::function<Status(const std::string& key)> erase;
 };

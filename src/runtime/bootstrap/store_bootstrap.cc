@@ -1,5 +1,6 @@
 // Bootstrap over a key-value store (PyTorch's c10d Store through callbacks).
 // Key of rank r's contribution to collective #seq: "<prefix>/<seq>/<r>".
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -9,6 +10,8 @@
 
 namespace mk {
 namespace {
+
+constexpr size_t kMaxAbortBytes = 16;  // "<prefix>/<seq>/abort" holds a rank number
 
 class StoreBootstrap final : public Bootstrap {
  public:
@@ -36,8 +39,8 @@ class StoreBootstrap final : public Bootstrap {
     auto aborted = [&](std::string* who) -> Status {
       std::vector<uint8_t> v;
       bool found = false;
-      MK_CHECK(cb_.try_get(abort_key(seq), &v, &found));
-      if (found) *who = std::string(v.begin(), v.end());
+      MK_CHECK(cb_.try_get(abort_key(seq), kMaxAbortBytes, &v, &found));
+      if (found) *who = std::string(v.begin(), v.begin() + std::min(v.size(), kMaxAbortBytes));
       return OkStatus();
     };
     while (left > 0) {
@@ -45,7 +48,7 @@ class StoreBootstrap final : public Bootstrap {
         if (have[r]) continue;
         std::vector<uint8_t> v;
         bool found = false;
-        MK_CHECK(cb_.try_get(key(seq, r), &v, &found));
+        MK_CHECK(cb_.try_get(key(seq, r), bytes, &v, &found));
         if (!found) continue;
         if (v.size() != bytes)
           return make_status(Code::kMismatch,
@@ -97,7 +100,7 @@ class StoreBootstrap final : public Bootstrap {
       while (r != rank_ && next_[r] < 2) {
         std::vector<uint8_t> v;
         bool found = false;
-        if (!cb_.try_get(fail_key(r, next_[r]), &v, &found).ok() || !found) break;
+        if (!cb_.try_get(fail_key(r, next_[r]), sizeof(FailureNotice), &v, &found).ok() || !found) break;
         ++next_[r];
         if (v.size() != sizeof(FailureNotice)) continue;
         FailureNotice n;
