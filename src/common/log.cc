@@ -1,5 +1,6 @@
 #include "mkernel/common/log.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "mkernel/common/tunables.h"
+#include "src/common/private_file.h"
 
 namespace mk {
 namespace {
@@ -125,7 +127,16 @@ void configure_locked() {
         path += file[i];
       }
     }
-    if (FILE* f = fopen(path.c_str(), "a")) g_file = f;
+    // A private file: no symbolic link, a regular file of this user (src/common/private_file.h).
+    int fd = -1;
+    Status s = open_private_file(path, O_WRONLY | O_APPEND | O_CREAT, "MK_DEBUG_FILE", &fd);
+    FILE* f = s.ok() ? fdopen(fd, "a") : nullptr;
+    if (f) {
+      g_file = f;
+    } else {
+      if (fd >= 0) close(fd);
+      if (g_bad_setting.empty()) g_bad_setting = s.ok() ? "MK_DEBUG_FILE: fdopen failed" : s.message();
+    }
   }
   g_level.store(static_cast<int>(parse_level(read_setting("debug"))));
 }

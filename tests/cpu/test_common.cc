@@ -1,7 +1,12 @@
 // CPU tests of mkernel/common: Status, the check macros, the tunables table and logging.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <fstream>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 
 #include "mkernel/common/check.h"
@@ -592,6 +597,46 @@ TEST(Log, SubsystemMaskAndExclusion) {
   MK_ASSERT_OK(tunables::reset("debug"));
   EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysMem));
   EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+}
+
+// MK_DEBUG_FILE is a private file: a symbolic link there (another user's trap in a shared
+// directory) is refused, the log goes to stderr and the link's target is untouched; a FIFO does
+// not block the process; a file it creates is 0600.
+TEST(Log, DebugFileIsPrivate) {
+  EnvGuard e1("MK_DEBUG");
+  EnvGuard e2("MK_DEBUG_FILE");
+  TunableGuard g1("debug");
+  TunableGuard g2("debug_file");
+  char tmpl[] = "/tmp/mk-logfile-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl, target = dir + "/target", link = dir + "/link", fifo = dir + "/fifo",
+                    log = dir + "/log";
+  auto text_of = [](const std::string& path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  { std::ofstream(target) << "keep\n"; }
+  ASSERT_EQ(symlink(target.c_str(), link.c_str()), 0);
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  std::mt19937_64 rng(test::test_seed() ^ 0x10F);
+  const std::string token = "token-" + random_token(rng, 12);
+  MK_ASSERT_OK(tunables::set("debug", "WARN"));
+  MK_ASSERT_OK(tunables::set("debug_file", link));
+  MK_WARN(kSubsysBoot, "through the link %s", token.c_str());
+  MK_ASSERT_OK(tunables::set("debug_file", fifo));  // returns: the FIFO is refused, not opened
+  MK_WARN(kSubsysBoot, "into the fifo %s", token.c_str());
+  MK_ASSERT_OK(tunables::set("debug_file", log));
+  MK_WARN(kSubsysBoot, "into the file %s", token.c_str());
+  MK_ASSERT_OK(tunables::reset("debug_file"));  // closes it
+  EXPECT_EQ(text_of(target), "keep\n");
+  EXPECT_NE(text_of(log).find("into the file " + token), std::string::npos) << text_of(log);
+  struct stat st;
+  ASSERT_EQ(stat(log.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  for (const auto& p : {target, link, fifo, log}) unlink(p.c_str());
+  rmdir(dir.c_str());
 }
 
 }  // namespace

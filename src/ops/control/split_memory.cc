@@ -2,20 +2,19 @@
 #include "src/ops/control/split_memory.h"
 
 #include <fcntl.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <sstream>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
+#include "src/common/private_file.h"
 
 namespace mk {
 namespace ops {
@@ -23,51 +22,17 @@ namespace {
 
 constexpr const char* kHeader = "# mkernel split memory v1: key<TAB>communication CTAs";
 
-// Holds an exclusive flock on "<path>.lock" for its lifetime.
-class FileLock {
- public:
-  explicit FileLock(const std::string& path) {
-    fd_ = open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) {
-      err_ = errno;
-      return;
-    }
-    while (flock(fd_, LOCK_EX) != 0) {
-      if (errno != EINTR) {
-        err_ = errno;
-        close(fd_);
-        fd_ = -1;
-        return;
-      }
-    }
-  }
-  ~FileLock() {
-    if (fd_ >= 0) {
-      (void)flock(fd_, LOCK_UN);
-      close(fd_);
-    }
-  }
-  bool ok() const { return fd_ >= 0; }
-  int err() const { return err_; }
+constexpr const char* kWhat = "split memory";
 
- private:
-  int fd_ = -1;
-  int err_ = 0;
-};
-
-// The file's text, or "" with *exists = false when there is none.
-Status read_text(const std::string& path, std::string* text, bool* exists) {
-  std::ifstream f(path, std::ios::binary);
-  *exists = f.good();
-  text->clear();
-  if (!*exists) {
-    MK_REQUIRE(errno == ENOENT || errno == 0, Code::kSystemError, "split memory: cannot read %s: %s",
-               path.c_str(), strerror(errno));
-    return OkStatus();
+// The whole of fd's text written, or an error.
+Status write_all(int fd, const std::string& text, const std::string& path) {
+  size_t put = 0;
+  while (put < text.size()) {
+    const ssize_t n = write(fd, text.data() + put, text.size() - put);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return make_status(Code::kSystemError, "split memory: writing %s failed: %s", path.c_str(), strerror(errno));
+    put += static_cast<size_t>(n);
   }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  *text = ss.str();
   return OkStatus();
 }
 
@@ -135,7 +100,7 @@ Status SplitMemory::attach(const std::string& path) {
   }
   std::string text;
   bool exists = false;
-  MK_CHECK(read_text(path, &text, &exists));
+  MK_CHECK(read_private_file(path, kMaxFileBytes, kWhat, &text, &exists));
   std::map<std::string, int> got;
   MK_CHECK(parse(text, path, &got));
   for (const auto& e : got) entries_.emplace(e.first, e.second);  // memory wins
@@ -174,13 +139,12 @@ Status SplitMemory::flush() {
 }
 
 Status SplitMemory::write_locked() {
-  FileLock lock(path_);
-  MK_REQUIRE(lock.ok(), Code::kSystemError, "split memory: cannot lock %s.lock: %s", path_.c_str(),
-             strerror(lock.err()));
+  PrivateFileLock lock;
+  MK_CHECK(lock.lock(path_ + ".lock", lock_timeout_ms_, kWhat));
   // Merge: the file's entries (other ranks' and processes'), then ours over them.
   std::string text;
   bool exists = false;
-  MK_CHECK(read_text(path_, &text, &exists));
+  MK_CHECK(read_private_file(path_, kMaxFileBytes, kWhat, &text, &exists));
   std::map<std::string, int> merged;
   Status ps = parse(text, path_, &merged);
   if (!ps.ok()) {
@@ -188,20 +152,22 @@ Status SplitMemory::write_locked() {
     merged.clear();
   }
   for (const auto& e : entries_) merged[e.first] = e.second;
+  const std::string out = format(merged);
+  MK_REQUIRE(out.size() <= kMaxFileBytes, Code::kInvalidArgument,
+             "split memory: %zu entries make %zu bytes, more than the %zu a file may hold (not written)",
+             merged.size(), out.size(), kMaxFileBytes);
   std::random_device rd;
   char suffix[48];
   snprintf(suffix, sizeof(suffix), ".tmp%d.%08x", static_cast<int>(getpid()), rd());
   const std::string tmp = path_ + suffix;
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    MK_REQUIRE(f.good(), Code::kSystemError, "split memory: cannot write %s: %s", tmp.c_str(), strerror(errno));
-    f << format(merged);
-    f.flush();
-    if (!f.good()) {
-      const int e = errno;
-      unlink(tmp.c_str());
-      return make_status(Code::kSystemError, "split memory: writing %s failed: %s", tmp.c_str(), strerror(e));
-    }
+  int fd = -1;
+  MK_CHECK(open_private_file(tmp, O_WRONLY | O_CREAT | O_EXCL, kWhat, &fd));
+  Status w = write_all(fd, out, tmp);
+  if (close(fd) != 0 && w.ok())
+    w = make_status(Code::kSystemError, "split memory: writing %s failed: %s", tmp.c_str(), strerror(errno));
+  if (!w.ok()) {
+    unlink(tmp.c_str());
+    return w;
   }
   if (rename(tmp.c_str(), path_.c_str()) != 0) {
     const int e = errno;

@@ -9,8 +9,13 @@
 // read it, edit it or ship it with a model. Writers on one host — the ranks of a job — merge:
 // each takes an exclusive lock on "<file>.lock", reads the file, overlays its own entries,
 // writes a temporary file and renames it over the old one. Readers never see half a file.
+//
+// The file and its lock are private files (src/common/private_file.h): no symbolic link, a regular
+// file of this user that nobody else may write, at most kMaxFileBytes; the lock is taken within
+// lock_timeout_ms (another process holding it fails the write with kTimeout, nothing hangs).
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -48,6 +53,9 @@ class SplitMemory {
   size_t size() const;
   void clear();
 
+  static constexpr size_t kMaxFileBytes = size_t{4} << 20;  // ~40k entries
+  void set_lock_timeout_ms(int64_t ms) { lock_timeout_ms_ = ms; }
+
   // The file's text for these entries, and its parser (exposed for the tests).
   static std::string format(const std::map<std::string, int>& entries);
   static Status parse(const std::string& text, const std::string& where, std::map<std::string, int>* out);
@@ -59,6 +67,7 @@ class SplitMemory {
   std::map<std::string, int> entries_;
   std::string path_;
   bool dirty_ = false;
+  int64_t lock_timeout_ms_ = 10000;
 };
 
 }  // namespace ops
