@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -12,9 +13,10 @@
 namespace mk {
 
 Status CommandRing::create(uint64_t capacity, bool gpu, std::unique_ptr<CommandRing>* out) {
-  MK_REQUIRE(capacity >= 2 && (capacity & (capacity - 1)) == 0, Code::kInvalidArgument,
-             "command ring capacity must be a power of two >= 2, got %llu",
-             static_cast<unsigned long long>(capacity));
+  MK_REQUIRE(capacity >= 2 && capacity <= kMaxCapacity && (capacity & (capacity - 1)) == 0,
+             Code::kInvalidArgument, "command ring capacity must be a power of two in [2, %llu], got %llu",
+             static_cast<unsigned long long>(kMaxCapacity), static_cast<unsigned long long>(capacity));
+  static_assert(kMaxCapacity <= SIZE_MAX / sizeof(Command), "the ring's byte count must not wrap");
   std::unique_ptr<CommandRing> r(new CommandRing());
   r->capacity_ = capacity;
   r->gpu_ = gpu;
@@ -57,25 +59,33 @@ RingView CommandRing::view(const uint64_t* abort) const {
 Status CommandRing::push(const Command& c, int64_t timeout_ms, const std::atomic<uint64_t>* abort) {
   MK_REQUIRE(!gpu_, Code::kInvalidArgument,
              "command ring: this ring serves GPU producers; CPU pushes would race their claims");
-  const uint64_t slot = host_head_.fetch_add(1, std::memory_order_relaxed);
-  if (slot >= __atomic_load_n(tail_, __ATOMIC_ACQUIRE) + capacity_) {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-    int spins = 0;
-    while (slot >= __atomic_load_n(tail_, __ATOMIC_ACQUIRE) + capacity_) {
-      if (abort && abort->load(std::memory_order_acquire))
-        return make_status(Code::kRemoteError, "command ring: proxy failed while slot %llu waited for room",
-                           static_cast<unsigned long long>(slot));
-      if (++spins > 64) {
-        if (std::chrono::steady_clock::now() > deadline)
-          return make_status(Code::kTimeout,
-                             "command ring: no room for slot %llu within %lld ms (proxy consumed %llu "
-                             "of %llu slots): is the proxy running?",
-                             static_cast<unsigned long long>(slot), static_cast<long long>(timeout_ms),
-                             static_cast<unsigned long long>(__atomic_load_n(tail_, __ATOMIC_ACQUIRE)),
-                             static_cast<unsigned long long>(capacity_));
-        std::this_thread::yield();
-      }
+  // A slot is claimed only once it has room, so a push that gives up leaves no claimed slot
+  // behind: the ring goes on (a claimed, never published slot would stall the proxy for good).
+  uint64_t slot = host_head_.load(std::memory_order_relaxed);
+  auto deadline = std::chrono::steady_clock::time_point::max();
+  int spins = 0;
+  for (;;) {
+    if (slot < __atomic_load_n(tail_, __ATOMIC_ACQUIRE) + capacity_) {
+      if (host_head_.compare_exchange_weak(slot, slot + 1, std::memory_order_relaxed)) break;
+      continue;  // another producer took it: `slot` now holds the current head
     }
+    if (abort && abort->load(std::memory_order_acquire))
+      return make_status(Code::kRemoteError, "command ring: proxy failed while slot %llu waited for room",
+                         static_cast<unsigned long long>(slot));
+    if (++spins > 64) {
+      const auto now = std::chrono::steady_clock::now();
+      if (deadline == std::chrono::steady_clock::time_point::max())
+        deadline = now + std::chrono::milliseconds(timeout_ms);
+      if (now > deadline)
+        return make_status(Code::kTimeout,
+                           "command ring: no room for slot %llu within %lld ms (proxy consumed %llu "
+                           "of %llu slots): is the proxy running?",
+                           static_cast<unsigned long long>(slot), static_cast<long long>(timeout_ms),
+                           static_cast<unsigned long long>(__atomic_load_n(tail_, __ATOMIC_ACQUIRE)),
+                           static_cast<unsigned long long>(capacity_));
+      std::this_thread::yield();
+    }
+    slot = host_head_.load(std::memory_order_relaxed);
   }
   Command* s = &slots_[slot & (capacity_ - 1)];
   Command tmp = c;

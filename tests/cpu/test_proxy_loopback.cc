@@ -106,6 +106,66 @@ TEST(LoopbackFault, FailedStagingCopyPostsNothingMore) {
 INSTANTIATE_TEST_SUITE_P(World, Loopback, ::testing::Values(1, 2, 3, 4),
                          [](const auto& i) { return "W" + std::to_string(i.param); });
 
+// The ring's size is checked before its bytes are computed (2^58 slots once wrapped to a
+// 0-byte allocation that the first push overflowed).
+TEST(CommandRing, CapacityIsBounded) {
+  std::unique_ptr<CommandRing> r;
+  for (uint64_t bad : {uint64_t{0}, uint64_t{1}, uint64_t{3}, uint64_t{6}, CommandRing::kMaxCapacity * 2,
+                       uint64_t{1} << 58, uint64_t{1} << 63}) {
+    Status s = CommandRing::create(bad, /*gpu=*/false, &r);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << bad << ": " << s.to_string();
+    EXPECT_EQ(r, nullptr);
+  }
+  MK_EXPECT_OK(CommandRing::create(uint64_t{1} << 16, false, &r));
+  MK_EXPECT_OK(CommandRing::create(2, false, &r));
+}
+
+// A push into a full ring times out and claims nothing: the ring goes on once the proxy
+// consumes (a claimed, never published slot once stalled the consumer for good). Several
+// producers racing for the last slots each get a slot or a timeout, never a hole.
+TEST(CommandRing, APushThatTimesOutLeavesNoHole) {
+  std::unique_ptr<CommandRing> r;
+  MK_ASSERT_OK(CommandRing::create(4, false, &r));
+  uint64_t next_user = 1;
+  auto cmd = [&] { return make_put(0, 0, 0, 0, 0, 8, kNoFlag, kNoFlag, next_user++); };
+  for (int i = 0; i < 4; ++i) MK_ASSERT_OK(r->push(cmd(), 1000));
+  Status full = r->push(cmd(), 50);  // user 5: never enters the ring
+  EXPECT_EQ(full.code(), Code::kTimeout) << full.to_string();
+  std::vector<uint64_t> seen;
+  auto consume = [&] {
+    Command c;
+    ASSERT_TRUE(r->peek(&c));
+    seen.push_back(c.user);
+    r->pop();
+  };
+  consume();
+  MK_ASSERT_OK(r->push(cmd(), 1000));  // user 6
+  // Four producer threads race for what room there is: 1 slot now, 2 more after 2 pops.
+  std::atomic<int> ok{0}, timed_out{0};
+  std::vector<std::thread> th;
+  for (int t = 0; t < 4; ++t)
+    th.emplace_back([&, t] {
+      Status s = r->push(make_put(0, 0, 0, 0, 0, 8, kNoFlag, kNoFlag, 100 + t), 400);
+      (s.ok() ? ok : timed_out)++;
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  consume();
+  consume();
+  for (auto& t : th) t.join();
+  EXPECT_EQ(ok.load(), 2);
+  EXPECT_EQ(timed_out.load(), 2);
+  Command c;
+  while (r->peek(&c)) {
+    seen.push_back(c.user);
+    r->pop();
+  }
+  ASSERT_EQ(seen.size(), 7u);  // 4 + user 6 + 2 racers, in ring order without a gap
+  EXPECT_EQ(std::vector<uint64_t>(seen.begin(), seen.begin() + 5), (std::vector<uint64_t>{1, 2, 3, 4, 6}));
+  EXPECT_GE(seen[5], 100u);
+  EXPECT_GE(seen[6], 100u);
+  EXPECT_EQ(r->consumed(), 7u);
+}
+
 }  // namespace
 }  // namespace test
 }  // namespace mk

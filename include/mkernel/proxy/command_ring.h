@@ -5,9 +5,11 @@
 //  - slots and `tail` live in pinned host memory mapped into the GPU (plain host memory when
 //    the machine has no GPU); the GPU producers' claim counter `head` lives in device memory,
 //    CPU producers use a host counter. One ring serves GPU producers or CPU producers, not both.
-//  - claim: slot = atomicAdd(head, 1) (fetch_add for CPU producers). Slots are never dropped.
-//  - back-pressure: a producer waits (bounded) until slot < tail + capacity, reading tail with
-//    acquire semantics (system scope on the GPU).
+//  - claim: slot = atomicAdd(head, 1) on the GPU, then back-pressure: the producer waits
+//    (bounded) until slot < tail + capacity, reading tail with acquire semantics (system scope).
+//    A GPU wait that expires fails the communicator, ring and all. CPU producers claim only a
+//    slot that has room (compare-and-swap on head once head < tail + capacity), so a CPU push
+//    that gives up leaves the ring usable. Slots are never dropped.
 //  - publish: every field but seq, a system-scope fence (__threadfence_system / release), then
 //    seq = slot + 1 with a release store.
 //  - consume (proxy only): acquire-load seq of slot `tail`; equal to tail + 1 means published;
@@ -26,7 +28,8 @@ namespace mk {
 
 class CommandRing {
  public:
-  // capacity: a power of two >= 2. gpu: allocate pinned mapped memory and a device head
+  static constexpr uint64_t kMaxCapacity = uint64_t{1} << 24;  // the proxy_ring_slots maximum
+  // capacity: a power of two in [2, kMaxCapacity]. gpu: allocate pinned mapped memory and a device head
   // (needs a GPU); else plain host memory (CPU producers only).
   static Status create(uint64_t capacity, bool gpu, std::unique_ptr<CommandRing>* out);
   ~CommandRing();
@@ -38,7 +41,8 @@ class CommandRing {
   uint64_t capacity() const { return capacity_; }
 
   // CPU producer, thread-safe. Waits for room at most timeout_ms (kTimeout naming the ring
-  // and the proxy's progress), or until *abort becomes non-zero (kRemoteError).
+  // and the proxy's progress), or until *abort becomes non-zero (kRemoteError); a push that
+  // fails claimed nothing.
   Status push(const Command& c, int64_t timeout_ms, const std::atomic<uint64_t>* abort = nullptr);
 
   // Consumer side (the proxy thread only).
