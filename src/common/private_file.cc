@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "mkernel/common/check.h"
+#include "src/common/deadline.h"
 
 namespace mk {
 
@@ -99,7 +100,7 @@ Status PrivateFileLock::lock(const std::string& path, int64_t timeout_ms, const 
   MK_REQUIRE(fd_ < 0, Code::kInternal, "%s: %s is locked already", what, path.c_str());
   int fd = -1;
   MK_CHECK(open_private_file(path, O_RDWR | O_CREAT, what, &fd));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto deadline = deadline_after_ms(timeout_ms);
   auto pause = std::chrono::milliseconds(1);
   while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;

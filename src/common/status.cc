@@ -12,6 +12,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
+#include "src/common/deadline.h"
 
 namespace mk {
 
@@ -76,7 +77,7 @@ Status errno_status(int err, const char* expr, const char* file, int line) {
 }  // namespace detail
 
 Status sync_stream_bounded(cudaStream_t stream, int64_t timeout_ms, const char* what) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto deadline = deadline_after_ms(timeout_ms);
   for (;;) {
     cudaError_t e = cudaStreamQuery(stream);
     if (e == cudaSuccess) return OkStatus();

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "mkernel/common/cuda_check.h"
+#include "src/common/deadline.h"
 
 namespace mk {
 
@@ -75,7 +76,7 @@ Status CommandRing::push(const Command& c, int64_t timeout_ms, const std::atomic
     if (++spins > 64) {
       const auto now = std::chrono::steady_clock::now();
       if (deadline == std::chrono::steady_clock::time_point::max())
-        deadline = now + std::chrono::milliseconds(timeout_ms);
+        deadline = deadline_after_ms(timeout_ms);
       if (now > deadline)
         return make_status(Code::kTimeout,
                            "command ring: no room for slot %llu within %lld ms (proxy consumed %llu "

@@ -18,6 +18,7 @@
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
 #include "src/runtime/cuda_driver.h"
+#include "src/common/deadline.h"
 
 namespace mk {
 namespace {
@@ -357,7 +358,7 @@ bool ProxyImpl::poll() {
 // names the culprit: later puts to healthy peers can queue behind it in the backend.
 void ProxyImpl::check_stalls() {
   if (failed_.load(std::memory_order_relaxed) || inflight_ == 0) return;
-  const uint64_t now = now_ns(), limit = static_cast<uint64_t>(timeout_ms_) * 1000000ull;
+  const uint64_t now = now_ns(), limit = ms_to_ns(timeout_ms_);
   const Op* oldest = nullptr;
   for (const Op& op : ops_)
     if (op.live && (!oldest || op.start_ns < oldest->start_ns)) oldest = &op;
@@ -399,7 +400,7 @@ Status ProxyImpl::flush(int64_t timeout_ms) {
   if (timeout_ms < 0) timeout_ms = timeout_ms_;
   MK_REQUIRE(running_.load(), Code::kInvalidArgument, "proxy flush: not started");
   // Wait for the ring to be consumed up to what was pushed now, and for an idle pass after.
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto deadline = deadline_after_ms(timeout_ms);
   const RingView v = ring_->view();
   for (;;) {
     Status s = status();

@@ -12,6 +12,7 @@
 #include "src/common/fault.h"
 #include "src/runtime/heap_context.h"
 #include "src/runtime/ipc_socket.h"
+#include "src/common/deadline.h"
 
 namespace mk {
 
@@ -299,7 +300,7 @@ WaitCtx Communicator::wait_ctx(uint32_t op_tag, Role role, int64_t timeout_ms) c
   c.diag = diag_;  // mapped pinned memory: the host pointer is valid on the device (UVA)
   c.claim = diag_claim_;
   c.abort = abort_word_;
-  c.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  c.timeout_ns = ms_to_ns(timeout_ms);
   c.rank = topo_.rank;
   c.op_tag = op_tag;
   c.role = static_cast<uint32_t>(role);

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <random>
@@ -708,6 +709,27 @@ TEST(StoreBootstrap, TellsTheStoreHowLargeAValueMayBe) {
   EXPECT_EQ(asked["cap/0/1"], bytes);
   for (const auto& [key, max_bytes] : asked)
     if (key.find("/abort") != std::string::npos) EXPECT_LE(max_bytes, 16u) << key;
+}
+
+// A caller's huge timeout waits (saturating at a century) instead of wrapping into a deadline
+// in the past: INT64_MAX ms once failed at once ("did not arrive within 9223372036854775807 ms").
+TEST(StoreBootstrap, AHugeTimeoutWaitsInsteadOfFailing) {
+  MemStore store;
+  std::vector<Status> st(2);
+  uint8_t got[2][2] = {};
+  run_ranks(2, [&](int rank) {
+    std::unique_ptr<Bootstrap> b;
+    st[rank] = make_store_bootstrap(rank, 2, "huge", store.callbacks(), &b);
+    if (!st[rank].ok()) return;
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    uint8_t mine = static_cast<uint8_t>(40 + rank);
+    st[rank] = b->allgather(&mine, got[rank], 1, std::numeric_limits<int64_t>::max());
+  });
+  for (int r = 0; r < 2; ++r) {
+    MK_EXPECT_OK(st[r]);
+    EXPECT_EQ(got[r][0], 40);
+    EXPECT_EQ(got[r][1], 41);
+  }
 }
 
 TEST(StoreBootstrap, StoreErrorsPropagate) {

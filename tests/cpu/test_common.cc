@@ -2,8 +2,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <set>
 #include <sstream>
@@ -13,6 +15,7 @@
 #include "mkernel/common/log.h"
 #include "mkernel/common/status.h"
 #include "mkernel/common/tunables.h"
+#include "src/common/deadline.h"
 #include "src/common/fault.h"
 #include "tests/common/test_util.h"
 
@@ -597,6 +600,26 @@ TEST(Log, SubsystemMaskAndExclusion) {
   MK_ASSERT_OK(tunables::reset("debug"));
   EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysMem));
   EXPECT_TRUE(log_enabled(LogLevel::kWarn, kSubsysBoot));
+}
+
+// Time limits saturate: a huge count waits about a century, a negative one not at all, and a
+// nanosecond count never wraps (src/common/deadline.h).
+TEST(Deadline, SaturatesInsteadOfWrapping) {
+  using std::chrono::hours;
+  const auto now = std::chrono::steady_clock::now();
+  EXPECT_GT(deadline_after_ms(std::numeric_limits<int64_t>::max()), now + hours(24 * 365 * 99));
+  EXPECT_GT(deadline_after_ms(9300000000000), now + hours(24 * 365 * 99));  // 9.3e12 ms: past a century
+  const auto negative = deadline_after_ms(-5);
+  EXPECT_LE(negative, std::chrono::steady_clock::now());
+  const auto d = deadline_after_ms(1500);
+  EXPECT_GE(d, now + std::chrono::milliseconds(1500));
+  EXPECT_LT(d, now + std::chrono::milliseconds(61500));
+  EXPECT_EQ(ms_to_ns(std::numeric_limits<int64_t>::max()), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(ms_to_ns(int64_t{18446744073709}), 18446744073709000000ull);  // the largest that fits
+  EXPECT_EQ(ms_to_ns(int64_t{18446744073710}), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(ms_to_ns(7), 7000000u);
+  EXPECT_EQ(ms_to_ns(0), 0u);
+  EXPECT_EQ(ms_to_ns(-3), 0u);
 }
 
 // MK_DEBUG_FILE is a private file: a symbolic link there (another user's trap in a shared

@@ -32,6 +32,7 @@
 #include "src/common/env_defaults.h"
 #include "src/common/fault.h"
 #include "src/net/net_internal.h"
+#include "src/common/deadline.h"
 
 namespace mk {
 namespace net {
@@ -125,7 +126,7 @@ void keep_until_exit(std::unique_ptr<Abandoned> a);
 
 using Clock = std::chrono::steady_clock;
 
-inline Clock::time_point after_ms(int64_t ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+inline Clock::time_point after_ms(int64_t ms) { return deadline_after_ms(ms); }
 
 // Polling pause for the blocking loops (quiesce, sends): yields first, then sleeps briefly,
 // so four ranks on two cores still make progress.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "mkernel/common/status.h"
+#include "src/common/deadline.h"
 
 namespace mk {
 namespace detail {
@@ -38,7 +39,7 @@ class Backoff {
 
 using Clock = std::chrono::steady_clock;
 inline Clock::time_point deadline_after(int64_t ms) {
-  return Clock::now() + std::chrono::milliseconds(ms);
+  return deadline_after_ms(ms);
 }
 
 }  // namespace detail
