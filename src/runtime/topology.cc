@@ -12,6 +12,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "src/common/wire.h"
 
 namespace mk {
 
@@ -75,6 +76,8 @@ Status build_topology(int rank, const std::vector<RankInfo>& infos, int ranks_pe
                r, infos[r].version, kRankInfoVersion);
     MK_REQUIRE(infos[r].rank == r, Code::kInternal, "topology: slot %d holds rank %d", r,
                infos[r].rank);
+    MK_REQUIRE(is_terminated(infos[r].hostname) && is_terminated(infos[r].pci_bus_id), Code::kMismatch,
+               "topology: rank %d's host name or PCI bus id is not terminated (not an mkernel rank?)", r);
   }
   MK_REQUIRE(ranks_per_node >= 0, Code::kInvalidArgument, "ranks_per_node must be >= 0, got %d",
              ranks_per_node);

@@ -15,6 +15,7 @@
 
 #include "mkernel/runtime/bootstrap.h"
 #include "src/comm/session.h"
+#include "src/common/wire.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -172,6 +173,39 @@ TEST_P(ThreadWorld, AgreeAllOk) {
       EXPECT_TRUE(s.ok()) << "rank " << rank << ": " << s.to_string();
     }
   });
+}
+
+// What a peer sends agree() is not trusted: an outcome whose message fills its field without a
+// terminator and whose code is no mk::Code gives a message cut at the field's end and
+// kRemoteError (before, the message was read past the payload and the code passed through).
+TEST(ThreadWorldAgree, MalformedOutcomeFromAPeer) {
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(2, &bs));
+  struct Outcome {  // agree()'s payload
+    int32_t code;
+    char msg[252];
+  };
+  Status got;
+  run_ranks(2, [&](int rank) {
+    if (rank == 0) {
+      got = agree(*bs[0], OkStatus(), "step", kOpTimeoutMs);
+      return;
+    }
+    Outcome o;
+    o.code = 77;
+    memset(o.msg, 'x', sizeof(o.msg));
+    Outcome all[2];
+    (void)bs[1]->allgather(&o, all, sizeof(o), kOpTimeoutMs);
+  });
+  EXPECT_EQ(got.code(), Code::kRemoteError) << got.to_string();
+  EXPECT_EQ(std::count(got.message().begin(), got.message().end(), 'x'), 251) << got.message();
+  EXPECT_NE(got.message().find("rank(s) 1"), std::string::npos) << got.message();
+}
+
+TEST(Wire, CodesFromPeersStayInRange) {
+  EXPECT_EQ(code_from_wire(static_cast<int32_t>(Code::kTimeout)), Code::kTimeout);
+  EXPECT_EQ(code_from_wire(static_cast<int32_t>(Code::kInternal)), Code::kInternal);
+  for (int32_t bad : {0, -1, 11, 77, INT32_MIN, INT32_MAX}) EXPECT_EQ(code_from_wire(bad), Code::kRemoteError) << bad;
 }
 
 // Worlds of two ranks and more (one rank has no other rank to report).

@@ -365,6 +365,25 @@ TEST_F(TopologyTest, VersionMismatchAndBadSlot) {
   EXPECT_FALSE(build_topology(0, infos, 0, allow_all, &t).ok());
 }
 
+// A peer's strings are not trusted: a host name or PCI bus id without its terminator (what
+// no mkernel rank sends) is refused, naming the rank, instead of being read past its end.
+TEST_F(TopologyTest, UnterminatedStringsFromAPeerAreRefused) {
+  auto hosts = make_hosts(rng, 1);
+  for (int field = 0; field < 2; ++field) {
+    std::vector<RankInfo> infos;
+    for (int r = 0; r < 3; ++r) infos.push_back(make_info(r, hosts[0], 70 + r, -1, 0));
+    const int bad = 1 + static_cast<int>(rng() % 2);
+    if (field == 0)
+      memset(infos[bad].hostname, 'h', sizeof(infos[bad].hostname));
+    else
+      memset(infos[bad].pci_bus_id, 'p', sizeof(infos[bad].pci_bus_id));
+    Topology t;
+    Status s = build_topology(0, infos, 0, allow_all, &t);
+    EXPECT_EQ(s.code(), Code::kMismatch) << s.to_string();
+    EXPECT_NE(s.message().find("rank " + std::to_string(bad) + "'s"), std::string::npos) << s.message();
+  }
+}
+
 TEST_F(TopologyTest, HostLocalIndex) {
   auto hosts = make_hosts(rng, 3);
   // Random assignment of 12 ranks to 3 hosts; the index counts lower ranks on the same host.

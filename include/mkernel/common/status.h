@@ -18,7 +18,7 @@ enum class Code : int {
   kNotSupported = 7,     // feature absent on this machine/build
   kRemoteError = 8,      // another rank reported a failure
   kPermissionDenied = 9, // a peer failed authentication
-  kInternal = 10,        // a broken invariant inside mkernel
+  kInternal = 10,        // a broken invariant inside mkernel (the last: src/common/wire.h reads up to it)
 };
 
 const char* code_name(Code c);

@@ -3,6 +3,7 @@
 #include "src/net/libfabric/libfabric_internal.h"
 
 #include "src/common/random.h"
+#include "src/common/wire.h"
 
 namespace mk {
 namespace net {
@@ -425,6 +426,10 @@ Status LibfabricBackend::exchange_addresses() {
   std::vector<AddrMsg> all(world_);
   MK_CHECK(bs_.allgather(&mine, all.data(), sizeof(AddrMsg)));
   for (int r = 0; r < world_; ++r) {
+    terminate_received(all[r].prov);  // a peer's message is not trusted to be well formed
+    terminate_received(all[r].fabric);
+    MK_REQUIRE(all[r].len >= 1 && all[r].len <= kAddrMax, Code::kMismatch,
+               "libfabric: rank %d sent an address of %u bytes (at most %zu)", r, all[r].len, kAddrMax);
     MK_REQUIRE(strcmp(all[r].prov, mine.prov) == 0, Code::kMismatch,
                "libfabric: rank %d uses provider %s, rank %d uses %s: every rank must use the "
                "same one (set MK_NET_PROVIDER alike everywhere)",

@@ -11,6 +11,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/tunables.h"
 #include "src/runtime/bootstrap/bootstrap_util.h"
+#include "src/common/wire.h"
 
 namespace mk {
 
@@ -128,7 +129,7 @@ void Bootstrap::exchange_notices() {
   for (auto& [r, n] : in) {
     if (r < 0 || r >= W || r == rank() || n.size != sizeof(FailureNotice) || n.version != kFailureNoticeVersion)
       continue;
-    n.message[sizeof(n.message) - 1] = '\0';
+    terminate_received(n.message);
     if (!f.have[r] || (f.peer[r].heard && !n.heard)) f.peer[r] = n;
     f.have[r] = true;
     std::lock_guard<std::mutex> g(f.mu);
@@ -221,7 +222,7 @@ Status Bootstrap::failure_report(int64_t grace_ms) {
       continue;
     }
     if (f.peer[r].heard) heard_only.push_back(r);
-    else own.push_back({r, static_cast<Code>(f.peer[r].code), notice_text(f.peer[r])});
+    else own.push_back({r, code_from_wire(f.peer[r].code), notice_text(f.peer[r])});
   }
   const Cause* primary = nullptr;
   const Cause* cuda = nullptr;
@@ -321,11 +322,13 @@ Status agree(Bootstrap& bs, const Status& mine, const std::string& what, int64_t
     return gathered;
   }
   std::vector<int> failed;
-  for (int r = 0; r < bs.size(); ++r)
+  for (int r = 0; r < bs.size(); ++r) {
+    terminate_received(all[r].msg);  // a peer's outcome is not trusted to be well formed
     if (all[r].code != 0) failed.push_back(r);
+  }
   if (failed.empty()) return OkStatus();
   const Outcome& first = all[failed[0]];
-  return make_status(static_cast<Code>(first.code), "%s failed on rank(s) %s: %s", what.c_str(),
+  return make_status(code_from_wire(first.code), "%s failed on rank(s) %s: %s", what.c_str(),
                      detail::rank_list(failed).c_str(), first.msg);
 }
 
