@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <bitset>
 #include <chrono>
+#include <fstream>
 #include <cstddef>
 #include <cstring>
 #include <random>
@@ -25,6 +26,7 @@
 
 #include "mkernel/common/log.h"
 #include "src/runtime/ipc_socket.h"
+#include "mkernel/common/tunables.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -413,6 +415,42 @@ TEST_F(IpcSocket, WrongTokenIsRefused) {
   EXPECT_EQ(count_diff(read_all(got), bytes), 0u);
   close(got);
   close(fd);
+}
+
+// A flood of refused connections (another local user's, or a broken client) is counted in full
+// but logged only for the first few and then at each power of two: 200 refusals, at most
+// 4 + 8 lines (before, one WARN line each).
+TEST_F(IpcSocket, RefusalFloodDoesNotFloodTheLog) {
+  char tmpl[] = "/tmp/mk-ipclog-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string log = std::string(tmpl) + "/log";
+  MK_ASSERT_OK(tunables::set("debug", "WARN"));
+  MK_ASSERT_OK(tunables::set("debug_file", log));
+  IpcSecret wrong = secret_;
+  wrong.token[0] ^= 1;
+  const int kFlood = 200;
+  for (int i = 0; i < kFlood; ++i) {
+    int got = -1;
+    EXPECT_EQ(ipc_fetch_fd(wrong, 1, rank_, server_->name(), 7, kFetchTimeoutMs, &got).code(),
+              Code::kPermissionDenied);
+  }
+  EXPECT_EQ(wait_for_count([&] { return server_->refused(); }, kFlood), static_cast<uint64_t>(kFlood));
+  MK_ASSERT_OK(tunables::reset("debug_file"));  // closes the log
+  MK_ASSERT_OK(tunables::reset("debug"));
+  std::ifstream f(log);
+  std::string line;
+  int refused_lines = 0;
+  bool says_count = false;
+  while (std::getline(f, line)) {
+    if (line.find("refused: wrong job token") == std::string::npos) continue;
+    ++refused_lines;
+    says_count |= line.find("refusal 128;") != std::string::npos;
+  }
+  EXPECT_GE(refused_lines, 4);
+  EXPECT_LE(refused_lines, 4 + 8);
+  EXPECT_TRUE(says_count) << "the 128th refusal is logged with its count";
+  unlink(log.c_str());
+  rmdir(tmpl);
 }
 
 // The right token is no use without the name: a name nobody bound, or no name, reaches nothing.
