@@ -35,7 +35,11 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <fstream>
 
 #include "mkernel/runtime/bootstrap_mpi.h"
 #include "src/net/libfabric/libfabric_internal.h"
@@ -674,6 +678,58 @@ struct RawShmEndpoint {
     if (info) fi_freeinfo(info);
   }
 };
+
+// A process killed before closing its shm endpoint leaves its 16 MiB region in /dev/shm, and no
+// later run removed it. The backend now removes, before opening an shm endpoint, the regions it
+// named whose process is gone, of this user only; everything else stays. Planted in a folder of
+// the test's own (each rank its own).
+TEST(LeftoverShmRegions, OfDeadProcessesAreRemoved) {
+  char tmpl[] = "/tmp/mk-shm-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const pid_t dead = fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) _exit(0);
+  ASSERT_EQ(waitpid(dead, nullptr, 0), dead);  // reaped: the pid names no process now
+  const unsigned uid = geteuid();
+  auto name = [](long pid, unsigned u, int n, const char* tail) {
+    return std::to_string(pid) + ":" + std::to_string(u) + ":" + std::to_string(n) + tail;
+  };
+  const char* hex = "-mk0123456789abcdef";
+  const std::string gone = name(dead, uid, 0, hex);
+  const std::vector<std::string> kept_files = {
+      name(getpid(), uid, 1, hex),                          // alive
+      name(dead, uid + 1, 2, hex),                          // another uid in the name
+      name(dead, uid, 3, ""),                               // the provider's own name, not ours
+      name(dead, uid, 4, "-mk0123456789abcdefx"),           // more after the nonce
+      name(dead, uid, 5, "-mk0123456789abcde"),             // a short nonce
+  };
+  for (const auto& f : kept_files) {
+    std::ofstream(dir + "/" + f) << "x";
+  }
+  std::ofstream(dir + "/" + gone) << "x";
+  const std::string link = name(dead, uid, 6, hex);  // a link is never followed nor removed
+  ASSERT_EQ(symlink((dir + "/" + kept_files[0]).c_str(), (dir + "/" + link).c_str()), 0);
+  std::string foreign;
+  if (uid == 0) {  // a file of another user under a name of ours: kept
+    foreign = name(dead, uid, 7, hex);
+    std::ofstream(dir + "/" + foreign) << "x";
+    ASSERT_EQ(chown((dir + "/" + foreign).c_str(), 65534, 65534), 0);
+  }
+  EXPECT_EQ(net::lf::remove_dead_shm_regions(dir), 1);
+  EXPECT_NE(access((dir + "/" + gone).c_str(), F_OK), 0) << gone << " is still there";
+  std::vector<std::string> kept = kept_files;
+  kept.push_back(link);
+  if (!foreign.empty()) kept.push_back(foreign);
+  for (const auto& f : kept) {
+    struct stat st;
+    EXPECT_EQ(lstat((dir + "/" + f).c_str(), &st), 0) << f << " was removed";
+    unlink((dir + "/" + f).c_str());
+  }
+  EXPECT_EQ(net::lf::remove_dead_shm_regions(dir), 0);
+  rmdir(dir.c_str());
+  EXPECT_EQ(net::lf::remove_dead_shm_regions("/nonexistent-mk-dir"), 0);
+}
 
 // A window registration refused on one rank (MK_FAULT register:error, as a provider out of
 // registrable memory would): every rank's register_window returns the same error naming that

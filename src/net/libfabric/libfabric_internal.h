@@ -109,6 +109,11 @@ std::vector<fi_info*> usable_infos(fi_info* head, const std::string& prov, bool 
 fi_info* pick_info(const std::vector<fi_info*>& v, const std::string& prov, bool one_host, int host_local);
 // The unusual limits of udp;ofi_rxd (kNotSupported when this job cannot fit them).
 Status rxd_fits(const Topology& topo, const std::string& prov);
+// Removes, from `dir` (/dev/shm), the shm endpoint regions mkernel named ("<pid>:<uid>:<n>-mk"
+// and 16 hex digits) whose process is gone: this user's, a regular file, the pid no longer
+// alive. A process killed before closing its endpoint leaves its 16 MiB behind, and no later run
+// would remove it. Returns how many were removed.
+int remove_dead_shm_regions(const std::string& dir);
 
 // memory its posted receives and pending puts point at. Kept, reachable, until the process ends.
 struct Abandoned {

@@ -2,6 +2,15 @@
 // the entry points (see src/net/libfabric/libfabric_internal.h).
 #include "src/net/libfabric/libfabric_internal.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+
 #include "src/common/random.h"
 #include "src/common/wire.h"
 
@@ -211,6 +220,33 @@ Status LibfabricBackend::choose_provider(const Topology& topo, const std::string
 // left through _exit) leaves its region behind; once the pid is recycled (quickly in
 // containers), the new process with that pid can no longer open an endpoint. A nonce in the
 // name makes every endpoint's region its own, whatever was left behind.
+int remove_dead_shm_regions(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (!d) return 0;
+  const uid_t me = geteuid();
+  int removed = 0;
+  while (const dirent* e = readdir(d)) {
+    // "<pid>:<uid>:<n>-mk<16 hex>", nothing more.
+    unsigned long pid = 0, uid = 0, n = 0;
+    char hex[17] = {0};
+    int used = 0;
+    if (sscanf(e->d_name, "%lu:%lu:%lu-mk%16[0-9a-f]%n", &pid, &uid, &n, hex, &used) != 4 ||
+        e->d_name[used] != '\0' || strlen(hex) != 16 || uid != me || pid == 0 || pid > 0x7fffffffUL)
+      continue;
+    struct stat st;
+    if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || st.st_uid != me)
+      continue;
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to ask)
+    if (unlinkat(dirfd(d), e->d_name, 0) == 0) {
+      ++removed;
+      MK_INFO(kSubsysNet, "removed %s/%s: the shm region of process %lu, which is gone", dir.c_str(), e->d_name,
+              pid);
+    }
+  }
+  closedir(d);
+  return removed;
+}
+
 void LibfabricBackend::name_shm_endpoint() {
   const char* p = info_->fabric_attr ? info_->fabric_attr->prov_name : nullptr;
   if (!p || strcmp(p, "shm") != 0) return;
@@ -225,6 +261,7 @@ void LibfabricBackend::name_shm_endpoint() {
     return;
   }
   base[sizeof(base) - 1] = 0;
+  (void)remove_dead_shm_regions("/dev/shm");  // what killed processes of this user left
   std::random_device rd;
   const uint64_t nonce =
       ((static_cast<uint64_t>(rd()) << 32) ^ rd()) ^
