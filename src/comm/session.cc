@@ -135,15 +135,13 @@ Status OpSession::upload_bytes(const void* src, size_t bytes, void** out) {
   if (!bytes) return OkStatus();
   MK_CUDA_CHECK(cudaMalloc(out, bytes));
   dev_allocs_.push_back(*out);
-  MK_CUDA_CHECK(cudaMemcpy(*out, src, bytes, cudaMemcpyHostToDevice));
-  return OkStatus();
+  return copy_bounded(*out, src, bytes, -1, (name_ + ": uploading its tables").c_str());
 }
 
 Status OpSession::alloc_zeroed(size_t bytes, void** out) {
   MK_CUDA_CHECK(cudaMalloc(out, bytes));
   dev_allocs_.push_back(*out);
-  MK_CUDA_CHECK(cudaMemset(*out, 0, bytes));
-  return OkStatus();
+  return zero_bounded(*out, bytes, -1, (name_ + ": zeroing a workspace").c_str());
 }
 
 Status OpSession::check_call() const {

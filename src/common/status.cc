@@ -3,6 +3,10 @@
 #include <cerrno>
 #include <chrono>
 #include <thread>
+#include <algorithm>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -12,6 +16,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
 #include "src/common/deadline.h"
 
 namespace mk {
@@ -91,6 +96,64 @@ Status sync_stream_bounded(cudaStream_t stream, int64_t timeout_ms, const char* 
                          what, static_cast<long long>(timeout_ms));
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+}
+
+int64_t device_setup_timeout_ms() { return std::max<int64_t>(2 * tunables::signal_timeout_ms(), 10000); }
+
+namespace {
+// A non-blocking stream for one bounded operation; destroyed on scope exit (work still queued
+// on it finishes first, in the driver, without the host waiting).
+struct OwnStream {
+  cudaStream_t s = nullptr;
+  ~OwnStream() {
+    if (s) (void)cudaStreamDestroy(s);
+  }
+};
+}  // namespace
+
+Status copy_bounded(void* dst, const void* src, size_t bytes, int64_t timeout_ms, const char* what) {
+  if (!bytes) return OkStatus();
+  OwnStream st;
+  MK_CUDA_CHECK(cudaStreamCreateWithFlags(&st.s, cudaStreamNonBlocking));
+  MK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st.s));
+  return sync_stream_bounded(st.s, timeout_ms < 0 ? device_setup_timeout_ms() : timeout_ms, what);
+}
+
+Status zero_bounded(void* dst, size_t bytes, int64_t timeout_ms, const char* what) {
+  if (!bytes) return OkStatus();
+  OwnStream st;
+  MK_CUDA_CHECK(cudaStreamCreateWithFlags(&st.s, cudaStreamNonBlocking));
+  MK_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, st.s));
+  return sync_stream_bounded(st.s, timeout_ms < 0 ? device_setup_timeout_ms() : timeout_ms, what);
+}
+
+Status device_sync_bounded(int64_t timeout_ms, const char* what) {
+  if (timeout_ms < 0) timeout_ms = device_setup_timeout_ms();
+  int dev = 0;
+  MK_CUDA_CHECK(cudaGetDevice(&dev));
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    cudaError_t err = cudaSuccess;
+  };
+  auto sh = std::make_shared<Shared>();
+  std::thread([sh, dev] {
+    cudaError_t e = cudaSetDevice(dev);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    std::lock_guard<std::mutex> g(sh->mu);
+    sh->err = e;
+    sh->done = true;
+    sh->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lk(sh->mu);
+  if (!sh->cv.wait_until(lk, deadline_after_ms(timeout_ms), [&] { return sh->done; }))
+    return make_status(Code::kTimeout, "%s: the device's work did not finish within %lld ms", what,
+                       static_cast<long long>(timeout_ms));
+  if (sh->err != cudaSuccess)
+    return make_status(sh->err == cudaErrorMemoryAllocation ? Code::kOutOfMemory : Code::kCudaError, "%s: %s (%s)",
+                       what, cudaGetErrorString(sh->err), cudaGetErrorName(sh->err));
+  return OkStatus();
 }
 
 }  // namespace mk

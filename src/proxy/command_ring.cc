@@ -28,9 +28,9 @@ Status CommandRing::create(uint64_t capacity, bool gpu, std::unique_ptr<CommandR
     MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&r->tail_), 64,
                                 cudaHostAllocMapped | cudaHostAllocPortable));
     MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&r->d_head_), sizeof(unsigned long long)));
-    // A synchronous copy, not a device-wide sync: kernels in flight on other streams go on.
-    const unsigned long long zero = 0;
-    MK_CUDA_CHECK(cudaMemcpy(r->d_head_, &zero, sizeof(zero), cudaMemcpyHostToDevice));
+    // On a stream of its own, bounded: kernels in flight on other streams go on, and a device
+    // hung by other work fails the call instead of hanging it.
+    MK_CHECK(zero_bounded(r->d_head_, sizeof(unsigned long long), -1, "command ring: zeroing the head"));
   } else {
     r->slots_ = static_cast<Command*>(aligned_alloc(64, bytes));
     r->tail_ = static_cast<uint64_t*>(aligned_alloc(64, 64));

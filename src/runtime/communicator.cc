@@ -32,9 +32,6 @@ Status Communicator::create(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg
 namespace {
 // Setup and teardown syncs of the library's own streams: bounded by the signal timeout (the
 // work on them is a few memsets, or kernels whose waits are bounded by it).
-int64_t setup_timeout_ms() {
-  return std::max<int64_t>(2 * tunables::signal_timeout_ms(), 10000);
-}
 
 Status parse_mode(const std::string& s, SymmetricMode* m) {
   if (s == "auto") *m = SymmetricMode::kAuto;
@@ -211,7 +208,7 @@ Status Communicator::make_streams() {
   *abort_word_ = 0;
   MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&diag_claim_), sizeof(uint32_t)));
   MK_CUDA_CHECK(cudaMemsetAsync(diag_claim_, 0, sizeof(uint32_t), setup_stream_));
-  MK_CHECK(sync_stream_bounded(setup_stream_, setup_timeout_ms(), "communicator: zeroing the claim word"));
+  MK_CHECK(sync_stream_bounded(setup_stream_, device_setup_timeout_ms(), "communicator: zeroing the claim word"));
   return OkStatus();
 }
 
@@ -273,7 +270,7 @@ Status Communicator::alloc_signals(uint32_t count, SymmetricBuffer** out) {
   MK_CHECK(heap_->alloc(static_cast<size_t>(count) * sizeof(uint64_t), &b));
   Status s = [&]() -> Status {
     MK_CUDA_CHECK(cudaMemsetAsync(b->local(), 0, b->mapped_size(), setup_stream_));
-    return sync_stream_bounded(setup_stream_, setup_timeout_ms(), "alloc_signals: zeroing the pad");
+    return sync_stream_bounded(setup_stream_, device_setup_timeout_ms(), "alloc_signals: zeroing the pad");
   }();
   // Every pad is zero before any rank may signal into it.
   MK_CHECK(agree(*bs_, s, "alloc_signals"));
@@ -287,7 +284,7 @@ Status Communicator::alloc_epoch(EpochState** out) {
   MK_CUDA_CHECK(cudaMalloc(&p, sizeof(EpochState)));
   device_allocs_.push_back(p);
   MK_CUDA_CHECK(cudaMemsetAsync(p, 0, sizeof(EpochState), setup_stream_));
-  MK_CHECK(sync_stream_bounded(setup_stream_, setup_timeout_ms(), "alloc_epoch"));
+  MK_CHECK(sync_stream_bounded(setup_stream_, device_setup_timeout_ms(), "alloc_epoch"));
   *out = static_cast<EpochState*>(p);
   return OkStatus();
 }

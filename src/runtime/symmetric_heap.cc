@@ -380,8 +380,8 @@ Status SymmetricHeap::map_peers(SymmetricBuffer* b, Status* local_err) {
       }
     }
     MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b->d_peers_), world * sizeof(void*)));
-    MK_CUDA_CHECK(cudaMemcpy(b->d_peers_, b->peers_.data(), world * sizeof(void*),
-                             cudaMemcpyHostToDevice));
+    MK_CHECK(copy_bounded(b->d_peers_, b->peers_.data(), world * sizeof(void*), -1,
+                          "symmetric alloc: the peer table"));
     return OkStatus();
   };
   *local_err = import_all();

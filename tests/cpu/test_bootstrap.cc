@@ -202,6 +202,20 @@ TEST(ThreadWorldAgree, MalformedOutcomeFromAPeer) {
   EXPECT_NE(got.message().find("rank(s) 1"), std::string::npos) << got.message();
 }
 
+// A byte count whose total over the ranks does not fit a size_t is refused before any buffer
+// is sized from it (broadcast's bytes x ranks once wrapped to a small buffer).
+TEST(ThreadWorldAgree, ByteCountsThatWrapAreRefused) {
+  std::vector<std::unique_ptr<Bootstrap>> bs;
+  MK_ASSERT_OK(make_thread_world(4, &bs));
+  uint8_t one = 1, out[4] = {};
+  const size_t huge = SIZE_MAX / 2;
+  Status a = bs[0]->allgather(&one, out, huge, kOpTimeoutMs);
+  EXPECT_EQ(a.code(), Code::kInvalidArgument) << a.to_string();
+  EXPECT_NE(a.message().find("too many"), std::string::npos) << a.message();
+  Status b = bs[0]->broadcast(&one, huge, 0, kOpTimeoutMs);
+  EXPECT_EQ(b.code(), Code::kInvalidArgument) << b.to_string();
+}
+
 TEST(Wire, CodesFromPeersStayInRange) {
   EXPECT_EQ(code_from_wire(static_cast<int32_t>(Code::kTimeout)), Code::kTimeout);
   EXPECT_EQ(code_from_wire(static_cast<int32_t>(Code::kInternal)), Code::kInternal);

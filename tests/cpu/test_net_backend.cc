@@ -36,10 +36,12 @@
 #include <rdma/fi_errno.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 
 #include "mkernel/runtime/bootstrap_mpi.h"
 #include "src/net/libfabric/libfabric_internal.h"
@@ -589,6 +591,237 @@ TEST_F(NetMpi, MemoryKeysAreNotGuessable) {
       if (k >> lf->key_bits()) why = "key " + std::to_string(k) + " exceeds the provider's key size";
   for (int i = 0; i < kWindows; ++i) MK_ASSERT_OK(be_->deregister_window(ids[i]));
   expect_empty_everywhere(why);
+}
+
+// An endpoint of this job's provider that is not of this job: a stranger (another user's
+// process, or any host that reaches a tcp listener). The test's tool; the backend is under test.
+struct StrangerEndpoint {
+  fi_info* info = nullptr;
+  fid_fabric* fabric = nullptr;
+  fid_domain* domain = nullptr;
+  fid_cq* cq = nullptr;
+  fid_av* av = nullptr;
+  fid_ep* ep = nullptr;
+  fid_mr* mr = nullptr;
+  std::vector<uint8_t> buf = std::vector<uint8_t>(256);
+  fi_addr_t target = FI_ADDR_NOTAVAIL;
+  std::string why;  // what failed
+
+  StrangerEndpoint(const std::string& prov, const std::vector<uint8_t>& target_addr) {
+    fi_info* hints = fi_allocinfo();
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_MSG | FI_RMA;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->fabric_attr->prov_name = strdup(prov.c_str());
+    int ret = fi_getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints, &info);
+    fi_freeinfo(hints);
+    if (ret || !info) { why = "fi_getinfo(" + prov + "): " + fi_strerror(-ret); return; }
+    if (fi_fabric(info->fabric_attr, &fabric, nullptr) || fi_domain(fabric, info, &domain, nullptr)) {
+      why = "fi_fabric/fi_domain";
+      return;
+    }
+    fi_cq_attr cqa;
+    memset(&cqa, 0, sizeof(cqa));
+    cqa.format = FI_CQ_FORMAT_DATA;
+    fi_av_attr ava;
+    memset(&ava, 0, sizeof(ava));
+    ava.type = FI_AV_TABLE;
+    if (fi_cq_open(domain, &cqa, &cq, nullptr) || fi_av_open(domain, &ava, &av, nullptr) ||
+        fi_endpoint(domain, info, &ep, nullptr) || fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) ||
+        fi_ep_bind(ep, &av->fid, 0)) {
+      why = "opening the endpoint";
+      return;
+    }
+    if (info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
+      why = "FI_MR_ENDPOINT: not worth a test endpoint";
+      return;
+    }
+    if ((ret = fi_enable(ep))) { why = std::string("fi_enable: ") + fi_strerror(-ret); return; }
+    if ((ret = fi_mr_reg(domain, buf.data(), buf.size(), FI_SEND, 0, 0, 0, &mr, nullptr))) {
+      why = std::string("fi_mr_reg: ") + fi_strerror(-ret);
+      return;
+    }
+    if (fi_av_insert(av, target_addr.data(), 1, &target, 0, nullptr) != 1) why = "fi_av_insert";
+  }
+  // Sends `bytes` of buf (with remote CQ data `imm` when with_data), progressing the target too
+  // (`other`: a connection needs both sides); false once it cannot.
+  template <class Other>
+  bool send(size_t bytes, bool with_data, uint64_t imm, fi_context2* ctx, Other other) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < end) {
+      ssize_t r = with_data ? fi_senddata(ep, buf.data(), bytes, fi_mr_desc(mr), imm, target, ctx)
+                            : fi_send(ep, buf.data(), bytes, fi_mr_desc(mr), target, ctx);
+      if (r == 0) return true;
+      if (r != -FI_EAGAIN) {
+        why = std::string("send: ") + fi_strerror(static_cast<int>(-r));
+        return false;
+      }
+      progress();
+      other();
+    }
+    why = "send: EAGAIN for 10 s";
+    return false;
+  }
+  void progress() {
+    fi_cq_data_entry e[8];
+    while (fi_cq_read(cq, e, 8) > 0) {
+    }
+    fi_cq_err_entry err;
+    memset(&err, 0, sizeof(err));
+    (void)fi_cq_readerr(cq, &err, 0);
+  }
+  ~StrangerEndpoint() {
+    for (fid* f : {mr ? &mr->fid : nullptr, ep ? &ep->fid : nullptr, av ? &av->fid : nullptr, cq ? &cq->fid : nullptr,
+                   domain ? &domain->fid : nullptr, fabric ? &fabric->fid : nullptr})
+      if (f) (void)fi_close(f);
+    if (info) fi_freeinfo(info);
+  }
+};
+
+// What a stranger does, in a process of its own (fork()ed from rank 0: a process outside the
+// job, as another user's would be). Exits 0 once its messages were posted and it progressed a
+// while; non-zero (with a line on stderr) when it could not.
+struct StrangerPlan {
+  bool messages = false;  // a message with remote CQ data 0x1003, and a quiet message claiming rank 1
+  std::vector<uint64_t> keys;  // writes with remote CQ data 0x2003 to `addr` + 64, one per key
+  uint64_t addr = 0;
+};
+[[noreturn]] void stranger_main(const std::string& prov, const std::vector<uint8_t>& target, const StrangerPlan& plan) {
+  StrangerEndpoint s(prov, target);
+  auto die = [&](const std::string& what) {
+    fprintf(stderr, "stranger: %s (%s)\n", what.c_str(), s.why.c_str());
+    _exit(2);
+  };
+  if (!s.why.empty()) die("could not start");
+  auto nothing = [] {};
+  fi_context2 ctx[16];
+  int c = 0;
+  if (plan.messages) {
+    if (!s.send(8, true, 0x1003, &ctx[c++], nothing)) die("could not send");
+    const net::lf::QuietMsg q{net::lf::kQuietMagic, 99, 1, 0};  // "rank 1 is quiet at epoch 99"
+    memcpy(s.buf.data() + 64, &q, sizeof(q));
+    memmove(s.buf.data(), s.buf.data() + 64, sizeof(q));
+    if (!s.send(sizeof(q), false, 0, &ctx[c++], nothing)) die("could not send");
+  }
+  memset(s.buf.data(), 0xde, 8);
+  for (uint64_t k : plan.keys) {
+    ssize_t r = -FI_EAGAIN;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (r == -FI_EAGAIN && std::chrono::steady_clock::now() < end) {
+      r = fi_writedata(s.ep, s.buf.data(), 8, fi_mr_desc(s.mr), 0x2003, s.target, plan.addr + 64, k, &ctx[c++ % 16]);
+      s.progress();
+    }
+    if (r != 0) die("could not post a write");
+  }
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  while (std::chrono::steady_clock::now() < end) s.progress();
+  _exit(0);
+}
+
+// Runs the stranger against rank 0 while rank 0's backend progresses; returns "" or what failed.
+std::string run_stranger(Backend& be, const std::string& prov, const std::vector<uint8_t>& target,
+                         const StrangerPlan& plan, std::vector<net::Arrival>* arrivals,
+                         const std::function<bool()>& done_early = nullptr) {
+  fflush(stdout);
+  fflush(stderr);
+  const pid_t pid = fork();
+  if (pid < 0) return "fork failed";
+  if (pid == 0) stranger_main(prov, target, plan);
+  std::vector<net::LocalDone> done;
+  int status = 0;
+  bool exited = false;
+  std::string why;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  auto after = std::chrono::steady_clock::time_point::max();
+  while (std::chrono::steady_clock::now() < end && std::chrono::steady_clock::now() < after) {
+    Status p = be.progress(&done, arrivals);
+    if (!p.ok() && why.empty()) why = "the job failed on the stranger's traffic: " + p.to_string();
+    if (!exited && waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      after = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);  // what is still in flight
+    }
+    if (done_early && done_early()) break;
+  }
+  if (!exited) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    if (!done_early || !done_early()) return why.empty() ? "the stranger did not finish" : why;
+  } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return why.empty() ? "the stranger failed (see its line on stderr)" : why;
+  }
+  return why;
+}
+
+std::string provider_of(const Backend& be) {
+  std::string prov = be.name();
+  return prov.substr(prov.find('/') + 1);
+}
+
+// Memory keys are random, but a stranger can still send: a message with remote CQ data lands in
+// a posted receive exactly as a remote write's arrival does, and a control message can claim any
+// rank. Where the provider names senders (FI_SOURCE), both are dropped and counted, never an
+// arrival (before, the stranger's imm 0x1003 arrived as flag 0x1003). Rank 0 is the target; the
+// stranger is a process of its own.
+TEST_F(NetMpi, ArrivalsFromOutsideTheJobAreDropped) {
+  MK_ASSERT_OK(create());
+  auto* lf = dynamic_cast<net::lf::LibfabricBackend*>(be_.get());
+  ASSERT_NE(lf, nullptr);
+  // Registered only for providers that check (tests/cpu/CMakeLists.txt): it must be on.
+  ASSERT_TRUE(lf->checks_senders()) << be_->name() << " does not check senders";
+  std::string why;
+  if (rank_ == 0) {
+    StrangerPlan plan;
+    plan.messages = true;
+    std::vector<net::Arrival> arrivals;
+    why = run_stranger(*be_, provider_of(*be_), lf->endpoint_address(), plan, &arrivals,
+                       [&] { return lf->strangers_dropped() >= 2; });
+    for (const auto& a : arrivals)
+      if (a.imm == 0x1003) why = "the stranger's imm 0x1003 arrived";
+    if (why.empty() && lf->strangers_dropped() < 2)
+      why = "only " + std::to_string(lf->strangers_dropped()) + " of the stranger's 2 messages were dropped";
+  }
+  expect_empty_everywhere(why);
+  // The job's own traffic still arrives.
+  expect_empty_everywhere(run_windows(*bs_, *be_, /*expect_cuda_refused=*/true));
+  MK_EXPECT_OK(be_->finalize());
+}
+
+// The finding itself: a stranger that reaches rank 0 writes with guessed keys — 1, 2, 3, 4 (what
+// registration order gave before), 0, and the real key with one bit flipped — into rank 0's
+// window, with remote CQ data: not a byte changes, no arrival appears, and the job goes on. A
+// control with the real key shows that the stranger's writes do reach the window (so the
+// refusals are the keys', not a path that never worked).
+TEST_F(NetMpi, AStrangerCannotWriteAWindowWithoutItsKey) {
+  MK_ASSERT_OK(create());
+  auto* lf = dynamic_cast<net::lf::LibfabricBackend*>(be_.get());
+  ASSERT_NE(lf, nullptr);
+  std::vector<uint8_t> mem(4096, 0x11);
+  net::WindowId id = net::kNoWindow;
+  MK_ASSERT_OK(be_->register_window(mem.data(), mem.size(), net::MemKind::kHost, &id));
+  std::string why;
+  if (rank_ == 0) {
+    const uint64_t key = lf->window_key(id, 0);
+    StrangerPlan guesses;
+    guesses.addr = lf->window_addr(id, 0);
+    for (uint64_t g : {uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{4}, uint64_t{0}, key ^ 1})
+      if (g != key) guesses.keys.push_back(g);
+    std::vector<net::Arrival> arrivals;
+    why = run_stranger(*be_, provider_of(*be_), lf->endpoint_address(), guesses, &arrivals);
+    if (why.empty() && mem[64] != 0x11) why = "a write with a guessed key changed the window";
+    for (const auto& a : arrivals)
+      if (a.imm == 0x2003) why = "a write with a guessed key arrived (imm 0x2003)";
+    if (why.empty()) {
+      StrangerPlan control = guesses;
+      control.keys = {key};
+      why = run_stranger(*be_, provider_of(*be_), lf->endpoint_address(), control, &arrivals,
+                         [&] { return mem[64] == 0xde; });
+      if (why.empty() && mem[64] != 0xde) why = "the control write with the real key never landed";
+    }
+  }
+  expect_empty_everywhere(why);
+  MK_EXPECT_OK(be_->deregister_window(id));
+  MK_EXPECT_OK(be_->finalize());
 }
 
 TEST_F(NetMpi, AutoAcrossHostsTakesTcp) {

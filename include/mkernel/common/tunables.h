@@ -81,6 +81,7 @@ std::string string_or_default(const std::string& name);
   STRING_(net_backend)                       \
   STRING_(net_provider)                      \
   STRING_(net_staging)                       \
+  STRING_(net_check_senders)                 \
   INT_(proxy_ring_slots)                     \
   INT_(proxy_max_inflight)                   \
   INT_(net_timeout_ms)                       \

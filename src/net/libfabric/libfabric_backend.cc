@@ -204,8 +204,9 @@ Status LibfabricBackend::poll(std::vector<LocalDone>* done, std::vector<Arrival>
   *seen = 0;
   retry_reposts();
   fi_cq_data_entry e[kCqBatch];
+  fi_addr_t src[kCqBatch];
   for (int it = 0; it < kMaxReadsPerProgress; ++it) {
-    ssize_t n = fi_cq_read(cq_, e, kCqBatch);
+    ssize_t n = source_ ? fi_cq_readfrom(cq_, e, kCqBatch, src) : fi_cq_read(cq_, e, kCqBatch);
     if (n == -FI_EAGAIN) break;
     if (n == -FI_EAVAIL) {
       Status es = read_error();
@@ -220,8 +221,12 @@ Status LibfabricBackend::poll(std::vector<LocalDone>* done, std::vector<Arrival>
       void* ctx = e[i].op_context;
       if (e[i].flags & FI_REMOTE_CQ_DATA) {
         // A remote write landed: its bytes are visible. With FI_RX_CQ_DATA it consumed one of
-        // our receives (op_context); else op_context is null.
-        arrivals->push_back(Arrival{static_cast<uint32_t>(e[i].data)});
+        // our receives (op_context); else op_context is null. From outside the job (a sender
+        // the provider names but the address vector lacks): dropped, never an arrival.
+        if (source_ && rank_of(src[i]) < 0)
+          drop_stranger("an arrival", e[i].data);
+        else
+          arrivals->push_back(Arrival{static_cast<uint32_t>(e[i].data)});
         if (ctx && is_recv_ctx(ctx)) post_recv(static_cast<OpCtx*>(ctx));
         continue;
       }
@@ -231,8 +236,10 @@ Status LibfabricBackend::poll(std::vector<LocalDone>* done, std::vector<Arrival>
         if (e[i].len >= sizeof(QuietMsg)) {
           QuietMsg q;
           memcpy(&q, slot_ptr(c->slot), sizeof(q));
-          if (q.magic == kQuietMagic && q.rank >= 0 && q.rank < world_ &&
-              q.epoch > quiet_epoch_[q.rank])
+          // The rank a quiet message claims must be its sender, where the provider names it.
+          if (source_ && (q.magic != kQuietMagic || rank_of(src[i]) != q.rank))
+            drop_stranger("a control message", q.magic == kQuietMagic ? static_cast<uint64_t>(q.rank) : q.magic);
+          else if (q.magic == kQuietMagic && q.rank >= 0 && q.rank < world_ && q.epoch > quiet_epoch_[q.rank])
             quiet_epoch_[q.rank] = q.epoch;
         }
         post_recv(c);
@@ -269,6 +276,25 @@ Status LibfabricBackend::poll(std::vector<LocalDone>* done, std::vector<Arrival>
     if (n < kCqBatch) break;
   }
   return post_error_;
+}
+
+// Every dropped message is counted; the first four and then each power of two are logged (a
+// stranger's flood must not flood the log).
+void LibfabricBackend::drop_stranger(const char* what, uint64_t data) {
+  const uint64_t n = ++strangers_;
+  if (n <= 4 || (n & (n - 1)) == 0)
+    MK_WARN(kSubsysNet,
+            "%s: rank %d dropped %s (data 0x%llx) from a sender outside this job's address vector "
+            "(%llu so far; later ones are logged at each power of two)",
+            name_.c_str(), rank_, what, static_cast<unsigned long long>(data), static_cast<unsigned long long>(n));
+}
+
+std::vector<uint8_t> LibfabricBackend::endpoint_address() const {
+  std::vector<uint8_t> a(kAddrMax);
+  size_t len = a.size();
+  if (!ep_ || fi_getname(&ep_->fid, a.data(), &len) != 0) return {};
+  a.resize(len);
+  return a;
 }
 
 Status LibfabricBackend::read_error() {

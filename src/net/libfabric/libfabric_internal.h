@@ -174,8 +174,19 @@ class LibfabricBackend final : public Backend {
     return id < windows_.size() && rank >= 0 && size_t(rank) < windows_[id].remote.size() ? windows_[id].remote[rank].key
                                                                                           : 0;
   }
+  uint64_t window_addr(WindowId id, int rank) const {
+    return id < windows_.size() && rank >= 0 && size_t(rank) < windows_[id].remote.size()
+               ? windows_[id].remote[rank].addr
+               : 0;
+  }
   bool provider_keys() const { return (mr_mode_ & FI_MR_PROV_KEY) != 0; }
   unsigned key_bits() const { return key_bits_; }
+  // Tests: whether completions name their sender (FI_SOURCE); how many arrivals and control
+  // messages from outside the job (a sender not in the address vector) were dropped; this
+  // endpoint's address (fi_getname), for a stranger to reach it.
+  bool checks_senders() const { return source_; }
+  uint64_t strangers_dropped() const { return strangers_; }
+  std::vector<uint8_t> endpoint_address() const;
 
  private:
   struct Window {
@@ -257,6 +268,18 @@ class LibfabricBackend final : public Backend {
   fid_av* av_ = nullptr;
   fid_ep* ep_ = nullptr;
   std::vector<fi_addr_t> addr_;  // [rank]
+  // FI_SOURCE: completions name their sender, and arrivals from outside the job are dropped.
+  bool source_ = false;
+  uint64_t strangers_ = 0;
+  // The rank whose address `a` is, or -1 (not in the address vector: not of this job).
+  int rank_of(fi_addr_t a) const {
+    if (a == FI_ADDR_NOTAVAIL) return -1;
+    if (a < addr_.size() && addr_[a] == a) return static_cast<int>(a);  // FI_AV_TABLE: rank order
+    for (size_t r = 0; r < addr_.size(); ++r)
+      if (addr_[r] == a) return static_cast<int>(r);
+    return -1;
+  }
+  void drop_stranger(const char* what, uint64_t data);
 
   uint64_t mr_mode_ = 0;
   bool rx_cq_data_ = false;

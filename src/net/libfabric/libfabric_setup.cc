@@ -54,20 +54,29 @@ bool is_ip_provider(const std::string& prov) {
 
 
 // fi_getinfo for one provider (exact name), RDM + RMA write with remote CQ data.
+// Asks for FI_SOURCE first (completions then name their sender, and the backend drops arrivals
+// from outside the job), and without it where the provider cannot give an entry with it.
 int query_provider(const std::string& prov, bool hmem, fi_info** out) {
   *out = nullptr;
-  fi_info* hints = fi_allocinfo();
-  if (!hints) return -FI_ENOMEM;
-  hints->ep_attr->type = FI_EP_RDM;
-  hints->caps = FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE;
-  if (hmem) hints->caps |= FI_HMEM;
-  hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
-  hints->domain_attr->mr_mode = static_cast<int>(kMrModesHandled);
-  hints->domain_attr->threading = FI_THREAD_DOMAIN;
-  hints->domain_attr->av_type = FI_AV_TABLE;
-  hints->fabric_attr->prov_name = strdup(prov.c_str());
-  int ret = fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints, out);
-  fi_freeinfo(hints);
+  int ret = 0;
+  for (int with_source = 1; with_source >= 0; --with_source) {
+    fi_info* hints = fi_allocinfo();
+    if (!hints) return -FI_ENOMEM;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE;
+    if (hmem) hints->caps |= FI_HMEM;
+    if (with_source) hints->caps |= FI_SOURCE;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+    hints->domain_attr->mr_mode = static_cast<int>(kMrModesHandled);
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->domain_attr->av_type = FI_AV_TABLE;
+    hints->fabric_attr->prov_name = strdup(prov.c_str());
+    ret = fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints, out);
+    fi_freeinfo(hints);
+    if (ret == 0 && (!with_source || !usable_infos(*out, prov, hmem).empty())) return 0;
+    if (*out) fi_freeinfo(*out);
+    *out = nullptr;
+  }
   return ret;
 }
 
@@ -294,12 +303,15 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
   caps_.inject_bytes = inject_size_;
   MK_INFO(kSubsysNet,
           "%s: fabric %s, domain %s, api %u.%u, mode %s, mr_mode %s, cq_data %zu B, inject %zu B, "
-          "max_msg %zu B, tx/rx depth %zu/%zu, hmem %s",
+          "max_msg %zu B, tx/rx depth %zu/%zu, hmem %s, senders checked %s",
           name_.c_str(), info_->fabric_attr->name, info_->domain_attr->name,
           FI_MAJOR(kFiVersion), FI_MINOR(kFiVersion), mode_names(info_->mode).c_str(),
           mr_mode_names(info_->domain_attr->mr_mode).c_str(), info_->domain_attr->cq_data_size,
           inject_size_, info_->ep_attr->max_msg_size, info_->tx_attr ? info_->tx_attr->size : 0,
-          info_->rx_attr ? info_->rx_attr->size : 0, hmem_ ? "yes" : "no");
+          info_->rx_attr ? info_->rx_attr->size : 0, hmem_ ? "yes" : "no",
+          source_ ? "yes (FI_SOURCE)"
+                  : tunables::net_check_senders() == "off" ? "no (net_check_senders=off)"
+                                                           : "no (the provider names no sender, or not as its address vector)");
   return OkStatus();
 }
 
@@ -350,6 +362,12 @@ Status LibfabricBackend::select_info(const Topology& topo, const std::string& pr
   }
   info_ = fi_dupinfo(chosen);
   MK_REQUIRE(info_ != nullptr, Code::kOutOfMemory, "fi_dupinfo failed");
+  // Senders are checked where the provider names them as its address vector does. Not on
+  // udp;ofi_rxd (it names the job's own ranks with other addresses: their quiet messages were
+  // dropped) nor on shm (a message with remote CQ data from outside the job is named as rank 0;
+  // and only this user's processes can reach an shm endpoint: its regions are 0600).
+  source_ = (info_->caps & FI_SOURCE) != 0 && prov != "udp;ofi_rxd" && prov != "shm" &&
+            tunables::net_check_senders() == "auto";
   mr_mode_ = static_cast<uint64_t>(info_->domain_attr->mr_mode);
   {
     const size_t ks = info_->domain_attr->mr_key_size;  // bytes; 0 or more than 8: the full 64 bits

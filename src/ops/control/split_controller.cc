@@ -66,8 +66,12 @@ void SplitController::remember(bool write_now) {
 void SplitController::finish(bool device_alive) {
   if (!h_mean_) return;
   // A graph that captured calls must be destroyed before the operator, as for its buffers.
-  if (d_ctl_ && device_alive && cudaDeviceSynchronize() == cudaSuccess)
-    (void)cudaMemcpy(h_mean_, &d_ctl_->last_mean, sizeof(int), cudaMemcpyDeviceToHost);
+  // Bounded: a device hung by other work costs the remembered split, not a hung destroy.
+  if (d_ctl_ && device_alive) {
+    Status s = device_sync_bounded(-1, "fused: reading the controller's last split");
+    if (s.ok()) s = copy_bounded(h_mean_, &d_ctl_->last_mean, sizeof(int), -1, "fused: reading the controller's last split");
+    if (!s.ok()) MK_WARN(kSubsysTune, "%s (the split is not remembered)", s.message().c_str());
+  }
   remember(true);
 }
 

@@ -237,7 +237,6 @@ Status build_launch(MoeState* st, const comm::Layout& layout, int me, int comm_c
   MK_CHECK(c.resolve(st->cprog, st->cprog.ranks[me], &r));
   l.combine_program = r.program;
   MK_CHECK(moe_prepare_launch(l));
-  MK_CUDA_CHECK(cudaDeviceSynchronize());
   return OkStatus();
 }
 
@@ -359,8 +358,7 @@ Status MoeEp::create_handle(std::unique_ptr<MoeHandle>* out) {
                              [&](size_t bytes, void** p) -> Status {
                                MK_CUDA_CHECK(cudaMalloc(p, bytes));
                                hs->mem.push_back(*p);
-                               MK_CUDA_CHECK(cudaMemset(*p, 0, bytes));
-                               return OkStatus();
+                               return zero_bounded(*p, bytes, -1, "moe: zeroing a handle's route state");
                              },
                              &hs->r));
   *out = std::move(h);

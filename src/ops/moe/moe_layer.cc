@@ -87,13 +87,12 @@ Status MoeLayer::create(Communicator* comm, const MoeLayerConfig& cfg, const Moe
   MK_CUDA_CHECK(cudaMalloc(&st.y, size_t(st.rows) * H * 2 + 16));
   MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.counts), size_t(st.El) * 4));
   MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.offsets), size_t(st.El + 1) * 4));
-  MK_CUDA_CHECK(cudaMemset(st.counts, 0, size_t(st.El) * 4));
-  MK_CUDA_CHECK(cudaMemset(st.offsets, 0, size_t(st.El + 1) * 4));
+  MK_CHECK(zero_bounded(st.counts, size_t(st.El) * 4, -1, "moe layer: zeroing the counts"));
+  MK_CHECK(zero_bounded(st.offsets, size_t(st.El + 1) * 4, -1, "moe layer: zeroing the offsets"));
   MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.gemm_err_dev), 16));
-  MK_CUDA_CHECK(cudaMemset(st.gemm_err_dev, 0, 16));
+  MK_CHECK(zero_bounded(st.gemm_err_dev, 16, -1, "moe layer: zeroing the error word"));
   MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st.gemm_err_host), 16, cudaHostAllocDefault));
   *st.gemm_err_host = 0;
-  MK_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets above ran on the legacy stream
   *out = std::move(layer);
   return OkStatus();
 }

@@ -278,6 +278,7 @@ int64_t Bootstrap::resolve_timeout(int64_t timeout_ms) const {
 Status Bootstrap::broadcast(void* buf, size_t bytes, int root, int64_t timeout_ms) {
   MK_REQUIRE(root >= 0 && root < size(), Code::kInvalidArgument,
              "broadcast root %d outside world of %d", root, size());
+  MK_CHECK(detail::check_allgather_bytes(kind(), bytes, size(), SIZE_MAX));
   std::vector<uint8_t> all(bytes * size());
   MK_CHECK(allgather(buf, all.data(), bytes, timeout_ms));
   if (rank() != root) memcpy(buf, all.data() + bytes * root, bytes);

@@ -19,6 +19,16 @@ std::string rank_list(const std::vector<int>& ranks);
 Status missing_ranks_status(const char* kind, const char* op, uint64_t seq,
                             const std::vector<int>& missing, int64_t timeout_ms);
 
+// The byte count of one rank's part of an allgather: the whole (bytes x ranks) must fit a size_t
+// and one part at most max_part bytes (MPI counts are ints). kInvalidArgument otherwise.
+inline Status check_allgather_bytes(const char* kind, size_t bytes, int ranks, size_t max_part) {
+  size_t total = 0;
+  if (bytes > max_part || __builtin_mul_overflow(bytes, static_cast<size_t>(ranks), &total))
+    return make_status(Code::kInvalidArgument, "%s bootstrap allgather: %zu bytes per rank x %d ranks is too many (at most %zu per rank)",
+                       kind, bytes, ranks, max_part);
+  return OkStatus();
+}
+
 // Polling backoff: spins briefly, then sleeps up to 1 ms, so a long wait costs little CPU.
 class Backoff {
  public:

@@ -4,6 +4,7 @@
 #include "mkernel/runtime/bootstrap_mpi.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -138,6 +139,7 @@ class MpiBootstrap final : public Bootstrap {
   const char* kind() const override { return "mpi"; }
 
   Status allgather(const void* send, void* recv, size_t bytes, int64_t timeout_ms) override {
+    MK_CHECK(detail::check_allgather_bytes("mpi", bytes, size_, static_cast<size_t>(INT_MAX)));
     const int64_t tmo = resolve_timeout(timeout_ms);
     const uint64_t seq = seq_++;
     MK_CHECK(failure_gate("allgather", seq));

@@ -22,6 +22,7 @@ class StoreBootstrap final : public Bootstrap {
   const char* kind() const override { return "store"; }
 
   Status allgather(const void* send, void* recv, size_t bytes, int64_t timeout_ms) override {
+    MK_CHECK(detail::check_allgather_bytes("store", bytes, size_, SIZE_MAX));
     const int64_t tmo = resolve_timeout(timeout_ms);
     const uint64_t seq = seq_++;
     MK_CHECK(failure_gate("allgather", seq));
