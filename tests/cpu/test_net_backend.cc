@@ -593,52 +593,74 @@ TEST_F(NetMpi, MemoryKeysAreNotGuessable) {
   expect_empty_everywhere(why);
 }
 
-// An endpoint of this job's provider that is not of this job: a stranger (another user's
-// process, or any host that reaches a tcp listener). The test's tool; the backend is under test.
-struct StrangerEndpoint {
+// A bare endpoint of libfabric's own (the test's tool: for planting shm regions, or standing in
+// for a stranger; mkernel's backend is what is under test). `why` says what failed before
+// fi_enable; enable_ret is fi_enable's return (1: not reached).
+struct RawEndpoint {
   fi_info* info = nullptr;
   fid_fabric* fabric = nullptr;
   fid_domain* domain = nullptr;
   fid_cq* cq = nullptr;
   fid_av* av = nullptr;
   fid_ep* ep = nullptr;
-  fid_mr* mr = nullptr;
-  std::vector<uint8_t> buf = std::vector<uint8_t>(256);
-  fi_addr_t target = FI_ADDR_NOTAVAIL;
-  std::string why;  // what failed
+  int enable_ret = 1;
+  std::string why;
 
-  StrangerEndpoint(const std::string& prov, const std::vector<uint8_t>& target_addr) {
+  RawEndpoint(const std::string& prov, uint64_t caps) {
     fi_info* hints = fi_allocinfo();
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_MSG | FI_RMA;
+    hints->caps = caps;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
     hints->fabric_attr->prov_name = strdup(prov.c_str());
     int ret = fi_getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints, &info);
     fi_freeinfo(hints);
-    if (ret || !info) { why = "fi_getinfo(" + prov + "): " + fi_strerror(-ret); return; }
-    if (fi_fabric(info->fabric_attr, &fabric, nullptr) || fi_domain(fabric, info, &domain, nullptr)) {
-      why = "fi_fabric/fi_domain";
-      return;
-    }
+    if (ret || !info) { why = "fi_getinfo(" + prov + "): " + std::to_string(ret); return; }
+    if ((ret = fi_fabric(info->fabric_attr, &fabric, nullptr))) { why = "fi_fabric"; return; }
+    if ((ret = fi_domain(fabric, info, &domain, nullptr))) { why = "fi_domain"; return; }
     fi_cq_attr cqa;
     memset(&cqa, 0, sizeof(cqa));
     cqa.format = FI_CQ_FORMAT_DATA;
+    if ((ret = fi_cq_open(domain, &cqa, &cq, nullptr))) { why = "fi_cq_open"; return; }
     fi_av_attr ava;
     memset(&ava, 0, sizeof(ava));
     ava.type = FI_AV_TABLE;
-    if (fi_cq_open(domain, &cqa, &cq, nullptr) || fi_av_open(domain, &ava, &av, nullptr) ||
-        fi_endpoint(domain, info, &ep, nullptr) || fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) ||
-        fi_ep_bind(ep, &av->fid, 0)) {
-      why = "opening the endpoint";
+    if ((ret = fi_av_open(domain, &ava, &av, nullptr))) { why = "fi_av_open"; return; }
+    if ((ret = fi_endpoint(domain, info, &ep, nullptr))) { why = "fi_endpoint"; return; }
+    if (fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) || fi_ep_bind(ep, &av->fid, 0)) {
+      why = "fi_ep_bind";
       return;
     }
-    if (info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
-      why = "FI_MR_ENDPOINT: not worth a test endpoint";
-      return;
-    }
-    if ((ret = fi_enable(ep))) { why = std::string("fi_enable: ") + fi_strerror(-ret); return; }
-    if ((ret = fi_mr_reg(domain, buf.data(), buf.size(), FI_SEND, 0, 0, 0, &mr, nullptr))) {
+    enable_ret = fi_enable(ep);
+  }
+  std::string name() const {
+    char b[256] = {0};
+    size_t len = sizeof(b) - 1;
+    return ep && fi_getname(&ep->fid, b, &len) == 0 ? std::string(b) : std::string();
+  }
+  virtual ~RawEndpoint() {
+    for (fid* f : {ep ? &ep->fid : nullptr, av ? &av->fid : nullptr, cq ? &cq->fid : nullptr,
+                   domain ? &domain->fid : nullptr, fabric ? &fabric->fid : nullptr})
+      if (f) (void)fi_close(f);
+    if (info) fi_freeinfo(info);
+  }
+};
+struct RawShmEndpoint : RawEndpoint {
+  RawShmEndpoint() : RawEndpoint("shm", FI_MSG) {}
+};
+
+// An endpoint of this job's provider that is not of this job: a stranger (another user's
+// process, or any host that reaches a tcp listener). The test's tool; the backend is under test.
+struct StrangerEndpoint : RawEndpoint {
+  fid_mr* mr = nullptr;
+  std::vector<uint8_t> buf = std::vector<uint8_t>(256);
+  fi_addr_t target = FI_ADDR_NOTAVAIL;
+
+  StrangerEndpoint(const std::string& prov, const std::vector<uint8_t>& target_addr)
+      : RawEndpoint(prov, FI_MSG | FI_RMA) {
+    if (!why.empty()) return;
+    if (enable_ret) { why = std::string("fi_enable: ") + fi_strerror(-enable_ret); return; }
+    if (int ret = fi_mr_reg(domain, buf.data(), buf.size(), FI_SEND | FI_WRITE, 0, 0, 0, &mr, nullptr)) {
       why = std::string("fi_mr_reg: ") + fi_strerror(-ret);
       return;
     }
@@ -671,11 +693,8 @@ struct StrangerEndpoint {
     memset(&err, 0, sizeof(err));
     (void)fi_cq_readerr(cq, &err, 0);
   }
-  ~StrangerEndpoint() {
-    for (fid* f : {mr ? &mr->fid : nullptr, ep ? &ep->fid : nullptr, av ? &av->fid : nullptr, cq ? &cq->fid : nullptr,
-                   domain ? &domain->fid : nullptr, fabric ? &fabric->fid : nullptr})
-      if (f) (void)fi_close(f);
-    if (info) fi_freeinfo(info);
+  ~StrangerEndpoint() override {
+    if (mr) (void)fi_close(&mr->fid);
   }
 };
 
@@ -860,108 +879,6 @@ TEST_F(NetMpi, OtherKinds) {
     EXPECT_EQ(s.code(), Code::kNotSupported) << s.to_string();
     EXPECT_NE(s.message().find("process"), std::string::npos) << s.message();
   }
-}
-
-// A bare shm endpoint of libfabric's own, with the provider's default name (the test's tool
-// for planting regions; mkernel's backend is what is under test).
-struct RawShmEndpoint {
-  fi_info* info = nullptr;
-  fid_fabric* fabric = nullptr;
-  fid_domain* domain = nullptr;
-  fid_cq* cq = nullptr;
-  fid_av* av = nullptr;
-  fid_ep* ep = nullptr;
-  int enable_ret = 1;  // fi_enable's return; 1 = not reached
-  std::string why;     // what failed before fi_enable
-
-  RawShmEndpoint() {
-    fi_info* hints = fi_allocinfo();
-    hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_MSG;
-    hints->fabric_attr->prov_name = strdup("shm");
-    int ret = fi_getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints, &info);
-    fi_freeinfo(hints);
-    if (ret || !info) { why = "fi_getinfo(shm): " + std::to_string(ret); return; }
-    if ((ret = fi_fabric(info->fabric_attr, &fabric, nullptr))) { why = "fi_fabric"; return; }
-    if ((ret = fi_domain(fabric, info, &domain, nullptr))) { why = "fi_domain"; return; }
-    fi_cq_attr cqa;
-    memset(&cqa, 0, sizeof(cqa));
-    cqa.format = FI_CQ_FORMAT_CONTEXT;
-    if ((ret = fi_cq_open(domain, &cqa, &cq, nullptr))) { why = "fi_cq_open"; return; }
-    fi_av_attr ava;
-    memset(&ava, 0, sizeof(ava));
-    ava.type = FI_AV_TABLE;
-    if ((ret = fi_av_open(domain, &ava, &av, nullptr))) { why = "fi_av_open"; return; }
-    if ((ret = fi_endpoint(domain, info, &ep, nullptr))) { why = "fi_endpoint"; return; }
-    if (fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) || fi_ep_bind(ep, &av->fid, 0)) {
-      why = "fi_ep_bind";
-      return;
-    }
-    enable_ret = fi_enable(ep);
-  }
-  std::string name() const {
-    char b[256] = {0};
-    size_t len = sizeof(b) - 1;
-    return ep && fi_getname(&ep->fid, b, &len) == 0 ? std::string(b) : std::string();
-  }
-  ~RawShmEndpoint() {
-    for (fid* f : {ep ? &ep->fid : nullptr, av ? &av->fid : nullptr, cq ? &cq->fid : nullptr,
-                   domain ? &domain->fid : nullptr, fabric ? &fabric->fid : nullptr})
-      if (f) (void)fi_close(f);
-    if (info) fi_freeinfo(info);
-  }
-};
-
-// A process killed before closing its shm endpoint leaves its 16 MiB region in /dev/shm, and no
-// later run removed it. The backend now removes, before opening an shm endpoint, the regions it
-// named whose process is gone, of this user only; everything else stays. Planted in a folder of
-// the test's own (each rank its own).
-TEST(LeftoverShmRegions, OfDeadProcessesAreRemoved) {
-  char tmpl[] = "/tmp/mk-shm-XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl;
-  const pid_t dead = fork();
-  ASSERT_GE(dead, 0);
-  if (dead == 0) _exit(0);
-  ASSERT_EQ(waitpid(dead, nullptr, 0), dead);  // reaped: the pid names no process now
-  const unsigned uid = geteuid();
-  auto name = [](long pid, unsigned u, int n, const char* tail) {
-    return std::to_string(pid) + ":" + std::to_string(u) + ":" + std::to_string(n) + tail;
-  };
-  const char* hex = "-mk0123456789abcdef";
-  const std::string gone = name(dead, uid, 0, hex);
-  const std::vector<std::string> kept_files = {
-      name(getpid(), uid, 1, hex),                          // alive
-      name(dead, uid + 1, 2, hex),                          // another uid in the name
-      name(dead, uid, 3, ""),                               // the provider's own name, not ours
-      name(dead, uid, 4, "-mk0123456789abcdefx"),           // more after the nonce
-      name(dead, uid, 5, "-mk0123456789abcde"),             // a short nonce
-  };
-  for (const auto& f : kept_files) {
-    std::ofstream(dir + "/" + f) << "x";
-  }
-  std::ofstream(dir + "/" + gone) << "x";
-  const std::string link = name(dead, uid, 6, hex);  // a link is never followed nor removed
-  ASSERT_EQ(symlink((dir + "/" + kept_files[0]).c_str(), (dir + "/" + link).c_str()), 0);
-  std::string foreign;
-  if (uid == 0) {  // a file of another user under a name of ours: kept
-    foreign = name(dead, uid, 7, hex);
-    std::ofstream(dir + "/" + foreign) << "x";
-    ASSERT_EQ(chown((dir + "/" + foreign).c_str(), 65534, 65534), 0);
-  }
-  EXPECT_EQ(net::lf::remove_dead_shm_regions(dir), 1);
-  EXPECT_NE(access((dir + "/" + gone).c_str(), F_OK), 0) << gone << " is still there";
-  std::vector<std::string> kept = kept_files;
-  kept.push_back(link);
-  if (!foreign.empty()) kept.push_back(foreign);
-  for (const auto& f : kept) {
-    struct stat st;
-    EXPECT_EQ(lstat((dir + "/" + f).c_str(), &st), 0) << f << " was removed";
-    unlink((dir + "/" + f).c_str());
-  }
-  EXPECT_EQ(net::lf::remove_dead_shm_regions(dir), 0);
-  rmdir(dir.c_str());
-  EXPECT_EQ(net::lf::remove_dead_shm_regions("/nonexistent-mk-dir"), 0);
 }
 
 // A window registration refused on one rank (MK_FAULT register:error, as a provider out of
