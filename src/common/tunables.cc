@@ -66,9 +66,10 @@ const std::vector<TunableDef> kTable = {
      "stage GPU windows through pinned host buffers: auto (when the provider lacks FI_HMEM), always, never",
      0, 0, "auto|always|never"},
     {"net_check_senders", "MK_NET_CHECK_SENDERS", TunableType::kString, "auto",
-     "drop network arrivals and control messages whose sender is not a rank of the job: auto (where the "
-     "provider names senders (FI_SOURCE) as its address vector does: tcp;ofi_rxm, verbs;ofi_rxm, efa; not "
-     "udp;ofi_rxd or shm, whose reports do not) or off (memory keys are then a window's only credential)", 0, 0, "auto|off"},
+     "drop network arrivals and control messages whose sender is not a rank of the job (FI_SOURCE): auto (on "
+     "providers whose sender names were checked against the address vector: tcp;ofi_rxm), on (wherever the "
+     "provider offers FI_SOURCE; udp;ofi_rxd and shm misname senders, and the job then fails) or off (memory "
+     "keys are then a window's only credential)", 0, 0, "auto|on|off"},
     {"proxy_ring_slots", "MK_PROXY_RING_SLOTS", TunableType::kInt, "4096",
      "commands the GPU-to-proxy ring holds (a power of two); a full ring back-pressures the GPU", 2, 1 << 24},
     {"proxy_max_inflight", "MK_PROXY_MAX_INFLIGHT", TunableType::kInt, "512",

@@ -806,6 +806,28 @@ TEST_F(NetMpi, ArrivalsFromOutsideTheJobAreDropped) {
   MK_EXPECT_OK(be_->finalize());
 }
 
+// The sender check follows net_check_senders: auto on tcp;ofi_rxm only (the provider whose sender
+// names were checked here), on wherever FI_SOURCE is offered, off nowhere. (`on` is tried on
+// tcp only: on udp;ofi_rxd and shm it drops the job's own messages, as documented, and the
+// job fails.)
+TEST_F(NetMpi, SenderCheckFollowsTheSetting) {
+  for (const char* v : {"auto", "on", "off"}) {
+    if (std::string(v) == "on" && provider_under_test() != "tcp_rxm") continue;
+    MK_ASSERT_OK(tunables::set("net_check_senders", v));
+    Status s = create();
+    if (s.ok()) {
+      auto* lf = dynamic_cast<net::lf::LibfabricBackend*>(be_.get());
+      ASSERT_NE(lf, nullptr);
+      const bool want = std::string(v) == "on" || (std::string(v) == "auto" && provider_of(*be_) == "tcp;ofi_rxm");
+      EXPECT_EQ(lf->checks_senders(), want) << v << " on " << be_->name();
+      MK_EXPECT_OK(be_->finalize());
+      be_.reset();
+    }
+    MK_ASSERT_OK(tunables::reset("net_check_senders"));
+    MK_ASSERT_OK(s);
+  }
+}
+
 // The finding itself: a stranger that reaches rank 0 writes with guessed keys — 1, 2, 3, 4 (what
 // registration order gave before), 0, and the real key with one bit flipped — into rank 0's
 // window, with remote CQ data: not a byte changes, no arrival appears, and the job goes on. A

@@ -310,8 +310,9 @@ Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& 
           inject_size_, info_->ep_attr->max_msg_size, info_->tx_attr ? info_->tx_attr->size : 0,
           info_->rx_attr ? info_->rx_attr->size : 0, hmem_ ? "yes" : "no",
           source_ ? "yes (FI_SOURCE)"
-                  : tunables::net_check_senders() == "off" ? "no (net_check_senders=off)"
-                                                           : "no (the provider names no sender, or not as its address vector)");
+                  : tunables::net_check_senders() == "off"
+                      ? "no (net_check_senders=off)"
+                      : "no (not checked on this provider: docs/backend-contract.md, Senders)");
   return OkStatus();
 }
 
@@ -362,12 +363,14 @@ Status LibfabricBackend::select_info(const Topology& topo, const std::string& pr
   }
   info_ = fi_dupinfo(chosen);
   MK_REQUIRE(info_ != nullptr, Code::kOutOfMemory, "fi_dupinfo failed");
-  // Senders are checked where the provider names them as its address vector does. Not on
-  // udp;ofi_rxd (it names the job's own ranks with other addresses: their quiet messages were
-  // dropped) nor on shm (a message with remote CQ data from outside the job is named as rank 0;
-  // and only this user's processes can reach an shm endpoint: its regions are 0600).
-  source_ = (info_->caps & FI_SOURCE) != 0 && prov != "udp;ofi_rxd" && prov != "shm" &&
-            tunables::net_check_senders() == "auto";
+  // Senders are checked (auto) where the provider was seen to name them as its address vector
+  // does: tcp;ofi_rxm (NetMpi.ArrivalsFromOutsideTheJobAreDropped). Not udp;ofi_rxd (it names the
+  // job's own ranks with other addresses: their quiet messages were dropped) nor shm (a message
+  // with remote CQ data from outside the job is named as rank 0; only this user's processes can
+  // reach it anyway, its regions being 0600); providers not run here (verbs;ofi_rxm, efa) only
+  // with net_check_senders=on, as a wrong name would drop the job's own traffic.
+  const std::string check = tunables::net_check_senders();
+  source_ = (info_->caps & FI_SOURCE) != 0 && (check == "on" || (check == "auto" && prov == "tcp;ofi_rxm"));
   mr_mode_ = static_cast<uint64_t>(info_->domain_attr->mr_mode);
   {
     const size_t ks = info_->domain_attr->mr_key_size;  // bytes; 0 or more than 8: the full 64 bits
