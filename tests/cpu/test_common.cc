@@ -466,7 +466,7 @@ TEST(Tunables, EveryKindOfSettingIsValidated) {
       {"debug", "VERSION", "info"},
       {"debug_subsys", "^NET,PROXY", "NET,BOGUS"},
       {"net_staging", "always", "sometimes"},
-      {"net_check_senders", "off", "on"},
+      {"net_check_senders", "off", "yes"},
       {"fused_split", "auto", "dynamic"},
       {"symmem_mode", "vmm", "VMM"},
       {"net_provider", "tcp_rxm", "tcp rxm"},
