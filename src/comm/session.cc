@@ -135,13 +135,17 @@ Status OpSession::upload_bytes(const void* src, size_t bytes, void** out) {
   if (!bytes) return OkStatus();
   MK_CUDA_CHECK(cudaMalloc(out, bytes));
   dev_allocs_.push_back(*out);
-  return copy_bounded(*out, src, bytes, -1, (name_ + ": uploading its tables").c_str());
+  // On the communicator's setup stream (non-blocking), bounded: another library's hung work does
+  // not hang the operator's creation.
+  MK_CUDA_CHECK(cudaMemcpyAsync(*out, src, bytes, cudaMemcpyHostToDevice, comm_->setup_stream()));
+  return sync_stream_bounded(comm_->setup_stream(), device_setup_timeout_ms(), (name_ + ": uploading its tables").c_str());
 }
 
 Status OpSession::alloc_zeroed(size_t bytes, void** out) {
   MK_CUDA_CHECK(cudaMalloc(out, bytes));
   dev_allocs_.push_back(*out);
-  return zero_bounded(*out, bytes, -1, (name_ + ": zeroing a workspace").c_str());
+  MK_CUDA_CHECK(cudaMemsetAsync(*out, 0, bytes, comm_->setup_stream()));
+  return sync_stream_bounded(comm_->setup_stream(), device_setup_timeout_ms(), (name_ + ": zeroing a workspace").c_str());
 }
 
 Status OpSession::check_call() const {

@@ -240,13 +240,11 @@ void IpcServer::loop() {
   }
 }
 
-// Refusals are all counted (refused()), but logged only for the first kLoggedRefusals and then
-// at each power of two: another local user's connection flood must not flood the job's log.
+// Refusals are all counted (refused()), but logged only as log_nth_repeat says (the first few,
+// then at each power of two): another local user's connection flood must not flood the job's log.
 namespace {
-constexpr uint64_t kLoggedRefusals = 4;
-bool refusal_logged(uint64_t n) { return n <= kLoggedRefusals || (n & (n - 1)) == 0; }
 std::string refusal_note(uint64_t n) {
-  if (n < kLoggedRefusals) return "";
+  if (n < kLoggedRepeats) return "";
   return " (refusal " + std::to_string(n) + "; further ones are logged at each power of two)";
 }
 }  // namespace
@@ -259,13 +257,13 @@ void IpcServer::serve(int conn) {
   socklen_t clen = sizeof(cred);
   if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &clen) < 0) {
     const int e = errno;
-    if (const uint64_t n = ++refused_; refusal_logged(n))
+    if (const uint64_t n = ++refused_; log_nth_repeat(n))
       MK_WARN(kSubsysMem, "rank %d: IPC connection refused: SO_PEERCRED failed: %s%s", rank_, strerror(e),
               refusal_note(n).c_str());
     return;
   }
   if (cred.uid != geteuid()) {
-    if (const uint64_t n = ++refused_; refusal_logged(n))
+    if (const uint64_t n = ++refused_; log_nth_repeat(n))
       MK_WARN(kSubsysMem, "rank %d: IPC connection from pid %d uid %u refused: not this job's uid %u%s",
               rank_, cred.pid, cred.uid, geteuid(), refusal_note(n).c_str());
     send_reply(conn, Code::kPermissionDenied, -1);
@@ -273,13 +271,13 @@ void IpcServer::serve(int conn) {
   }
   IpcRequest req;
   if (!read_full(conn, &req, sizeof(req)) || req.magic != kIpcMagic || req.version != kIpcWireVersion) {
-    if (const uint64_t n = ++refused_; refusal_logged(n))
+    if (const uint64_t n = ++refused_; log_nth_repeat(n))
       MK_WARN(kSubsysMem, "rank %d: IPC connection from pid %d refused: malformed request%s", rank_,
               cred.pid, refusal_note(n).c_str());
     return;
   }
   if (!equal_ct(req.token, secret_.token.data(), 32)) {
-    if (const uint64_t n = ++refused_; refusal_logged(n))
+    if (const uint64_t n = ++refused_; log_nth_repeat(n))
       MK_WARN(kSubsysMem, "rank %d: IPC connection from pid %d (claims rank %d) refused: wrong job token%s",
               rank_, cred.pid, req.rank, refusal_note(n).c_str());
     send_reply(conn, Code::kPermissionDenied, -1);

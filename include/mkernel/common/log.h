@@ -35,6 +35,11 @@ void log_reconfigure();
 Status log_check_subsys(const std::string& value);
 // The rank printed in each line's prefix; -1 until a communicator sets it.
 void log_set_rank(int rank);
+// For an event another party can repeat at will (a refused connection, a dropped message): is
+// its n-th occurrence (from 1) logged? The first kLoggedRepeats, then each power of two; every
+// one is still counted by the caller.
+constexpr uint64_t kLoggedRepeats = 4;
+inline bool log_nth_repeat(uint64_t n) { return n <= kLoggedRepeats || (n & (n - 1)) == 0; }
 
 }  // namespace mk
 

@@ -282,7 +282,7 @@ Status LibfabricBackend::poll(std::vector<LocalDone>* done, std::vector<Arrival>
 // stranger's flood must not flood the log).
 void LibfabricBackend::drop_stranger(const char* what, uint64_t data) {
   const uint64_t n = ++strangers_;
-  if (n <= 4 || (n & (n - 1)) == 0)
+  if (log_nth_repeat(n))
     MK_WARN(kSubsysNet,
             "%s: rank %d dropped %s (data 0x%llx) from a sender outside this job's address vector "
             "(%llu so far; later ones are logged at each power of two)",

@@ -131,8 +131,6 @@ void keep_until_exit(std::unique_ptr<Abandoned> a);
 
 using Clock = std::chrono::steady_clock;
 
-inline Clock::time_point after_ms(int64_t ms) { return deadline_after_ms(ms); }
-
 // Polling pause for the blocking loops (quiesce, sends): yields first, then sleeps briefly,
 // so four ranks on two cores still make progress.
 class Pause {

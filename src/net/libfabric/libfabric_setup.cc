@@ -223,12 +223,6 @@ Status LibfabricBackend::choose_provider(const Topology& topo, const std::string
                      tried.c_str(), mine, have.empty() ? "none" : have.c_str());
 }
 
-// The shm provider names an endpoint's shared-memory region after the process id and a
-// per-process endpoint count, and refuses (fi_enable: EBUSY) to take over a region of that name
-// whose recorded owner is alive. A process that died without closing its endpoint (killed, or
-// left through _exit) leaves its region behind; once the pid is recycled (quickly in
-// containers), the new process with that pid can no longer open an endpoint. A nonce in the
-// name makes every endpoint's region its own, whatever was left behind.
 int remove_dead_shm_regions(const std::string& dir) {
   DIR* d = opendir(dir.c_str());
   if (!d) return 0;
@@ -256,6 +250,12 @@ int remove_dead_shm_regions(const std::string& dir) {
   return removed;
 }
 
+// The shm provider names an endpoint's shared-memory region after the process id and a
+// per-process endpoint count, and refuses (fi_enable: EBUSY) to take over a region of that name
+// whose recorded owner is alive. A process that died without closing its endpoint (killed, or
+// left through _exit) leaves its region behind; once the pid is recycled (quickly in
+// containers), the new process with that pid can no longer open an endpoint. A nonce in the
+// name makes every endpoint's region its own, whatever was left behind.
 void LibfabricBackend::name_shm_endpoint() {
   const char* p = info_->fabric_attr ? info_->fabric_attr->prov_name : nullptr;
   if (!p || strcmp(p, "shm") != 0) return;

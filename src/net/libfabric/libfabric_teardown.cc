@@ -79,7 +79,7 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
   // 1. (teardown) This rank's puts complete; their targets keep progressing meanwhile, being
   //    in step 1 or 3 themselves or still in their own work loop.
   const int64_t net_ms = tunables::net_timeout_ms();
-  auto deadline = after_ms(net_ms);
+  auto deadline = deadline_after_ms(net_ms);
   while (own_puts && s.ok() && outstanding_ > 0) {
     int seen = 0;
     s = stash_poll_counted(&seen);
@@ -101,7 +101,7 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
   }
   // 2. Tell every peer (even after a local failure, so that peers do not wait on this rank).
   const int64_t boot_ms = tunables::bootstrap_timeout_ms();
-  deadline = after_ms(boot_ms);
+  deadline = deadline_after_ms(boot_ms);
   bool sent = ep_ != nullptr;  // tried even after a failure: the endpoint may still carry them
   for (int p = 0; sent && p < world_; ++p) {
     if (p == rank_) continue;

@@ -180,7 +180,7 @@ Status Bootstrap::failure_report(int64_t grace_ms) {
   if (f.reported) return f.report;
   if (grace_ms < 0) grace_ms = tunables::failure_grace_ms();
   const int W = size(), me = rank();
-  auto deadline = detail::deadline_after(grace_ms);
+  auto deadline = deadline_after_ms(grace_ms);
   detail::Backoff backoff;
   for (;;) {
     int missing = 0;

@@ -48,9 +48,6 @@ class Backoff {
 };
 
 using Clock = std::chrono::steady_clock;
-inline Clock::time_point deadline_after(int64_t ms) {
-  return deadline_after_ms(ms);
-}
 
 }  // namespace detail
 }  // namespace mk

@@ -200,7 +200,7 @@ class MpiBootstrap final : public Bootstrap {
   // with MPI_ERR_TRUNCATE). On any failure the outstanding requests are abandoned.
   Status wait_all(std::vector<MPI_Request>& reqs, const std::vector<int>& peer_of, size_t nrecv,
                   size_t bytes, const char* op, uint64_t seq, int64_t tmo) {
-    auto deadline = detail::deadline_after(tmo);
+    auto deadline = deadline_after_ms(tmo);
     detail::Backoff backoff;
     std::vector<int> idx(reqs.size());
     std::vector<MPI_Status> st(reqs.size());

@@ -33,7 +33,7 @@ class StoreBootstrap final : public Bootstrap {
     have[rank_] = true;
     memmove(static_cast<uint8_t*>(recv) + rank_ * bytes, mine.data(), bytes);
     int left = size_ - 1;
-    auto deadline = detail::deadline_after(tmo);
+    auto deadline = deadline_after_ms(tmo);
     detail::Backoff backoff;
     // A rank that timed out leaves "<prefix>/<seq>/abort": a late rank must not succeed
     // where the others failed.

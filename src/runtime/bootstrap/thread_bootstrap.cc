@@ -84,7 +84,7 @@ class ThreadBootstrap final : public Bootstrap {
     w_->cv.notify_all();
     // Each waiter keeps its own deadline, so every waiter names the missing ranks itself; a
     // failure notice from any rank ends the wait at once.
-    const auto deadline = detail::deadline_after(tmo);
+    const auto deadline = deadline_after_ms(tmo);
     bool done = false;
     for (;;) {
       done = op.count == w_->size || op.mismatch;
