@@ -1,6 +1,7 @@
 #include "tests/common/test_util.h"
 
 #include <cuda_runtime_api.h>
+#include <dirent.h>
 
 #include <atomic>
 #include <chrono>
@@ -8,7 +9,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <fstream>
 #include <random>
+#include <sstream>
 
 #include "mkernel/common/check.h"
 
@@ -166,6 +169,46 @@ StoreCallbacks file_store(const std::string& dir) {
     return OkStatus();
   };
   return cb;
+}
+
+std::string stacks_of(int pid, size_t max_chars) {
+  std::string out;
+  const std::string pid_s = std::to_string(pid);
+  if (system("command -v gdb >/dev/null 2>&1") == 0) {
+    const std::string cmd = "timeout 30 gdb -batch -nx -p " + pid_s + " -ex 'thread apply all bt' 2>&1";
+    if (FILE* f = popen(cmd.c_str(), "r")) {
+      char buf[4096];
+      size_t n;
+      while ((n = fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+      pclose(f);
+    }
+    if (out.find("#0") != std::string::npos) {
+      // gdb's own chatter before the first thread is not worth the space.
+      const size_t t = out.find("\nThread ");
+      if (t != std::string::npos) out = out.substr(t + 1);
+      if (out.size() > max_chars) out = out.substr(0, max_chars) + "\n...";
+      return "stacks of pid " + pid_s + " (gdb):\n" + out;
+    }
+  }
+  out = "threads of pid " + pid_s + " (name, kernel wait channel):\n";
+  const std::string task = "/proc/" + pid_s + "/task";
+  if (DIR* d = opendir(task.c_str())) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      auto read = [&](const char* what) {
+        std::ifstream f(task + "/" + e->d_name + "/" + what);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        std::string v = ss.str();
+        while (!v.empty() && v.back() == '\n') v.pop_back();
+        return v;
+      };
+      out += std::string("  ") + e->d_name + " " + read("comm") + ": " + read("wchan") + "\n";
+    }
+    closedir(d);
+  }
+  if (out.size() > max_chars) out = out.substr(0, max_chars) + "\n...";
+  return out;
 }
 
 }  // namespace test

@@ -55,6 +55,11 @@ Status make_one_rank_comm(std::unique_ptr<Communicator>* out);
 // no launcher tears the job down for them.
 StoreCallbacks file_store(const std::string& dir);
 
+// Where a process that should have left is stuck, for a failure message: every thread's stack
+// from gdb (`thread apply all bt`, bounded to 30 s) when gdb is there, else each thread's name
+// and kernel wait channel from /proc. At most max_chars.
+std::string stacks_of(int pid, size_t max_chars = 12000);
+
 // MK_TEST_SMALL=1 (the device sanitizer runs, scripts/device/sanitize_check.sh): tests that
 // loop over shapes leave out their large ones, keeping every code path at fewer tiles.
 bool small_shapes();

@@ -755,8 +755,11 @@ TEST(StoreBootstrap, TellsTheStoreHowLargeAValueMayBe) {
   ASSERT_TRUE(asked.count("cap/0/0") && asked.count("cap/0/1"));
   EXPECT_EQ(asked["cap/0/0"], bytes);
   EXPECT_EQ(asked["cap/0/1"], bytes);
-  for (const auto& [key, max_bytes] : asked)
-    if (key.find("/abort") != std::string::npos) EXPECT_LE(max_bytes, 16u) << key;
+  for (const auto& [key, max_bytes] : asked) {
+    if (key.find("/abort") != std::string::npos) {
+      EXPECT_LE(max_bytes, 16u) << key;
+    }
+  }
 }
 
 // A caller's huge timeout waits (saturating at a century) instead of wrapping into a deadline

@@ -26,6 +26,7 @@
 
 #include "mkernel/common/tunables.h"
 #include "tests/cpu/proxy_harness.h"
+#include "tests/common/test_util.h"
 
 namespace mk {
 namespace test {
@@ -153,6 +154,27 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// The helper the fault tests use to say where a rank that did not leave is stuck: a process
+// asleep in a known call is found there (by gdb, or by its threads' names and wait channels).
+TEST(Stacks, SayWhereAProcessWaits) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    for (;;) pause();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const std::string where = stacks_of(pid);
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  EXPECT_NE(where.find("pid " + std::to_string(pid)), std::string::npos) << where;
+  // gdb shows the call (pause, or the syscall under it); /proc at least the thread.
+  const bool gdb = where.find("(gdb)") != std::string::npos;
+  if (gdb)
+    EXPECT_TRUE(where.find("pause") != std::string::npos || where.find("syscall") != std::string::npos) << where;
+  else
+    EXPECT_NE(where.find("test_proxy_fau"), std::string::npos) << where;
+}
+
 class JobFault : public ::testing::TestWithParam<Fault> {};
 
 // W processes stream puts to each other through their proxies; one fails (killed, stopped, or
@@ -215,10 +237,15 @@ TEST_P(JobFault, EveryRankLeavesAndNamesTheCulprit) {
   // The victim of a signal (stopped or dead) is ended here, as a launcher would; stragglers too.
   for (int r = 0; r < W; ++r) {
     if (status[r] != -1) continue;
+    // Where a rank that should have left is stuck, before it is ended (the victim of SIGSTOP
+    // would only show its stop).
+    const std::string where = must_leave(r) ? test::stacks_of(pids[r]) : std::string();
     kill(pids[r], SIGKILL);
     int st = 0;
     waitpid(pids[r], &st, 0);
-    if (must_leave(r)) ADD_FAILURE() << "rank " << r << " did not leave by itself within 40 s";
+    if (must_leave(r))
+      ADD_FAILURE() << "rank " << r << " did not leave by itself within 40 s; what it had written: \""
+                    << read_file(dir + "/result_" + std::to_string(r)) << "\"\n" << where;
     status[r] = st;
   }
   if (!signal_fault) {
