@@ -86,7 +86,7 @@ MUTATIONS = [
              ["test_fused_gemm_plan"],
              "a tile row read before the peers' rows are ready (drop a wait)"),
     Mutation("controller-never-moves", SPLIT,
-             "  if (x.tiles_taken >= x.tiles_total || x.ops_taken >= x.ops_total) return s->comm;",
+             "  if (tail) return s->comm;",
              "  return s->comm;",
              ["test_split_control:SplitSim.*"],
              "the SM-partition controller never moves the split (the model alone must see it)"),
@@ -95,8 +95,10 @@ MUTATIONS = [
              "  int32_t up = lim.hi;",
              ["test_split_control:SplitSim.*"],
              "the controller grows straight to its ceiling (the model alone must see it)",
-             known="issue 40 item 1: the controller's model charges nothing for sampling, draining a role "
-                   "on a switch or contention, so extra communication CTAs cost almost nothing there"),
+             known="issue 40 item 1: with sampling, switch and contention costs in the model, a jump to the "
+                   "ceiling still costs little there (surplus communication CTAs compute while no op is "
+                   "ready; the idle rule brings an in-order jump back); the GPU calibration is to say "
+                   "whether it costs more on the device"),
     Mutation("torch-ag-backward-local", TORCH,
              "        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size)",
              "        grad_a = (grad_out @ b.t())[: grad_out.shape[0] // ctx.world_size]",

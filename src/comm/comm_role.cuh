@@ -257,8 +257,13 @@ struct CommRole {
     if (!p.program.rows) return;
     const DevRowHooks h = p.program.rows[row];
     if (h.load_waits) {
-      if (p.split && !waits_met(p.program, h.load_wait0, h.load_waits, epoch)) atomicAdd(&p.split->stalls, 1);
+      const bool stall = p.split && !waits_met(p.program, h.load_wait0, h.load_waits, epoch);
+      if (stall) {
+        atomicAdd(&p.split->stalls, 1);
+        atomicAdd(&p.split->stalled, 1);
+      }
       hook_waits<true>(p.program, h.load_wait0, h.load_waits, epoch);
+      if (stall) atomicSub(&p.split->stalled, 1);
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }
   }

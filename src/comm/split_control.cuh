@@ -22,14 +22,14 @@ template <class Sched_>
 __device__ __forceinline__ void split_control(SplitCtl* c, const DeviceProgram& prog, const int* role_counts,
                                               const TraceBuffer& trace, const Sched_& sched, uint64_t epoch) {
   if (static_cast<int64_t>(device::trace_now_ns()) - *reinterpret_cast<volatile int64_t*>(&c->state.last_ns) <
-      c->interval_ns)
+      *reinterpret_cast<volatile int64_t*>(&c->gap_ns))
     return;
   if (atomicCAS(&c->lock, 0, 1) != 0) return;
   __threadfence();
   // Under the lock: the clock and the interval again (another thread may have sampled between
   // the first check and the lock).
   const int64_t now = static_cast<int64_t>(device::trace_now_ns());
-  if (now - c->state.last_ns < c->interval_ns) {
+  if (now - c->state.last_ns < c->gap_ns) {
     atomicExch(&c->lock, 0);
     return;
   }
@@ -45,6 +45,7 @@ __device__ __forceinline__ void split_control(SplitCtl* c, const DeviceProgram& 
     ready += op_ready(prog, i, epoch) ? 1 : 0;
   x.ops_ready = ready;
   x.stalls = *reinterpret_cast<volatile int*>(&c->stalls);
+  x.stalled = max(*reinterpret_cast<volatile int*>(&c->stalled), 0);
   if (prog.ring.head) {
     const uint64_t head = *reinterpret_cast<volatile unsigned long long*>(prog.ring.head);
     const uint64_t tail = *reinterpret_cast<const volatile uint64_t*>(prog.ring.tail);
@@ -66,6 +67,12 @@ __device__ __forceinline__ void split_control(SplitCtl* c, const DeviceProgram& 
   }
   c->last_mean = split_mean(c->state);
   c->has_mean = 1;
+  // What this sample cost its thread (the CTA's next item waited for it), smoothed; the
+  // interval keeps sampling within its share of the grid's time (split_interval_ns).
+  int64_t cost = static_cast<int64_t>(device::trace_now_ns()) - now;
+  cost = cost > 0 ? cost : 0;
+  c->sample_ns = c->sample_ns > 0 ? (3 * c->sample_ns + cost + 3) / 4 : cost;
+  c->gap_ns = split_interval_ns(c->interval_ns, c->sample_ns, c->limits.grid);
   __threadfence();
   atomicExch(&c->lock, 0);
 }

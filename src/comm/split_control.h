@@ -14,6 +14,8 @@
 //                communication work that no CTA has picked up (a backlog);
 //   stalls       tile loads that found their input not there yet (cumulative): compute waiting
 //                for communication;
+//   stalled      tile loads waiting for their inputs at the sample (a gauge: a tile stalled
+//                since the call's start shows here, not in new stalls);
 //   ops_done     ops finished (cumulative): the communication role's rate;
 //   ring_queued  commands pushed to the proxy and not yet taken by it: when the ring is mostly
 //                full the network is the bottleneck, and more communication CTAs would only
@@ -52,6 +54,16 @@ constexpr int kSplitPeek = 8;      // ops examined for the backlog
 constexpr int kSplitBacklog = 2;   // a backlog of this many ready ops counts as starving
 constexpr int kSplitHold = 2;      // samples to wait after a change
 constexpr int kSplitIdle = 3;      // idle samples before shrinking
+// Sampling costs the sampling CTA's time: the interval grows so that sampling takes at most
+// 1/kSplitSampleShare of the grid's time (a 1 us sample on 132 CTAs: every 2 us; on 33: 6 us).
+constexpr int64_t kSplitSampleShare = 200;
+
+// The interval between samples: at least base_ns, and long enough that samples of sample_ns
+// (measured) take at most 1/kSplitSampleShare of the grid's time.
+MK_HOST_DEVICE inline int64_t split_interval_ns(int64_t base_ns, int64_t sample_ns, int32_t grid) {
+  const int64_t need = grid > 0 ? sample_ns * kSplitSampleShare / grid : 0;
+  return need > base_ns ? need : base_ns;
+}
 
 struct SplitSample {
   int64_t now_ns = 0;
@@ -60,6 +72,7 @@ struct SplitSample {
   int32_t ops_done = 0;       // ops finished by their CTAs (cumulative)
   int32_t ops_ready = 0;      // 0 .. kSplitPeek
   int32_t stalls = 0;         // cumulative
+  int32_t stalled = 0;        // tile loads waiting for their inputs now (a gauge)
   int32_t ring_queued = 0;    // 0 when the call has no network puts
   int32_t ring_capacity = 0;  // 0: no ring
 };
@@ -142,31 +155,51 @@ MK_HOST_DEVICE inline float split_predict(const SplitState& s, const SplitSample
   return compute + (rest > 0.f ? rest / tail : 0.f);
 }
 
+// In order: the predicted time (ns) to the end of the call with c communication CTAs. Tiles
+// wait for ops, so the call ends when the slower of the two streams does: the ops left at c
+// CTAs' rate (capped by the link rate once found), the tiles left at the other CTAs'.
+MK_HOST_DEVICE inline float split_predict_in_order(const SplitState& s, const SplitSample& x, const SplitLimits& lim,
+                                                   float tile_rate, float op_rate, int32_t c) {
+  const float tiles_left = static_cast<float>(x.tiles_total - x.tiles_taken);
+  const float ops_left = static_cast<float>(x.ops_total - x.ops_done);
+  const float compute = tiles_left / (tile_rate * static_cast<float>(lim.grid - c));
+  float ops = op_rate * static_cast<float>(c);
+  if (s.link_rate > 0.f && ops > s.link_rate) ops = s.link_rate;
+  const float comm = ops_left / ops;
+  return compute > comm ? compute : comm;
+}
+
 // One sample: updates the state and returns the new count (s->comm).
 MK_HOST_DEVICE inline int32_t split_step(SplitState* s, const SplitSample& x, const SplitLimits& lim) {
   const int64_t dt = x.now_ns > s->last_ns ? x.now_ns - s->last_ns : 0;
-  s->weighted += static_cast<int64_t>(s->comm) * dt;
-  s->span_ns += dt;
+  const bool tail = x.tiles_taken >= x.tiles_total || x.ops_taken >= x.ops_total;
+  // The mean counts the time the split mattered: in the tail every CTA helps whatever it is.
+  if (!tail) {
+    s->weighted += static_cast<int64_t>(s->comm) * dt;
+    s->span_ns += dt;
+  }
   s->last_ns = x.now_ns > s->last_ns ? x.now_ns : s->last_ns;
   const int32_t new_stalls = x.stalls - s->last_stalls;
   s->last_stalls = x.stalls;
   s->backlog_run = x.ops_ready >= kSplitBacklog ? s->backlog_run + 1 : 0;
   s->idle_run = x.ops_ready == 0 && new_stalls <= 0 ? s->idle_run + 1 : 0;
-  if (x.tiles_taken >= x.tiles_total || x.ops_taken >= x.ops_total) return s->comm;
+  if (tail) return s->comm;
   if (s->hold > 0) --s->hold;
   if (s->hold > 0) return s->comm;
-  // In order, only stalls beside ready ops mean the communication role is short: without ready
-  // ops the tiles wait for data still on its way, which more CTAs would not bring sooner; and
-  // ready ops without stalls are ahead of the tiles that need them.
+  // In order, only stalls (new, or tiles still waiting) beside ready ops mean the communication
+  // role is short: without ready ops the tiles wait for data still on its way, which more CTAs
+  // would not bring sooner; and ready ops without stalls are ahead of the tiles that need them.
   const bool starving =
-      lim.in_order ? new_stalls > 0 && x.ops_ready > 0 : s->backlog_run >= 2;
+      lim.in_order ? (new_stalls > 0 || x.stalled > 0) && x.ops_ready > 0 : s->backlog_run >= 2;
   const int64_t window = x.now_ns - s->mark_ns;
   const float op_rate_all = window > 0 ? static_cast<float>(x.ops_done - s->mark_ops) / static_cast<float>(window) : 0.f;
   if (starving && op_rate_all > s->best_rate) s->best_rate = op_rate_all;
-  // Judge the last growth on about one op per communication CTA: did the ops go faster, by at
-  // least half the CTAs added? If not, the role is bound elsewhere (links, the network).
+  // Judge the last growth on about one op per communication CTA (two in order: a CTA added
+  // there first finishes the tile it holds, which may wait for the very ops it is to run): did
+  // the ops go faster, by at least half the CTAs added? If not, the role is bound elsewhere
+  // (links, the network).
   if (s->probe_from > 0) {
-    if (starving && x.ops_done - s->mark_ops < s->comm) return s->comm;
+    if (starving && x.ops_done - s->mark_ops < (lim.in_order ? 2 : 1) * s->comm) return s->comm;
     const int32_t from = s->probe_from;
     s->probe_from = -1;
     const float gain = static_cast<float>(s->comm - from) / static_cast<float>(from);
@@ -187,15 +220,36 @@ MK_HOST_DEVICE inline int32_t split_step(SplitState* s, const SplitSample& x, co
   if (saturated) {
     next = s->comm - 1;
   } else if (starving && up > s->comm) {
-    if (lim.in_order) {
-      next = up;
-    } else if (window > 0 && x.tiles_taken > s->mark_tiles && x.ops_done > s->mark_ops) {
-      // Grow only if the prediction says the call ends sooner (by 1%).
-      const float tile_rate = static_cast<float>(x.tiles_taken - s->mark_tiles) /
-                              (static_cast<float>(window) * static_cast<float>(lim.grid - s->comm));
+    // Grow only if the prediction says the call ends sooner (by 1%), from rates measured over
+    // the window since the last change. In order, over about one op per communication CTA (ops
+    // take long against a sample: at the call's start none has ended yet while every tile
+    // stalls on the first ones), and without the tiles taken that still wait for their inputs.
+    const int32_t min_ops = lim.in_order ? s->comm : 1;
+    const int32_t tiles = x.tiles_taken - s->mark_tiles - (lim.in_order ? x.stalled : 0);
+    if (window > 0 && tiles > 0 && x.ops_done - s->mark_ops >= min_ops) {
+      const float tile_rate =
+          static_cast<float>(tiles) / (static_cast<float>(window) * static_cast<float>(lim.grid - s->comm));
       const float op_rate = op_rate_all / static_cast<float>(s->comm);
-      const float now_t = split_predict(*s, x, lim, tile_rate, op_rate, s->comm);
-      if (split_predict(*s, x, lim, tile_rate, op_rate, up) < 0.99f * now_t) next = up;
+      if (lim.in_order) {
+        const int32_t top = split_clamp(s->ceiling > 0 && s->ceiling < lim.hi ? s->ceiling : lim.hi, lim);
+        if (2 * x.stalled > lim.grid - s->comm) {
+          // Most compute CTAs wait for ops that are ready but untaken: double.
+          next = s->comm * 2 < top ? s->comm * 2 : top;
+        } else {
+          // The two streams balance: the best of comm + step, 2x, 4x and the ceiling.
+          float best_t = 0.99f * split_predict_in_order(*s, x, lim, tile_rate, op_rate, s->comm);
+          const int32_t cand[4] = {up, s->comm * 2, s->comm * 4, top};
+          for (int i = 0; i < 4; ++i) {
+            const int32_t c = cand[i] < top ? cand[i] : top;
+            if (c <= s->comm) continue;
+            const float t = split_predict_in_order(*s, x, lim, tile_rate, op_rate, c);
+            if (t < best_t) best_t = t, next = c;
+          }
+        }
+      } else {
+        const float now_t = split_predict(*s, x, lim, tile_rate, op_rate, s->comm);
+        if (split_predict(*s, x, lim, tile_rate, op_rate, up) < 0.99f * now_t) next = up;
+      }
     }
   } else if (s->idle_run >= kSplitIdle) {
     next = s->comm - 1;
@@ -213,7 +267,7 @@ MK_HOST_DEVICE inline int32_t split_step(SplitState* s, const SplitSample& x, co
 }
 
 // The controller's device state, one per operator (device memory). The launch resets the
-// per-call part (fused_begin); the rule runs under `lock`, at most once per interval_ns, by
+// per-call part (fused_begin); the rule runs under `lock`, at most once per gap_ns, by
 // whichever CTA's scheduling thread reaches a work-item boundary first.
 constexpr int kSplitForceMax = 4;
 struct SplitCtl {
@@ -223,7 +277,10 @@ struct SplitCtl {
   int32_t last_mean;        // the split settled on so far: the next call's start
   int32_t has_mean;         // last_mean was set by a call
   int32_t hi_auto;          // limits.hi from the grid at launch: min(grid - 1, max(32, grid / 2))
-  int64_t interval_ns;      // the rule runs at most this often
+  int32_t stalled;          // tile loads waiting for their inputs now (SplitSample::stalled)
+  int64_t interval_ns;      // the rule runs at most this often (the floor of gap_ns)
+  int64_t sample_ns;        // what a sample costs its thread (measured, smoothed; kept across calls)
+  int64_t gap_ns;           // the interval in force: split_interval_ns(interval_ns, sample_ns, grid)
   int32_t* host_mean;       // pinned host word, mapped: each launch's fused_begin writes the
                             // previous call's settled split there for the host (no copy per call)
   // Tests: at force_at[i] tiles taken, the count becomes force_to[i] (in order; the rule then

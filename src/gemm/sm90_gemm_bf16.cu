@@ -270,9 +270,11 @@ __global__ void fused_begin(int* op_counter, int* tile_counter, int* role_counts
   const int start = comm::split_clamp(c->has_mean ? c->last_mean : *role_counts, lim);
   *role_counts = start;
   // The clock set one interval back: the first work item of the call samples at once.
-  comm::split_begin(&c->state, start, lim, static_cast<int64_t>(device::trace_now_ns()) - c->interval_ns);
+  c->gap_ns = comm::split_interval_ns(c->interval_ns, c->sample_ns, grid);
+  comm::split_begin(&c->state, start, lim, static_cast<int64_t>(device::trace_now_ns()) - c->gap_ns);
   c->ops_done = 0;
   c->stalls = 0;
+  c->stalled = 0;
   c->next_force = 0;
   c->lock = 0;
   __threadfence();

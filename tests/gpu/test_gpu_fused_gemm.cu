@@ -282,11 +282,18 @@ class Fused : public ::testing::Test {
       Case& c;
       ~AfterCalls() {
         if (::testing::Test::HasFailure() || !c.op->split_controlled()) return;
-        int has = 0, mean = 0, changes = 0;
-        MK_EXPECT_OK(ops::FusedGemmTesting::split_state(c.op.get(), &has, &mean, &changes, c.comm->stream()));
-        EXPECT_EQ(has, 1) << "the controller never ran";
-        EXPECT_GE(mean, 1);
+        ops::SplitReadout r;
+        MK_EXPECT_OK(ops::FusedGemmTesting::split_state(c.op.get(), &r, c.comm->stream()));
+        EXPECT_EQ(r.has_mean, 1) << "the controller never ran";
+        EXPECT_GE(r.last_mean, 1);
         EXPECT_GE(c.op->comm_ctas(), 1);
+        // Every stalled load that entered the gauge left it; the interval follows the samples'
+        // measured cost (split_interval_ns), never below the floor.
+        EXPECT_EQ(r.stalled, 0);
+        EXPECT_GE(r.sample_ns, 0);
+        EXPECT_GE(r.gap_ns, ops::SplitController::kIntervalNs);
+        printf("[ controller ] settled at %d, a sample costs %lld ns, interval %lld ns\n", r.last_mean,
+               static_cast<long long>(r.sample_ns), static_cast<long long>(r.gap_ns));
       }
     } after{c};
     cudaStream_t st = comm->stream();
@@ -356,9 +363,10 @@ class Fused : public ::testing::Test {
     MK_ASSERT_OK(c.check(st, &bad, &first));
     EXPECT_EQ(bad, 0ull) << name << ": the last replay's C";
     if (c.op->split_controlled()) {
-      int has = 0, mean = 0, changes = 0;
-      MK_EXPECT_OK(ops::FusedGemmTesting::split_state(c.op.get(), &has, &mean, &changes, st));
-      EXPECT_EQ(has, 1) << name << ": the controller never ran in the replays";
+      ops::SplitReadout r;
+      MK_EXPECT_OK(ops::FusedGemmTesting::split_state(c.op.get(), &r, st));
+      EXPECT_EQ(r.has_mean, 1) << name << ": the controller never ran in the replays";
+      EXPECT_EQ(r.stalled, 0) << name << ": the stalled gauge did not return to zero";
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

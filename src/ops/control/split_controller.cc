@@ -75,14 +75,17 @@ void SplitController::finish(bool device_alive) {
   remember(true);
 }
 
-Status SplitController::state(int* has_mean, int* last_mean, int* changes, cudaStream_t stream) const {
+Status SplitController::state(SplitReadout* out, cudaStream_t stream) const {
   MK_REQUIRE(d_ctl_, Code::kInvalidArgument, "fused: the controller was never on");
   comm::SplitCtl c{};
   MK_CUDA_CHECK(cudaMemcpyAsync(&c, d_ctl_, sizeof(c), cudaMemcpyDeviceToHost, stream));
   MK_CUDA_CHECK(cudaStreamSynchronize(stream));
-  *has_mean = c.has_mean;
-  *last_mean = c.last_mean;
-  *changes = c.state.changes;
+  out->has_mean = c.has_mean;
+  out->last_mean = c.last_mean;
+  out->changes = c.state.changes;
+  out->stalled = c.stalled;
+  out->sample_ns = c.sample_ns;
+  out->gap_ns = c.gap_ns;
   return OkStatus();
 }
 

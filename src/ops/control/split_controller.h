@@ -22,6 +22,16 @@
 namespace mk {
 namespace ops {
 
+// The controller's device state as tests read it (SplitController::state).
+struct SplitReadout {
+  int has_mean = 0;       // a call ran the rule
+  int last_mean = 0;      // the split it settled on
+  int changes = 0;        // role switches of the latest call
+  int stalled = 0;        // tile loads waiting now: 0 once calls are done
+  int64_t sample_ns = 0;  // what a sample cost (smoothed)
+  int64_t gap_ns = 0;     // the sampling interval in force
+};
+
 class SplitController {
  public:
   // The controller runs at most this often (its samples; split_control.h).
@@ -58,7 +68,7 @@ class SplitController {
   void finish(bool device_alive);
 
   // Tests (through the operators' *_testing.h): the device state, and forced switches.
-  Status state(int* has_mean, int* last_mean, int* changes, cudaStream_t stream) const;
+  Status state(SplitReadout* out, cudaStream_t stream) const;
   Status force(const int* at_tiles, const int* counts, int n, cudaStream_t stream);
 
  private:

@@ -217,9 +217,9 @@ Status FusedGemm::set_comm_ctas(int n, cudaStream_t stream) {
 
 bool FusedGemm::split_controlled() const { return st_->split.on(); }
 
-Status FusedGemmTesting::split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream) {
-  MK_REQUIRE(op && op->st_, Code::kInvalidArgument, "fused: no operator");
-  return op->st_->split.state(has_mean, last_mean, changes, stream);
+Status FusedGemmTesting::split_state(FusedGemm* op, SplitReadout* out, cudaStream_t stream) {
+  MK_REQUIRE(op && op->st_ && out, Code::kInvalidArgument, "fused: no operator or no readout");
+  return op->st_->split.state(out, stream);
 }
 
 Status FusedGemmTesting::force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n,

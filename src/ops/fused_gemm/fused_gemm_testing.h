@@ -6,6 +6,7 @@
 
 #include "mkernel/common/status.h"
 #include "mkernel/ops/fused.h"
+#include "src/ops/control/split_controller.h"
 #include "src/ops/fused_gemm/fused_gemm_plan.h"
 
 namespace mk {
@@ -20,8 +21,9 @@ struct FusedGemmTesting {
   // is off or the lists are bad.
   static Status force_splits(FusedGemm* op, const int* at_tiles, const int* counts, int n, cudaStream_t stream);
   // The controller's device state after the calls on `stream` (synchronizes it): whether a call
-  // ran the rule (has_mean), the split it settled on, the switches of the latest call.
-  static Status split_state(FusedGemm* op, int* has_mean, int* last_mean, int* changes, cudaStream_t stream);
+  // ran the rule, the split it settled on, the switches of the latest call, the stalled gauge,
+  // the measured sample cost and the interval.
+  static Status split_state(FusedGemm* op, SplitReadout* out, cudaStream_t stream);
 };
 
 
