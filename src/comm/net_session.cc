@@ -1,6 +1,8 @@
 // The network side of an operator spanning several nodes (see net_session.h).
 #include "src/comm/net_session.h"
 
+#include "src/common/keep_until_exit.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -131,6 +133,17 @@ Status NetSession::destroy() {
     if (!failed) keep(f);
     keep(comm_->bootstrap().teardown_barrier());
     keep(proxy_->stop());
+  }
+  if (proxy_ && proxy_->abandoned()) {
+    // The proxy thread is stuck inside the provider (Proxy::stop gave it up): what it may still
+    // touch — the proxy, the windows and their backend, the pinned buffers and flags — stays
+    // until the process exits.
+    keep_until_exit(std::move(proxy_));
+    keep_until_exit(std::move(wins_));
+    keep_until_exit(std::move(be_));
+    host_.clear();
+    flags_ = nullptr;
+    return first;
   }
   if (wins_) keep(wins_->destroy());
   if (be_) keep(be_->finalize());

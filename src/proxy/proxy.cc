@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdio>
@@ -143,6 +144,7 @@ Status CudaFlagSink::raise(uint32_t index, uint64_t value, cudaStream_t stream) 
 Status ProxyImpl::start() {
   MK_REQUIRE(!running_.load(), Code::kInvalidArgument, "proxy already started");
   stop_.store(false);
+  exited_.store(false);
   running_.store(true);
   thread_ = std::thread([this] {
     if (device_ >= 0) {
@@ -158,13 +160,40 @@ Status ProxyImpl::start() {
     }
     if (cfg_.near_gpu >= 0) bind_near_gpu(cfg_.near_gpu);
     loop();
+    exited_.store(true, std::memory_order_release);
   });
   return OkStatus();
 }
 
 Status ProxyImpl::stop() {
   stop_.store(true);
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    // A loop pass takes microseconds, but a backend call may not return: a provider whose peer
+    // died or stopped while holding one of its locks in shared memory (the shm provider, seen
+    // with a stopped rank) spins in it for good. The wait is bounded; past it the thread is
+    // given up, and the backend told not to enter the provider again (its teardown would wait
+    // on the same lock), so that this rank still leaves.
+    const int64_t bound = std::max<int64_t>(100, std::min<int64_t>(timeout_ms_, 1000));
+    const auto deadline = deadline_after_ms(bound);
+    while (!exited_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (exited_.load(std::memory_order_acquire)) {
+      thread_.join();
+    } else {
+      // Detached, not joined: it stays inside the provider until the process exits. (Should the
+      // call ever return after the owners tore down, the thread would find freed state: a
+      // failed job's process is about to end, and a launcher ends a stopped peer rather than
+      // resuming it.)
+      thread_.detach();
+      abandoned_ = true;
+      be_->abandon();
+      fail(make_status(Code::kTimeout,
+                       "rank %d: the proxy thread did not stop within %lld ms: it is stuck inside %s (a peer "
+                       "that died or stopped inside the provider may hold one of its locks); given up, with "
+                       "the backend's provider state, until the process exits",
+                       rank_, static_cast<long long>(bound), be_->name()));
+    }
+  }
   running_.store(false);
   return status();
 }

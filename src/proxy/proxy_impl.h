@@ -35,6 +35,7 @@ class ProxyImpl final : public Proxy {
   const std::atomic<uint64_t>& failed_word() const override { return failed_; }
   ProxyStats stats() const override;
   int thread_device() const override { return thread_device_.load(); }
+  bool abandoned() const override { return abandoned_; }
 
  private:
   // A put, from the ring until its local completion (its index is the backend cookie).
@@ -78,6 +79,8 @@ class ProxyImpl final : public Proxy {
   std::vector<net::Arrival> arrival_buf_;
 
   std::thread thread_;
+  std::atomic<bool> exited_{false};  // the thread left its loop (stop() waits for this, bounded)
+  bool abandoned_ = false;           // stop() gave the thread up: stuck inside the backend
   std::atomic<bool> stop_{false};
   std::atomic<bool> running_{false};
   std::atomic<uint64_t> failed_{0};

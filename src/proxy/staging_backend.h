@@ -27,6 +27,7 @@
 // on the direct puts' completions.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -83,6 +84,10 @@ class StagingBackend final : public net::Backend {
              uint64_t bytes, uint32_t imm, uint64_t cookie, bool* posted) override;
   Status progress(std::vector<net::LocalDone>* done, std::vector<net::Arrival>* arrivals) override;
   Status finalize() override;
+  void abandon() override {
+    abandoned_.store(true);
+    tr_->abandon();
+  }
 
   bool staging() const { return staging_ready_; }
   net::WindowId transport_id(net::WindowId id) const;
@@ -137,6 +142,7 @@ class StagingBackend final : public net::Backend {
 
   Bootstrap* bs_ = nullptr;
   net::Backend* tr_ = nullptr;  // the transport
+  std::atomic<bool> abandoned_{false};  // abandon(): teardown changes nothing (a thread is stuck in put/progress)
   std::string name_;
   std::string mode_;
   StagingConfig sc_;

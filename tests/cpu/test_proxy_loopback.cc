@@ -1,6 +1,9 @@
 // Proxy conformance over the loopback backend: ranks as threads of one process.
 #include "tests/cpu/proxy_suite.h"
 
+#include "src/common/keep_until_exit.h"
+#include "src/proxy/proxy_impl.h"
+
 namespace mk {
 namespace test {
 namespace {
@@ -101,6 +104,74 @@ TEST(LoopbackFault, FailedStagingCopyPostsNothingMore) {
     (void)proxy->stop();
     MK_EXPECT_OK(w.finish());
   });
+}
+
+// A backend whose progress() does not return once `stuck` is set: as a provider call that spins
+// on a lock held by a dead peer. Never destroyed (the stuck thread stays inside it).
+class StuckBackend final : public net::Backend {
+ public:
+  const char* name() const override { return "stuck"; }
+  net::BackendCaps caps() const override { return {}; }
+  Status register_window(void*, size_t, net::MemKind, net::WindowId* id) override {
+    *id = 0;
+    return OkStatus();
+  }
+  Status deregister_window(net::WindowId) override { return OkStatus(); }
+  uint64_t window_size(net::WindowId, int) const override { return 0; }
+  Status put(int, net::WindowId, uint64_t, net::WindowId, uint64_t, uint64_t, uint32_t, uint64_t,
+             bool* posted) override {
+    *posted = true;
+    return OkStatus();
+  }
+  Status progress(std::vector<net::LocalDone>*, std::vector<net::Arrival>*) override {
+    entered.store(true);
+    while (stuck.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return OkStatus();
+  }
+  Status finalize() override { return OkStatus(); }
+  void abandon() override { abandoned.store(true); }
+  std::atomic<bool> stuck{false}, entered{false}, abandoned{false};
+};
+
+// The proxy's stop() is bounded: a thread stuck inside the backend is given up within
+// min(net timeout, 1 s), the backend told (abandon), the error names it, abandoned() says so, and
+// stop() again returns at once. A healthy backend's thread still stops and is joined.
+TEST(ProxyStop, AThreadStuckInTheBackendIsGivenUp) {
+  static StuckBackend* be = new StuckBackend();  // never freed: the given-up thread stays in it
+  std::vector<uint64_t> flags(4, 0);
+  HostFlagSink sink(flags.data(), 4);
+  ProxyConfig pc;
+  pc.timeout_ms = 300;
+  {
+    std::unique_ptr<ProxyImpl> healthy;
+    MK_ASSERT_OK(ProxyImpl::create(be, 0, 1, &sink, pc, &healthy));
+    MK_ASSERT_OK(healthy->start());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    MK_EXPECT_OK(healthy->stop());
+    EXPECT_FALSE(be->abandoned.load());
+    EXPECT_FALSE(healthy->abandoned());
+  }
+  be->stuck.store(true);
+  be->entered.store(false);
+  std::unique_ptr<ProxyImpl> proxy;
+  MK_ASSERT_OK(ProxyImpl::create(be, 0, 1, &sink, pc, &proxy));
+  MK_ASSERT_OK(proxy->start());
+  while (!be->entered.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto t0 = Clock::now();
+  const Status s = proxy->stop();
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+  EXPECT_NE(s.message().find("did not stop within 300 ms"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("stuck inside stuck"), std::string::npos) << s.to_string();
+  EXPECT_TRUE(be->abandoned.load()) << "the backend was not told";
+  EXPECT_GE(ms, 290.0);
+  EXPECT_LT(ms, 2000.0);
+  EXPECT_TRUE(proxy->abandoned());
+  const auto t1 = Clock::now();
+  EXPECT_EQ(proxy->stop().code(), Code::kTimeout);
+  keep_until_exit(std::move(proxy));  // as its owners do: the stuck thread still uses it
+  const double again_ms = std::chrono::duration<double, std::milli>(Clock::now() - t1).count();
+  EXPECT_LT(again_ms, 100.0) << "stop() again or the destructor waited";
 }
 
 INSTANTIATE_TEST_SUITE_P(World, Loopback, ::testing::Values(1, 2, 3, 4),

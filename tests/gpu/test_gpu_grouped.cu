@@ -209,7 +209,12 @@ TEST(Grouped, SwigluAgainstDoubleReference) {
 }
 
 // Random normal data at model-like sizes against cuBLAS's fp32-output GEMM of each group (an
-// independent kernel, higher-precision output): relative Frobenius error below bf16 rounding.
+// independent kernel, higher-precision output), every element: |C - F| <= 2^-8 |F| (C's own
+// rounding to bf16: at most half a unit, 2^-8 of the value at the bottom of a binade) + 1e-5
+// ||a_row|| ||b_col|| (the two fp32 sums in different orders; Cauchy-Schwarz bounds sum |a b|,
+// and 1e-5 of it is ~170 units of 2^-24, ten times a random walk of 2048 roundings). A wrong
+// row, column or group is off by the order of |F| ~ sqrt(K). And the relative Frobenius error
+// below bf16 rounding.
 TEST(Grouped, RandomAgainstCublasFp32) {
   std::mt19937_64 rng(test_seed() + 2);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -249,15 +254,37 @@ TEST(Grouped, RandomAgainstCublasFp32) {
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto F = download<float>(dF, pr.layout.rows * N);
+  // Row norms of the bf16 inputs (what both kernels multiply), of A's rows and of each group's B rows.
+  std::vector<double> na(size_t(pr.layout.rows), 0.0), nb(size_t(G) * N, 0.0);
+  for (int64_t r = 0; r < pr.layout.rows; ++r) {
+    double s2 = 0;
+    for (int64_t k = 0; k < K; ++k) s2 += double(__bfloat162float(A[size_t(r * K + k)])) * __bfloat162float(A[size_t(r * K + k)]);
+    na[size_t(r)] = std::sqrt(s2);
+  }
+  for (int64_t j = 0; j < int64_t(G) * N; ++j) {
+    double s2 = 0;
+    for (int64_t k = 0; k < K; ++k) s2 += double(__bfloat162float(B[size_t(j * K + k)])) * __bfloat162float(B[size_t(j * K + k)]);
+    nb[size_t(j)] = std::sqrt(s2);
+  }
   double num = 0, den = 0;
-  int64_t nan = 0;
-  for (size_t i = 0; i < F.size(); ++i) {
-    const double c = __bfloat162float(C[i]);
-    nan += std::isnan(c);
-    num += (c - F[i]) * (c - F[i]);
-    den += double(F[i]) * F[i];
+  int64_t nan = 0, bad = 0;
+  for (int g = 0; g < G; ++g) {
+    const int64_t off = pr.layout.offsets[g];
+    for (int64_t r = off; r < off + counts[g]; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        const size_t i = size_t(r * N + n);
+        const double c = __bfloat162float(C[i]), f = F[i];
+        nan += std::isnan(c);
+        num += (c - f) * (c - f);
+        den += f * f;
+        const double tol = std::ldexp(std::fabs(f), -8) + 1e-5 * na[size_t(r)] * nb[size_t(g * N + n)];
+        if (!(std::fabs(c - f) <= tol) && bad++ < 5)
+          ADD_FAILURE() << "group " << g << " row " << r - off << " col " << n << ": " << c << " against cuBLAS " << f
+                        << " (tolerance " << tol << ")";
+      }
   }
   EXPECT_EQ(nan, 0);
+  EXPECT_EQ(bad, 0) << "elements outside the bound";
   EXPECT_LT(std::sqrt(num / den), 4e-3) << "bf16 output rounding alone is ~2e-3";
   cublasDestroy(h);
 }

@@ -45,8 +45,29 @@ struct DevBuf {
   }
 };
 
-// The expert transform of the test: row * (1 + (global expert % 5) / 4), rounded to bf16.
-uint16_t expert_out(uint16_t x, int e) { return float_to_bf16(bf16_to_float(x) * (1.f + float(e % 5) * 0.25f)); }
+// The expert transform of the test, distinct for every global expert e (< 128): an affine map
+// x * (1 + e / 128) + (e + 1) / 64 with one rounding (fma), then to bf16. Slot or expert mix-ups
+// change the combined rows (with a transform shared by experts, as a scale by e % 5 was, experts
+// e and e + 5 looked the same). The device copy below computes the same bits.
+uint16_t expert_out(uint16_t x, int e) {
+  return float_to_bf16(std::fma(bf16_to_float(x), 1.f + float(e) / 128.f, float(e + 1) / 64.f));
+}
+__device__ uint16_t expert_out_dev(uint16_t x, int e) {
+  const float y = __fmaf_rn(__uint_as_float(uint32_t(x) << 16), 1.f + float(e) / 128.f, float(e + 1) / 64.f);
+  const uint32_t u = __float_as_uint(y);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// The experts of rank `me` on the device: row r of local expert le (offsets[le] <= r <
+// offsets[le] + counts[le]) becomes expert_out(row, me * El + le). Reads the counts and offsets
+// dispatch wrote, so it can sit in a graph between dispatch and combine.
+__global__ void run_test_experts(const uint16_t* recv, uint16_t* y, const int32_t* counts, const int32_t* offsets,
+                                 int El, int me, int64_t H) {
+  for (int le = 0; le < El; ++le) {
+    const int64_t r0 = offsets[le], r1 = r0 + counts[le];
+    for (int64_t r = r0 + blockIdx.x; r < r1; r += gridDim.x)
+      for (int64_t c = threadIdx.x; c < H; c += blockDim.x) y[r * H + c] = expert_out_dev(recv[r * H + c], me * El + le);
+  }
+}
 
 struct World {
   int W, me;
@@ -314,8 +335,9 @@ TEST(Moe, TwoHandlesInFlight) {
   }
 }
 
-// One graph (dispatch, then combine with the experts' output = their input) replayed with new
-// routings and token counts written into the same device buffers between replays.
+// One graph (dispatch, the test's experts — a distinct transform per expert, on the device —
+// then combine) replayed with new routings and token counts written into the same device
+// buffers between replays: a token's slots hold different rows, so slot and expert mix-ups show.
 TEST(Moe, GraphReplaysWithFreshRoutings) {
   Communicator* comm = shared_comm();
   const int W = comm->world(), me = comm->rank();
@@ -337,7 +359,9 @@ TEST(Moe, GraphReplaysWithFreshRoutings) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < H; ++c) x[size_t(t) * H + c] = moe_x_bits(seed, me, t, c);
   DevBuf dx(x.size() * 2), dids(size_t(T) * k * 4), dw(size_t(T) * k * 4), dn(4);
-  DevBuf drecv(size_t(ep->recv_rows()) * H * 2), dcounts(4 * size_t(ep->local_experts())), dout(size_t(T) * H * 2);
+  const int El = ep->local_experts();
+  DevBuf drecv(size_t(ep->recv_rows()) * H * 2), dcounts(4 * size_t(El)), doff(4 * size_t(El + 1));
+  DevBuf dy(size_t(ep->recv_rows()) * H * 2), dout(size_t(T) * H * 2);
   ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemset(dids.p, 0xff, dids.bytes), cudaSuccess);
   ASSERT_EQ(cudaMemset(dn.p, 0, 4), cudaSuccess);
@@ -346,8 +370,10 @@ TEST(Moe, GraphReplaysWithFreshRoutings) {
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
   MK_ASSERT_OK(ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
-                            {drecv.p, dcounts.as<int32_t>(), nullptr}, st));
-  MK_ASSERT_OK(ep->combine({drecv.p}, dout.p, st));
+                            {drecv.p, dcounts.as<int32_t>(), doff.as<int32_t>()}, st));
+  run_test_experts<<<64, 128, 0, st>>>(drecv.as<uint16_t>(), dy.as<uint16_t>(), dcounts.as<int32_t>(),
+                                       doff.as<int32_t>(), El, me, H);
+  MK_ASSERT_OK(ep->combine({dy.p}, dout.p, st));
   ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   const int kReplays = 200;
@@ -357,7 +383,7 @@ TEST(Moe, GraphReplaysWithFreshRoutings) {
     std::vector<int32_t> ids;
     std::vector<float> w;
     int64_t n;
-    const MoeRouting kind = MoeRouting(rep % 5);
+    const MoeRouting kind = MoeRouting(rep % 6);  // every kind, full ones included
     make_moe_routing(kind, mix(seed, uint64_t(rep)), me, W, cfg.num_experts, k, T, &ids, &w, &n);
     n = (n + rep) % (T + 1);
     const int32_t n32 = int32_t(n);
@@ -374,9 +400,10 @@ TEST(Moe, GraphReplaysWithFreshRoutings) {
         uint16_t want = 0xffff;
         if (t < n) {
           float acc = 0.f;
-          for (int kk = 0; kk < k; ++kk)
-            if (ids[size_t(t) * k + kk] >= 0)
-              acc = std::fma(w[size_t(t) * k + kk], bf16_to_float(x[size_t(t) * H + c]), acc);
+          for (int kk = 0; kk < k; ++kk) {
+            const int32_t e = ids[size_t(t) * k + kk];
+            if (e >= 0) acc = std::fma(w[size_t(t) * k + kk], bf16_to_float(expert_out(x[size_t(t) * H + c], e)), acc);
+          }
           want = float_to_bf16(acc);
         }
         if (out[size_t(t) * H + c] != want) {

@@ -30,7 +30,7 @@ struct Topology;
 
 namespace net {
 
-constexpr uint32_t kBackendApiVersion = 1;
+constexpr uint32_t kBackendApiVersion = 2;
 
 // Window ids are the same on every rank: windows are registered collectively, in order.
 using WindowId = uint32_t;
@@ -83,6 +83,14 @@ class Backend {
   virtual Status progress(std::vector<LocalDone>* done, std::vector<Arrival>* arrivals) = 0;
   // B C. Idempotent.
   virtual Status finalize() = 0;
+  // L (any thread, returns at once). The thread that drives this backend is stuck inside
+  // progress() or put() — a provider call that does not return, as when a peer died or stopped
+  // while holding one of the provider's locks in shared memory — and has been given up (the
+  // proxy's bounded stop). From now on nothing enters the provider again: finalize() and the
+  // destructor return at once and keep the provider's objects and buffers until the process
+  // exits (the stuck call still uses them); names the backend made in the file system are
+  // removed. The default does nothing (a backend whose calls always return).
+  virtual void abandon() {}
 };
 
 struct BackendConfig {

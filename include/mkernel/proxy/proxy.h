@@ -101,7 +101,8 @@ class Proxy {
   Proxy& operator=(const Proxy&) = delete;
 
   virtual CommandRing& ring() = 0;
-  // Called once, from the proxy thread, with the first error. Set before start().
+  // Called once with the first error: from the proxy thread, or from stop() when it gives the
+  // thread up. Set before start().
   virtual void on_error(std::function<void(const Status&)> cb) = 0;
 
   virtual Status start() = 0;
@@ -109,9 +110,15 @@ class Proxy {
   // locally (bounded by the timeout; -1: the proxy's); the thread keeps serving arrivals.
   // Owners shut down collectively: flush() on every rank, a bootstrap barrier, then stop().
   virtual Status flush(int64_t timeout_ms = -1) = 0;
-  // Stops and joins the thread. Idempotent. Does not drain: flush() first.
+  // Stops and joins the thread. Idempotent. Does not drain: flush() first. Bounded: a thread
+  // that does not stop within min(net timeout, 1 s) (at least 0.1 s) — stuck inside a provider call —
+  // is given up (the backend's abandon()), and the error says so.
   virtual Status stop() = 0;
 
+  // stop() gave the thread up (stuck inside the backend): the owner must not destroy the proxy,
+  // its windows or the backend — the thread may still use them — but keep them until the
+  // process exits (NetSession::destroy does).
+  virtual bool abandoned() const = 0;
   // ok while healthy; else the first error. Thread-safe.
   virtual Status status() const = 0;
   // Non-zero once failed: CPU producers pass it to CommandRing::push as the abort word.

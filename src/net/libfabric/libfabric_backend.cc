@@ -87,6 +87,10 @@ Status LibfabricBackend::deregister_window(WindowId id) {
              name_.c_str(), id);
   Window& w = windows_[id];
   if (!w.live || finalized_) return OkStatus();
+  if (abandoned_.load()) {  // the region stays registered (closing it enters the provider)
+    return make_status(Code::kInternal, "rank %d: %s: given up: window %u was left registered", rank_,
+                       name_.c_str(), id);
+  }
   Status s = quiesce("deregister_window", true, OkStatus());
   note_failed_teardown();
   if (w.mr) {
@@ -112,6 +116,8 @@ Status LibfabricBackend::put(int peer, WindowId src, uint64_t src_off, WindowId 
                              uint64_t dst_off, uint64_t bytes, uint32_t imm, uint64_t cookie,
                              bool* posted) {
   *posted = false;
+  MK_REQUIRE(!abandoned_.load(), Code::kInternal, "%s: given up (a thread is stuck inside the provider)",
+             name_.c_str());
   MK_REQUIRE(!finalized_, Code::kInvalidArgument, "%s: put to rank %d after finalize",
              name_.c_str(), peer);
   if (!error_.ok()) return error_;
@@ -344,6 +350,8 @@ Status LibfabricBackend::read_error() {
 }
 
 Status LibfabricBackend::progress(std::vector<LocalDone>* done, std::vector<Arrival>* arrivals) {
+  MK_REQUIRE(!abandoned_.load(), Code::kInternal, "%s: given up (a thread is stuck inside the provider)",
+             name_.c_str());
   MK_REQUIRE(!finalized_, Code::kInvalidArgument, "%s: progress after finalize", name_.c_str());
   if (!stash_done_.empty()) {
     done->insert(done->end(), stash_done_.begin(), stash_done_.end());

@@ -14,6 +14,7 @@
 #include <rdma/fi_rma.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -158,6 +159,7 @@ class LibfabricBackend final : public Backend {
   const char* name() const override { return name_.c_str(); }
   BackendCaps caps() const override { return caps_; }
   Status register_window(void* base, size_t bytes, MemKind kind, WindowId* id) override;
+  void abandon() override;
   void probe_gpu_registration();
   Status deregister_window(WindowId id) override;
   uint64_t window_size(WindowId id, int rank) const override;
@@ -320,6 +322,8 @@ class LibfabricBackend final : public Backend {
   bool finalized_ = false;
   bool closed_ = false;
   bool failed_teardown_ = false;  // the teardown of a failed job (close_all: see there)
+  std::atomic<bool> abandoned_{false};  // abandon(): the provider is not entered again
+  std::string shm_region_;              // the shm provider's region (/dev/shm), when named here
   // After a teardown step's quiesce: a failed job (this backend's error, the bootstrap's, or
   // operations still in the provider, which the quiesce returned without) marks the teardown so
   // that close_all leaves an rxm endpoint open.

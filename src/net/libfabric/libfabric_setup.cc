@@ -287,6 +287,8 @@ void LibfabricBackend::name_shm_endpoint() {
   if (ret != 0)
     MK_INFO(kSubsysNet, "%s: keeps the provider's endpoint name (fi_setname: %s)", name_.c_str(),
             fi_err(ret).c_str());
+  else  // the region in /dev/shm is the name without its scheme ("fi_shm://")
+    shm_region_ = strstr(name, "://") ? strstr(name, "://") + 3 : name;
 }
 
 Status LibfabricBackend::open_endpoint(const Topology& topo, const std::string& prov) {

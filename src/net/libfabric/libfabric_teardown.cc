@@ -1,5 +1,9 @@
 // The libfabric backend, teardown: the collective quiesce, finalize, close (see
 // src/net/libfabric/libfabric_internal.h).
+#include <sys/mman.h>
+#include <cerrno>
+#include <cstring>
+
 #include "src/net/libfabric/libfabric_internal.h"
 
 namespace mk {
@@ -151,7 +155,26 @@ Status LibfabricBackend::quiesce(const char* what, bool own_puts, Status s) {
   return agree(bs_, s, name_ + " " + what);
 }
 
+void LibfabricBackend::abandon() {
+  if (abandoned_.exchange(true)) return;
+  // The region's name goes now (the stuck thread keeps its mapping); no provider call.
+  if (!shm_region_.empty()) {
+    const std::string path = "/" + shm_region_;
+    if (shm_unlink(path.c_str()) != 0 && errno != ENOENT)
+      MK_WARN(kSubsysNet, "rank %d: %s: could not remove the shared-memory region %s: %s", rank_, name_.c_str(),
+              path.c_str(), strerror(errno));
+  }
+  MK_WARN(kSubsysNet, "rank %d: %s: given up (a thread is stuck inside the provider): its endpoint, queues and "
+          "buffers are not closed and go with the process", rank_, name_.c_str());
+}
+
 Status LibfabricBackend::finalize() {
+  // Given up: nothing is closed, nothing here changes (the stuck thread still reads it); the
+  // owner keeps the backend until the process exits (keep_until_exit).
+  if (abandoned_.load())
+    return make_status(Code::kInternal, "rank %d: %s: given up: a thread is stuck inside the provider (a peer "
+                       "that died or stopped inside it may hold one of its locks); nothing was closed",
+                       rank_, name_.c_str());
   if (finalized_) return OkStatus();
   Status s = ep_ ? quiesce("finalize", true, OkStatus()) : OkStatus();
   note_failed_teardown();
@@ -163,6 +186,7 @@ Status LibfabricBackend::finalize() {
 }
 
 Status LibfabricBackend::close_all() {
+  if (abandoned_.load()) return OkStatus();  // entering the provider would wait on the stuck thread's lock
   if (closed_) return OkStatus();
   closed_ = true;
   Status first;
