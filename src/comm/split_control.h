@@ -135,6 +135,11 @@ MK_HOST_DEVICE inline void split_change(SplitState* s, const SplitSample& x, int
   s->mark_ns = x.now_ns;
 }
 
+// The time (ns) the tiles left take at the per-CTA rate on the grid - c CTAs that compute.
+MK_HOST_DEVICE inline float split_compute_ns(const SplitSample& x, const SplitLimits& lim, float tile_rate, int32_t c) {
+  return static_cast<float>(x.tiles_total - x.tiles_taken) / (tile_rate * static_cast<float>(lim.grid - c));
+}
+
 // Peek mode: the predicted time (ns) to the end of the call with c communication CTAs, from the
 // window's per-CTA rates: the tiles left at (grid - c) CTAs; meanwhile the ops at c CTAs (capped
 // by the link rate once found); then the rest. The rest is priced at the best op rate seen so
@@ -142,9 +147,8 @@ MK_HOST_DEVICE inline void split_change(SplitState* s, const SplitSample& x, int
 // the network, which sat idle during the tiles — the traffic the fused kernel exists to hide.
 MK_HOST_DEVICE inline float split_predict(const SplitState& s, const SplitSample& x, const SplitLimits& lim,
                                           float tile_rate, float op_rate, int32_t c) {
-  const float tiles_left = static_cast<float>(x.tiles_total - x.tiles_taken);
   const float ops_left = static_cast<float>(x.ops_total - x.ops_done);
-  const float compute = tiles_left / (tile_rate * static_cast<float>(lim.grid - c));
+  const float compute = split_compute_ns(x, lim, tile_rate, c);
   float during = op_rate * static_cast<float>(c);
   float tail = s.best_rate > during ? s.best_rate : during;
   if (s.link_rate > 0.f) {
@@ -160,12 +164,10 @@ MK_HOST_DEVICE inline float split_predict(const SplitState& s, const SplitSample
 // CTAs' rate (capped by the link rate once found), the tiles left at the other CTAs'.
 MK_HOST_DEVICE inline float split_predict_in_order(const SplitState& s, const SplitSample& x, const SplitLimits& lim,
                                                    float tile_rate, float op_rate, int32_t c) {
-  const float tiles_left = static_cast<float>(x.tiles_total - x.tiles_taken);
-  const float ops_left = static_cast<float>(x.ops_total - x.ops_done);
-  const float compute = tiles_left / (tile_rate * static_cast<float>(lim.grid - c));
+  const float compute = split_compute_ns(x, lim, tile_rate, c);
   float ops = op_rate * static_cast<float>(c);
   if (s.link_rate > 0.f && ops > s.link_rate) ops = s.link_rate;
-  const float comm = ops_left / ops;
+  const float comm = static_cast<float>(x.ops_total - x.ops_done) / ops;
   return compute > comm ? compute : comm;
 }
 

@@ -86,10 +86,11 @@ class Backend {
   // L (any thread, returns at once). The thread that drives this backend is stuck inside
   // progress() or put() — a provider call that does not return, as when a peer died or stopped
   // while holding one of the provider's locks in shared memory — and has been given up (the
-  // proxy's bounded stop). From now on nothing enters the provider again: finalize() and the
-  // destructor return at once and keep the provider's objects and buffers until the process
-  // exits (the stuck call still uses them); names the backend made in the file system are
-  // removed. The default does nothing (a backend whose calls always return).
+  // proxy's bounded stop). From now on nothing enters the provider again: put, progress,
+  // deregister_window and finalize return an error at once and change nothing, the destructor
+  // closes nothing; names the backend made in the file system are removed. The owner keeps the
+  // backend (and what the stuck call uses) until the process exits (keep_until_exit), as
+  // NetSession::destroy does. The default does nothing (a backend whose calls always return).
   virtual void abandon() {}
 };
 

@@ -116,7 +116,9 @@ Status rxd_fits(const Topology& topo, const std::string& prov);
 // would remove it. Returns how many were removed.
 int remove_dead_shm_regions(const std::string& dir);
 
-// memory its posted receives and pending puts point at. Kept, reachable, until the process ends.
+// What an endpoint left open after a failed job (close_all) may still use: its objects and the
+// memory its posted receives and pending puts point at. Kept, reachable, until the process ends
+// (keep_until_exit).
 struct Abandoned {
   fid_ep* ep;
   fid_av* av;
@@ -127,8 +129,6 @@ struct Abandoned {
   std::vector<OpCtx> recv_ctx;
   std::vector<std::unique_ptr<OpCtx[]>> chunks;
 };
-// Kept, reachable, until the process ends (libfabric_teardown.cc).
-void keep_until_exit(std::unique_ptr<Abandoned> a);
 
 using Clock = std::chrono::steady_clock;
 

@@ -136,8 +136,6 @@ fi_info* pick_info(const std::vector<fi_info*>& v, const std::string& prov, bool
   return v[0];
 }
 
-// What an endpoint left open after a failed job (close_all) may still use: its objects and the
-
 // ---- setup ----------------------------------------------------------------------------------
 
 // udp;ofi_rxd keeps up to FI_OFI_RXD_MAX_UNACKED datagrams per peer in flight; what all peers

@@ -4,18 +4,12 @@
 #include <cerrno>
 #include <cstring>
 
+#include "src/common/keep_until_exit.h"
 #include "src/net/libfabric/libfabric_internal.h"
 
 namespace mk {
 namespace net {
 namespace lf {
-
-void keep_until_exit(std::unique_ptr<Abandoned> a) {
-  static std::mutex mu;
-  static auto* kept = new std::vector<std::unique_ptr<Abandoned>>();  // never freed: the point
-  std::lock_guard<std::mutex> g(mu);
-  kept->push_back(std::move(a));
-}
 
 // ---- teardown -------------------------------------------------------------------------------
 
@@ -226,7 +220,7 @@ Status LibfabricBackend::close_all() {
     a->scratch = std::move(scratch_);
     a->recv_ctx = std::move(recv_ctx_);
     a->chunks = std::move(chunks_);
-    keep_until_exit(std::move(a));
+    mk::keep_until_exit(std::move(a));
     ep_ = nullptr;
     av_ = nullptr;
     cq_ = nullptr;
