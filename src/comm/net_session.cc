@@ -1,8 +1,6 @@
 // The network side of an operator spanning several nodes (see net_session.h).
 #include "src/comm/net_session.h"
 
-#include "src/common/keep_until_exit.h"
-
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -13,6 +11,7 @@
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
 #include "mkernel/runtime/communicator.h"
+#include "src/common/keep_until_exit.h"
 
 namespace mk {
 namespace comm {

@@ -180,10 +180,8 @@ Status ProxyImpl::stop() {
     if (exited_.load(std::memory_order_acquire)) {
       thread_.join();
     } else {
-      // Detached, not joined: it stays inside the provider until the process exits. (Should the
-      // call ever return after the owners tore down, the thread would find freed state: a
-      // failed job's process is about to end, and a launcher ends a stopped peer rather than
-      // resuming it.)
+      // Detached, not joined: it stays inside the provider until the process exits; the owners
+      // keep what it uses until then (abandoned(), keep_until_exit).
       thread_.detach();
       abandoned_ = true;
       be_->abandon();

@@ -183,7 +183,7 @@ Status StagingBackend::register_window(void* base, size_t bytes, net::MemKind ki
 
 Status StagingBackend::deregister_window(net::WindowId id) {
   MK_REQUIRE(id < wins_.size(), Code::kInvalidArgument, "%s: deregister_window(%u): unknown window", name(), id);
-  if (abandoned_.load()) return tr_->finalize();
+  if (abandoned_.load()) return given_up();
   Window& w = wins_[id];
   if (!w.live) return OkStatus();
   w.live = false;
@@ -465,7 +465,7 @@ Status StagingBackend::progress(std::vector<net::LocalDone>* done, std::vector<n
 }
 
 Status StagingBackend::finalize() {
-  if (abandoned_.load()) return tr_->finalize();  // the transport's error; nothing freed here
+  if (abandoned_.load()) return given_up();  // nothing freed: the stuck thread still uses it
   if (finalized_) return OkStatus();
   finalized_ = true;
   Status first;

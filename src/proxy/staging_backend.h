@@ -88,6 +88,10 @@ class StagingBackend final : public net::Backend {
     abandoned_.store(true);
     tr_->abandon();
   }
+  Status given_up() const {
+    return make_status(Code::kInternal, "%s: given up (a thread is stuck inside the transport): nothing was released",
+                       name());
+  }
 
   bool staging() const { return staging_ready_; }
   net::WindowId transport_id(net::WindowId id) const;
