@@ -443,10 +443,26 @@ TEST(Gemm, TraceRecordsEveryTile) {
   MK_ASSERT_OK(rec.fetch(&ev, &dropped));
   const gemm::TileCount tc = gemm::tile_count(M, N);
   EXPECT_EQ(dropped, 0u);
+  int sms = 0, resident = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  MK_ASSERT_OK(gemm::persistent_ctas(&resident));
+  // One Role::kCta event per CTA of the grid (its whole life), apart from the tiles' events.
+  const int grid = std::min(resident, tc.total());
+  std::vector<int> ctas(sms, 0);
+  std::vector<TraceEvent> tiles_ev;
+  for (const TraceEvent& e : ev) {
+    if (e.role != uint32_t(Role::kCta)) {
+      tiles_ev.push_back(e);
+      continue;
+    }
+    ASSERT_LT(e.cta, uint32_t(grid));
+    EXPECT_LE(e.t0_ns, e.t1_ns);
+    ++ctas[e.cta];
+  }
+  for (int b = 0; b < grid; ++b) EXPECT_EQ(ctas[b], 1) << "CTA " << b << "'s life events";
+  ev.swap(tiles_ev);
   ASSERT_EQ(ev.size(), size_t(3 * tc.total()));  // load, compute, epilogue per tile
   std::vector<int> loads(tc.total(), 0), computes(tc.total(), 0), epilogues(tc.total(), 0);
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   for (const TraceEvent& e : ev) {
     ASSERT_GE(e.item, 0);
     ASSERT_LT(e.item, tc.total());
