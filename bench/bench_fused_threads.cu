@@ -6,12 +6,18 @@
 // gives each process that share).
 //   bench_fused_threads W gemm_rs|gemm_ar|ag_gemm M N K [reps] [--trace PREFIX] [--json FILE]
 //   bench_fused_threads W --sweep [reps] [--json FILE]   (every operator at the CLI's --sweep shapes)
+//   bench_fused_threads W gemm_rs|gemm_ar|ag_gemm M N K [reps] --splits [--trace PREFIX] [--json FILE]
 // First a checked call on small integers, bit-exact against one unfused GEMM over the ranks'
 // inputs (as the CLI's check); then on approximately normal data the median (and fastest) of
 // `reps` calls of the slowest rank, enqueued back to back after a barrier, fused and GEMM alone.
 // --trace PREFIX: 10 consecutive traced fused calls per rank into PREFIX.<op>.m.n.k.wW.rankR.tsv
 // (tools/trace_report.py; no host events). Prints one JSON line per operator and shape; --json
 // FILE writes them as tools/sweep_report.py reads them.
+// --splits: also the fused call at every static split {1, 2, 4, 8, 16, 24, 32} below the grid
+// (FusedGemm::set_comm_ctas) and with the SM-partition controller (a second operator created
+// with fused_split=auto; its warm-up calls let it settle), each timed like the default; with
+// --trace, 3 traced calls per split into PREFIX.<op>...w<W>.split<n>.rank<R>.tsv (n: the count,
+// or "ctl") — what tools/split_calibration.py fits the controller's CPU model to.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -47,12 +53,20 @@ struct Opts {
   int64_t M = 8192, N = 3584, K = 4096;
   int reps = 30;
   std::string trace;
+  bool splits = false;
 };
+
+constexpr int kSplits[] = {1, 2, 4, 8, 16, 24, 32};
 
 struct RankOut {
   Status s;
   std::vector<double> fused, compute;  // ms per rep
   unsigned long long bad = 0;
+  // --splits: per static split (kSplits order, those below the grid) and with the controller.
+  std::vector<std::vector<double>> statics;
+  std::vector<int> static_n;
+  std::vector<double> ctl;
+  int ctl_split = 0, default_split = 0;
 };
 
 // Times `reps` calls of f enqueued back to back after a barrier (this rank's events).
@@ -88,6 +102,10 @@ Status run_rank(Communicator* comm, const Opts& o, int ctas, RankOut* out) {
   cudaStream_t st = comm->stream();
   ops::FusedOptions fo;
   fo.max_ctas = ctas;
+  // --splits sets fused_split=auto for the whole process (the controller's operator below): this
+  // one keeps the default static count.
+  if (o.splits) fo.comm_ctas = int(tunables::fused_comm_ctas());
+  out->default_split = int(tunables::fused_comm_ctas());
   std::unique_ptr<ops::FusedGemm> op;
   MK_CHECK(ops::FusedGemm::create(comm, o.kind, {M, N, K}, fo, &op));
   Buf A, B, C, Aref, Bref, Cref, bad;
@@ -131,37 +149,68 @@ Status run_rank(Communicator* comm, const Opts& o, int ctas, RankOut* out) {
   gemm::RunConfig gc;
   gc.max_ctas = ctas;
   MK_CHECK(time_calls(comm, o.reps, [&] { return gemm::run(g, st, gc); }, &out->compute));
-  if (!o.trace.empty()) {
-    constexpr int kCalls = 10;
+  const std::string name = o.trace + "." + ops::fused_kind_name(o.kind) + ".m" + std::to_string(M) + ".n" +
+                           std::to_string(N) + ".k" + std::to_string(K) + ".w" + std::to_string(W);
+  // `calls` consecutive traced calls of `f` into name + tag + ".rank<R>.tsv".
+  auto traced = [&](ops::FusedGemm* f, int calls, const std::string& tag, const std::string& split) -> Status {
     const int64_t tiles = ((M + 127) / 128) * ((N + 255) / 256);
     TraceRecorder rec;
-    MK_CHECK(TraceRecorder::create(uint32_t(kCalls * (8 * tiles + 32768)), &rec));
+    MK_CHECK(TraceRecorder::create(uint32_t(calls * (8 * tiles + 32768)), &rec));
     MK_CHECK(comm->bootstrap().barrier());
-    for (int i = 0; i < kCalls; ++i) {
+    for (int i = 0; i < calls; ++i) {
       ops::FusedArgs ta = fa;
       ta.trace = rec.device();
-      MK_CHECK(op->enqueue(ta, st));
+      MK_CHECK(f->enqueue(ta, st));
     }
     MK_CHECK(comm->sync(st));
     std::vector<TraceEvent> ev;
     uint64_t dropped = 0;
     MK_CHECK(rec.fetch(&ev, &dropped));
-    const std::string name = o.trace + "." + ops::fused_kind_name(o.kind) + ".m" + std::to_string(M) + ".n" +
-                             std::to_string(N) + ".k" + std::to_string(K) + ".w" + std::to_string(W);
-    char header[256];
-    snprintf(header, sizeof header, "op %s M %lld N %lld K %lld world %d rank %d nodes 1 ranks threads calls %d",
-             ops::fused_kind_name(o.kind), (long long)M, (long long)N, (long long)K, W, me, kCalls);
-    MK_CHECK(write_trace_table(ev, header, name + ".rank" + std::to_string(me) + ".tsv"));
+    char header[320];
+    snprintf(header, sizeof header,
+             "op %s M %lld N %lld K %lld world %d rank %d nodes 1 ranks threads calls %d ctas %d split %s",
+             ops::fused_kind_name(o.kind), (long long)M, (long long)N, (long long)K, W, me, calls, ctas, split.c_str());
+    MK_CHECK(write_trace_table(ev, header, name + tag + ".rank" + std::to_string(me) + ".tsv"));
     if (dropped) fprintf(stderr, "bench_fused_threads: rank %d: %llu trace events dropped\n", me, (unsigned long long)dropped);
+    return OkStatus();
+  };
+  if (!o.trace.empty() && !o.splits) MK_CHECK(traced(op.get(), 10, "", std::to_string(out->default_split)));
+  if (o.splits) {
+    constexpr int kTracedCalls = 3;
+    for (int n : kSplits) {
+      if (n >= ctas) break;
+      MK_CHECK(op->set_comm_ctas(n, st));
+      out->statics.emplace_back();
+      out->static_n.push_back(n);
+      MK_CHECK(time_calls(comm, o.reps, [&] { return op->enqueue(fa, st); }, &out->statics.back()));
+      if (!o.trace.empty()) MK_CHECK(traced(op.get(), kTracedCalls, ".split" + std::to_string(n), std::to_string(n)));
+    }
+    // The controller: fused_split=auto (set by main before the ranks started).
+    ops::FusedOptions co;
+    co.max_ctas = ctas;
+    std::unique_ptr<ops::FusedGemm> ctl;
+    MK_CHECK(ops::FusedGemm::create(comm, o.kind, {M, N, K}, co, &ctl));
+    Status s = ctl->split_controlled()
+                   ? OkStatus()
+                   : Status(Code::kInternal, "bench_fused_threads: the controller's operator is not split-controlled");
+    if (s.ok()) s = time_calls(comm, o.reps, [&] { return ctl->enqueue(fa, st); }, &out->ctl);
+    if (s.ok()) out->ctl_split = ctl->comm_ctas();
+    if (s.ok() && !o.trace.empty()) s = traced(ctl.get(), kTracedCalls, ".splitctl", "ctl");
+    const Status d = ctl->destroy();
+    MK_CHECK(s);
+    MK_CHECK(d);
   }
   return op->destroy();
 }
 
-// The slowest rank per rep, then the median and the fastest.
-void stats(const std::vector<RankOut>& out, std::vector<double> RankOut::*field, double* med, double* min) {
-  std::vector<double> t = out[0].*field;
-  for (const RankOut& r : out)
-    for (size_t i = 0; i < t.size() && i < (r.*field).size(); ++i) t[i] = std::max(t[i], (r.*field)[i]);
+// The slowest rank per rep of the series pick(rank), then the median and the fastest.
+template <class Pick>
+void stats_of(const std::vector<RankOut>& out, Pick pick, double* med, double* min) {
+  std::vector<double> t = pick(out[0]);
+  for (const RankOut& r : out) {
+    const std::vector<double>& v = pick(r);
+    for (size_t i = 0; i < t.size() && i < v.size(); ++i) t[i] = std::max(t[i], v[i]);
+  }
   std::sort(t.begin(), t.end());
   *med = t.empty() ? 0 : t[t.size() / 2];
   *min = t.empty() ? 0 : t[0];
@@ -200,23 +249,46 @@ int run_job(const Opts& o, int ctas, std::string* row) {
     bad += out[r].bad;
   }
   double fm, fmin, cm, cmin;
-  stats(out, &RankOut::fused, &fm, &fmin);
-  stats(out, &RankOut::compute, &cm, &cmin);
+  stats_of(out, [](const RankOut& r) -> const std::vector<double>& { return r.fused; }, &fm, &fmin);
+  stats_of(out, [](const RankOut& r) -> const std::vector<double>& { return r.compute; }, &cm, &cmin);
   char b[640];
   snprintf(b, sizeof b,
            "{\"ranks\": \"threads\", \"op\": \"%s\", \"M\": %lld, \"N\": %lld, \"K\": %lld, \"world\": %d, "
            "\"ctas_per_rank\": %d, \"correct\": %s, \"mismatches\": %llu, \"fused_ms\": %.4f, \"fused_min_ms\": %.4f, "
-           "\"compute_only_ms\": %.4f, \"compute_min_ms\": %.4f, \"f_over_c\": %.3f, \"median_over_fastest\": %.3f}",
+           "\"compute_only_ms\": %.4f, \"compute_min_ms\": %.4f, \"f_over_c\": %.3f, \"median_over_fastest\": %.3f",
            ops::fused_kind_name(o.kind), (long long)o.M, (long long)o.N, (long long)o.K, o.W, ctas,
            bad ? "false" : "true", bad, fm, fmin, cm, cmin, cm > 0 ? fm / cm : 0.0, fmin > 0 ? fm / fmin : 0.0);
   *row = b;
+  if (o.splits) {
+    // Per static split and the controller: the slowest rank's median and fastest call (ms).
+    std::string sp = ", \"default_split\": " + std::to_string(out[0].default_split) + ", \"statics\": [";
+    double best = 0;
+    int best_n = 0;
+    for (size_t i = 0; i < out[0].statics.size(); ++i) {
+      double med = 0, mn = 0;
+      stats_of(out, [i](const RankOut& r) -> const std::vector<double>& { return r.statics[i]; }, &med, &mn);
+      snprintf(b, sizeof b, "%s{\"split\": %d, \"ms\": %.4f, \"min_ms\": %.4f}", i ? ", " : "", out[0].static_n[i], med,
+               mn);
+      sp += b;
+      if (best == 0 || med < best) best = med, best_n = out[0].static_n[i];
+    }
+    double cmed = 0, cmn = 0;
+    stats_of(out, [](const RankOut& r) -> const std::vector<double>& { return r.ctl; }, &cmed, &cmn);
+    snprintf(b, sizeof b,
+             "], \"best_static_split\": %d, \"best_static_ms\": %.4f, \"ctl_ms\": %.4f, \"ctl_min_ms\": %.4f, "
+             "\"ctl_split\": %d, \"controller_vs_best\": %.3f",
+             best_n, best, cmed, cmn, out[0].ctl_split, cmed > 0 ? best / cmed : 0.0);
+    sp += b;
+    *row += sp;
+  }
+  *row += "}";
   return bad ? 1 : 0;
 }
 
 int usage() {
   fprintf(stderr,
-          "usage: bench_fused_threads W (gemm_rs|gemm_ar|ag_gemm M N K | --sweep) [reps] [--trace PREFIX] "
-          "[--json FILE]\n");
+          "usage: bench_fused_threads W (gemm_rs|gemm_ar|ag_gemm M N K | --sweep) [reps] [--splits] "
+          "[--trace PREFIX] [--json FILE]\n");
   return 2;
 }
 
@@ -231,6 +303,7 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if ((a == "--trace" || a == "--json") && i + 1 < argc) (a == "--trace" ? o.trace : json) = argv[++i];
     else if (a == "--sweep") sweep = true;
+    else if (a == "--splits") o.splits = true;
     else if (a.rfind("--", 0) == 0) return usage();
     else pos.push_back(a);
   }
@@ -258,6 +331,10 @@ int main(int argc, char** argv) {
   const int reps = pos.size() > next ? atoi(pos[next].c_str()) : 30;
   if (o.W < 2 || reps < 1 || (!sweep && (o.M < 1 || o.N < 1 || o.K < 1)))
     return fprintf(stderr, "bench_fused_threads: W >= 2, reps >= 1 and a positive shape\n"), 2;
+  if (o.splits && sweep) return fprintf(stderr, "bench_fused_threads: --splits takes one operator and shape\n"), 2;
+  // The controller's operator is created with fused_split=auto; the others fix their count.
+  if (o.splits && !tunables::set("fused_split", "auto").ok())
+    return fprintf(stderr, "bench_fused_threads: cannot set fused_split=auto\n"), 1;
   int dev = 0, sms = 0;
   cudaGetDevice(&dev);
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 2 * o.W)

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""The SM-partition controller's calibration data: what a fused call does at each static split,
+reduced from the traced calls of `bench_fused_threads W OP M N K R --splits --trace PREFIX`
+(one table per split and rank: PREFIX.<op>.m<M>.n<N>.k<K>.w<W>.split<n|ctl>.rank<R>.tsv) and
+its JSON row (untraced medians per split).
+
+    python3 tools/split_calibration.py reduce --json ROWS.json TABLES... --out CAL.json
+
+For each table and call (microseconds unless said): the kernel's span, its tiles (count, median
+time of a tile's compute event — MMA and epilogue — and of its epilogue), tiles that followed an
+op on their CTA against tiles that followed a tile (what a role switch costs), tile time by the
+number of ops running on the rank when the tile started (what copies cost the tiles), the ops
+(count, median time, summed time, the CTAs that ran them), the waits that spun, and the
+controller's switches. Per operator and shape it adds the untraced medians of the row. The
+result is what tests/cpu/test_split_control.cc's calibration reads (tests/cpu/data/).
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_report  # noqa: E402  (load, split_calls)
+
+NAME = re.compile(r"\.(ag_gemm|gemm_rs|gemm_ar)\.m(\d+)\.n(\d+)\.k(\d+)\.w(\d+)\.split(\w+)\.rank(\d+)\.tsv$")
+OP_ROLES = ("comm", "net-send")
+CONCURRENCY_BUCKETS = ((0, 0), (1, 1), (2, 3), (4, 7), (8, 1 << 30))
+
+
+def med(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def reduce_call(events, w0, w1, ctas):
+    inside = [e for e in events if e[0] not in ("cta", "host") and e[5] >= w0 and e[6] <= w1]
+    tiles = sorted((e for e in inside if e[0] == "compute"), key=lambda e: e[5])
+    epis = [e for e in inside if e[0] == "epilogue"]
+    ops = sorted((e for e in inside if e[0] in OP_ROLES), key=lambda e: e[5])
+    ctl = sorted((e for e in inside if e[0] == "controller"), key=lambda e: e[5])
+    spin = sum(e[6] - e[5] for e in inside if e[0] == "spin")
+    # Per CTA in time order: what preceded each tile (an op or a tile).
+    by_cta = collections.defaultdict(list)
+    for e in tiles + ops:
+        by_cta[e[3]].append(e)
+    after_op, after_tile = [], []
+    for items in by_cta.values():
+        items.sort(key=lambda e: e[5])
+        for prev, cur in zip(items, items[1:]):
+            if cur[0] == "compute":
+                (after_op if prev[0] in OP_ROLES else after_tile).append(cur[6] - cur[5])
+    # Tile time by the ops running on this rank when it started.
+    starts = sorted(o[5] for o in ops)
+    ends = sorted(o[6] for o in ops)
+    by_conc = collections.defaultdict(list)
+    si = ei = 0
+    for t in tiles:
+        while si < len(starts) and starts[si] <= t[5]:
+            si += 1
+        while ei < len(ends) and ends[ei] <= t[5]:
+            ei += 1
+        running = si - ei
+        for lo, hi in CONCURRENCY_BUCKETS:
+            if lo <= running <= hi:
+                by_conc["%d-%d" % (lo, min(hi, 99))].append(t[6] - t[5])
+                break
+    last_tile = max((t[6] for t in tiles), default=w1)
+    return {
+        "kernel_us": (w1 - w0) / 1e3,
+        "tiles": len(tiles),
+        "tile_us": med([t[6] - t[5] for t in tiles]) / 1e3,
+        "epi_us": med([e[6] - e[5] for e in epis]) / 1e3,
+        "tile_after_op_us": med(after_op) / 1e3,
+        "tile_after_tile_us": med(after_tile) / 1e3,
+        "tiles_after_op": len(after_op),
+        "tile_us_by_running_ops": {k: [round(med(v) / 1e3, 3), len(v)] for k, v in sorted(by_conc.items())},
+        "ops": len(ops),
+        "op_us": med([o[6] - o[5] for o in ops]) / 1e3,
+        "op_sum_us": sum(o[6] - o[5] for o in ops) / 1e3,
+        "op_starts_us": [round((o[5] - w0) / 1e3, 2) for o in ops],
+        "op_durations_us": [round((o[6] - o[5]) / 1e3, 2) for o in ops],
+        "op_ctas": len({o[3] for o in ops}),
+        "spin_us": spin / 1e3,
+        "tail_us": (w1 - last_tile) / 1e3,
+        "switches": [[round((e[5] - w0) / 1e3, 2), e[4]] for e in ctl],
+        "ctas": len(ctas),
+    }
+
+
+def reduce_tables(paths, rows):
+    by_key = collections.defaultdict(list)
+    for p in paths:
+        m = NAME.search(p)
+        if not m:
+            print("split_calibration: skipping %s (not a --splits table)" % p, file=sys.stderr)
+            continue
+        op, M, N, K, W, split, rank = m.groups()
+        by_key[(op, int(M), int(N), int(K), int(W))].append((split, int(rank), p))
+    out = []
+    for (op, M, N, K, W), tables in sorted(by_key.items()):
+        rec = {"op": op, "M": M, "N": N, "K": K, "world": W, "splits": {}}
+        for row in rows:
+            if (row.get("op"), row.get("M"), row.get("N"), row.get("K"), row.get("world")) == (op, M, N, K, W):
+                rec["untraced"] = {
+                    "ctas_per_rank": row.get("ctas_per_rank"),
+                    "compute_only_ms": row.get("compute_only_ms"),
+                    "default_split": row.get("default_split"),
+                    "statics": row.get("statics"),
+                    "ctl_ms": row.get("ctl_ms"),
+                    "ctl_split": row.get("ctl_split"),
+                    "correct": row.get("correct"),
+                }
+        for split, rank, path in sorted(tables, key=lambda t: (t[0], t[1])):
+            header, events = trace_report.load(path)
+            calls = int(header.get("calls", "3"))
+            per_call = [reduce_call(events, w0, w1, ctas) for w0, w1, ctas in trace_report.split_calls(events, calls)]
+            rec["splits"].setdefault(split, {})[str(rank)] = per_call
+        out.append(rec)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("reduce", help="tables and rows into one calibration JSON")
+    r.add_argument("tables", nargs="+", help="the --splits tables (globs allowed)")
+    r.add_argument("--json", action="append", default=[], help="bench_fused_threads --json files (rows)")
+    r.add_argument("--out", required=True)
+    a = ap.parse_args()
+    paths = sorted({p for t in a.tables for p in (glob.glob(t) or [t])})
+    rows = []
+    for j in a.json:
+        with open(j) as f:
+            rows += json.load(f).get("results", [])
+    data = reduce_tables(paths, rows)
+    if not data:
+        sys.exit("split_calibration: no --splits table among %d paths" % len(paths))
+    with open(a.out, "w") as f:
+        json.dump({"source": "bench_fused_threads --splits --trace", "records": data}, f, indent=1)
+    print("split_calibration: %d operator/shape records from %d tables -> %s" % (len(data), len(paths), a.out))
+
+
+if __name__ == "__main__":
+    main()
