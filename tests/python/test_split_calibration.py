@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""tools/split_calibration.py reduce on tables with known answers: two splits (1 and the
+controller) of one rank, three calls, a grid of three CTAs.
+
+Every call: CTA 0 runs an op [2, 12] us then a tile [12, 42] (after an op), CTA 1 a tile [0, 20]
+(before the op) and a tile [20, 40] (after a tile, no op running), CTA 2 a tile [5, 35] started
+while the op ran. The
+controller's table adds a switch to 4 at 13 us. A table whose CTAs do not divide into its calls
+must be refused; the untraced row is carried over.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "split_calibration.py")
+US = 1000
+
+
+def write(path, split, calls, drop_cta=False):
+    lines = ["# op gemm_rs M 256 N 512 K 64 world 2 rank 0 nodes 1 ranks threads calls %d ctas 3 split %s"
+             % (calls, split), "# role\tpeer\tsm\tcta\titem\tt0_ns\tt1_ns"]
+    ev = lambda role, cta, item, a, b: lines.append("%s\t-1\t%d\t%d\t%d\t%d\t%d" % (role, cta, cta, item, a, b))
+    for c in range(calls):
+        base = 10 * US + c * 100 * US
+        for cta in range(3):
+            if not (drop_cta and c == 1 and cta == 2):
+                ev("cta", cta, -1, base, base + 50 * US)
+        ev("comm", 0, 0, base + 2 * US, base + 12 * US)
+        ev("compute", 0, 0, base + 12 * US, base + 42 * US)
+        ev("epilogue", 0, 0, base + 38 * US, base + 42 * US)
+        ev("compute", 1, 1, base, base + 20 * US)
+        ev("epilogue", 1, 1, base + 16 * US, base + 20 * US)
+        ev("compute", 1, 2, base + 20 * US, base + 40 * US)
+        ev("epilogue", 1, 2, base + 36 * US, base + 40 * US)
+        ev("compute", 2, 3, base + 5 * US, base + 35 * US)
+        ev("epilogue", 2, 3, base + 31 * US, base + 35 * US)
+        ev("spin", 2, 3, base + 32 * US, base + 34 * US)
+        if split == "ctl":
+            ev("controller", 0, 4, base + 13 * US, base + 13 * US)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def run(d, tables, rows=None):
+    args = [sys.executable, TOOL, "reduce", *tables, "--out", os.path.join(d, "cal.json")]
+    if rows:
+        p = os.path.join(d, "rows.json")
+        with open(p, "w") as f:
+            json.dump({"results": rows}, f)
+        args += ["--json", p]
+    return subprocess.run(args, capture_output=True, text=True)
+
+
+def main():
+    failures = []
+
+    def check(what, got, want):
+        if got != want:
+            failures.append("%s: got %r, want %r" % (what, got, want))
+
+    with tempfile.TemporaryDirectory() as d:
+        name = os.path.join(d, "cal.gemm_rs.m256.n512.k64.w2.split%s.rank0.tsv")
+        write(name % "1", "1", 3)
+        write(name % "ctl", "ctl", 3)
+        row = {"op": "gemm_rs", "M": 256, "N": 512, "K": 64, "world": 2, "ctas_per_rank": 3, "default_split": 8,
+               "statics": [{"split": 1, "ms": 0.05, "min_ms": 0.049}], "ctl_ms": 0.06, "ctl_split": 4, "correct": True}
+        r = run(d, [os.path.join(d, "cal.*.tsv")], [row])
+        check("exit status", r.returncode, 0)
+        if r.returncode == 0:
+            doc = json.load(open(os.path.join(d, "cal.json")))
+            check("records", len(doc["records"]), 1)
+            rec = doc["records"][0]
+            check("shape", (rec["op"], rec["M"], rec["N"], rec["K"], rec["world"]), ("gemm_rs", 256, 512, 64, 2))
+            check("untraced statics", rec["untraced"]["statics"], row["statics"])
+            check("untraced controller", (rec["untraced"]["ctl_ms"], rec["untraced"]["ctl_split"]), (0.06, 4))
+            check("splits", sorted(rec["splits"]), ["1", "ctl"])
+            for split in ("1", "ctl"):
+                calls = rec["splits"][split]["0"]
+                check(split + " calls", len(calls), 3)
+                for c in calls:
+                    check(split + " kernel", c["kernel_us"], 50.0)
+                    check(split + " tiles", c["tiles"], 4)
+                    check(split + " tile median", c["tile_us"], 25.0)      # 20, 20, 30, 30
+                    check(split + " epilogue median", c["epi_us"], 4.0)
+                    check(split + " after op", (c["tile_after_op_us"], c["tiles_after_op"]), (30.0, 1))
+                    check(split + " after tile", c["tile_after_tile_us"], 20.0)
+                    # Started with no op running: CTA 1's two tiles (0 and 20 us: 20 each) and CTA 0's
+                    # (12: the op ended then; 30), median 20; with one: CTA 2's (5 us; 30).
+                    check(split + " by running ops", c["tile_us_by_running_ops"], {"0-0": [20.0, 3], "1-1": [30.0, 1]})
+                    check(split + " ops", (c["ops"], c["op_us"], c["op_sum_us"], c["op_ctas"]), (1, 10.0, 10.0, 1))
+                    check(split + " op starts", c["op_starts_us"], [2.0])
+                    check(split + " spin", c["spin_us"], 2.0)
+                    check(split + " tail", c["tail_us"], 8.0)
+                    check(split + " switches", c["switches"], [[13.0, 4]] if split == "ctl" else [])
+        # A table whose CTA events do not divide into its calls is refused.
+        bad = os.path.join(d, "bad")
+        os.mkdir(bad)
+        write(os.path.join(bad, "cal.gemm_rs.m256.n512.k64.w2.split2.rank0.tsv"), "2", 3, drop_cta=True)
+        r = run(bad, [os.path.join(bad, "cal.*.tsv")])
+        check("a table missing a CTA is refused", r.returncode != 0 and "do not divide" in r.stderr, True)
+        # Nothing to reduce: an error, not an empty file.
+        r = run(bad, [os.path.join(bad, "nothing.tsv")])
+        check("no table is an error", r.returncode != 0, True)
+    for f in failures:
+        print("FAIL " + f)
+    print("test_split_calibration: %d failures" % len(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
