@@ -16,6 +16,14 @@ files compile anew. Before any mutation the listed tests must pass on the unmuta
                                             multi-rank test share the GPU under MPS there)
   scripts/mutation_check.py --list          the mutations, without running anything
   scripts/mutation_check.py --only NAME...  just these
+  scripts/mutation_check.py --gpu --build-only DIR
+                                            builds the GPU mutations' test binaries here (no GPU
+                                            needed) into DIR/mutants/<name>/ with mutations.json;
+                                            scripts/device/pack_binaries.sh carries them
+  scripts/mutation_check.py --prebuilt DIR  on the GPU machine: runs the listed tests of a
+                                            prebuilt build (MK_BUILD_DIR, e.g. /tmp/mkb) with each
+                                            mutation's binaries swapped in, unmutated first (ranks
+                                            of a multi-rank test under MPS at 100/np % each)
 Environment: MK_BUILD_DIR (the main build, for its CMake settings; default build),
 MK_MUTATION_DIR (the scratch folder; default /tmp/mk-mutation), MK_MUTATION_JSON (also write
 the report there).
@@ -140,6 +148,18 @@ MUTATIONS = [
              ["test_gpu_moe_np1", "test_gpu_moe_np2", "test_gpu_moe_layer_np1"],
              "combine sums the experts' rows without the routing weights (skip the combine weight)",
              gpu=True, targets=["test_gpu_moe", "test_gpu_moe_layer"]),
+    Mutation("fused-final-sum-drops-a-term", "src/gemm/kernel/epilogue.cuh",
+             "for (int t = 0; t <= h.fin_nsrc; ++t) {",
+             "for (int t = 0; t < h.fin_nsrc; ++t) {",
+             ["test_gpu_fused_gemm_np2", "test_gpu_fused_gemm_np4"],
+             "the owner's final sum of a reduce-scatter tile leaves out one rank's share (off by one)",
+             gpu=True, targets=["test_gpu_fused_gemm"]),
+    Mutation("controller-ignores-forced-switches", "src/comm/split_control.cuh",
+             "const bool force = c->n_force > 0 && split_force_due(c, sched);",
+             "const bool force = false;",
+             ["test_gpu_fused_gemm_np2"],
+             "the device controller never applies a forced split (the tests' hook to move CTAs mid-call)",
+             gpu=True, targets=["test_gpu_fused_gemm"]),
 ]
 
 
@@ -206,13 +226,104 @@ def cmake_args(main_build):
     return args
 
 
+def verdict_of(m, status, failed, blog):
+    """(verdict, by, counts as bad) of one mutation's build and test outcome."""
+    if status == "build failed":
+        return "NOT BUILT", (tail(blog, 8).strip().splitlines() or [""])[-1], True
+    if status != "ok":
+        return "SKIPPED", status, True
+    if failed:
+        return "caught", failed[0] + (" (marked known: drop the mark)" if m.known else ""), bool(m.known)
+    if m.known:
+        return "SURVIVED", "known: " + m.known, False
+    return "SURVIVED", "every listed test passed", True
+
+
+def summarize(report, bad, logs):
+    if os.environ.get("MK_MUTATION_JSON"):
+        with open(os.environ["MK_MUTATION_JSON"], "w") as f:
+            json.dump(report, f, indent=1)
+    caught = sum(r["verdict"] == "caught" for r in report)
+    known = sum(r["verdict"] == "SURVIVED" and r["by"].startswith("known: ") for r in report)
+    print(f"mutation_check: {caught} of {len(report)} caught, {known} known survivors, {bad} to act on "
+          f"(survived, not built, skipped, or a known mark to drop); logs in {logs}")
+    return 1 if bad else 0
+
+
+def ctest_env(env, test):
+    """A multi-rank GPU test's ranks share the GPU under MPS at 100/np % each (as suite.sh runs them)."""
+    np_ = test.rsplit("_np", 1)[1] if "_np" in test and test.rsplit("_np", 1)[1].isdigit() else "1"
+    return dict(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(100 // int(np_)))
+
+
+def run_prebuilt(src, chosen_names):
+    """--prebuilt: each mutation's binaries (built by --build-only) swapped into a prebuilt build."""
+    build = os.environ.get("MK_BUILD_DIR", "/tmp/mkb")
+    listing = os.path.join(src, "mutants", "mutations.json")
+    if not os.path.exists(listing):
+        sys.exit(f"mutation_check: no {listing} (mutation_check.py --gpu --build-only first)")
+    entries = json.load(open(listing))
+    if chosen_names is not None:
+        entries = [e for e in entries if e["name"] in chosen_names]
+    logs = os.environ.get("MK_MUTATION_DIR", "/tmp/mk-mutation") + "/logs"
+    os.makedirs(logs, exist_ok=True)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+    def run_tests(tests, tag):
+        failed, tt = None, 0.0
+        for t in tests:
+            tlog = os.path.join(logs, f"{tag}.{t}.log")
+            rc, dt = run(["ctest", "--test-dir", build, "-R", f"^{t}$", "--output-on-failure", "--no-tests=error"],
+                         build, tlog, timeout=600, env=ctest_env(env, t))
+            tt += dt
+            if rc:
+                return "ok", (t, tlog), tt
+            if "Skipped" in open(tlog, errors="replace").read():
+                return "test skipped: " + t, None, tt
+        return "ok", failed, tt
+
+    print(f"mutation_check: {len(entries)} prebuilt mutations against {build}; first the unmutated binaries")
+    status, failed, tt = run_tests(sorted({t for e in entries for t in e["tests"]}), "unmutated")
+    if status != "ok" or failed:
+        print(tail(failed[1], 30) if failed else status)
+        sys.exit(f"mutation_check: the unmutated binaries fail ({status}, {failed[0] if failed else ''}): fix that first")
+    print(f"  unmutated: every test passes (tests {tt:.0f} s)")
+    report, bad = [], 0
+    for e in entries:
+        m = Mutation(e["name"], e["file"], "", "", e["tests"], e["why"], gpu=True, known=e.get("known", ""))
+        swapped = []
+        try:
+            for rel in e["files"]:
+                dst = os.path.join(build, rel)
+                shutil.copy2(dst, dst + ".unmutated")
+                swapped.append(dst)
+                shutil.copy2(os.path.join(src, "mutants", e["name"], rel), dst)
+            status, failed, tt = run_tests(e["tests"], e["name"])
+        finally:
+            for dst in swapped:
+                os.replace(dst + ".unmutated", dst)
+        verdict, by, is_bad = verdict_of(m, status, failed, None)
+        bad += is_bad
+        print(f"  {m.name:30s} {verdict:9s} {by}  (tests {tt:.0f} s)")
+        report.append({"name": m.name, "file": m.file, "why": m.why, "verdict": verdict, "by": by,
+                       "tests": m.tests, "test_s": round(tt, 1)})
+    return summarize(report, bad, logs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu", action="store_true", help="also the mutations whose tests need a GPU")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--build-only", metavar="DIR", help="build the GPU mutations' binaries into DIR/mutants")
+    ap.add_argument("--prebuilt", metavar="DIR", help="run DIR/mutants' binaries in a prebuilt build (GPU machine)")
     o = ap.parse_args()
-    chosen = [m for m in MUTATIONS if (o.gpu or not m.gpu) and (o.only is None or m.name in o.only)]
+    if o.prebuilt:
+        return run_prebuilt(o.prebuilt, set(o.only) if o.only else None)
+    if o.build_only:
+        o.gpu = True
+    chosen = [m for m in MUTATIONS if (o.gpu or not m.gpu) and (o.only is None or m.name in o.only)
+              and (not o.build_only or m.gpu)]
     if o.only:
         unknown = set(o.only) - {m.name for m in MUTATIONS}
         if unknown:
@@ -266,6 +377,9 @@ def main():
                 return "test skipped: " + t, None, bt, tt, tlog
         return "ok", failed, bt, tt, None
 
+    if o.build_only:
+        return build_mutants(o.build_only, chosen, tree, build, logs, env, targets_of)
+
     # The unmutated copy first: the tests must pass, or a "caught" below means nothing.
     print(f"mutation_check: {len(chosen)} mutations in {tree}; first the unmutated tree")
     base = Mutation("unmutated", "", "", "", sorted({t for m in chosen for t in m.tests}), "",
@@ -287,31 +401,51 @@ def main():
         finally:
             with open(path, "w") as f:
                 f.write(original)
-        if status == "build failed":
-            verdict, by = "NOT BUILT", (tail(blog, 8).strip().splitlines() or [""])[-1]
-            bad += 1
-        elif status != "ok":
-            verdict, by = "SKIPPED", status
-            bad += 1
-        elif failed:
-            verdict, by = "caught", failed[0] + (" (marked known: drop the mark)" if m.known else "")
-            bad += bool(m.known)
-        elif m.known:
-            verdict, by = "SURVIVED", "known: " + m.known
-        else:
-            verdict, by = "SURVIVED", "every listed test passed"
-            bad += 1
+        verdict, by, is_bad = verdict_of(m, status, failed, blog)
+        bad += is_bad
         print(f"  {m.name:30s} {verdict:9s} {by}  (build {bt:.0f} s, tests {tt:.0f} s)")
         report.append({"name": m.name, "file": m.file, "why": m.why, "verdict": verdict, "by": by,
                        "tests": m.tests, "build_s": round(bt, 1), "test_s": round(tt, 1)})
-    if os.environ.get("MK_MUTATION_JSON"):
-        with open(os.environ["MK_MUTATION_JSON"], "w") as f:
-            json.dump(report, f, indent=1)
-    caught = sum(r["verdict"] == "caught" for r in report)
-    known = sum(r["verdict"] == "SURVIVED" and r["by"].startswith("known: ") for r in report)
-    print(f"mutation_check: {caught} of {len(report)} caught, {known} known survivors, {bad} to act on "
-          f"(survived, not built, skipped, or a known mark to drop); logs in {logs}")
-    return 1 if bad else 0
+    return summarize(report, bad, logs)
+
+
+def build_mutants(out, chosen, tree, build, logs, env, targets_of):
+    """--build-only: each GPU mutation's test binaries, built in the scratch copy, into
+    out/mutants/<name>/<path in the build>, and out/mutants/mutations.json listing them."""
+    root = os.path.join(out, "mutants")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    entries = []
+    for m in chosen:
+        path = os.path.join(tree, m.file)
+        original = open(path).read()
+        with open(path, "w") as f:
+            f.write(original.replace(m.find, m.replace, 1))
+        try:
+            log = os.path.join(logs, f"{m.name}.build.log")
+            rc, bt = run(["ninja", "-C", build] + sorted(set(targets_of(m))), tree, log, env=env)
+            files = []
+            if rc == 0:
+                for t in sorted(set(targets_of(m))):
+                    rel = os.path.join("tests", "gpu", t)
+                    if not os.path.isfile(os.path.join(build, rel)):
+                        sys.exit(f"mutation_check: {m.name}: no {rel} in the scratch build")
+                    os.makedirs(os.path.dirname(os.path.join(root, m.name, rel)), exist_ok=True)
+                    shutil.copy2(os.path.join(build, rel), os.path.join(root, m.name, rel))
+                    files.append(rel)
+        finally:
+            with open(path, "w") as f:
+                f.write(original)
+        if rc:
+            print(tail(log, 20))
+            sys.exit(f"mutation_check: {m.name} did not build")
+        print(f"  {m.name:30s} built {', '.join(files)} ({bt:.0f} s)")
+        entries.append({"name": m.name, "file": m.file, "why": m.why, "tests": m.tests, "known": m.known,
+                        "files": files})
+    with open(os.path.join(root, "mutations.json"), "w") as f:
+        json.dump(entries, f, indent=1)
+    print(f"mutation_check: {len(entries)} GPU mutations built into {root}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,21 @@ for f in "$build"/tests/gpu/test_gpu_* "$build"/tests/gpu/fault_rank; do [[ -x $
 for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy bench/bench_peer_write bench/bench_fused_threads; do [[ -x $build/$f ]] && files+=("$f"); done
 [[ ${MK_PACK_SLIM:-0} == 1 ]] && files=(mkernel libmkernel_capi.so bench/bench_gemm bench/bench_host_call)
 for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done
-tar -C "$build" -cf - "${files[@]}" | xz -T2 -9e > "$out/bins.tar.xz"
+# MK_PACK_MUTANTS=DIR: also the GPU mutations' binaries (scripts/mutation_check.py --build-only DIR),
+# as mutants/<name>/<path>, each right after its unmutated binary (the solid archive then stores
+# little more than their differences); suite.sh's mutants step runs them.
+args=()
+build_abs=$(cd "$build" && pwd)
+mut=${MK_PACK_MUTANTS:+$(cd "$MK_PACK_MUTANTS" && pwd)}
+[[ -z $mut || -f $mut/mutants/mutations.json ]] || { echo "pack: no $mut/mutants/mutations.json" >&2; exit 1; }
+for f in "${files[@]}"; do
+  args+=(-C "$build_abs" "$f")
+  if [[ -n $mut ]]; then
+    for m in "$mut"/mutants/*/"$f"; do [[ -f $m ]] && args+=(-C "$mut" "${m#$mut/}"); done
+  fi
+done
+[[ -n $mut ]] && args+=(-C "$mut" mutants/mutations.json)
+tar -cf - "${args[@]}" | xz -T2 -9e > "$out/bins.tar.xz"
 # Where this build came from: the suite rewrites these paths on the GPU machine.
 printf '%s\n%s\n%s\n%s\n' "$root/$build" "$root" "$(command -v python3)" "$(git rev-parse HEAD)" > "$out/origin.txt"
 echo "pack: $(du -h "$out/bins.tar.xz" | cut -f1) in $out/bins.tar.xz (${#files[@]} files)"

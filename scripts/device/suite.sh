@@ -8,6 +8,8 @@
 #   san     scripts/device/sanitize_check.sh: compute-sanitizer memcheck/racecheck/synccheck
 #   attn    tests/gpu/test_attention.py (needs torch)
 #   compare scripts/device/compare_check.sh: this build's speed against .devbin-before's
+#   mutants the GPU mutations of scripts/mutation_check.py from prebuilt mutant binaries
+#           (pack_binaries.sh with MK_PACK_MUTANTS): each must make its tests fail
 # MK_SUITE_STEPS picks steps, run in that order (default "setup unit matrix smoke"); MK_UNIT_ONLY
 # (regex) limits the unit tests; logs come back packed as
 # $OUT/suite_logs.tgz; the last lines printed are the summary.
@@ -88,6 +90,17 @@ step_smoke() {
   MK_SMOKE_LOGS="$L/smoke" MK_SMOKE_MPS=0 timeout 300 bash scripts/device/cli_smoke.sh > "$L/smoke.log" 2>&1
   note "smoke rc=$?: $(grep -E "^(PASS|FAIL)" "$L/smoke.log" | awk '{print $1}' | sort | uniq -c | tr '\n' ' ')"
   grep -E "^FAIL" -A4 "$L/smoke.log" | head -30
+}
+
+step_mutants() {
+  # The GPU mutations (scripts/mutation_check.py --gpu --build-only, packed with MK_PACK_MUTANTS):
+  # each mutant's binaries swapped into this build, its tests must fail.
+  mps_on
+  if [[ ! -f $B/mutants/mutations.json ]]; then note "mutants: none packed (MK_PACK_MUTANTS)"; return; fi
+  MK_BUILD_DIR=$B MK_MUTATION_DIR="$L/mutation" MK_MUTATION_JSON="$L/mutation.json" timeout 560 \
+    python3 scripts/mutation_check.py --prebuilt "$B" > "$L/mutants.log" 2>&1
+  note "mutants rc=$?: $(tail -1 "$L/mutants.log")"
+  grep -E "^  " "$L/mutants.log" | head -20
 }
 
 step_san() {
