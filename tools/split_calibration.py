@@ -35,7 +35,7 @@ def med(xs):
     return statistics.median(xs) if xs else 0.0
 
 
-def reduce_call(events, w0, w1, ctas):
+def reduce_call(events, w0, w1, ctas, own_rows=None, tiles_m=1):
     inside = [e for e in events if e[0] not in ("cta", "host") and e[5] >= w0 and e[6] <= w1]
     tiles = sorted((e for e in inside if e[0] == "compute"), key=lambda e: e[5])
     epis = [e for e in inside if e[0] == "epilogue"]
@@ -68,11 +68,17 @@ def reduce_call(events, w0, w1, ctas):
                 by_conc["%d-%d" % (lo, min(hi, 99))].append(t[6] - t[5])
                 break
     last_tile = max((t[6] for t in tiles), default=w1)
+    # RS/AR on one node: the epilogue of the rank's own tile rows (the final sum) apart from the
+    # routed ones (trace_report.own_tile_rows).
+    own_epi = [e[6] - e[5] for e in epis if own_rows is not None and e[4] % tiles_m in own_rows]
+    routed_epi = [e[6] - e[5] for e in epis if own_rows is not None and e[4] % tiles_m not in own_rows]
     return {
         "kernel_us": (w1 - w0) / 1e3,
         "tiles": len(tiles),
         "tile_us": med([t[6] - t[5] for t in tiles]) / 1e3,
         "epi_us": med([e[6] - e[5] for e in epis]) / 1e3,
+        "epi_own_us": med(own_epi) / 1e3,
+        "epi_routed_us": med(routed_epi) / 1e3,
         "tile_after_op_us": med(after_op) / 1e3,
         "tile_after_tile_us": med(after_tile) / 1e3,
         "tiles_after_op": len(after_op),
@@ -80,6 +86,7 @@ def reduce_call(events, w0, w1, ctas):
         "ops": len(ops),
         "op_us": med([o[6] - o[5] for o in ops]) / 1e3,
         "op_sum_us": sum(o[6] - o[5] for o in ops) / 1e3,
+        "op_items": [o[4] for o in ops],
         "op_starts_us": [round((o[5] - w0) / 1e3, 2) for o in ops],
         "op_durations_us": [round((o[6] - o[5]) / 1e3, 2) for o in ops],
         "op_ctas": len({o[3] for o in ops}),
@@ -110,16 +117,48 @@ def reduce_tables(paths, rows):
                     "default_split": row.get("default_split"),
                     "statics": row.get("statics"),
                     "ctl_ms": row.get("ctl_ms"),
+                    "ctl_min_ms": row.get("ctl_min_ms"),
                     "ctl_split": row.get("ctl_split"),
                     "correct": row.get("correct"),
                 }
         for split, rank, path in sorted(tables, key=lambda t: (t[0], t[1])):
             header, events = trace_report.load(path)
             calls = int(header.get("calls", "3"))
-            per_call = [reduce_call(events, w0, w1, ctas) for w0, w1, ctas in trace_report.split_calls(events, calls)]
+            own = trace_report.own_tile_rows(header)
+            tiles_m = (M + trace_report.TILE_M - 1) // trace_report.TILE_M
+            per_call = [reduce_call(events, w0, w1, ctas, own, tiles_m)
+                        for w0, w1, ctas in trace_report.split_calls(events, calls)]
             rec["splits"].setdefault(split, {})[str(rank)] = per_call
         out.append(rec)
     return out
+
+
+def write_tsv(data, path):
+    """The flat form tests/cpu/test_split_calibration.cc reads: one line per untraced split
+    ("split"), per traced call ("call") and per op of a traced call ("op"); tab-separated, the
+    first field names the line."""
+    with open(path, "w") as f:
+        f.write("# tools/split_calibration.py: the fused calls of bench_fused_threads --splits --trace\n")
+        f.write("# split\top\tW\tM\tN\tK\tctas\tsplit\tmedian_ms\tmin_ms   (split 0: the controller)\n")
+        f.write("# call\top\tW\tM\tN\tK\tsplit\trank\tcall\tkernel_us\ttiles\ttile_us\tepi_us\tepi_own_us\t"
+                "epi_routed_us\ttile_after_op_us\ttile_after_tile_us\tops\n")
+        f.write("# op\top\tW\tM\tN\tK\tsplit\trank\tcall\titem\tstart_us\tdur_us\n")
+        for rec in data:
+            key = "%s\t%d\t%d\t%d\t%d" % (rec["op"], rec["world"], rec["M"], rec["N"], rec["K"])
+            u = rec.get("untraced") or {}
+            for st in u.get("statics") or []:
+                f.write("split\t%s\t%d\t%d\t%.4f\t%.4f\n" % (key, u["ctas_per_rank"], st["split"], st["ms"], st["min_ms"]))
+            if u.get("ctl_ms"):
+                f.write("split\t%s\t%d\t0\t%.4f\t%.4f\n" % (key, u["ctas_per_rank"], u["ctl_ms"], u.get("ctl_min_ms") or 0))
+            for split, ranks in sorted(rec["splits"].items()):
+                sp = 0 if split == "ctl" else int(split)
+                for rank, calls in sorted(ranks.items()):
+                    for c, x in enumerate(calls):
+                        f.write("call\t%s\t%d\t%s\t%d\t%.3f\t%d\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%d\n" % (
+                            key, sp, rank, c, x["kernel_us"], x["tiles"], x["tile_us"], x["epi_us"], x["epi_own_us"],
+                            x["epi_routed_us"], x["tile_after_op_us"], x["tile_after_tile_us"], x["ops"]))
+                        for item, t0, d in zip(x["op_items"], x["op_starts_us"], x["op_durations_us"]):
+                            f.write("op\t%s\t%d\t%s\t%d\t%d\t%.2f\t%.2f\n" % (key, sp, rank, c, item, t0, d))
 
 
 def main():
@@ -129,6 +168,7 @@ def main():
     r.add_argument("tables", nargs="+", help="the --splits tables (globs allowed)")
     r.add_argument("--json", action="append", default=[], help="bench_fused_threads --json files (rows)")
     r.add_argument("--out", required=True)
+    r.add_argument("--tsv", help="also the flat form tests/cpu/test_split_calibration.cc reads")
     a = ap.parse_args()
     paths = sorted({p for t in a.tables for p in (glob.glob(t) or [t])})
     rows = []
@@ -140,6 +180,8 @@ def main():
         sys.exit("split_calibration: no --splits table among %d paths" % len(paths))
     with open(a.out, "w") as f:
         json.dump({"source": "bench_fused_threads --splits --trace", "records": data}, f, indent=1)
+    if a.tsv:
+        write_tsv(data, a.tsv)
     print("split_calibration: %d operator/shape records from %d tables -> %s" % (len(data), len(paths), a.out))
 
 

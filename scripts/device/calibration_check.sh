@@ -65,7 +65,7 @@ PY
     done
   done
   python3 tools/split_calibration.py reduce "$L/cal.*.tsv" $(for j in "$L"/th_*.json; do echo --json "$j"; done) \
-    --out "$RESULT/calibration_threads.json" || rc=1
+    --out "$RESULT/calibration_threads.json" --tsv "$RESULT/split_calibration_h200.tsv" || rc=1
   echo "threads: done ($(elapsed) s)"
 fi
 

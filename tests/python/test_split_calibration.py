@@ -29,7 +29,7 @@ def write(path, split, calls, drop_cta=False):
                 ev("cta", cta, -1, base, base + 50 * US)
         ev("comm", 0, 0, base + 2 * US, base + 12 * US)
         ev("compute", 0, 0, base + 12 * US, base + 42 * US)
-        ev("epilogue", 0, 0, base + 38 * US, base + 42 * US)
+        ev("epilogue", 0, 0, base + 34 * US, base + 42 * US)
         ev("compute", 1, 1, base, base + 20 * US)
         ev("epilogue", 1, 1, base + 16 * US, base + 20 * US)
         ev("compute", 1, 2, base + 20 * US, base + 40 * US)
@@ -44,7 +44,8 @@ def write(path, split, calls, drop_cta=False):
 
 
 def run(d, tables, rows=None):
-    args = [sys.executable, TOOL, "reduce", *tables, "--out", os.path.join(d, "cal.json")]
+    args = [sys.executable, TOOL, "reduce", *tables, "--out", os.path.join(d, "cal.json"), "--tsv",
+            os.path.join(d, "cal.tsv")]
     if rows:
         p = os.path.join(d, "rows.json")
         with open(p, "w") as f:
@@ -91,9 +92,19 @@ def main():
                     check(split + " by running ops", c["tile_us_by_running_ops"], {"0-0": [20.0, 3], "1-1": [30.0, 1]})
                     check(split + " ops", (c["ops"], c["op_us"], c["op_sum_us"], c["op_ctas"]), (1, 10.0, 10.0, 1))
                     check(split + " op starts", c["op_starts_us"], [2.0])
+                    check(split + " op items", c["op_items"], [0])
+                    # Rank 0 of 2 owns rows 0..127: tile row 0 (items 0, 2: tiles_m 2); routed: 1, 3.
+                    check(split + " own and routed epilogues", (c["epi_own_us"], c["epi_routed_us"]), (6.0, 4.0))
                     check(split + " spin", c["spin_us"], 2.0)
                     check(split + " tail", c["tail_us"], 8.0)
                     check(split + " switches", c["switches"], [[13.0, 4]] if split == "ctl" else [])
+            tsv = [l.rstrip("\n").split("\t") for l in open(os.path.join(d, "cal.tsv")) if not l.startswith("#")]
+            check("tsv split lines", [l for l in tsv if l[0] == "split"],
+                  [["split", "gemm_rs", "2", "256", "512", "64", "3", "1", "0.0500", "0.0490"],
+                   ["split", "gemm_rs", "2", "256", "512", "64", "3", "0", "0.0600", "0.0000"]])
+            check("tsv call lines", sum(l[0] == "call" for l in tsv), 6)
+            check("tsv op lines", [l[6:] for l in tsv if l[0] == "op"][:2],
+                  [["1", "0", "0", "0", "2.00", "10.00"], ["1", "0", "1", "0", "2.00", "10.00"]])
         # A table whose CTA events do not divide into its calls is refused.
         bad = os.path.join(d, "bad")
         os.mkdir(bad)
