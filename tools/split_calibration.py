@@ -74,6 +74,7 @@ def reduce_call(events, w0, w1, ctas, own_rows=None, tiles_m=1):
     routed_epi = [e[6] - e[5] for e in epis if own_rows is not None and e[4] % tiles_m not in own_rows]
     return {
         "kernel_us": (w1 - w0) / 1e3,
+        "start_us": w0 / 1e3,  # the device's clock: ranks on one GPU share it
         "tiles": len(tiles),
         "tile_us": med([t[6] - t[5] for t in tiles]) / 1e3,
         "epi_us": med([e[6] - e[5] for e in epis]) / 1e3,
@@ -141,7 +142,7 @@ def write_tsv(data, path):
         f.write("# tools/split_calibration.py: the fused calls of bench_fused_threads --splits --trace\n")
         f.write("# split\top\tW\tM\tN\tK\tctas\tsplit\tmedian_ms\tmin_ms   (split 0: the controller)\n")
         f.write("# call\top\tW\tM\tN\tK\tsplit\trank\tcall\tkernel_us\ttiles\ttile_us\tepi_us\tepi_own_us\t"
-                "epi_routed_us\ttile_after_op_us\ttile_after_tile_us\tops\n")
+                "epi_routed_us\ttile_after_op_us\ttile_after_tile_us\tops\tstart_us\n")
         f.write("# op\top\tW\tM\tN\tK\tsplit\trank\tcall\titem\tstart_us\tdur_us\n")
         for rec in data:
             key = "%s\t%d\t%d\t%d\t%d" % (rec["op"], rec["world"], rec["M"], rec["N"], rec["K"])
@@ -154,11 +155,51 @@ def write_tsv(data, path):
                 sp = 0 if split == "ctl" else int(split)
                 for rank, calls in sorted(ranks.items()):
                     for c, x in enumerate(calls):
-                        f.write("call\t%s\t%d\t%s\t%d\t%.3f\t%d\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%d\n" % (
+                        f.write("call\t%s\t%d\t%s\t%d\t%.3f\t%d\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%d\t%.3f\n" % (
                             key, sp, rank, c, x["kernel_us"], x["tiles"], x["tile_us"], x["epi_us"], x["epi_own_us"],
-                            x["epi_routed_us"], x["tile_after_op_us"], x["tile_after_tile_us"], x["ops"]))
+                            x["epi_routed_us"], x["tile_after_op_us"], x["tile_after_tile_us"], x["ops"], x["start_us"]))
                         for item, t0, d in zip(x["op_items"], x["op_starts_us"], x["op_durations_us"]):
                             f.write("op\t%s\t%d\t%s\t%d\t%d\t%.2f\t%.2f\n" % (key, sp, rank, c, item, t0, d))
+
+
+REPORT_HEAD = re.compile(r"^== \S+: (\w+) M (\d+) N (\d+) K (\d+), \d+ rank\(s\) traced \(world (\d+), nodes (\d+)\)")
+EPI_SPLIT = re.compile(r"own tiles \(the final sum\) ([\d.]+), routed ([\d.]+)")
+
+
+def from_reports(paths, split, sms):
+    """Points from tools/trace_report.py's text reports of traced calls at one split (the
+    default): per operator and shape the slowest rank's kernel per call (median over calls),
+    the tiles' MMA and epilogue, the own and routed epilogues, and an op's time without the
+    waits that spun inside it. Ranks as threads of one process: each rank had sms / W CTAs."""
+    points = []
+    for path in paths:
+        lines = open(path).read().splitlines()
+        m = REPORT_HEAD.match(lines[0]) if lines else None
+        if not m:
+            sys.exit("split_calibration: %s is not a trace_report report" % path)
+        op, M, N, K, W, nodes = m.group(1), *map(int, m.groups()[1:])
+        if nodes != 1:
+            continue
+        rows, own, routed = [], [], []
+        for line in lines[2:]:
+            f = line.split()
+            if len(f) == 18 and f[0].isdigit() and f[1].isdigit():
+                rows.append(f)
+            e = EPI_SPLIT.search(line)
+            if e:
+                own.append(float(e.group(1)))
+                routed.append(float(e.group(2)))
+        # call rank enq start gap kernel spread 1st tiles mma epi ops op_us spin:op epi other idle tail
+        slowest = collections.defaultdict(float)
+        for f in rows:
+            slowest[int(f[0])] = max(slowest[int(f[0])], float(f[5]))
+        op_us = [(float(f[12]) - float(f[13])) / int(f[11]) for f in rows if int(f[11]) > 0]
+        points.append({"op": op, "M": M, "N": N, "K": K, "world": W, "ctas": sms // W, "split": split,
+                       "kernel_us": med(list(slowest.values())), "mma_us": med([float(f[9]) for f in rows]),
+                       "epi_us": med([float(f[10]) for f in rows]), "epi_own_us": med(own),
+                       "epi_routed_us": med(routed), "ops": int(med([int(f[11]) for f in rows])),
+                       "op_us": med(op_us), "calls": len(slowest)})
+    return points
 
 
 def main():
@@ -169,7 +210,24 @@ def main():
     r.add_argument("--json", action="append", default=[], help="bench_fused_threads --json files (rows)")
     r.add_argument("--out", required=True)
     r.add_argument("--tsv", help="also the flat form tests/cpu/test_split_calibration.cc reads")
+    fr = sub.add_parser("from-reports", help="points at one split from trace_report.py's text reports")
+    fr.add_argument("reports", nargs="+")
+    fr.add_argument("--split", type=int, default=8, help="the split the traced calls ran at (default 8)")
+    fr.add_argument("--sms", type=int, default=132, help="the GPU's SMs (each rank had sms / W CTAs)")
+    fr.add_argument("--tsv", required=True)
     a = ap.parse_args()
+    if a.cmd == "from-reports":
+        pts = from_reports(a.reports, a.split, a.sms)
+        with open(a.tsv, "w") as f:
+            f.write("# tools/split_calibration.py from-reports %s\n" % " ".join(os.path.basename(r) for r in a.reports))
+            f.write("# point\top\tW\tM\tN\tK\tctas\tsplit\tkernel_us\tmma_us\tepi_us\tepi_own_us\tepi_routed_us\t"
+                    "ops\top_us\tcalls\n")
+            for p in pts:
+                f.write("point\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.1f\t%.2f\t%.2f\t%.2f\t%.2f\t%d\t%.2f\t%d\n" % (
+                    p["op"], p["world"], p["M"], p["N"], p["K"], p["ctas"], p["split"], p["kernel_us"], p["mma_us"],
+                    p["epi_us"], p["epi_own_us"], p["epi_routed_us"], p["ops"], p["op_us"], p["calls"]))
+        print("split_calibration: %d points -> %s" % (len(pts), a.tsv))
+        return
     paths = sorted({p for t in a.tables for p in (glob.glob(t) or [t])})
     rows = []
     for j in a.json:

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "src/comm/split_control.h"
 #include "src/ops/fused_gemm/fused_gemm_plan.h"
 
 namespace mk {
@@ -38,6 +39,7 @@ struct SimCosts {
   double copy_gbps_total = 1500;  // the GPU's, shared by every copy running on any rank
   double switch_us = 0;         // a tile after an op on the same CTA (its pipeline starts empty)
   double contention = 0;        // a tile's MMA is slowed by contention * (copies running) / grid
+  double sample_us = 2.5;       // the controller's sample on its CTA (2.2-3.2 us measured under MPS)
 };
 
 struct SimResult {
@@ -46,17 +48,28 @@ struct SimResult {
   double kernel_us = 0;         // the slowest rank's last CTA end
   std::vector<double> rank_us;  // per rank
   int ops = 0, tiles = 0;       // per rank (rank 0)
+  std::vector<int> settled;     // with the controller: each rank's count-weighted mean (split_mean)
+  int changes = 0;              // with the controller: rank 0's switches
 };
 
 class PlanSim {
  public:
   PlanSim(const ops::Plan& plan, int grid, const SimCosts& c) : p_(plan), grid_(grid), c_(c) {}
 
-  SimResult run(int split) {
+  // A fixed split for the whole call; with `controller`, split_step moves each rank's count from
+  // `split` on, sampling at a work-item boundary at most every split_interval_ns (the device's
+  // rule: src/comm/split_control.cuh), the sample taking its CTA sample_us.
+  SimResult run(int split, bool controller = false) {
     SimResult r;
     const int W = int(p_.ranks.size());
     const bool peek = p_.kind != ops::FusedKind::kAgGemm;
-    const int comm = std::max(1, std::min(split, grid_ - 1));
+    controller_ = controller;
+    lim_ = comm::SplitLimits{};
+    lim_.lo = 1;
+    lim_.hi = std::min(grid_ - 1, std::max(32, grid_ / 2));  // the device's ceiling (hi_auto)
+    lim_.grid = grid_;
+    lim_.in_order = !peek;
+    interval_us_ = 1e-3 * double(comm::split_interval_ns(2000, int64_t(c_.sample_us * 1e3), grid_));
     flags_.assign(W, std::vector<uint64_t>(p_.pad_flags, 0));
     ranks_.assign(W, Rank{});
     copies_.clear();
@@ -66,6 +79,9 @@ class PlanSim {
     for (int k = 0; k < W; ++k) {
       ranks_[k].end.assign(grid_, 0.0);
       ranks_[k].last_op.assign(grid_, 0);
+      ranks_[k].comm = std::max(1, std::min(split, grid_ - 1));
+      comm::split_begin(&ranks_[k].ctl, ranks_[k].comm, lim_, 0);
+      ranks_[k].comm = ranks_[k].ctl.comm;
       for (const comm::Op& op : p_.ranks[k].ops)
         if (op.kind == comm::OpKind::kNetPut) return fail(&r, "a put through the proxy: not modelled (one node only)");
       for (int c = 0; c < grid_; ++c) push(0.0, kFree, k, c, 0);
@@ -92,7 +108,7 @@ class PlanSim {
       q_.pop();
       (void)seq;
       advance(t, rate);
-      if (!step(kind, rank, cta, item, peek, comm)) return fail(&r, err_);
+      if (!step(kind, rank, cta, item, peek)) return fail(&r, err_);
     }
     if (!blocked_.empty()) {
       const Blocked& b = blocked_.front();
@@ -108,16 +124,22 @@ class PlanSim {
     }
     r.ops = int(p_.ranks[0].ops.size());
     r.tiles = int(p_.ranks[0].tile_order.size());
+    for (int k = 0; k < W; ++k) r.settled.push_back(controller ? comm::split_mean(ranks_[k].ctl) : ranks_[k].comm);
+    r.changes = ranks_[0].ctl.changes;
     return r;
   }
 
  private:
-  enum Kind { kFree = 0, kMmaDone = 1, kTileDone = 2, kOpDone = 3 };
+  enum Kind { kFree = 0, kMmaDone = 1, kTileDone = 2, kOpDone = 3, kSampled = 4 };
   enum What { kOpWait = 0, kLoadWait = 1, kStoreWait = 2 };
   struct Rank {
     size_t next_tile = 0, next_op = 0;
     std::vector<double> end;
     std::vector<char> last_op;
+    int comm = 1;                 // CTAs that take ops first
+    comm::SplitState ctl;         // the controller's state
+    double last_sample = -1e30;
+    int ops_done = 0, stalls = 0;
   };
   struct Copy {
     int rank, cta, op;
@@ -179,11 +201,31 @@ class PlanSim {
     const comm::Wait* w = op_waits(rank, op, &n);
     return all_hold(rank, w, n);
   }
+  // The controller's view of a rank now (split_control.cuh's sample).
+  comm::SplitSample sample(int rank) const {
+    const Rank& R = ranks_[rank];
+    const ops::RankPlan& rp = p_.ranks[rank];
+    comm::SplitSample x;
+    x.now_ns = int64_t(now_ * 1e3);
+    x.tiles_total = int32_t(rp.tile_order.size());
+    x.tiles_taken = int32_t(R.next_tile);
+    x.ops_total = int32_t(rp.ops.size());
+    x.ops_taken = int32_t(R.next_op);
+    x.ops_done = R.ops_done;
+    int ready_ops = 0;
+    for (size_t i = R.next_op; i < std::min(rp.ops.size(), R.next_op + comm::kSplitPeek); ++i)
+      ready_ops += ready(rank, int(i)) ? 1 : 0;
+    x.ops_ready = ready_ops;
+    x.stalls = R.stalls;
+    for (const Blocked& b : blocked_) x.stalled += b.rank == rank && b.what == kLoadWait;
+    return x;
+  }
   // A CTA at an item boundary, a tile's MMA or epilogue done, an op done.
-  bool step(int kind, int rank, int cta, int item, bool peek, int comm) {
+  bool step(int kind, int rank, int cta, int item, bool peek) {
     Rank& R = ranks_[rank];
     const ops::RankPlan& rp = p_.ranks[rank];
     if (kind == kOpDone) {
+      ++R.ops_done;
       for (const comm::Signal& s : rp.ops[item].signals) raise(s);
       R.last_op[cta] = 1;
       push(now_, kFree, rank, cta, 0);
@@ -202,13 +244,19 @@ class PlanSim {
       push(now_, kFree, rank, cta, 0);
       return unblock();
     }
-    // kFree: the next work item (take_op / help_op).
+    // kFree: the next work item (take_op / help_op), after the controller's sample when one is due.
     R.end[cta] = now_;
     const size_t n_tiles = rp.tile_order.size(), n_ops = rp.ops.size();
     const bool tiles_left = R.next_tile < n_tiles, ops_left = R.next_op < n_ops;
     if (!tiles_left && !ops_left) return true;
+    if (controller_ && kind == kFree && now_ - R.last_sample >= interval_us_) {
+      R.last_sample = now_;
+      R.comm = comm::split_step(&R.ctl, sample(rank), lim_);
+      push(now_ + c_.sample_us, kSampled, rank, cta, 0);  // the sample's reads take this CTA's time
+      return true;
+    }
     bool take_op = false;
-    if (cta < comm && ops_left) take_op = !peek || !tiles_left || ready(rank, int(R.next_op));
+    if (cta < std::min(R.comm, grid_ - 1) && ops_left) take_op = !peek || !tiles_left || ready(rank, int(R.next_op));
     if (!take_op && !tiles_left) take_op = true;  // help_op
     if (take_op) {
       const int op = int(R.next_op++);
@@ -219,7 +267,10 @@ class PlanSim {
     const int tile = rp.tile_order[R.next_tile++];
     size_t n = 0;
     const comm::Wait* w = row_waits(rank, tile, false, &n);
-    if (!all_hold(rank, w, n)) blocked_.push_back({kLoadWait, rank, cta, tile});
+    if (!all_hold(rank, w, n)) {
+      ++R.stalls;
+      blocked_.push_back({kLoadWait, rank, cta, tile});
+    }
     else start_tile(rank, cta, tile);
     return true;
   }
@@ -273,6 +324,9 @@ class PlanSim {
   uint64_t seq_ = 0;
   double now_ = 0;
   std::string err_;
+  bool controller_ = false;
+  comm::SplitLimits lim_;
+  double interval_us_ = 2;
 };
 
 }  // namespace test

@@ -4,7 +4,14 @@
 // from scripts/device/calibration_check.sh's run).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "src/comm/program.h"
 #include "src/ops/fused_gemm/fused_gemm_plan.h"
@@ -42,20 +49,305 @@ TEST(PlanSim, KnownAnswers) {
   }
 }
 
-TEST(PlanSim, Print) {
-  SimCosts c;
-  for (auto kind : {ops::FusedKind::kAgGemm, ops::FusedKind::kGemmRs, ops::FusedKind::kGemmAr})
-    for (int W : {2, 4}) {
-      const ops::Plan p = plan_of(kind, W, 8192, 3584, 4096);
-      printf("%s W%d ops %zu:", ops::fused_kind_name(kind), W, p.ranks[0].ops.size());
-      for (int split : {1, 2, 4, 8, 16, 24, 32}) {
-        PlanSim sim(p, 132 / W, c);
-        const SimResult r = sim.run(split);
-        if (!r.ok) printf(" %d:%s", split, r.error.c_str());
-        else printf(" %d:%.0f", split, r.kernel_us);
-      }
-      printf("\n");
+// What the plans make of the split, with the default split's measured costs (the first points
+// of DefaultSplitOnTheH200Threads): the reduce-scatter on one node has one op (its communication
+// is in the tiles' routed epilogues), so its split changes nothing but the CTAs' share; the
+// all-gather's copies on one CTA take longer than the tiles, so split 1 is copy-bound.
+TEST(PlanSim, WhatTheSplitChanges) {
+  SimCosts rs;
+  rs.mma_us = 45.2, rs.epi_routed_us = 10.0, rs.epi_final_us = 19.3, rs.op_fixed_us = 7.5;
+  const ops::Plan prs = plan_of(ops::FusedKind::kGemmRs, 2, 8192, 3584, 4096);
+  ASSERT_EQ(prs.ranks[0].ops.size(), 1u);
+  double lo = 1e30, hi = 0;
+  for (int split : {1, 2, 4, 8, 16, 24, 32}) {
+    const SimResult r = PlanSim(prs, 66, rs).run(split);
+    ASSERT_TRUE(r.ok) << r.error;
+    lo = std::min(lo, r.kernel_us), hi = std::max(hi, r.kernel_us);
+  }
+  EXPECT_LT(hi / lo, 1.01) << "gemm_rs on one node: every split within 1 %";
+  SimCosts ag;
+  ag.mma_us = 47.5, ag.epi_plain_us = 3.3, ag.op_fixed_us = 1.0;
+  const ops::Plan pag = plan_of(ops::FusedKind::kAgGemm, 2, 8192, 3584, 4096);
+  ag.copy_gbps_cta = double(pag.ranks[0].ops[1].bytes) / 51.5 / 1e3;  // an op of 52.5 us
+  ag.copy_gbps_total = 1e9;
+  const SimResult one = PlanSim(pag, 66, ag).run(1), eight = PlanSim(pag, 66, ag).run(8);
+  ASSERT_TRUE(one.ok && eight.ok);
+  // Split 1: one CTA copies the 32 chunks one after another until the tiles are all taken and
+  // every CTA helps with the rest (help_op); split 8: the copies keep ahead of the tiles.
+  EXPECT_GT(one.kernel_us, 1.8 * eight.kernel_us) << "ag_gemm at split 1 is copy-bound";
+  EXPECT_LT(eight.kernel_us, 14 * (47.5 + 3.3) + 60) << "ag_gemm at split 8: the tiles' time (14 rounds) and little more";
+}
+
+// ---------------------------------------------------------------------------------------
+// The GPU's calls, as tools/split_calibration.py --tsv wrote them.
+
+struct Key {
+  std::string op;
+  int W = 0;
+  int64_t M = 0, N = 0, K = 0;
+  bool operator<(const Key& o) const { return std::tie(op, W, M, N, K) < std::tie(o.op, o.W, o.M, o.N, o.K); }
+};
+struct TracedCall {
+  int split = 0, rank = 0, call = 0, tiles = 0, ops = 0;
+  double kernel_us = 0, tile_us = 0, epi_us = 0, epi_own_us = 0, epi_routed_us = 0, after_op_us = 0, after_tile_us = 0;
+  double start_us = 0;  // the kernel's start in the device's clock (shared by ranks on one GPU)
+};
+struct TracedOp {
+  int split = 0, rank = 0, call = 0, item = 0;
+  double start_us = 0, dur_us = 0;
+};
+struct Measured {
+  int ctas = 0;
+  std::map<int, double> untraced_ms;  // split -> slowest rank's median (0: the controller)
+  std::vector<TracedCall> calls;
+  std::vector<TracedOp> ops;
+};
+
+std::map<Key, Measured> load(const std::string& path) {
+  std::map<Key, Measured> out;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream in(line);
+    std::string what;
+    Key k;
+    in >> what >> k.op >> k.W >> k.M >> k.N >> k.K;
+    Measured& m = out[k];
+    if (what == "split") {
+      int split = 0;
+      double med = 0, mn = 0;
+      in >> m.ctas >> split >> med >> mn;
+      m.untraced_ms[split] = med;
+    } else if (what == "call") {
+      TracedCall c;
+      in >> c.split >> c.rank >> c.call >> c.kernel_us >> c.tiles >> c.tile_us >> c.epi_us >> c.epi_own_us >>
+          c.epi_routed_us >> c.after_op_us >> c.after_tile_us >> c.ops >> c.start_us;
+      m.calls.push_back(c);
+    } else if (what == "op") {
+      TracedOp o;
+      in >> o.split >> o.rank >> o.call >> o.item >> o.start_us >> o.dur_us;
+      m.ops.push_back(o);
     }
+  }
+  return out;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Costs from the traced ops and tiles alone (never from the kernel times the model predicts):
+// the tile's MMA and epilogues at the smallest split (the fewest copies beside the tiles), an
+// op's fixed cost from the ops that move no bytes, one CTA's copy rate from the ops of the
+// smallest split, and the GPU's copy rate from the most copy bytes in flight at once (every
+// rank's ops, one clock: ranks as threads of one process on one GPU).
+SimCosts fit(const ops::Plan& plan, const Measured& m) {
+  SimCosts c;
+  int lo = 1 << 30;
+  for (const TracedCall& t : m.calls)
+    if (t.split > 0) lo = std::min(lo, t.split);
+  std::vector<double> mma, own, routed, plain;
+  for (const TracedCall& t : m.calls) {
+    if (t.split != lo) continue;
+    mma.push_back(t.tile_us - t.epi_us);
+    own.push_back(t.epi_own_us), routed.push_back(t.epi_routed_us), plain.push_back(t.epi_us);
+  }
+  c.mma_us = median(mma);
+  c.epi_plain_us = median(plain);
+  c.epi_final_us = median(own);
+  c.epi_routed_us = median(routed);
+  // Ops: bytes from the plan (rank r's op `item`).
+  auto bytes_of = [&](const TracedOp& o) -> double {
+    const comm::Op& op = plan.ranks[o.rank].ops[o.item];
+    switch (op.kind) {
+      case comm::OpKind::kCopy:
+      case comm::OpKind::kZero: return double(op.bytes) * double(std::max<size_t>(1, op.dsts.size()));
+      case comm::OpKind::kReduce: return double(op.elems) * 4.0 * double(op.srcs.size() + op.dsts.size());
+      default: return 0;
+    }
+  };
+  std::vector<double> fixed, cta_rate;
+  for (const TracedOp& o : m.ops) {
+    if (o.split <= 0) continue;
+    const double b = bytes_of(o);
+    if (b == 0) fixed.push_back(o.dur_us);
+    else if (o.split == lo && o.dur_us > 0) cta_rate.push_back(b / o.dur_us / 1e3);  // GB/s
+  }
+  c.op_fixed_us = fixed.empty() ? 1.0 : median(fixed);
+  if (!cta_rate.empty()) c.copy_gbps_cta = median(cta_rate);
+  // The GPU's rate: per split and call, sweep the copies of every rank in time; at each moment
+  // the summed rates (bytes / duration) of the copies running; the largest seen.
+  std::map<std::tuple<int, int, int>, double> start;  // (split, rank, call) -> kernel start
+  for (const TracedCall& t : m.calls) start[{t.split, t.rank, t.call}] = t.start_us;
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> deltas;  // (split, call) -> (t, +-rate)
+  for (const TracedOp& o : m.ops) {
+    const double b = bytes_of(o);
+    if (o.split <= 0 || b == 0 || o.dur_us <= 0) continue;
+    const double t0 = start[{o.split, o.rank, o.call}] + o.start_us;
+    auto& d = deltas[{o.split, o.call}];
+    d.push_back({t0, b / o.dur_us / 1e3});
+    d.push_back({t0 + o.dur_us, -b / o.dur_us / 1e3});
+  }
+  double total = 0;
+  for (auto& [k, d] : deltas) {
+    std::sort(d.begin(), d.end());
+    double run = 0;
+    for (const auto& [t, r] : d) total = std::max(total, run += r);
+  }
+  if (total > 0) c.copy_gbps_total = total;
+  return c;
+}
+
+ops::FusedKind kind_of(const std::string& op) {
+  return op == "ag_gemm" ? ops::FusedKind::kAgGemm : op == "gemm_rs" ? ops::FusedKind::kGemmRs : ops::FusedKind::kGemmAr;
+}
+
+// Per static split: the slowest rank's kernel per traced call, the median over calls.
+std::map<int, double> traced_kernel_us(const Measured& m) {
+  std::map<std::pair<int, int>, double> slowest;
+  for (const TracedCall& t : m.calls)
+    if (t.split > 0) slowest[{t.split, t.call}] = std::max(slowest[{t.split, t.call}], t.kernel_us);
+  std::map<int, std::vector<double>> per;
+  for (const auto& [k, v] : slowest) per[k.first].push_back(v);
+  std::map<int, double> out;
+  for (auto& [split, v] : per) out[split] = median(v);
+  return out;
+}
+
+// The default split's traced calls on the H200 (ranks as threads of one process, 2026-12-04:
+// bench/results/2026-12-04-overlap-breakdown-h200.md; tests/cpu/data/split_default_h200_threads.tsv
+// by tools/split_calibration.py from-reports): the model with the tiles' and ops' measured
+// costs (MMA, plain / routed / final epilogues, an op's time without its spins) must give the
+// kernel's time within 10 %. One split only: how the model ranks splits waits for a sweep.
+struct Point {
+  Key key;
+  int ctas = 0, split = 0, ops = 0, calls = 0;
+  double kernel_us = 0, mma_us = 0, epi_us = 0, epi_own_us = 0, epi_routed_us = 0, op_us = 0;
+};
+
+std::vector<Point> load_points(const std::string& path) {
+  std::vector<Point> out;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream in(line);
+    std::string what;
+    Point p;
+    in >> what >> p.key.op >> p.key.W >> p.key.M >> p.key.N >> p.key.K >> p.ctas >> p.split >> p.kernel_us >> p.mma_us >>
+        p.epi_us >> p.epi_own_us >> p.epi_routed_us >> p.ops >> p.op_us >> p.calls;
+    if (what == "point") out.push_back(p);
+  }
+  return out;
+}
+
+// The costs a point's traced calls measured.
+SimCosts costs_of(const ops::Plan& plan, const Point& p) {
+    SimCosts c;
+    c.mma_us = p.mma_us;
+    c.epi_plain_us = p.epi_us;
+    c.epi_final_us = p.epi_own_us;
+    c.epi_routed_us = p.epi_routed_us;
+    // An op: 1 us of its own and its bytes at the rate its measured time implies (one rate: the
+    // GPU's copies were not measured apart at this one split); ops without bytes: their time.
+    std::vector<double> bytes;
+    for (const comm::Op& op : plan.ranks[0].ops)
+      if (op.kind == comm::OpKind::kCopy) bytes.push_back(double(op.bytes) * double(op.dsts.size()));
+    c.op_fixed_us = bytes.empty() ? p.op_us : 1.0;
+    if (!bytes.empty()) c.copy_gbps_cta = median(bytes) / (p.op_us - 1.0) / 1e3;
+    c.copy_gbps_total = 1e9;
+    return c;
+}
+
+TEST(SplitCalibration, DefaultSplitOnTheH200Threads) {
+  const std::string path = std::string(MK_SOURCE_DIR) + "/tests/cpu/data/split_default_h200_threads.tsv";
+  const std::vector<Point> pts = load_points(path);
+  ASSERT_EQ(pts.size(), 6u) << path;
+  for (const Point& p : pts) {
+    const ops::Plan plan = plan_of(kind_of(p.key.op), p.key.W, p.key.M, p.key.N, p.key.K);
+    ASSERT_EQ(int(plan.ranks[0].ops.size()), p.ops) << p.key.op << " W " << p.key.W << ": the plan changed";
+    const SimCosts c = costs_of(plan, p);
+    PlanSim sim(plan, p.ctas, c);
+    const SimResult r = sim.run(p.split);
+    ASSERT_TRUE(r.ok) << r.error;
+    printf("%s W %d: GPU %.1f us, model %.1f us (%.3f); MMA %.1f, epilogue %.1f / routed %.1f / final %.1f us, "
+           "%d ops of %.1f us\n", p.key.op.c_str(), p.key.W, p.kernel_us, r.kernel_us, r.kernel_us / p.kernel_us,
+           p.mma_us, p.epi_us, p.epi_routed_us, p.epi_own_us, p.ops, p.op_us);
+    EXPECT_NEAR(r.kernel_us / p.kernel_us, 1.0, 0.10) << p.key.op << " W " << p.key.W;
+  }
+}
+
+// The controller in the calibrated model: on each point's plan and costs, three calls (each
+// starting where the previous one settled, as the host does) against every static split of the
+// same model.
+TEST(SplitCalibration, ControllerInTheCalibratedModel) {
+  const std::vector<Point> pts = load_points(std::string(MK_SOURCE_DIR) + "/tests/cpu/data/split_default_h200_threads.tsv");
+  ASSERT_EQ(pts.size(), 6u);
+  for (const Point& p : pts) {
+    const ops::Plan plan = plan_of(kind_of(p.key.op), p.key.W, p.key.M, p.key.N, p.key.K);
+    const SimCosts c = costs_of(plan, p);
+    double best = 1e30, dflt = 0;
+    int best_at = 0;
+    std::string row;
+    for (int split : {1, 2, 4, 8, 16, 24, 32}) {
+      if (split >= p.ctas) break;
+      const SimResult r = PlanSim(plan, p.ctas, c).run(split);
+      ASSERT_TRUE(r.ok) << r.error;
+      if (r.kernel_us < best) best = r.kernel_us, best_at = split;
+      if (split == 8) dflt = r.kernel_us;
+      char b[32];
+      snprintf(b, sizeof b, " %d:%.0f", split, r.kernel_us);
+      row += b;
+    }
+    int start = 8;
+    SimResult ctl;
+    for (int call = 0; call < 3; ++call) {
+      ctl = PlanSim(plan, p.ctas, c).run(start, true);
+      ASSERT_TRUE(ctl.ok) << ctl.error;
+      start = ctl.settled[0];
+    }
+    printf("%s W %d: static%s; controller %.0f us (settled at %d, %d switches): %.3f of the best (%d), %.3f of the "
+           "default\n", p.key.op.c_str(), p.key.W, row.c_str(), ctl.kernel_us, ctl.settled[0], ctl.changes,
+           best / ctl.kernel_us, best_at, dflt / ctl.kernel_us);
+    EXPECT_GE(best / ctl.kernel_us, 0.97) << p.key.op << " W " << p.key.W;
+    EXPECT_GE(dflt / ctl.kernel_us, 0.99) << p.key.op << " W " << p.key.W;
+  }
+}
+
+// The model, with costs fitted from the traced tiles and ops, against the GPU's kernel times at
+// every static split: within 10 %, and every two splits the GPU told apart (more than 5 %
+// between them) in the same order.
+TEST(SplitCalibration, ModelMatchesTheGpu) {
+  const std::string path = std::string(MK_SOURCE_DIR) + "/tests/cpu/data/split_calibration_h200.tsv";
+  const std::map<Key, Measured> data = load(path);
+  ASSERT_FALSE(data.empty()) << "no calibration data in " << path;
+  for (const auto& [k, m] : data) {
+    const ops::Plan plan = plan_of(kind_of(k.op), k.W, k.M, k.N, k.K);
+    const SimCosts c = fit(plan, m);
+    const std::map<int, double> gpu = traced_kernel_us(m);
+    printf("%s W %d %lldx%lldx%lld, %d CTAs per rank: MMA %.1f us, epilogue plain %.1f / routed %.1f / final %.1f us, "
+           "op %.1f us + bytes at %.1f GB/s per CTA, %.0f GB/s on the GPU\n",
+           k.op.c_str(), k.W, (long long)k.M, (long long)k.N, (long long)k.K, m.ctas, c.mma_us, c.epi_plain_us,
+           c.epi_routed_us, c.epi_final_us, c.op_fixed_us, c.copy_gbps_cta, c.copy_gbps_total);
+    std::map<int, double> model;
+    for (const auto& [split, us] : gpu) {
+      PlanSim sim(plan, m.ctas, c);
+      const SimResult r = sim.run(split);
+      ASSERT_TRUE(r.ok) << r.error;
+      model[split] = r.kernel_us;
+      const auto u = m.untraced_ms.find(split);
+      printf("  split %2d: GPU %8.1f us traced (%8.1f untraced), model %8.1f us: %.3f\n", split, us,
+             u == m.untraced_ms.end() ? 0.0 : u->second * 1e3, r.kernel_us, r.kernel_us / us);
+      EXPECT_NEAR(r.kernel_us / us, 1.0, 0.10) << k.op << " W " << k.W << " split " << split;
+    }
+    for (const auto& [a, ta] : gpu)
+      for (const auto& [b, tb] : gpu)
+        if (ta < tb / 1.05) EXPECT_LT(model[a], model[b]) << k.op << " W " << k.W << ": the GPU put split " << a
+                                                          << " ahead of " << b << " (" << ta << " < " << tb << " us)";
+  }
 }
 
 }  // namespace

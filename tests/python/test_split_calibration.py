@@ -114,6 +114,38 @@ def main():
         # Nothing to reduce: an error, not an empty file.
         r = run(bad, [os.path.join(bad, "nothing.tsv")])
         check("no table is an error", r.returncode != 0, True)
+    # from-reports: points from trace_report.py's text (two ranks, two calls; the slowest rank's
+    # kernel per call, medians of the rest, an op's time without the spins inside it).
+    with tempfile.TemporaryDirectory() as d:
+        rep = os.path.join(d, "r.report.txt")
+        with open(rep, "w") as f:
+            f.write("== x.gemm_rs.m8192.n3584.k4096.w2: gemm_rs M 8192 N 3584 K 4096, 2 rank(s) traced (world 2, "
+                    "nodes 1); untraced medians: fused None ms, compute None ms\n"
+                    "call rank   enq     start   gap  kernel spread   1st tiles   mma   epi ops  op_us  spin:op   epi  "
+                    "other    idle   tail\n"
+                    "   0    0     nan      0.0   0.0   800.0    0.2   4.7   896 45.00 15.00   1   10.0      4.0 0.0 "
+                    "0.0   991.4    1.6\n"
+                    "   1    0     nan    900.0   6.6   900.0    0.2   3.3   896 47.00 17.00   1   12.0      2.0 0.0 "
+                    "0.0   895.7    1.7\n"
+                    "   0    1     nan      0.0   0.0   820.0    0.2   4.7   896 46.00 16.00   1    8.0      0.0 0.0 "
+                    "0.0   991.4    1.6\n"
+                    "   1    1     nan    900.0   6.6   880.0    0.2   3.3   896 44.00 14.00   1    9.0      1.0 0.0 "
+                    "0.0   895.7    1.7\n"
+                    "per rank, median over calls (us):  kernel  period   gap spread   1st  spin:op   epi other    idle\n"
+                    "  rank 0    800.0\n"
+                    "           epilogue per tile (median, us): own tiles (the final sum) 20.00, routed 10.00\n"
+                    "  rank 1    820.0\n"
+                    "           epilogue per tile (median, us): own tiles (the final sum) 22.00, routed 12.00\n")
+        tsv = os.path.join(d, "p.tsv")
+        r = subprocess.run([sys.executable, TOOL, "from-reports", rep, "--tsv", tsv], capture_output=True, text=True)
+        check("from-reports exit status", r.returncode, 0)
+        if r.returncode == 0:
+            pts = [l.rstrip("\n").split("\t") for l in open(tsv) if l.startswith("point")]
+            # kernel: call 0 max(800, 820) = 820, call 1 max(900, 880) = 900, median 860; mma 45 46 47 44
+            # -> 45.5; epi 15 16 17 14 -> 15.5; own 20, 22 -> 21; routed 10, 12 -> 11; ops 1; op_us
+            # (10-4, 12-2, 8-0, 9-1) = 6, 10, 8, 8 -> 8.
+            check("from-reports point", pts, [["point", "gemm_rs", "2", "8192", "3584", "4096", "66", "8", "860.0",
+                                               "45.50", "15.50", "21.00", "11.00", "1", "8.00", "2"]])
     for f in failures:
         print("FAIL " + f)
     print("test_split_calibration: %d failures" % len(failures))
