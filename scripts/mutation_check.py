@@ -29,6 +29,7 @@ MK_MUTATION_DIR (the scratch folder; default /tmp/mk-mutation), MK_MUTATION_JSON
 the report there).
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -228,6 +229,20 @@ def cmake_args(main_build):
     return args
 
 
+@contextlib.contextmanager
+def mutated(tree, m):
+    """m applied to its file of the scratch tree for the duration of the block, then undone."""
+    path = os.path.join(tree, m.file)
+    original = open(path).read()
+    with open(path, "w") as f:
+        f.write(original.replace(m.find, m.replace, 1))
+    try:
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+
+
 def verdict_of(m, status, failed, blog):
     """(verdict, by, counts as bad) of one mutation's build and test outcome."""
     if status == "build failed":
@@ -394,15 +409,8 @@ def main():
 
     report, bad = [], 0
     for m in chosen:
-        path = os.path.join(tree, m.file)
-        original = open(path).read()
-        with open(path, "w") as f:
-            f.write(original.replace(m.find, m.replace, 1))
-        try:
+        with mutated(tree, m):
             status, failed, bt, tt, blog = build_and_test(m, m.name)
-        finally:
-            with open(path, "w") as f:
-                f.write(original)
         verdict, by, is_bad = verdict_of(m, status, failed, blog)
         bad += is_bad
         print(f"  {m.name:30s} {verdict:9s} {by}  (build {bt:.0f} s, tests {tt:.0f} s)")
@@ -419,11 +427,7 @@ def build_mutants(out, chosen, tree, build, logs, env, targets_of):
     os.makedirs(root)
     entries = []
     for m in chosen:
-        path = os.path.join(tree, m.file)
-        original = open(path).read()
-        with open(path, "w") as f:
-            f.write(original.replace(m.find, m.replace, 1))
-        try:
+        with mutated(tree, m):
             log = os.path.join(logs, f"{m.name}.build.log")
             rc, bt = run(["ninja", "-C", build] + sorted(set(targets_of(m))), tree, log, env=env)
             files = []
@@ -435,9 +439,6 @@ def build_mutants(out, chosen, tree, build, logs, env, targets_of):
                     os.makedirs(os.path.dirname(os.path.join(root, m.name, rel)), exist_ok=True)
                     shutil.copy2(os.path.join(build, rel), os.path.join(root, m.name, rel))
                     files.append(rel)
-        finally:
-            with open(path, "w") as f:
-                f.write(original)
         if rc:
             print(tail(log, 20))
             sys.exit(f"mutation_check: {m.name} did not build")

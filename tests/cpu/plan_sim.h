@@ -42,6 +42,16 @@ struct SimCosts {
   double sample_us = 2.5;       // the controller's sample on its CTA (2.2-3.2 us measured under MPS)
 };
 
+// The bytes an op moves through the GPU's memory (what SimCosts' copy rates apply to).
+inline uint64_t op_bytes(const comm::Op& op) {
+  switch (op.kind) {
+    case comm::OpKind::kCopy:
+    case comm::OpKind::kZero: return op.bytes * std::max<size_t>(1, op.dsts.size());
+    case comm::OpKind::kReduce: return op.elems * 4 * (op.srcs.size() + op.dsts.size());
+    default: return 0;
+  }
+}
+
 struct SimResult {
   bool ok = false;
   std::string error;            // a deadlock or an unmodelled op
@@ -176,14 +186,6 @@ class PlanSim {
   void raise(const comm::Signal& s) {
     uint64_t& f = flags_[s.flag.rank][p_.flag_index(s.flag)];
     f = s.add ? f + s.value : s.value;
-  }
-  uint64_t op_bytes(const comm::Op& op) const {
-    switch (op.kind) {
-      case comm::OpKind::kCopy: return op.bytes * std::max<size_t>(1, op.dsts.size());
-      case comm::OpKind::kZero: return op.bytes * std::max<size_t>(1, op.dsts.size());
-      case comm::OpKind::kReduce: return op.elems * 4 * (op.srcs.size() + op.dsts.size());
-      default: return 0;
-    }
   }
   const comm::Wait* op_waits(int rank, int op, size_t* n) const {
     const comm::Op& o = p_.ranks[rank].ops[op];

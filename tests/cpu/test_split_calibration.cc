@@ -68,7 +68,7 @@ TEST(PlanSim, WhatTheSplitChanges) {
   SimCosts ag;
   ag.mma_us = 47.5, ag.epi_plain_us = 3.3, ag.op_fixed_us = 1.0;
   const ops::Plan pag = plan_of(ops::FusedKind::kAgGemm, 2, 8192, 3584, 4096);
-  ag.copy_gbps_cta = double(pag.ranks[0].ops[1].bytes) / 51.5 / 1e3;  // an op of 52.5 us
+  ag.copy_gbps_cta = double(op_bytes(pag.ranks[0].ops[1])) / 51.5 / 1e3;  // an op of 52.5 us
   ag.copy_gbps_total = 1e9;
   const SimResult one = PlanSim(pag, 66, ag).run(1), eight = PlanSim(pag, 66, ag).run(8);
   ASSERT_TRUE(one.ok && eight.ok);
@@ -103,16 +103,25 @@ struct Measured {
   std::vector<TracedOp> ops;
 };
 
-std::map<Key, Measured> load(const std::string& path) {
-  std::map<Key, Measured> out;
-  std::ifstream f(path);
+// Each data line of a tools/split_calibration.py file (not empty, not a '#' comment): its first
+// field and the operator and shape that follow it, the rest of the line in `in`.
+template <class F>
+void for_each_line(const std::string& path, F&& f) {
+  std::ifstream file(path);
   std::string line;
-  while (std::getline(f, line)) {
+  while (std::getline(file, line)) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream in(line);
     std::string what;
     Key k;
     in >> what >> k.op >> k.W >> k.M >> k.N >> k.K;
+    f(what, k, in);
+  }
+}
+
+std::map<Key, Measured> load(const std::string& path) {
+  std::map<Key, Measured> out;
+  for_each_line(path, [&](const std::string& what, const Key& k, std::istringstream& in) {
     Measured& m = out[k];
     if (what == "split") {
       int split = 0;
@@ -129,7 +138,7 @@ std::map<Key, Measured> load(const std::string& path) {
       in >> o.split >> o.rank >> o.call >> o.item >> o.start_us >> o.dur_us;
       m.ops.push_back(o);
     }
-  }
+  });
   return out;
 }
 
@@ -160,15 +169,7 @@ SimCosts fit(const ops::Plan& plan, const Measured& m) {
   c.epi_final_us = median(own);
   c.epi_routed_us = median(routed);
   // Ops: bytes from the plan (rank r's op `item`).
-  auto bytes_of = [&](const TracedOp& o) -> double {
-    const comm::Op& op = plan.ranks[o.rank].ops[o.item];
-    switch (op.kind) {
-      case comm::OpKind::kCopy:
-      case comm::OpKind::kZero: return double(op.bytes) * double(std::max<size_t>(1, op.dsts.size()));
-      case comm::OpKind::kReduce: return double(op.elems) * 4.0 * double(op.srcs.size() + op.dsts.size());
-      default: return 0;
-    }
-  };
+  auto bytes_of = [&](const TracedOp& o) { return double(op_bytes(plan.ranks[o.rank].ops[o.item])); };
   std::vector<double> fixed, cta_rate;
   for (const TracedOp& o : m.ops) {
     if (o.split <= 0) continue;
@@ -230,36 +231,32 @@ struct Point {
 
 std::vector<Point> load_points(const std::string& path) {
   std::vector<Point> out;
-  std::ifstream f(path);
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream in(line);
-    std::string what;
+  for_each_line(path, [&](const std::string& what, const Key& k, std::istringstream& in) {
     Point p;
-    in >> what >> p.key.op >> p.key.W >> p.key.M >> p.key.N >> p.key.K >> p.ctas >> p.split >> p.kernel_us >> p.mma_us >>
-        p.epi_us >> p.epi_own_us >> p.epi_routed_us >> p.ops >> p.op_us >> p.calls;
+    p.key = k;
+    in >> p.ctas >> p.split >> p.kernel_us >> p.mma_us >> p.epi_us >> p.epi_own_us >> p.epi_routed_us >> p.ops >>
+        p.op_us >> p.calls;
     if (what == "point") out.push_back(p);
-  }
+  });
   return out;
 }
 
 // The costs a point's traced calls measured.
 SimCosts costs_of(const ops::Plan& plan, const Point& p) {
-    SimCosts c;
-    c.mma_us = p.mma_us;
-    c.epi_plain_us = p.epi_us;
-    c.epi_final_us = p.epi_own_us;
-    c.epi_routed_us = p.epi_routed_us;
-    // An op: 1 us of its own and its bytes at the rate its measured time implies (one rate: the
-    // GPU's copies were not measured apart at this one split); ops without bytes: their time.
-    std::vector<double> bytes;
-    for (const comm::Op& op : plan.ranks[0].ops)
-      if (op.kind == comm::OpKind::kCopy) bytes.push_back(double(op.bytes) * double(op.dsts.size()));
-    c.op_fixed_us = bytes.empty() ? p.op_us : 1.0;
-    if (!bytes.empty()) c.copy_gbps_cta = median(bytes) / (p.op_us - 1.0) / 1e3;
-    c.copy_gbps_total = 1e9;
-    return c;
+  SimCosts c;
+  c.mma_us = p.mma_us;
+  c.epi_plain_us = p.epi_us;
+  c.epi_final_us = p.epi_own_us;
+  c.epi_routed_us = p.epi_routed_us;
+  // An op: 1 us of its own and its bytes at the rate its measured time implies (one rate: the
+  // GPU's copies were not measured apart at this one split); ops without bytes: their time.
+  std::vector<double> bytes;
+  for (const comm::Op& op : plan.ranks[0].ops)
+    if (op_bytes(op) > 0) bytes.push_back(double(op_bytes(op)));
+  c.op_fixed_us = bytes.empty() ? p.op_us : 1.0;
+  if (!bytes.empty()) c.copy_gbps_cta = median(bytes) / (p.op_us - 1.0) / 1e3;
+  c.copy_gbps_total = 1e9;
+  return c;
 }
 
 TEST(SplitCalibration, DefaultSplitOnTheH200Threads) {
