@@ -49,6 +49,33 @@ TEST(PlanSim, KnownAnswers) {
   }
 }
 
+// Every one-node plan the operators build runs to its end in the model (no wait the model cannot
+// satisfy), deterministic or not, at the smallest and the largest split, with odd shapes; and
+// plans with network puts are refused, not mis-timed.
+TEST(PlanSim, EveryOneNodePlanRuns) {
+  SimCosts c;
+  for (auto kind : {ops::FusedKind::kAgGemm, ops::FusedKind::kGemmRs, ops::FusedKind::kGemmAr})
+    for (int W : {2, 3, 4, 8})
+      for (bool det : {false, true})
+        for (int64_t M : {int64_t(W) * 128 * 3, int64_t(W) * 200}) {
+          ops::Plan p;
+          ASSERT_TRUE(ops::build_plan(kind, {M, 1032, 264}, comm::Layout::uniform(W, 1), det, &p).ok());
+          for (int split : {1, 16}) {
+            const SimResult r = PlanSim(p, 17, c).run(split);
+            EXPECT_TRUE(r.ok) << ops::fused_kind_name(kind) << " W " << W << " det " << det << " M " << M << " split "
+                              << split << ": " << r.error;
+            EXPECT_GT(r.kernel_us, 0);
+          }
+          const SimResult ctl = PlanSim(p, 17, c).run(8, true);
+          EXPECT_TRUE(ctl.ok) << ctl.error;
+        }
+  ops::Plan net;
+  ASSERT_TRUE(ops::build_plan(ops::FusedKind::kGemmRs, {1024, 1024, 256}, comm::Layout::uniform(4, 2), false, &net).ok());
+  const SimResult r = PlanSim(net, 17, c).run(4);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("not modelled"), std::string::npos) << r.error;
+}
+
 // What the plans make of the split, with the default split's measured costs (the first points
 // of DefaultSplitOnTheH200Threads): the reduce-scatter on one node has one op (its communication
 // is in the tiles' routed epilogues), so its split changes nothing but the CTAs' share; the
@@ -319,6 +346,8 @@ TEST(SplitCalibration, ControllerInTheCalibratedModel) {
 // between them) in the same order.
 TEST(SplitCalibration, ModelMatchesTheGpu) {
   const std::string path = std::string(MK_SOURCE_DIR) + "/tests/cpu/data/split_calibration_h200.tsv";
+  // CMake registers this test only once the file exists; run by hand without it, it says so.
+  if (!std::ifstream(path).good()) GTEST_SKIP() << "no sweep traced on the GPU yet: " << path;
   const std::map<Key, Measured> data = load(path);
   ASSERT_FALSE(data.empty()) << "no calibration data in " << path;
   for (const auto& [k, m] : data) {
