@@ -56,13 +56,11 @@ struct Opts {
   bool splits = false;
 };
 
-constexpr int kSplits[] = {1, 2, 4, 8, 16, 24, 32};
-
 struct RankOut {
   Status s;
   std::vector<double> fused, compute;  // ms per rep
   unsigned long long bad = 0;
-  // --splits: per static split (kSplits order, those below the grid) and with the controller.
+  // --splits: per static split (bench::kStaticSplits, those below the grid) and with the controller.
   std::vector<std::vector<double>> statics;
   std::vector<int> static_n;
   std::vector<double> ctl;
@@ -177,7 +175,7 @@ Status run_rank(Communicator* comm, const Opts& o, int ctas, RankOut* out) {
   if (!o.trace.empty() && !o.splits) MK_CHECK(traced(op.get(), 10, "", std::to_string(out->default_split)));
   if (o.splits) {
     constexpr int kTracedCalls = 3;
-    for (int n : kSplits) {
+    for (int n : bench::kStaticSplits) {
       if (n >= ctas) break;
       MK_CHECK(op->set_comm_ctas(n, st));
       out->statics.emplace_back();

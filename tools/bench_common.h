@@ -282,6 +282,10 @@ inline std::vector<SweepShape> llama70b_tp8_sweep(bool ag) {
   return out;
 }
 
+// The static splits (communication CTAs) that --splits times against the SM-partition
+// controller, those below the grid (`mkernel bench --splits`, bench_fused_threads --splits).
+constexpr int kStaticSplits[] = {1, 2, 4, 8, 16, 24, 32};
+
 // tools/bench/fused_gemm.cu. `which`: ag_gemm, gemm_rs, gemm_ar or all. m, n, k: the shape
 // given (0: left out, 4096), all three 0 for the default shapes (o.sweep: the Llama-3-70B TP8
 // sweep).

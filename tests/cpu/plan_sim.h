@@ -118,7 +118,7 @@ class PlanSim {
       q_.pop();
       (void)seq;
       advance(t, rate);
-      if (!step(kind, rank, cta, item, peek)) return fail(&r, err_);
+      step(kind, rank, cta, item, peek);
     }
     if (!blocked_.empty()) {
       const Blocked& b = blocked_.front();
@@ -175,12 +175,12 @@ class PlanSim {
     for (Copy& c : copies_) c.left = std::max(0.0, c.left - (t - now_) * rate);
     now_ = std::max(now_, t);
   }
-  bool holds(int rank, const comm::Wait& w) const {
+  bool holds(const comm::Wait& w) const {
     return flags_[w.flag.rank][p_.flag_index(w.flag)] >= w.mul;  // one call: epoch 1
   }
-  bool all_hold(int rank, const comm::Wait* w, size_t n) const {
+  bool all_hold(const comm::Wait* w, size_t n) const {
     for (size_t i = 0; i < n; ++i)
-      if (!holds(rank, w[i])) return false;
+      if (!holds(w[i])) return false;
     return true;
   }
   void raise(const comm::Signal& s) {
@@ -201,7 +201,7 @@ class PlanSim {
   bool ready(int rank, int op) const {
     size_t n = 0;
     const comm::Wait* w = op_waits(rank, op, &n);
-    return all_hold(rank, w, n);
+    return all_hold(w, n);
   }
   // The controller's view of a rank now (split_control.cuh's sample).
   comm::SplitSample sample(int rank) const {
@@ -223,7 +223,7 @@ class PlanSim {
     return x;
   }
   // A CTA at an item boundary, a tile's MMA or epilogue done, an op done.
-  bool step(int kind, int rank, int cta, int item, bool peek) {
+  void step(int kind, int rank, int cta, int item, bool peek) {
     Rank& R = ranks_[rank];
     const ops::RankPlan& rp = p_.ranks[rank];
     if (kind == kOpDone) {
@@ -231,31 +231,33 @@ class PlanSim {
       for (const comm::Signal& s : rp.ops[item].signals) raise(s);
       R.last_op[cta] = 1;
       push(now_, kFree, rank, cta, 0);
-      return unblock();
+      unblock();
+      return;
     }
     if (kind == kMmaDone) {
       size_t n = 0;
       const comm::Wait* w = row_waits(rank, item, true, &n);
-      if (!all_hold(rank, w, n)) blocked_.push_back({kStoreWait, rank, cta, item});
+      if (!all_hold(w, n)) blocked_.push_back({kStoreWait, rank, cta, item});
       else start_epilogue(rank, cta, item);
-      return true;
+      return;
     }
     if (kind == kTileDone) {
       const ops::RowHooks& h = rp.rows[item % p_.tiles_m];
       for (uint32_t i = 0; i < h.store_sigs; ++i) raise(rp.signals[h.store_sig0 + i]);
       push(now_, kFree, rank, cta, 0);
-      return unblock();
+      unblock();
+      return;
     }
     // kFree: the next work item (take_op / help_op), after the controller's sample when one is due.
     R.end[cta] = now_;
     const size_t n_tiles = rp.tile_order.size(), n_ops = rp.ops.size();
     const bool tiles_left = R.next_tile < n_tiles, ops_left = R.next_op < n_ops;
-    if (!tiles_left && !ops_left) return true;
+    if (!tiles_left && !ops_left) return;
     if (controller_ && kind == kFree && now_ - R.last_sample >= interval_us_) {
       R.last_sample = now_;
       R.comm = comm::split_step(&R.ctl, sample(rank), lim_);
       push(now_ + c_.sample_us, kSampled, rank, cta, 0);  // the sample's reads take this CTA's time
-      return true;
+      return;
     }
     bool take_op = false;
     if (cta < std::min(R.comm, grid_ - 1) && ops_left) take_op = !peek || !tiles_left || ready(rank, int(R.next_op));
@@ -264,17 +266,17 @@ class PlanSim {
       const int op = int(R.next_op++);
       if (!ready(rank, op)) blocked_.push_back({kOpWait, rank, cta, op});
       else start_op(rank, cta, op);
-      return true;
+      return;
     }
     const int tile = rp.tile_order[R.next_tile++];
     size_t n = 0;
     const comm::Wait* w = row_waits(rank, tile, false, &n);
-    if (!all_hold(rank, w, n)) {
+    if (!all_hold(w, n)) {
       ++R.stalls;
       blocked_.push_back({kLoadWait, rank, cta, tile});
+    } else {
+      start_tile(rank, cta, tile);
     }
-    else start_tile(rank, cta, tile);
-    return true;
   }
   void start_op(int rank, int cta, int op) {
     const uint64_t bytes = op_bytes(p_.ranks[rank].ops[op]);
@@ -298,12 +300,12 @@ class PlanSim {
     push(now_ + us, kTileDone, rank, cta, tile);
   }
   // After flags changed: every blocked CTA whose waits now hold goes on (in the order they blocked).
-  bool unblock() {
+  void unblock() {
     for (size_t i = 0; i < blocked_.size();) {
       const Blocked b = blocked_[i];
       size_t n = 0;
       const comm::Wait* w = b.what == kOpWait ? op_waits(b.rank, b.item, &n) : row_waits(b.rank, b.item, b.what == kStoreWait, &n);
-      if (!all_hold(b.rank, w, n)) {
+      if (!all_hold(w, n)) {
         ++i;
         continue;
       }
@@ -312,7 +314,6 @@ class PlanSim {
       else if (b.what == kLoadWait) start_tile(b.rank, b.cta, b.item);
       else start_epilogue(b.rank, b.cta, b.item);
     }
-    return true;
   }
 
   const ops::Plan& p_;
@@ -325,7 +326,6 @@ class PlanSim {
   std::priority_queue<Ev, std::vector<Ev>, std::greater<Ev>> q_;
   uint64_t seq_ = 0;
   double now_ = 0;
-  std::string err_;
   bool controller_ = false;
   comm::SplitLimits lim_;
   double interval_us_ = 2;

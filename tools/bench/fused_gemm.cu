@@ -140,7 +140,7 @@ Status split_sweep(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64
   MK_CHECK(agreed(comm, gemm::persistent_ctas(&resident), "the persistent grid"));
   row->default_split = int(tunables::fused_comm_ctas());
   Timing t;
-  for (int n : {1, 2, 4, 8, 16, 24, 32}) {
+  for (int n : kStaticSplits) {
     if (n >= resident) break;
     MK_CHECK(agreed(comm, op->set_comm_ctas(n, st), "set_comm_ctas"));
     MK_CHECK(time_it(comm, st, rc, "timing a static split", [&] { return op->enqueue(fa, st); }, &t));
