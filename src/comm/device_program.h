@@ -45,6 +45,7 @@ enum DevOpKind : uint32_t { kDevCopy = 0, kDevReduce = 1, kDevNetPut = 2, kDevSi
 // DevOp::flags
 constexpr uint32_t kDevOpHostMem = 1;  // touches pinned host memory: plain loads and stores only
 constexpr uint32_t kDevOpCountAt = 2;  // kDevCopy / kDevZero / kDevNetPut: move min(bytes, *(uint64_t*)ptrs[count_ptr]) bytes
+constexpr uint32_t kDevOpSrcBf16 = 4;  // kDevReduce: the sources are bf16 (4 elements = 8 bytes), else fp32
 
 struct alignas(64) DevOp {
   uint32_t kind;

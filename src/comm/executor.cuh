@@ -123,10 +123,14 @@ __device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int 
       // kU float4 of every source in flight per thread (a float4 at a time leaves one CTA
       // latency-bound); sources summed in their order (deterministic plans rely on it).
       const uint64_t n = op.elems / 4;
+      const bool bf16_src = (op.flags & kDevOpSrcBf16) != 0;
       constexpr int kU = 4;
       auto finish = [&](uint64_t j, const float4& acc) {
         for (uint32_t k = 0; k < op.nsrc; ++k)
-          if (op.zero_mask & (1u << k)) static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (op.zero_mask & (1u << k)) {
+            if (bf16_src) static_cast<uint2*>(ptr[k])[j] = make_uint2(0u, 0u);
+            else static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+          }
         if (op.dst_f32) {
           for (uint32_t d = 0; d < op.ndst; ++d) static_cast<float4*>(ptr[op.nsrc + d])[j] = acc;
         } else {
@@ -140,15 +144,23 @@ __device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int 
       auto add = [](float4& a, const float4& v) {
         a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w;
       };
+      // Element group j (4 values) of source k: fp32, or bf16 widened (kDevOpSrcBf16).
+      auto ld = [&](uint32_t k, uint64_t j) -> float4 {
+        if (!bf16_src) return static_cast<const float4*>(ptr[k])[j];
+        const uint2 raw = static_cast<const uint2*>(ptr[k])[j];
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+        return make_float4(lo.x, lo.y, hi.x, hi.y);
+      };
       uint64_t j = tid;
       for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
         float4 acc[kU];
         #pragma unroll
-        for (int u = 0; u < kU; ++u) acc[u] = static_cast<const float4*>(ptr[0])[j + u * kThreads];
+        for (int u = 0; u < kU; ++u) acc[u] = ld(0, j + u * kThreads);
         for (uint32_t k = 1; k < op.nsrc; ++k) {
           float4 v[kU];
           #pragma unroll
-          for (int u = 0; u < kU; ++u) v[u] = static_cast<const float4*>(ptr[k])[j + u * kThreads];
+          for (int u = 0; u < kU; ++u) v[u] = ld(k, j + u * kThreads);
           #pragma unroll
           for (int u = 0; u < kU; ++u) add(acc[u], v[u]);
         }
@@ -156,8 +168,8 @@ __device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int 
         for (int u = 0; u < kU; ++u) finish(j + u * kThreads, acc[u]);
       }
       for (; j < n; j += kThreads) {
-        float4 acc = static_cast<const float4*>(ptr[0])[j];
-        for (uint32_t k = 1; k < op.nsrc; ++k) add(acc, static_cast<const float4*>(ptr[k])[j]);
+        float4 acc = ld(0, j);
+        for (uint32_t k = 1; k < op.nsrc; ++k) add(acc, ld(k, j));
         finish(j, acc);
       }
       break;

@@ -102,8 +102,8 @@ struct Signal {
 
 enum class OpKind : uint8_t {
   kCopy = 0,    // bytes from srcs[0] to every dsts[i]
-  kReduce = 1,  // elems fp32 values: dst[i] = sum of srcs in list order (bf16, or fp32 if dst_f32);
-                // then sources in zero_src_mask are zeroed
+  kReduce = 1,  // elems values (fp32, or bf16 if src_bf16): dst[i] = their fp32 sum in list order
+                // (bf16, or fp32 if dst_f32); then sources in zero_src_mask are zeroed
   kNetPut = 2,  // through the proxy: srcs[0] (own rank) -> dsts[0] (on `peer`), raising
                 // remote_flag there on arrival and local_flag here on local completion. With
                 // stage_src set (staged programs), the device first copies `bytes` from stage_src
@@ -121,6 +121,7 @@ struct Op {
   uint64_t bytes = 0;  // kCopy, kNetPut, kZero (with count_at: the most it may move)
   uint64_t elems = 0;  // kReduce
   bool dst_f32 = false;
+  bool src_bf16 = false;    // kReduce: the sources are bf16 (widened to fp32 as they are read)
   uint32_t zero_src_mask = 0;
   int peer = -1;            // kNetPut destination rank
   FlagRef remote_flag;      // kNetPut

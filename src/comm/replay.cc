@@ -213,13 +213,25 @@ bool Replay::exec_op(int me, int slot) {
     case OpKind::kReduce: {
       if (op.srcs.empty() || op.dsts.empty() || op.srcs.size() > 32 || (op.zero_src_mask >> op.srcs.size()) != 0)
         return fail("malformed reduce");
+      // The device starts from the first source (acc = src0; acc += src1 ...): so does this.
+      const uint64_t sb = op.src_bf16 ? 2 : 4;
       std::vector<float> sum(op.elems, 0.f), v(op.elems);
       std::vector<uint8_t*> src;
       for (const auto& r : op.srcs) {
-        src.push_back(access(me, r, op.elems * 4, false));
+        src.push_back(access(me, r, op.elems * sb, false));
         if (!src.back()) return false;
-        memcpy(v.data(), src.back(), op.elems * 4);
-        for (uint64_t i = 0; i < op.elems; ++i) sum[i] += v[i];
+        if (op.src_bf16) {
+          for (uint64_t i = 0; i < op.elems; ++i) {
+            uint16_t h;
+            memcpy(&h, src.back() + 2 * i, 2);
+            const uint32_t u = uint32_t(h) << 16;
+            memcpy(&v[i], &u, 4);
+          }
+        } else {
+          memcpy(v.data(), src.back(), op.elems * 4);
+        }
+        if (src.size() == 1) sum = v;
+        else for (uint64_t i = 0; i < op.elems; ++i) sum[i] += v[i];
       }
       for (const auto& d : op.dsts) {
         uint8_t* dst = access(me, d, op.elems * (op.dst_f32 ? 4 : 2), false);
@@ -237,7 +249,7 @@ bool Replay::exec_op(int me, int slot) {
         }
       }
       for (size_t i = 0; i < src.size(); ++i)
-        if (op.zero_src_mask >> i & 1) memset(src[i], 0, op.elems * 4);
+        if (op.zero_src_mask >> i & 1) memset(src[i], 0, op.elems * sb);
       break;
     }
     case OpKind::kNetPut:  // handed to the proxy: the bytes are read when it delivers

@@ -246,6 +246,11 @@ class Resolver {
     for (const auto& r : op.srcs) host |= p_.is_host(r.buf);
     for (const auto& r : op.dsts) host |= p_.is_host(r.buf);
     if (host) d.flags |= kDevOpHostMem;
+    if (op.src_bf16) {
+      MK_REQUIRE(op.kind == OpKind::kReduce, Code::kInternal, "%s: op '%s': bf16 sources on a %s", name_,
+                 op.what.c_str(), op_kind_name(op.kind));
+      d.flags |= kDevOpSrcBf16;
+    }
     MK_CHECK(op.kind == OpKind::kNetPut ? put_operands(index, op, &d) : plain_operands(op, &d));
     if (op.count_at.buf != kNoBuf) {
       MK_REQUIRE(op.kind == OpKind::kCopy || op.kind == OpKind::kZero || op.kind == OpKind::kNetPut, Code::kNotSupported,
