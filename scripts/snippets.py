@@ -95,6 +95,12 @@ def cli(mkernel):
                             (["bench", "gemm_rs", "--trace", "/tmp/x", "--trace-calls", "0"], 2, "--trace-calls"),
                             (["bench", "ring_attention", "--trace", "/tmp/x", "--trace-calls", "2"], 2,
                              "does not apply"),
+                            (["bench", "allreduce", "--dtype", "fp16"], 2, "bf16 or fp32"),
+                            (["bench", "allgather", "--m", "64"], 2, "does not apply"),
+                            (["bench", "ag_gemm", "--count", "64"], 2, "applies to allgather"),
+                            (["bench", "reduce_scatter", "--count", "100"], 2, "multiple of 8"),
+                            (["bench", "allreduce", "--ctas", "0"], 2, "--ctas"),
+                            (["bench", "gemm_ar", "--dtype", "fp32"], 2, "only bf16"),
                             (["selfcheck", "--bogus"], 2, "--bogus"),
                             (["doctor", "--foo"], 2, "unexpected argument"),
                             (["doctor", "extra"], 2, "unexpected argument"),
@@ -109,14 +115,14 @@ def cli(mkernel):
     m = re.search(r"^no GPU: (.*)$", doc.stdout, re.M)
     if m:
         reason = m.group(1).strip()
-        p = subprocess.run([mkernel, "bench", "gemm_rs", "--m", "128", "--n", "64", "--k", "64"],
-                           capture_output=True, text=True, env=env, timeout=120)
-        ok = p.returncode == 1 and reason in p.stderr
-        print(f"snippets: {'ok ' if ok else 'BAD'} without a GPU `mkernel bench` says doctor's '{reason}': "
-              f"exit {p.returncode}")
-        if not ok:
-            print(p.stdout + p.stderr)
-        bad += not ok
+        for args in (["gemm_rs", "--m", "128", "--n", "64", "--k", "64"], ["allreduce", "--count", "1024"]):
+            p = subprocess.run([mkernel, "bench", *args], capture_output=True, text=True, env=env, timeout=120)
+            ok = p.returncode == 1 and reason in p.stderr
+            print(f"snippets: {'ok ' if ok else 'BAD'} without a GPU `mkernel bench {args[0]}` says doctor's "
+                  f"'{reason}': exit {p.returncode}")
+            if not ok:
+                print(p.stdout + p.stderr)
+            bad += not ok
     return 1 if bad else 0
 
 

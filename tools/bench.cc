@@ -9,12 +9,15 @@
 //                              [--reps R] [--warmup U] [--json FILE]
 //   mkernel bench moe_layer [--preset qwen3_30b|qwen3_235b|mixtral|deepseek_v3]... [--tokens T_per_rank]
 //                           [--reps R] [--warmup U] [--json FILE]
+//   mkernel bench allgather|reduce_scatter|allreduce [--count N]... [--dtype bf16|fp32] [--chunk E]
+//                                                    [--ctas C] [--reps R] [--warmup U] [--json FILE]
 //
 // Under mpirun one rank per process (else one rank). This file parses the arguments, creates the
 // communicator, decides whether times are comparable (one GPU per rank and NCCL) and hands over
 // to the operator's entry (tools/bench_common.h): tools/bench/fused_gemm.cu for the GEMM
 // collectives, tools/bench/ring_attention.cu for ring attention, tools/bench/moe_dispatch.cu for MoE
-// dispatch/combine; each checks its operator's result, then times it against its baselines.
+// dispatch/combine, tools/bench/collective.cu for the standalone collectives; each checks its
+// operator's result, then times it against its baselines.
 //
 // Failures. Arguments are checked before any collective or GPU work (every rank gets the same
 // argv, so every rank fails the same way). Every fused or ring call is followed by a stream
@@ -35,6 +38,7 @@
 #include <vector>
 
 #include "mkernel/mkernel.h"
+#include "mkernel/ops/collective.h"
 #include "mkernel/ops/fused.h"
 #include "tools/bench_common.h"
 #include "tools/cli.h"
@@ -53,13 +57,26 @@ struct BenchArgs {
   int trace_calls = 0;  // --trace-calls (fused operators; 0: not given, 10 consecutive calls)
   std::vector<std::string> presets;  // moe_dispatch, moe_layer (checked against the operator's list after parsing)
   int64_t tokens = 0;
-  std::vector<std::string> fused_only, ring_only, moe_only;  // options given that apply to one family
+  std::string dtype = "bf16";     // --dtype: bf16 everywhere; fp32 too for the collectives
+  std::vector<int64_t> counts;    // --count (collectives; checked against the shape rules after parsing)
+  int64_t chunk = 0;              // --chunk (collectives; 0: not given)
+  int ctas = 0;                   // --ctas (collectives; 0: not given)
+  std::vector<std::string> fused_only, ring_only, moe_only, coll_only;  // options given that apply to one family
 };
 
 // Dimensions fit the GEMM's 32-bit extents; counts stay small enough to finish.
 constexpr int64_t kMaxDim = 2147483647;
 constexpr int64_t kMaxMoeTokens = int64_t(1) << 24;  // MoeConfig::max_tokens_per_rank's limit
 constexpr int kMaxReps = 100000;
+// Collectives: W x count < 2^40 elements (the operator's rule, checked after parsing with W); a
+// chunk of at most 2^32 elements (its plan's); CTAs beyond any GPU's SMs are pointless.
+constexpr int64_t kMaxCollCount = int64_t(1) << 40;
+constexpr int64_t kMaxCollChunk = int64_t(1) << 32;
+constexpr int kMaxCollCtas = 4096;
+
+bool is_collective(const std::string& which) {
+  return which == "allgather" || which == "reduce_scatter" || which == "allreduce";
+}
 
 bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::string* err) {
   ArgReader ar(args);
@@ -103,8 +120,18 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       (a == "--sweep" ? b->sweep : a == "--splits" ? b->splits : b->deterministic) = true;
       b->fused_only.push_back(a);
     } else if (a == "--dtype") {
-      std::string d;
-      ok = ar.value(&d) && (d == "bf16" || ar.fail("--dtype '" + d + "': only bf16 is implemented"));
+      ok = ar.value(&b->dtype);  // checked once the operator is known
+    } else if (a == "--count") {
+      int64_t c = 0;
+      ok = ar.int_value(int64_t(1), kMaxCollCount, &c);
+      b->counts.push_back(c);
+      b->coll_only.push_back(a);
+    } else if (a == "--chunk") {
+      ok = ar.int_value(int64_t(1), kMaxCollChunk, &b->chunk);
+      b->coll_only.push_back(a);
+    } else if (a == "--ctas") {
+      ok = ar.int_value(1, kMaxCollCtas, &b->ctas);
+      b->coll_only.push_back(a);
     } else if (a.rfind("-", 0) == 0) {
       ok = ar.fail("unknown option '" + a + "'");
     } else if (b->which.empty()) {
@@ -117,10 +144,15 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = ar.error();
     return false;
   }
-  static const char* kOps[] = {"ag_gemm", "gemm_rs", "gemm_ar", "all", "ring_attention", "moe_dispatch", "moe_layer"};
+  static const char* kOps[] = {"ag_gemm",   "gemm_rs",   "gemm_ar",        "all",      "ring_attention", "moe_dispatch",
+                               "moe_layer", "allgather", "reduce_scatter", "allreduce"};
   if (b->which.empty()) b->which = "all";
+  ops::CollectiveKind kind = ops::CollectiveKind::kAllReduce;
+  if (ops::parse_collective_kind(b->which, &kind).ok()) b->which = ops::collective_kind_name(kind);  // all_reduce, ...
   if (std::find_if(std::begin(kOps), std::end(kOps), [&](const char* o) { return b->which == o; }) == std::end(kOps)) {
-    *err = "unknown operator '" + b->which + "' (ag_gemm, gemm_rs, gemm_ar, all, ring_attention, moe_dispatch, moe_layer)";
+    *err = "unknown operator '" + b->which +
+           "' (ag_gemm, gemm_rs, gemm_ar, all, ring_attention, moe_dispatch, moe_layer, allgather, reduce_scatter, "
+           "allreduce)";
     return false;
   }
   if (!b->presets.empty()) {
@@ -135,6 +167,39 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
   }
   const bool ring = b->which == "ring_attention";
   const bool moe = b->which == "moe_dispatch" || b->which == "moe_layer";
+  const bool coll = is_collective(b->which);
+  if (coll && b->dtype != "bf16" && b->dtype != "fp32") {
+    *err = "--dtype '" + b->dtype + "': " + b->which + " takes bf16 or fp32";
+    return false;
+  }
+  if (!coll && b->dtype != "bf16") {
+    *err = "--dtype '" + b->dtype + "': only bf16 is implemented for " + b->which +
+           " (fp32 too for allgather, reduce_scatter, allreduce)";
+    return false;
+  }
+  if (coll && !b->fused_only.empty()) {
+    *err = b->fused_only[0] + " does not apply to " + b->which + " (use --count)";
+    return false;
+  }
+  if (coll && !b->trace.empty()) {
+    *err = "--trace does not apply to " + b->which;
+    return false;
+  }
+  if (!coll && !b->coll_only.empty()) {
+    *err = b->coll_only[0] + " applies to allgather, reduce_scatter and allreduce only, not to '" + b->which + "'";
+    return false;
+  }
+  if (coll) {
+    // The shape rules first, before any GPU is looked for (W: the launcher's size, else 1).
+    const ops::CollDType dt = b->dtype == "fp32" ? ops::CollDType::kF32 : ops::CollDType::kBF16;
+    for (int64_t c : b->counts) {
+      const Status s = ops::Collective::can_implement(kind, c, dt, std::max(1, launch_size()));
+      if (!s.ok()) {
+        *err = "--count " + std::to_string(c) + ": " + s.message();
+        return false;
+      }
+    }
+  }
   if (ring && !b->fused_only.empty()) {
     *err = b->fused_only[0] + " does not apply to ring_attention (use --seq)";
     return false;
@@ -155,7 +220,7 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = b->moe_only[0] + " applies to moe_dispatch and moe_layer only, not to '" + b->which + "'";
     return false;
   }
-  if (!ring && !moe && (b->m || b->n || b->k)) {
+  if (!ring && !moe && !coll && (b->m || b->n || b->k)) {
     // The shape rules first, before any GPU is looked for (a dimension left out is 4096).
     const ops::PlanShape shape{b->m ? b->m : 4096, b->n ? b->n : 4096, b->k ? b->k : 4096};
     for (ops::FusedKind kind : {ops::FusedKind::kAgGemm, ops::FusedKind::kGemmRs, ops::FusedKind::kGemmAr}) {
@@ -239,6 +304,15 @@ int bench(const std::vector<std::string>& args) {
     ma.tokens = ba.tokens;
     ma.rc = ba.rc;
     rc = bench::moe_dispatch(env, ma);
+  } else if (is_collective(ba.which)) {
+    bench::CollBenchArgs ca;
+    (void)ops::parse_collective_kind(ba.which, &ca.kind);  // checked by parse_bench_args
+    ca.dtype = ba.dtype == "fp32" ? ops::CollDType::kF32 : ops::CollDType::kBF16;
+    ca.counts = ba.counts;
+    ca.chunk = ba.chunk;
+    ca.ctas = ba.ctas;
+    ca.rc = ba.rc;
+    rc = bench::collective(env, ca);
   } else if (ba.which == "moe_layer") {
     bench::MoeBenchArgs ma;
     ma.presets = ba.presets;

@@ -24,6 +24,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/status.h"
 #include "mkernel/device/trace.h"
+#include "mkernel/ops/collective.h"
 #include "mkernel/runtime/communicator.h"
 
 namespace mk {
@@ -318,6 +319,19 @@ std::vector<std::string> moe_presets();
 // cuBLAS's grouped GEMM; tokens per rank 128 and 4096 unless --tokens.
 int moe_layer(const Env& env, const MoeBenchArgs& a);
 std::vector<std::string> moe_layer_presets();
+
+// tools/bench/collective.cu: a standalone collective (ops/collective.h), plain and zero-copy,
+// checked bit for bit, against NCCL's collective of the same buffers and dtype (one GPU per rank)
+// and a device copy of the bus bytes (nccl-tests' convention).
+struct CollBenchArgs {
+  ops::CollectiveKind kind = ops::CollectiveKind::kAllReduce;
+  ops::CollDType dtype = ops::CollDType::kBF16;  // --dtype bf16|fp32
+  std::vector<int64_t> counts;  // --count: elements per rank as the operator counts them; empty: 64 KiB .. 256 MiB
+  int64_t chunk = 0;            // --chunk: CollectiveOptions::chunk_elems (0: the operator's default)
+  int ctas = 0;                 // --ctas: CollectiveOptions::ctas (0: the operator's default)
+  RunCfg rc;                    // --reps, --warmup
+};
+int collective(const Env& env, const CollBenchArgs& a);
 
 }  // namespace bench
 }  // namespace mk

@@ -129,6 +129,12 @@ void usage() {
       "                       [--reps R] [--warmup U] [--json FILE]\n"
       "                       the MoE layer (dispatch, expert MLPs, combine) against the same\n"
       "                       layer from separate launches with cuBLAS's grouped GEMM\n"
+      "  bench allgather|reduce_scatter|allreduce [--count N]... [--dtype bf16|fp32] [--chunk E]\n"
+      "                       [--ctas C] [--reps R] [--warmup U] [--json FILE]\n"
+      "                       the standalone collectives (bit-exact check of the plain and the\n"
+      "                       zero-copy path) against NCCL's and a device copy of the bus bytes:\n"
+      "                       us, algbw and busbw (nccl-tests' convention). --count: elements\n"
+      "                       per rank as the operator counts them (default: 64 KiB .. 256 MiB)\n"
       "                       (defaults: --reps 20 --warmup 3; options also as --name=value)\n"
       "  version              print the version\n"
       "Tunables: see `mkernel doctor`; set MK_<NAME> in the environment.\n");

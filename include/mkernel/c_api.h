@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 3
+#define MK_C_API_VERSION 4
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -45,6 +45,7 @@ typedef struct mk_comm_s* mk_comm_t;    /* a communicator */
 typedef struct mk_fused_s* mk_fused_t;  /* a fused GEMM collective */
 typedef struct mk_ring_s* mk_ring_t;    /* ring attention */
 typedef struct mk_moe_s* mk_moe_t;      /* MoE expert-parallel dispatch and combine */
+typedef struct mk_coll_s* mk_coll_t;    /* a standalone collective */
 
 typedef struct mk_comm_info {
   int rank, world;             /* this rank, all ranks */
@@ -116,6 +117,26 @@ MK_C_EXPORT int mk_fused_copy_gathered_a(mk_fused_t op, void* dst, void* stream)
 MK_C_EXPORT int mk_fused_comm_ctas(mk_fused_t op, int* out);
 /* Collective: destroys (idempotent; a no-op after its communicator was destroyed) and frees. */
 MK_C_EXPORT int mk_fused_destroy(mk_fused_t op);
+
+/* ---- standalone collectives (include/mkernel/ops/collective.h) ---- */
+
+/* kind: 0 allgather, 1 reduce_scatter, 2 allreduce; dtype: 0 bf16, 1 fp32. count: elements per
+ * rank as collective.h defines it (a multiple of 8). chunk_elems 0 and ctas 0: the defaults.
+ * staging "" or null: tunable. Collective. */
+MK_C_EXPORT int mk_coll_create(mk_comm_t comm, int kind, int dtype, int64_t count, int64_t chunk_elems, int ctas,
+                               const char* staging, mk_coll_t* out);
+/* src [in_elems] -> dst [out_elems], of the operator's dtype (all-reduce: dst may be src).
+ * Enqueues on `stream`; capturable in a CUDA graph. */
+MK_C_EXPORT int mk_coll_run(mk_coll_t op, const void* src, void* dst, void* stream);
+/* Elements of in and of out per rank. */
+MK_C_EXPORT int mk_coll_in_elems(mk_coll_t op, int64_t* out);
+MK_C_EXPORT int mk_coll_out_elems(mk_coll_t op, int64_t* out);
+/* The operator's input workspace (a zero-copy input), and for all-reduce its output workspace
+ * (null for the other kinds): device pointers. */
+MK_C_EXPORT int mk_coll_input(mk_coll_t op, void** out);
+MK_C_EXPORT int mk_coll_output(mk_coll_t op, void** out);
+/* Collective: destroys (idempotent; a no-op after its communicator was destroyed) and frees. */
+MK_C_EXPORT int mk_coll_destroy(mk_coll_t op);
 
 /* ---- ring attention (include/mkernel/ops/ring_attention.h) ---- */
 

@@ -20,7 +20,7 @@ STORE_ERASE = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p)
 STORE_WHY = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t)
 
 # The C ABI this module speaks (c_api.h: MK_C_API_VERSION); the library must say the same.
-API_VERSION = 3
+API_VERSION = 4
 
 
 class CommInfo(ctypes.Structure):
@@ -79,6 +79,13 @@ def signatures():
         "mk_fused_copy_gathered_a": [c_void_p] * 3,
         "mk_fused_comm_ctas": [c_void_p, P(c_int)],
         "mk_fused_destroy": [c_void_p],
+        "mk_coll_create": [c_void_p, c_int, c_int, c_int64, c_int64, c_int, c_char_p, P(c_void_p)],
+        "mk_coll_run": [c_void_p] * 4,
+        "mk_coll_in_elems": [c_void_p, P(c_int64)],
+        "mk_coll_out_elems": [c_void_p, P(c_int64)],
+        "mk_coll_input": [c_void_p, P(c_void_p)],
+        "mk_coll_output": [c_void_p, P(c_void_p)],
+        "mk_coll_destroy": [c_void_p],
         "mk_ring_create": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, c_int, c_char_p, P(c_void_p)],
         "mk_ring_run": [c_void_p] * 7,
         "mk_ring_destroy": [c_void_p],

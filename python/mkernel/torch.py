@@ -28,9 +28,12 @@ from . import _capi
 from ._capi import MkError, check
 
 __all__ = ["init", "finalize", "finalize_all", "communicator", "Communicator", "all_gather_matmul",
-           "matmul_reduce_scatter", "matmul_all_reduce", "ring_attention", "MkError"]
+           "matmul_reduce_scatter", "matmul_all_reduce", "ring_attention", "all_gather", "reduce_scatter",
+           "all_reduce", "MkError"]
 
 _KIND_AG, _KIND_RS, _KIND_AR = 0, 1, 2
+_COLL_NAMES = ("all_gather", "reduce_scatter", "all_reduce")  # collective.h's kinds 0, 1, 2
+_COLL_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 _LAYOUTS = {"contiguous": 0, "zigzag": 1}
 
 _lock = threading.RLock()
@@ -112,6 +115,7 @@ class Communicator:
          self.device) = (info.rank, info.world, info.node, info.nodes, info.local_rank, info.local_size, info.device)
         self._fused = {}  # (kind, M, N, K) -> handle, in creation order
         self._ring = {}   # (B, H, Hkv, D, S, layout, causal, scale) -> handle
+        self._coll = {}   # (kind, dtype, count) -> handle
 
     def __repr__(self):
         return (f"mkernel.torch.Communicator(group={self.group_name!r}, rank={self.rank}, world={self.world}, "
@@ -159,11 +163,22 @@ class Communicator:
             h = self._ring[key] = out.value
         return h
 
+    def collective(self, kind, dtype, count):
+        key = (kind, dtype, count)
+        h = self._coll.get(key)
+        if h is None:
+            self._creating(f"{_COLL_NAMES[kind]} of {count} elements")
+            out = ctypes.c_void_p()
+            check(_capi.lib().mk_coll_create(self._handle, kind, dtype, count, 0, 0, b"", ctypes.byref(out)))
+            h = self._coll[key] = out.value
+        return h
+
     def clear_cache(self):
         """Collective: destroys the operators created so far (their memory), newest first."""
         errors = []
         lib = _capi.lib()
-        for table, destroy in ((self._ring, lib.mk_ring_destroy), (self._fused, lib.mk_fused_destroy)):
+        for table, destroy in ((self._coll, lib.mk_coll_destroy), (self._ring, lib.mk_ring_destroy),
+                               (self._fused, lib.mk_fused_destroy)):
             for h in reversed(list(table.values())):
                 if destroy(h) != 0:
                     errors.append(lib.mk_last_error().decode(errors="replace"))
@@ -454,6 +469,74 @@ def _(q, k, v, causal, layout, scale, group_name):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, s), dtype=torch.float32)
 
 
+def _check_coll(what, x, world_size, scatter):
+    if x.dtype not in _COLL_DTYPES:
+        raise MkError(1, f"mkernel.{what}: x must be bfloat16 or float32 (got {x.dtype})")
+    if x.dim() < 1:
+        raise MkError(1, f"mkernel.{what}: x must have at least one dimension (got a scalar)")
+    W = world_size
+    if scatter and x.shape[0] % W:
+        raise MkError(1, f"mkernel.{what}: dimension 0 of size {x.shape[0]} does not split over {W} ranks")
+    per_rank = x.numel() // W if scatter else x.numel()
+    if per_rank % 8:
+        raise MkError(1, f"mkernel.{what}: {per_rank} elements per rank is not a multiple of 8 (16-byte rows); "
+                         "pad the tensor")
+
+
+def _collective(kind, x, group_name, world_size):
+    what = _COLL_NAMES[kind]
+    c = _op_comm(what, group_name, world_size, x)
+    _check_coll(what, x, world_size, kind == 1)
+    x = x.contiguous()
+    W = c.world
+    if kind == 0:
+        out = x.new_empty((W * x.shape[0],) + tuple(x.shape[1:]))
+        count = x.numel()
+    elif kind == 1:
+        out = x.new_empty((x.shape[0] // W,) + tuple(x.shape[1:]))
+        count = out.numel()
+    else:
+        out = torch.empty_like(x)
+        count = x.numel()
+    if count:
+        h = c.collective(kind, _COLL_DTYPES[x.dtype], count)
+        check(_capi.lib().mk_coll_run(h, x.data_ptr(), out.data_ptr(), _stream()))
+    return out
+
+
+@torch.library.custom_op("mkernel::all_gather", mutates_args=(), device_types="cuda")
+def _all_gather(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return _collective(0, x, group_name, world_size)
+
+
+@_all_gather.register_fake
+def _(x, group_name, world_size):
+    _check_coll("all_gather", x, world_size, False)
+    return x.new_empty((world_size * x.shape[0],) + tuple(x.shape[1:]))
+
+
+@torch.library.custom_op("mkernel::reduce_scatter", mutates_args=(), device_types="cuda")
+def _reduce_scatter(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return _collective(1, x, group_name, world_size)
+
+
+@_reduce_scatter.register_fake
+def _(x, group_name, world_size):
+    _check_coll("reduce_scatter", x, world_size, True)
+    return x.new_empty((x.shape[0] // world_size,) + tuple(x.shape[1:]))
+
+
+@torch.library.custom_op("mkernel::all_reduce", mutates_args=(), device_types="cuda")
+def _all_reduce(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return _collective(2, x, group_name, world_size)
+
+
+@_all_reduce.register_fake
+def _(x, group_name, world_size):
+    _check_coll("all_reduce", x, world_size, False)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # ---- autograd -------------------------------------------------------------------------------
 # all_gather_matmul and matmul_reduce_scatter are each other's backward; matmul_all_reduce's
 # gradients are local (its output gradient is the same on every rank). The gathered A that
@@ -515,6 +598,31 @@ def _ar_backward(ctx, grad_out):
 
 
 _matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
+
+
+# The collectives' adjoints: all_gather and reduce_scatter are each other's; all_reduce's is
+# all_reduce (every rank's output is the sum of every rank's input).
+
+def _coll_setup(ctx, inputs, output):
+    _, group_name, world_size = inputs
+    ctx.group_name, ctx.world_size = group_name, world_size
+
+
+def _all_gather_backward(ctx, grad):
+    return torch.ops.mkernel.reduce_scatter(grad.contiguous(), ctx.group_name, ctx.world_size), None, None
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return torch.ops.mkernel.all_gather(grad.contiguous(), ctx.group_name, ctx.world_size), None, None
+
+
+def _all_reduce_backward(ctx, grad):
+    return torch.ops.mkernel.all_reduce(grad.contiguous(), ctx.group_name, ctx.world_size), None, None
+
+
+_all_gather.register_autograd(_all_gather_backward, setup_context=_coll_setup)
+_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_coll_setup)
+_all_reduce.register_autograd(_all_reduce_backward, setup_context=_coll_setup)
 
 
 # ---- the public functions: any rank of input, torch's symm_mem argument order ---------------
@@ -590,3 +698,35 @@ def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group
     """
     return torch.ops.mkernel.ring_attention(q, k, v, bool(causal), layout, 0.0 if scale is None else float(scale),
                                             _group(group))
+
+
+def _along(x, dim, f):
+    nd = x.dim()
+    d = dim % nd if nd else 0
+    y = f(x.movedim(d, 0) if d else x)
+    return y.movedim(0, d) if d else y
+
+
+def all_gather(x, dim=0, group=None):
+    """all_gather(x, dim): the ranks' x concatenated along dim (rank order). bf16 or fp32; the
+    elements per rank a multiple of 8."""
+    name = _group(group)
+    return _along(x, dim, lambda t: torch.ops.mkernel.all_gather(t.contiguous(), name, _world(name)))
+
+
+def reduce_scatter(x, dim=0, reduce_op="sum", group=None):
+    """reduce_scatter(x, dim): this rank's part (block `rank` of W along dim) of the sum over the
+    ranks. fp32 sums in a fixed order (the same bits on every rank; docs/collectives.md)."""
+    if reduce_op != "sum":
+        raise MkError(7, f"mkernel.reduce_scatter: reduce_op '{reduce_op}' is not supported (only 'sum')")
+    name = _group(group)
+    return _along(x, dim, lambda t: torch.ops.mkernel.reduce_scatter(t.contiguous(), name, _world(name)))
+
+
+def all_reduce(x, reduce_op="sum", group=None):
+    """all_reduce(x): the sum over the ranks, a new tensor (x is not changed). fp32 sums in a fixed
+    order: the same bits on every rank."""
+    if reduce_op != "sum":
+        raise MkError(7, f"mkernel.all_reduce: reduce_op '{reduce_op}' is not supported (only 'sum')")
+    name = _group(group)
+    return torch.ops.mkernel.all_reduce(x, name, _world(name))

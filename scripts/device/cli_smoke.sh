@@ -151,6 +151,13 @@ run moe2x2_tcp_staged   4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_ST
 run moe3x2_tcp_hier     6 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:2 -- bench moe_dispatch --preset qwen3 --preset mixtral --tokens 512 "${REPS[@]}"
 run moe3x1_shm          3 "MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=shm"                              ok:1 -- bench moe_dispatch --preset mixtral --tokens 128 "${REPS[@]}"
 run bad_preset          0 "" "err:--preset 'gpt': unknown"                                       -- bench moe_dispatch --preset gpt
+# The standalone collectives: each kind once, small counts — all-gather at W = 4, reduce-scatter
+# in fp32 at W = 3 with a chunk that is rounded up, all-reduce over 2 emulated nodes x 2 (tcp,
+# staged) with a CTA count; a count that is not a multiple of 8.
+run coll_ag4            4 ""                                                                     ok:2 -- bench allgather --count 4096 --count 65536 "${REPS[@]}"
+run coll_rs3_fp32       3 ""                                                                     ok:1 -- bench reduce_scatter --dtype fp32 --count 8200 --chunk 1001 "${REPS[@]}"
+run coll_ar2x2_tcp      4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:1 -- bench allreduce --count 262144 --ctas 4 "${REPS[@]}"
+run bad_coll_count      2 "" "err:count = 100 is not a multiple of 8"                            -- bench allreduce --count 100
 # W = 1: runs, and shows no overlap figure.
 run w1_all              0 ""                                                                     ok1:3 -- bench all --m 2048 --n 1024 --k 256 "${REPS[@]}"
 # Must fail with a clear error, before any GPU work.

@@ -17,7 +17,11 @@
 #   6. mkernel.torch: tests/gpu/test_torch_ops.py under torchrun at every W, and
 #      bench/bench_torch.py (against symm_mem's fused ops and NCCL + matmul, one GPU per rank);
 #   7. the SM-partition controller: the matrix again with MK_FUSED_SPLIT=auto, and `mkernel bench
-#      all --splits` (static splits 1..32 against the controller) at every W and 2 nodes x W/2.
+#      all --splits` (static splits 1..32 against the controller) at every W and 2 nodes x W/2;
+#   8. the standalone collectives: test_gpu_collective at every W and 2 emulated nodes x W/2
+#      (tcp_rxm, staged), and `mkernel bench allgather|reduce_scatter|allreduce` (bf16, 64 KiB ..
+#      256 MiB; all-reduce in fp32 too) against NCCL and a device copy, one node and 2 emulated
+#      nodes.
 # Binaries from MK_BUILD_DIR (default /tmp/mkb: scripts/device/suite.sh setup puts them there).
 # JSON results and logs go to $OUT (packed as multigpu_logs.tgz).
 set -uo pipefail
@@ -67,6 +71,13 @@ for w in "${ws[@]}"; do
     MK_NET_PROVIDER=tcp_rxm -- "$B/tests/gpu/test_gpu_matrix"
 done
 
+# 8a. the standalone collectives' correctness (every kind and dtype, bit for bit)
+for w in "${ws[@]}"; do
+  run "collective_w$w" "$w" -- "$B/tests/gpu/test_gpu_collective"
+  (( w >= 4 )) && run "collective_2x$((w / 2))_tcp" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm \
+    MK_NET_STAGING=always -- "$B/tests/gpu/test_gpu_collective"
+done
+
 # 5a. MoE correctness (every routing, both modes, graph replays, bad inputs)
 for w in "${ws[@]}"; do
   run "moe_w$w" "$w" -- "$B/tests/gpu/test_gpu_moe" --gtest_filter=-MoeDeadRank.*
@@ -110,6 +121,17 @@ for w in "${ws[@]}"; do
   # The MoE layer (issue #16's target: >= 1.3x NCCL + cuBLAS at 4096 tokens per rank, EP8).
   run "bench_moe_layer_w$w" "$w" -- "$B/mkernel" bench moe_layer --json "$RESULT/moe_layer_w$w.json"
 done
+# 8b. the standalone collectives against NCCL and a device copy (nccl-tests' algbw / busbw)
+for w in "${ws[@]}"; do
+  for op in allgather reduce_scatter allreduce; do
+    run "bench_${op}_w$w" "$w" -- "$B/mkernel" bench $op --json "$RESULT/${op}_w$w.json"
+    # Over tcp the 256 MiB calls take a while: fewer of them.
+    (( w >= 4 )) && run "bench_${op}_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
+      "$B/mkernel" bench $op --reps 5 --warmup 1 --json "$RESULT/${op}_2nodes_w$w.json"
+  done
+  run "bench_allreduce_fp32_w$w" "$w" -- "$B/mkernel" bench allreduce --dtype fp32 \
+    --json "$RESULT/allreduce_fp32_w$w.json"
+done
 # 6. mkernel.torch (python/ from the tree, the carried C ABI library)
 trun() {  # name np [env...] -- script args...
   local name=$1 np=$2; shift 2
@@ -130,7 +152,7 @@ for w in "${ws[@]}"; do
   trun "bench_torch_w$w" "$w" -- bench/bench_torch.py --out "$RESULT/torch_w$w.json"
 done
 (( shared )) && echo quit | nvidia-cuda-mps-control
-grep -hE "^(ag_gemm|gemm_rs|gemm_ar|ring|deepep_ht|deepep_ll|qwen3|mixtral)" "$L"/bench_*.log | sort | uniq \
-  > "$RESULT/bench_summary.txt"
+grep -hE "^(ag_gemm|gemm_rs|gemm_ar|ring|deepep_ht|deepep_ll|qwen3|mixtral|allgather|reduce_scatter|allreduce)" \
+  "$L"/bench_*.log | sort | uniq > "$RESULT/bench_summary.txt"
 echo "multigpu: $fails failure(s); GPUs: $ngpu$([[ $shared == 1 ]] && echo ' (shared: times not comparable)')"
 (( fails == 0 ))

@@ -14,6 +14,7 @@
 #include "mkernel/attention/attention.h"
 #include "mkernel/c_api.h"
 #include "mkernel/common/tunables.h"
+#include "mkernel/ops/collective.h"
 #include "mkernel/ops/fused.h"
 #include "mkernel/ops/moe.h"
 #include "mkernel/ops/ring_attention.h"
@@ -39,6 +40,7 @@ mk::ops::FusedGemm* fused(mk_fused_t h) { return handle(h)->op.get(); }
 mk::Communicator* comm_of(mk_comm_t c) { return reinterpret_cast<mk::Communicator*>(c); }
 mk::ops::RingAttention* ring_of(mk_ring_t r) { return reinterpret_cast<mk::ops::RingAttention*>(r); }
 mk::ops::MoeEp* moe_of(mk_moe_t m) { return reinterpret_cast<mk::ops::MoeEp*>(m); }
+mk::ops::Collective* coll_of(mk_coll_t c) { return reinterpret_cast<mk::ops::Collective*>(c); }
 
 // The header's codes are mk::Code's values.
 static_assert(MK_OK == static_cast<int>(mk::Code::kOk) && MK_INVALID_ARGUMENT == static_cast<int>(mk::Code::kInvalidArgument) &&
@@ -316,6 +318,79 @@ int mk_fused_destroy(mk_fused_t op) {
     FusedHandle* h = handle(op);
     mk::Status s = h->op->destroy();
     delete h;
+    return ret(s);
+  });
+}
+
+// ---- standalone collectives (include/mkernel/ops/collective.h) ----
+
+// kind: 0 allgather, 1 reduce_scatter, 2 allreduce; dtype: 0 bf16, 1 fp32. Collective.
+int mk_coll_create(mk_comm_t comm, int kind, int dtype, int64_t count, int64_t chunk_elems, int ctas,
+                   const char* staging, mk_coll_t* out) {
+  return guard("mk_coll_create", [&]() -> int {
+    if (!comm || !out) return invalid("mk_coll_create: null argument");
+    if (kind < 0 || kind > 2) return invalid("mk_coll_create: kind " + std::to_string(kind) + " is not 0, 1 or 2");
+    if (dtype < 0 || dtype > 1) return invalid("mk_coll_create: dtype " + std::to_string(dtype) + " is not 0 (bf16) or 1 (fp32)");
+    *out = nullptr;
+    mk::ops::CollectiveOptions opt;
+    opt.chunk_elems = chunk_elems;
+    opt.ctas = ctas;
+    opt.staging = staging ? staging : "";
+    std::unique_ptr<mk::ops::Collective> op;
+    mk::Status s = mk::ops::Collective::create(comm_of(comm), static_cast<mk::ops::CollectiveKind>(kind), count,
+                                               static_cast<mk::ops::CollDType>(dtype), opt, &op);
+    if (!s.ok()) return ret(s);
+    *out = reinterpret_cast<mk_coll_t>(op.release());
+    return 0;
+  });
+}
+
+int mk_coll_run(mk_coll_t op, const void* src, void* dst, void* stream) {
+  return guard("mk_coll_run", [&]() -> int {
+    if (!op) return invalid("mk_coll_run: null operator");
+    return ret(coll_of(op)->run({src, dst}, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+int mk_coll_in_elems(mk_coll_t op, int64_t* out) {
+  return guard("mk_coll_in_elems", [&]() -> int {
+    if (!op || !out) return invalid("mk_coll_in_elems: null argument");
+    *out = coll_of(op)->in_elems();
+    return 0;
+  });
+}
+
+int mk_coll_out_elems(mk_coll_t op, int64_t* out) {
+  return guard("mk_coll_out_elems", [&]() -> int {
+    if (!op || !out) return invalid("mk_coll_out_elems: null argument");
+    *out = coll_of(op)->out_elems();
+    return 0;
+  });
+}
+
+int mk_coll_input(mk_coll_t op, void** out) {
+  return guard("mk_coll_input", [&]() -> int {
+    if (!op || !out) return invalid("mk_coll_input: null argument");
+    *out = coll_of(op)->input();
+    return 0;
+  });
+}
+
+int mk_coll_output(mk_coll_t op, void** out) {
+  return guard("mk_coll_output", [&]() -> int {
+    if (!op || !out) return invalid("mk_coll_output: null argument");
+    *out = coll_of(op)->output();
+    return 0;
+  });
+}
+
+// Collective: destroys (idempotent; a no-op after its communicator was destroyed) and frees.
+int mk_coll_destroy(mk_coll_t op) {
+  return guard("mk_coll_destroy", [&]() -> int {
+    if (!op) return 0;
+    mk::ops::Collective* c = coll_of(op);
+    mk::Status s = c->destroy();
+    delete c;
     return ret(s);
   });
 }

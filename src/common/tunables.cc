@@ -88,9 +88,14 @@ const std::vector<TunableDef> kTable = {
      "FusedOptions::comm_ctas is -1: static (fused_comm_ctas CTAs for the whole call) or auto (an "
      "on-GPU controller moves CTAs between the roles during the call, starting where the last call "
      "with that shape settled)", 0, 0, "static|auto"},
+    {"fused_path", "MK_FUSED_PATH", TunableType::kString, "fused",
+     "how a fused GEMM collective runs when FusedOptions::path is empty: fused (one persistent "
+     "kernel), unfused (the GEMM, then the standalone collective) or auto (both timed on the first "
+     "calls, then the faster for good, decided by all ranks together and remembered in "
+     "split_memory_file)", 0, 0, "fused|unfused|auto"},
     {"split_memory_file", "MK_SPLIT_MEMORY_FILE", TunableType::kString, "",
-     "with fused_split=auto: a text file where each rank keeps, per operator and shape, the split "
-     "the controller settled on (read at first use; \"\": kept in memory only)"},
+     "with fused_split=auto or fused_path=auto: a text file where each rank keeps, per operator and "
+     "shape, the split the controller settled on and the path auto chose (read at first use; \"\": kept in memory only)"},
     {"ring_comm_ctas", "MK_RING_COMM_CTAS", TunableType::kInt, "4",
      "CTAs of ring attention's persistent grid that forward K/V blocks (the others compute)", 1, 1024},
     {"moe_comm_ctas", "MK_MOE_COMM_CTAS", TunableType::kInt, "16",

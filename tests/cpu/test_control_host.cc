@@ -324,117 +324,132 @@ TEST(SplitMemory, ConcurrentWritersMerge) {
 }
 
 // ---------------------------------------------------------------------------------------
-// PathChooser
+// PathPolicy
 
-// Runs calls of `key` until decided, reporting each timed call's injected time at once.
-Path run_until_decided(PathChooser& ch, const std::string& key, double fused_ms, double unfused_ms,
-                       std::mt19937& rng, int* calls) {
-  std::uniform_real_distribution<double> noise(0.97, 1.03);
-  Path p;
-  *calls = 0;
-  while (!ch.decided(key, &p) && *calls < 1000) {
-    bool timed = false;
-    const Path q = ch.next(key, &timed);
-    ++*calls;
-    if (timed) {
-      EXPECT_TRUE(ch.report(key, q, (q == Path::kFused ? fused_ms : unfused_ms) * noise(rng)).ok());
-    }
-  }
-  return p;
-}
-
-TEST(PathPolicy, PicksTheFasterPath) {
-  std::mt19937 rng(static_cast<uint32_t>(test::test_seed()));
-  PathChooser ch({1, 5});
-  int calls = 0;
-  EXPECT_EQ(run_until_decided(ch, "fast fused", 1.0, 1.3, rng, &calls), Path::kFused);
-  EXPECT_EQ(calls, 12) << "1 warm-up and 5 timed calls of each";
-  EXPECT_EQ(run_until_decided(ch, "fast unfused", 1.3, 1.0, rng, &calls), Path::kUnfused);
-  // Decided: every later call takes the choice, untimed.
-  for (int i = 0; i < 50; ++i) {
-    bool timed = true;
-    EXPECT_EQ(ch.next("fast unfused", &timed), Path::kUnfused);
-    EXPECT_FALSE(timed);
-  }
-  double f = 0, u = 0;
-  ch.medians("fast unfused", &f, &u);
-  EXPECT_NEAR(f, 1.3, 0.05);
-  EXPECT_NEAR(u, 1.0, 0.05);
-}
-
-TEST(PathPolicy, TiesGoToFusedAndOutliersDoNotDecide) {
-  PathChooser ch({0, 5});
-  const std::string k = "k";
-  // Fused: four fast calls and one awful one; unfused: steady and a little slower than fused's
-  // median. The median ignores the outlier: fused.
-  const double fused[] = {1.0, 1.0, 50.0, 1.0, 1.0};
-  const double unfused[] = {1.1, 1.1, 1.1, 1.1, 1.1};
-  int fi = 0, ui = 0;
-  Path p;
-  while (!ch.decided(k, &p)) {
-    bool timed = false;
-    const Path q = ch.next(k, &timed);
-    ASSERT_TRUE(timed);
-    MK_ASSERT_OK(ch.report(k, q, q == Path::kFused ? fused[fi++] : unfused[ui++]));
-  }
-  EXPECT_EQ(p, Path::kFused);
-  // An exact tie: fused.
-  PathChooser tie({0, 3});
-  while (!tie.decided("t", &p)) {
-    bool timed = false;
-    const Path q = tie.next("t", &timed);
-    MK_ASSERT_OK(tie.report("t", q, 2.0));
-  }
-  EXPECT_EQ(p, Path::kFused);
-}
-
-TEST(PathPolicy, LateTimingsKeepItAlternating) {
-  PathChooser ch({1, 3});
-  const std::string k = "late";
-  struct Pending {
-    Path p;
-    double ms;
-  };
-  std::vector<Pending> queue;
+// Every rank's policy through the calls until decided, each rank's timings injected (noisy, per
+// rank), the decision made from every rank's medians as the operator does. Returns the paths of
+// the calls (the same on every rank, checked) and the choice.
+struct Ranks {
+  std::vector<PathPolicy> pol;
   std::vector<Path> order;
-  Path p;
-  // Timings arrive 4 calls after their call (events read later).
-  for (int call = 0; call < 40 && !ch.decided(k, &p); ++call) {
-    bool timed = false;
-    const Path q = ch.next(k, &timed);
-    order.push_back(q);
-    if (timed) queue.push_back({q, q == Path::kFused ? 2.0 : 1.5});
-    if (queue.size() > 4) {
-      MK_ASSERT_OK(ch.report(k, queue.front().p, queue.front().ms));
-      queue.erase(queue.begin());
+};
+Ranks run_ranks(int W, PathPolicyConfig cfg, const std::vector<double>& fused_ms, const std::vector<double>& unfused_ms,
+                std::mt19937& rng, int extra_calls = 20) {
+  std::uniform_real_distribution<double> noise(0.97, 1.03);
+  Ranks r;
+  r.pol.assign(W, PathPolicy(PathMode::kAuto, cfg));
+  for (int call = 0; call < 1000 && (extra_calls > 0); ++call) {
+    std::vector<PathPolicy::Call> c(W);
+    for (int q = 0; q < W; ++q) c[q] = r.pol[q].next();
+    for (int q = 1; q < W; ++q) {
+      EXPECT_EQ(c[q].path, c[0].path) << "call " << call << ": rank " << q << " takes another path";
+      EXPECT_EQ(c[q].decide_before, c[0].decide_before) << "call " << call;
     }
+    if (c[0].decide_before) {
+      std::vector<double> f(W), u(W);
+      for (int q = 0; q < W; ++q) f[q] = r.pol[q].median(Path::kFused), u[q] = r.pol[q].median(Path::kUnfused);
+      for (int q = 0; q < W; ++q) r.pol[q].decide(f, u);
+      for (int q = 0; q < W; ++q) c[q] = r.pol[q].next();
+      EXPECT_FALSE(c[0].decide_before);
+    }
+    r.order.push_back(c[0].path);
+    for (int q = 0; q < W; ++q)
+      if (c[q].timed) {
+        const double ms = (c[q].path == Path::kFused ? fused_ms[q] : unfused_ms[q]) * noise(rng);
+        EXPECT_TRUE(r.pol[q].report(c[q].path, ms).ok());
+      }
+    if (r.pol[0].decided()) --extra_calls;
   }
-  while (!queue.empty() && !ch.decided(k, &p)) {
-    MK_ASSERT_OK(ch.report(k, queue.front().p, queue.front().ms));
-    queue.erase(queue.begin());
+  return r;
+}
+
+TEST(PathPolicy, FixedModesNeverTime) {
+  for (PathMode m : {PathMode::kFused, PathMode::kUnfused}) {
+    PathPolicy p(m);
+    EXPECT_TRUE(p.settled());
+    for (int i = 0; i < 30; ++i) {
+      const PathPolicy::Call c = p.next();
+      EXPECT_EQ(c.path, m == PathMode::kFused ? Path::kFused : Path::kUnfused);
+      EXPECT_FALSE(c.timed || c.decide_before);
+    }
+    EXPECT_EQ(p.describe(), path_mode_name(m));
   }
-  ASSERT_TRUE(ch.decided(k, &p));
-  EXPECT_EQ(p, Path::kUnfused);
-  // Warm-ups first (fused, unfused), then strictly alternating.
-  ASSERT_GE(order.size(), 8u);
-  EXPECT_EQ(order[0], Path::kFused);
-  EXPECT_EQ(order[1], Path::kUnfused);
-  for (size_t i = 2; i < order.size(); ++i) EXPECT_NE(order[i], order[i - 1]) << "call " << i;
+  PathMode m;
+  MK_EXPECT_OK(parse_path_mode("auto", &m));
+  EXPECT_EQ(m, PathMode::kAuto);
+  EXPECT_NE(parse_path_mode("sometimes", &m).to_string().find("'sometimes' is not fused, unfused or auto"),
+            std::string::npos);
+}
+
+TEST(PathPolicy, PicksThePathWhoseSlowestRankIsFaster) {
+  std::mt19937 rng(static_cast<uint32_t>(test::test_seed()));
+  // One rank: the faster path.
+  Ranks r = run_ranks(1, {1, 5}, {1.0}, {1.3}, rng);
+  EXPECT_EQ(r.pol[0].choice(), Path::kFused);
+  r = run_ranks(1, {1, 5}, {1.3}, {1.0}, rng);
+  EXPECT_EQ(r.pol[0].choice(), Path::kUnfused);
+  // The sequence: warm-up fused, unfused, then 5 timed of each alternating, then the choice.
+  ASSERT_GE(r.order.size(), 13u);
+  EXPECT_EQ(r.order[0], Path::kFused);
+  EXPECT_EQ(r.order[1], Path::kUnfused);
+  for (size_t i = 2; i < 12; ++i) EXPECT_EQ(r.order[i], i % 2 == 0 ? Path::kFused : Path::kUnfused) << i;
+  for (size_t i = 12; i < r.order.size(); ++i) EXPECT_EQ(r.order[i], Path::kUnfused) << i;
+  EXPECT_EQ(r.pol[0].describe().rfind("auto: unfused (fused 1.", 0), 0u) << r.pol[0].describe();
+  // Four ranks: unfused is faster on three of them, but its slowest rank (2.0) is slower than
+  // fused's slowest (1.5): fused, on every rank.
+  r = run_ranks(4, {1, 5}, {1.5, 1.5, 1.5, 1.5}, {1.0, 1.0, 2.0, 1.0}, rng);
+  for (int q = 0; q < 4; ++q) EXPECT_EQ(r.pol[q].choice(), Path::kFused) << "rank " << q;
+  r = run_ranks(4, {0, 3}, {1.5, 1.2, 1.5, 1.5}, {1.0, 1.0, 1.4, 1.0}, rng);
+  for (int q = 0; q < 4; ++q) EXPECT_EQ(r.pol[q].choice(), Path::kUnfused) << "rank " << q;
+}
+
+TEST(PathPolicy, TiesAndMissingTimesGoToFused) {
+  PathPolicy p(PathMode::kAuto, {0, 3});
+  p.decide({2.0, 2.0}, {2.0, 1.0});
+  EXPECT_EQ(p.choice(), Path::kFused) << "a tie of the slowest ranks";
+  PathPolicy q(PathMode::kAuto, {0, 3});
+  q.decide({2.0, 2.0}, {1.0, 0.0});
+  EXPECT_EQ(q.choice(), Path::kFused) << "a rank without an unfused time";
+  // An outlier does not move a median.
+  PathPolicy o(PathMode::kAuto, {0, 5});
+  const double fused[] = {1.0, 1.0, 50.0, 1.0, 1.0};
+  int fi = 0;
+  for (int i = 0; i < 10; ++i) {
+    const PathPolicy::Call c = o.next();
+    ASSERT_TRUE(c.timed);
+    MK_ASSERT_OK(o.report(c.path, c.path == Path::kFused ? fused[fi++] : 1.1));
+  }
+  EXPECT_TRUE(o.next().decide_before);
+  EXPECT_DOUBLE_EQ(o.median(Path::kFused), 1.0);
+  o.decide({o.median(Path::kFused)}, {o.median(Path::kUnfused)});
+  EXPECT_EQ(o.choice(), Path::kFused);
+}
+
+TEST(PathPolicy, RememberedChoiceSkipsTheTrials) {
+  PathPolicy p(PathMode::kAuto);
+  EXPECT_FALSE(p.settled());
+  p.preset(Path::kUnfused);
+  EXPECT_TRUE(p.settled());
+  for (int i = 0; i < 5; ++i) {
+    const PathPolicy::Call c = p.next();
+    EXPECT_EQ(c.path, Path::kUnfused);
+    EXPECT_FALSE(c.timed || c.decide_before);
+  }
+  EXPECT_EQ(p.describe(), "auto: unfused (remembered)");
 }
 
 TEST(PathPolicy, BadReportsAreRefused) {
-  PathChooser ch({0, 2});
-  EXPECT_EQ(ch.report("never", Path::kFused, 1.0).code(), Code::kInvalidArgument);
-  bool timed = false;
-  const Path q = ch.next("k", &timed);
-  ASSERT_TRUE(timed);
-  EXPECT_EQ(ch.report("k", q, 0.0).code(), Code::kInvalidArgument);
-  EXPECT_EQ(ch.report("k", q, -1.0).code(), Code::kInvalidArgument);
-  EXPECT_EQ(ch.report("k", q, std::nan("")).code(), Code::kInvalidArgument);
-  const Path other = q == Path::kFused ? Path::kUnfused : Path::kFused;
-  EXPECT_EQ(ch.report("k", other, 1.0).code(), Code::kInvalidArgument) << "that path never ran timed";
-  MK_EXPECT_OK(ch.report("k", q, 1.0));
-  EXPECT_EQ(ch.report("k", q, 1.0).code(), Code::kInvalidArgument) << "one timing per timed call";
+  PathPolicy p(PathMode::kAuto, {0, 2});
+  EXPECT_EQ(p.report(Path::kFused, 1.0).code(), Code::kInvalidArgument) << "no timed call yet";
+  const PathPolicy::Call c = p.next();
+  ASSERT_TRUE(c.timed);
+  EXPECT_EQ(p.report(c.path, 0.0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(p.report(c.path, -1.0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(p.report(c.path, std::nan("")).code(), Code::kInvalidArgument);
+  const Path other = c.path == Path::kFused ? Path::kUnfused : Path::kFused;
+  EXPECT_EQ(p.report(other, 1.0).code(), Code::kInvalidArgument) << "that path never ran timed";
+  MK_EXPECT_OK(p.report(c.path, 1.0));
+  EXPECT_EQ(p.report(c.path, 1.0).code(), Code::kInvalidArgument) << "one timing per timed call";
 }
 
 }  // namespace

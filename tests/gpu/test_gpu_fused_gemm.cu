@@ -131,12 +131,14 @@ struct Case {
   unsigned long long* d_bad = nullptr;  // [3]: see compare()
   uint64_t* d_call = nullptr;           // graph replays: the call whose inputs the graph builds
   int64_t a_rows = 0, c_rows = 0, c_elems = 0;
+  std::string path;  // FusedOptions::path ("": the tunable)
 
   Status init(int comm_ctas = -1) {
     const int W = comm->world();
     ops::FusedOptions o;
     o.deterministic = deterministic;
     o.comm_ctas = comm_ctas;
+    o.path = path;
     MK_CHECK(FusedGemm::create(comm, kind, s, o, &op));
     a_rows = kind == FusedKind::kAgGemm ? s.M / W : s.M;
     c_rows = kind == FusedKind::kGemmRs ? s.M / W : s.M;
@@ -619,6 +621,63 @@ TEST_F(Fused, ControllerRefusals) {
   ASSERT_EQ(before ? setenv("MK_FUSED_SPLIT", kept.c_str(), 1) : unsetenv("MK_FUSED_SPLIT"), 0);
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find("MK_FUSED_SPLIT='sometimes'"), std::string::npos) << s.message();
+}
+
+// The unfused path (the GEMM, then the standalone collective) and policy auto (both paths
+// timed, then one for good) against the same reference, every call. K = 64: each rank's product
+// is an integer of magnitude at most 4 * 64 = 256, exact in bf16, so the unfused path's rounding
+// of each rank's GEMM to bf16 before the sum changes nothing: bit for bit, as the fused path.
+TEST_F(Fused, UnfusedAndAutoPathsMatchReference) {
+  const int W = comm->world();
+  cudaStream_t st = comm->stream();
+  for (const char* path : {"unfused", "auto"})
+    for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {
+      Case c{comm, k, {int64_t(W) * 200, 264, 64}, false};
+      c.path = path;
+      MK_ASSERT_OK(c.init());
+      // Auto: 1 warm-up and 5 timed calls of each path, then the decision; 16 calls cover both.
+      for (int call = 0; call < 16; ++call) {
+        MK_ASSERT_OK(c.prepare(call, st));
+        MK_ASSERT_OK(c.op->run(c.args(), st));
+        MK_ASSERT_OK(comm->sync(st));
+        unsigned long long bad = 0, first = 0;
+        MK_ASSERT_OK(c.check(st, &bad, &first));
+        ASSERT_EQ(bad, 0ull) << path << " " << ops::fused_kind_name(k) << " rank " << comm->rank() << " call " << call
+                             << " (" << c.op->path() << "): " << bad << " of " << c.c_elems
+                             << " elements wrong, first at " << first;
+      }
+      const std::string said = c.op->path();
+      if (W == 1) EXPECT_EQ(said, "fused") << "one rank runs the plain GEMM";
+      else if (std::string(path) == "unfused") EXPECT_EQ(said, "unfused");
+      else EXPECT_EQ(said.rfind("auto: ", 0), 0u) << said;
+      if (W > 1 && std::string(path) == "auto") {
+        EXPECT_EQ(said.find("deciding"), std::string::npos) << said;
+        printf("[ path ] %s W %d: %s\n", ops::fused_kind_name(k), W, said.c_str());
+      }
+    }
+  // Capturing a call before auto decided is refused, with the reason (nothing is enqueued).
+  if (W > 1) {
+    Case c{comm, FusedKind::kGemmAr, {int64_t(W) * 128, 256, 64}, false};
+    c.path = "auto";
+    MK_ASSERT_OK(c.init());
+    MK_ASSERT_OK(c.prepare(0, st));
+    MK_ASSERT_OK(comm->sync(st));
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    Status s = c.op->enqueue(c.args(), st);
+    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    if (graph) cudaGraphDestroy(graph);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find("before capturing"), std::string::npos) << s.to_string();
+    MK_ASSERT_OK(comm->bootstrap().barrier());
+  }
+  // A bad path is named.
+  std::unique_ptr<FusedGemm> op;
+  ops::FusedOptions o;
+  o.path = "sometimes";
+  Status s = FusedGemm::create(comm, FusedKind::kGemmAr, {int64_t(W) * 128, 256, 256}, o, &op);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("'sometimes' is not fused, unfused or auto"), std::string::npos) << s.to_string();
 }
 
 // Bad input is the same clear error on every rank.

@@ -335,6 +335,44 @@ def main():
                     raise AssertionError(f"LSE {layout} causal={causal}: max abs err {d:.3g} > 1e-3")
         return f"max rel err {worst:.2e}"
 
+    # ---- standalone collectives: bit for bit against the documented order of the sum ------------
+    places = [None] * W  # (node, local rank) of every rank
+    dist.all_gather_object(places, (comm.node, comm.local_rank))
+
+    def ordered_sum(xs):
+        """fp32, within each node by local index, then the node partials in node order."""
+        total = None
+        for n in sorted({p[0] for p in places}):
+            members = sorted((p[1], r) for r, p in enumerate(places) if p[0] == n)
+            part = xs[members[0][1]].float().clone()
+            for _, r in members[1:]:
+                part = part + xs[r].float()
+            total = part if total is None else total + part
+        return total
+
+    @check("all_gather / reduce_scatter / all_reduce bf16 and fp32: bit-exact against the ordered sum")
+    def _():
+        for dt in (bf16, torch.float32):
+            for i, n in enumerate((8, 8 * (37 * W + 3), 8 * 4099)):
+                xs = [(torch.randn(n, generator=torch.Generator().manual_seed(1600 + 10 * i + r)) * 4).to(dt).cuda()
+                      for r in range(W)]
+                exact(f"all_gather {dt} n={n}", mkt.all_gather(xs[rank]), torch.cat(xs))
+                exact(f"all_reduce {dt} n={n}", mkt.all_reduce(xs[rank]), ordered_sum(xs).to(dt))
+                big = [torch.cat([x] * W) + r for r, x in enumerate(xs)]  # [W * n] per rank
+                exact(f"reduce_scatter {dt} n={n}", mkt.reduce_scatter(big[rank]),
+                      ordered_sum(big).to(dt)[rank * n:(rank + 1) * n])
+        xs = [gen(1650 + r, 2, 4, 16) for r in range(W)]  # along dim 1
+        exact("all_gather dim=1", mkt.all_gather(xs[rank], dim=1), torch.cat(xs, 1))
+        return "3 sizes x 2 dtypes, every element"
+
+    @check("collectives' autograd: all_gather's gradient is the reduce_scatter of the gradients")
+    def _():
+        x = gen(1700 + rank, 8 * W, 16).float().requires_grad_()
+        g = [torch.randn(8 * W * W, 16, generator=torch.Generator().manual_seed(1710 + r)).cuda() for r in range(W)]
+        (mkt.all_gather(x) * g[rank]).sum().backward()
+        exact("d x", x.grad, ordered_sum(g)[rank * 8 * W:(rank + 1) * 8 * W])
+        return "exact"
+
     # ---- errors ---------------------------------------------------------------------------------
     @check("library errors surface as MkError with the library's message")
     def _():

@@ -55,6 +55,7 @@ int main(void) {
   mk_fused_t fused = NULL;
   mk_ring_t ring = NULL;
   mk_moe_t moe = NULL;
+  mk_coll_t coll = NULL;
   int64_t rows = 0;
 
   EXPECT(mk_api_version() == MK_C_API_VERSION, "library version %d, header %d", mk_api_version(), MK_C_API_VERSION);
@@ -75,6 +76,11 @@ int main(void) {
   expect_error(mk_moe_recv_rows(NULL, &rows), MK_INVALID_ARGUMENT, "mk_moe_recv_rows", "mk_moe_recv_rows(NULL)");
   expect_error(mk_moe_dispatch(NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL), MK_INVALID_ARGUMENT,
                "mk_moe_dispatch", "mk_moe_dispatch(NULL)");
+  expect_error(mk_coll_create(NULL, 2, 0, 64, 0, 0, "", &coll), MK_INVALID_ARGUMENT, "mk_coll_create",
+               "mk_coll_create(NULL)");
+  expect_error(mk_coll_run(NULL, NULL, NULL, NULL), MK_INVALID_ARGUMENT, "mk_coll_run", "mk_coll_run(NULL)");
+  expect_error(mk_coll_in_elems(NULL, &rows), MK_INVALID_ARGUMENT, "mk_coll_in_elems", "mk_coll_in_elems(NULL)");
+  EXPECT(coll == NULL, "a failed create left a handle");
   expect_error(mk_tunable_set("no_such_setting", "1"), MK_INVALID_ARGUMENT, "no_such_setting", "an unknown tunable");
   /* Sizes from the store are checked before anything of that size is allocated. Two ranks: the
    * bootstrap reads the peer's key (a world of one reads nothing). */
@@ -88,7 +94,7 @@ int main(void) {
   EXPECT(comm == NULL, "a failed create left a handle");
   /* Destroying nothing is a no-op. */
   EXPECT(mk_comm_destroy(NULL) == MK_OK && mk_fused_destroy(NULL) == MK_OK && mk_ring_destroy(NULL) == MK_OK &&
-             mk_moe_destroy(NULL) == MK_OK,
+             mk_moe_destroy(NULL) == MK_OK && mk_coll_destroy(NULL) == MK_OK,
          "destroy(NULL) failed");
   if (failures == 0) printf("capi_c: ok (C ABI version %d)\n", mk_api_version());
   return failures == 0 ? 0 : 1;

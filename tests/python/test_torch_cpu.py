@@ -53,6 +53,9 @@ class Schemas(unittest.TestCase):
             "matmul_all_reduce": "mkernel::matmul_all_reduce(Tensor a, Tensor b, str group_name, SymInt world_size) -> Tensor",
             "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, bool causal, str layout, "
                               "float scale, str group_name) -> (Tensor, Tensor)",
+            "all_gather": "mkernel::all_gather(Tensor x, str group_name, SymInt world_size) -> Tensor",
+            "reduce_scatter": "mkernel::reduce_scatter(Tensor x, str group_name, SymInt world_size) -> Tensor",
+            "all_reduce": "mkernel::all_reduce(Tensor x, str group_name, SymInt world_size) -> Tensor",
         }
         for name, schema in want.items():
             self.assertEqual(str(getattr(torch.ops.mkernel, name).default._schema), schema)
@@ -108,6 +111,18 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual((tuple(o.shape), o.dtype), ((2, 64, 8, 128), bf16))
         self.assertEqual((tuple(lse.shape), lse.dtype), ((2, 8, 64), torch.float32))
 
+    def test_collectives(self):
+        g = mkt.all_gather(meta(6, 8, dtype=torch.float32))
+        self.assertEqual((tuple(g.shape), g.dtype), ((24, 8), torch.float32))
+        g = mkt.all_gather(meta(2, 3, 16), dim=1)  # [B, S/W, H] -> [B, S, H]
+        self.assertEqual(tuple(g.shape), (2, 12, 16))
+        r = mkt.reduce_scatter(meta(32, 8))
+        self.assertEqual((tuple(r.shape), r.dtype), ((8, 8), bf16))
+        r = mkt.reduce_scatter(meta(2, 8, 16), dim=-2)
+        self.assertEqual(tuple(r.shape), (2, 2, 16))
+        a = mkt.all_reduce(meta(5, 8, dtype=torch.float32))
+        self.assertEqual((tuple(a.shape), a.dtype), ((5, 8), torch.float32))
+
     def test_bad_inputs_raise_mkerror(self):
         cases = [
             lambda: mkt.all_gather_matmul(meta(8, 64, dtype=torch.float16), meta(64, 32)),   # dtype
@@ -117,6 +132,11 @@ class FakeShapes(unittest.TestCase):
             lambda: mkt.matmul_reduce_scatter(meta(8, 64), meta(64, 32), reduce_op="avg"),  # unsupported
             lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), layout="striped"),
             lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 4, 2, 64), meta(1, 4, 2, 64)),
+            lambda: mkt.all_gather(meta(8, 8, dtype=torch.float16)),                         # dtype
+            lambda: mkt.all_reduce(meta(3, 5)),                                              # 15 elements
+            lambda: mkt.reduce_scatter(meta(6, 8)),                                          # 6 rows over 4
+            lambda: mkt.reduce_scatter(meta(4, 6)),                                          # 6 per rank
+            lambda: mkt.all_reduce(meta(8, 8), reduce_op="max"),                             # unsupported
         ]
         for i, case in enumerate(cases):
             with self.subTest(case=i), self.assertRaises(mkernel.MkError) as cm:
@@ -173,6 +193,23 @@ class FakeShapes(unittest.TestCase):
         calls, grads = self._backward_graph(lambda x, w: mkt.matmul_all_reduce(x, w), (16, 32), (32, 8))
         self.assertEqual([c[0] for c in calls], ["mkernel.matmul_all_reduce.default"])
         self.assertEqual(grads, [(16, 32), (32, 8)])
+
+    def test_collective_backwards_are_their_adjoints(self):
+        """Traced forward + backward: all_gather's backward is one reduce_scatter of the gradient,
+        reduce_scatter's one all_gather, all_reduce's one all_reduce — with the group and its size."""
+        name = self.name
+        for op, back, shape, grad in (
+                (mkt.all_gather, "mkernel.reduce_scatter.default", (8, 16), (8 * W, 16)),
+                (mkt.reduce_scatter, "mkernel.all_gather.default", (8 * W, 16), (8, 16)),
+                (mkt.all_reduce, "mkernel.all_reduce.default", (8, 16), (8, 16))):
+            with self.subTest(op=op.__name__):
+                calls, grads = self._backward_graph(op, shape)
+                self.assertEqual(len(calls), 2)
+                self.assertEqual(calls[0][0], f"mkernel.{op.__name__}.default")
+                self.assertEqual(calls[1][0], back)
+                self.assertEqual(calls[1][1][1:], (name, W))
+                self.assertEqual(tuple(calls[1][1][0].meta["val"].shape), grad)  # the output gradient
+                self.assertEqual(grads, [shape])
 
     def test_autograd_wiring(self):
         """Forward and backward on meta tensors: gradients of every input, of the right shapes

@@ -362,21 +362,25 @@ Status Baselines::gemm(const void* A, const void* B, void* C, int64_t M, int64_t
   return blas_gemm(m, A, B, C, M, N, K, 1, 0, 0);
 }
 
-Status Baselines::collective(Coll c, const void* send, void* recv, size_t recv_elems, cudaStream_t stream) {
+Status Baselines::collective(Coll c, const void* send, void* recv, size_t recv_elems, cudaStream_t stream,
+                             DType dtype) {
   Impl& m = *impl_;
   MK_CHECK(check_device(m, "collective"));
   MK_REQUIRE(send != nullptr && recv != nullptr, Code::kInvalidArgument, "collective: send and recv must be non-null");
+  MK_REQUIRE(dtype == DType::kBF16 || dtype == DType::kF32, Code::kInvalidArgument, "collective: unknown dtype %d",
+             int(dtype));
+  const ncclDataType_t t = dtype == DType::kF32 ? ncclFloat32 : ncclBfloat16;
   switch (c) {
     case Coll::kAllGather:
       MK_REQUIRE(recv_elems % size_t(m.world) == 0, Code::kInvalidArgument,
                  "collective: allgather of %zu elements does not split evenly over W = %d ranks", recv_elems, m.world);
-      MK_NCCL_CHECK(ncclAllGather(send, recv, recv_elems / size_t(m.world), ncclBfloat16, m.comm, stream));
+      MK_NCCL_CHECK(ncclAllGather(send, recv, recv_elems / size_t(m.world), t, m.comm, stream));
       return OkStatus();
     case Coll::kReduceScatter:
-      MK_NCCL_CHECK(ncclReduceScatter(send, recv, recv_elems, ncclBfloat16, ncclSum, m.comm, stream));
+      MK_NCCL_CHECK(ncclReduceScatter(send, recv, recv_elems, t, ncclSum, m.comm, stream));
       return OkStatus();
     case Coll::kAllReduce:
-      MK_NCCL_CHECK(ncclAllReduce(send, recv, recv_elems, ncclBfloat16, ncclSum, m.comm, stream));
+      MK_NCCL_CHECK(ncclAllReduce(send, recv, recv_elems, t, ncclSum, m.comm, stream));
       return OkStatus();
   }
   return make_status(Code::kInvalidArgument, "collective: unknown kind %d", int(c));

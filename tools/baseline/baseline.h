@@ -1,7 +1,8 @@
 // mkernel — the baselines the fused operators are judged against: cuBLAS then NCCL
 // (chunks == 1), and cuBLAS + NCCL pipelined in row chunks on two internal streams (chunks > 1).
-// bf16 in and out, fp32 accumulation in cuBLAS, bf16 sums in NCCL. Row-major throughout,
-// B in the weight layout [N, K]. W = world size, Ms = M / W rows per shard, rc = Ms / chunks.
+// bf16 in and out (collective(): fp32 too), fp32 accumulation in cuBLAS, sums in NCCL in the data
+// type. Row-major throughout, B in the weight layout [N, K]. W = world size, Ms = M / W rows per
+// shard, rc = Ms / chunks.
 //
 // Stream contract: every call is ordered after earlier work on `stream`, and later work on
 // `stream` sees its results (the internal compute and comm streams fork from and join `stream`
@@ -72,10 +73,12 @@ class Baselines {
   // cuBLAS C[M, N] = A[M, K] · B[N, K]ᵀ.
   Status gemm(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, cudaStream_t stream);
   enum class Coll { kAllGather, kReduceScatter, kAllReduce };
-  // One bf16 collective, counts as NCCL's with recv_elems the receive count per rank:
-  // kAllGather sends recv_elems / W; kReduceScatter sends W * recv_elems; kAllReduce sends
-  // recv_elems (send == recv is in place).
-  Status collective(Coll c, const void* send, void* recv, size_t recv_elems, cudaStream_t stream);
+  enum class DType { kBF16, kF32 };  // NCCL's ncclBfloat16 / ncclFloat32
+  // One collective (sum for the reductions, in `dtype` as NCCL does them), counts as NCCL's with
+  // recv_elems the receive count per rank: kAllGather sends recv_elems / W; kReduceScatter sends
+  // W * recv_elems; kAllReduce sends recv_elems (send == recv is in place).
+  Status collective(Coll c, const void* send, void* recv, size_t recv_elems, cudaStream_t stream,
+                    DType dtype = DType::kBF16);
 
   // All-to-all-v of bf16 rows (row_elems elements each): to every rank r the send_rows[r] rows
   // at row send_off[r] of `send`, from every rank s recv_rows[s] rows into row recv_off[s] of

@@ -88,6 +88,7 @@ std::string string_or_default(const std::string& name);
   INT_(fused_comm_ctas)                      \
   STRING_(fused_route)                       \
   STRING_(fused_split)                       \
+  STRING_(fused_path)                        \
   STRING_(split_memory_file)                 \
   INT_(ring_comm_ctas)                       \
   INT_(moe_comm_ctas)                        \

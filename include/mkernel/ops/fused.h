@@ -53,6 +53,10 @@ struct FusedOptions {
   int comm_ctas = -1;
   int max_ctas = 0;            // persistent grid; 0: every co-resident CTA
   std::string staging;         // network staging "auto" | "always" | "never"; "": tunable net_staging
+  // "fused" (one persistent kernel), "unfused" (the GEMM, then the standalone collective of
+  // ops/collective.h), or "auto" (both timed on the first calls, then the faster one for good:
+  // the ranks decide together; docs/controller.md). "": tunable fused_path.
+  std::string path;
 };
 
 struct FusedArgs {
@@ -109,9 +113,13 @@ class FusedGemm {
   // AG: the gathered A [M, K] (valid after a call completes). With one rank it is the caller's A
   // of the last call (nothing is gathered, nothing copied).
   const void* gathered_a() const;
+  // The path calls take: "fused", "unfused", "auto: deciding (call 3 of 12)", "auto: unfused
+  // (fused 1.20 ms, unfused 0.95 ms, the slowest rank's medians)", "auto: fused (remembered)".
+  std::string path() const;
 
  private:
   FusedGemm() = default;
+  Status enqueue_fused(const FusedArgs& args, cudaStream_t stream);
   // Tests reach the plan and the controller's hooks through src/ops/fused_gemm/fused_gemm_testing.h
   // (not installed).
   friend struct FusedGemmTesting;

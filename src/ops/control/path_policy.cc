@@ -1,8 +1,9 @@
-// mkernel — policy "auto" (path_policy.h).
+// mkernel — the path policy of a fused operator (path_policy.h).
 #include "src/ops/control/path_policy.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/log.h"
@@ -11,77 +12,93 @@ namespace mk {
 namespace ops {
 
 const char* path_name(Path p) { return p == Path::kFused ? "fused" : "unfused"; }
+const char* path_mode_name(PathMode m) {
+  return m == PathMode::kFused ? "fused" : m == PathMode::kUnfused ? "unfused" : "auto";
+}
+Status parse_path_mode(const std::string& s, PathMode* out) {
+  if (s == "fused") *out = PathMode::kFused;
+  else if (s == "unfused") *out = PathMode::kUnfused;
+  else if (s == "auto") *out = PathMode::kAuto;
+  else return make_status(Code::kInvalidArgument, "path '%s' is not fused, unfused or auto", s.c_str());
+  return OkStatus();
+}
 
-double PathChooser::median(std::vector<double> v) {
+PathPolicy::PathPolicy(PathMode mode, PathPolicyConfig cfg) : mode_(mode), cfg_(cfg) {
+  cfg_.warmup = std::max(cfg_.warmup, 0);
+  cfg_.trials = std::max(cfg_.trials, 1);
+}
+
+double PathPolicy::median_of(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-Path PathChooser::next(const std::string& key, bool* timed) {
-  std::lock_guard<std::mutex> g(mu_);
-  Entry& e = entries_[key];
-  *timed = false;
-  if (e.decided) return e.choice;
-  // Warm-up: each path cfg_.warmup times (fused first); then alternate, fused first, each
-  // timed until it has asked for cfg_.trials timings; past that (timings still on their way)
-  // keep alternating, untimed.
-  const int warm = std::max(cfg_.warmup, 0);
-  Path p;
-  if (e.issued[0] < warm) {
-    p = Path::kFused;
-  } else if (e.issued[1] < warm) {
-    p = Path::kUnfused;
-  } else {
-    p = e.issued[0] <= e.issued[1] ? Path::kFused : Path::kUnfused;
-    const int i = static_cast<int>(p);
-    if (e.timed_asked[i] < std::max(cfg_.trials, 1)) {
-      ++e.timed_asked[i];
-      *timed = true;
-    }
+PathPolicy::Call PathPolicy::next() {
+  Call c;
+  if (mode_ == PathMode::kFused || mode_ == PathMode::kUnfused || decided_) {
+    c.path = mode_ == PathMode::kUnfused ? Path::kUnfused : mode_ == PathMode::kFused ? Path::kFused : choice_;
+    ++calls_;
+    return c;
   }
-  ++e.issued[static_cast<int>(p)];
-  return p;
+  // Warm-up (fused, then unfused), then alternating timed calls, fused first; then decide.
+  const int w = cfg_.warmup, t = cfg_.trials;
+  if (calls_ < w) {
+    c.path = Path::kFused;
+  } else if (calls_ < 2 * w) {
+    c.path = Path::kUnfused;
+  } else if (calls_ < 2 * w + 2 * t) {
+    c.path = (calls_ - 2 * w) % 2 == 0 ? Path::kFused : Path::kUnfused;
+    c.timed = true;
+    ++timed_[int(c.path)];
+  } else {
+    c.decide_before = true;
+    return c;
+  }
+  ++calls_;
+  return c;
 }
 
-Status PathChooser::report(const std::string& key, Path p, double ms) {
-  MK_REQUIRE(std::isfinite(ms) && ms > 0, Code::kInvalidArgument, "policy auto: time %g ms for '%s' (must be > 0)",
-             ms, key.c_str());
-  std::lock_guard<std::mutex> g(mu_);
-  auto it = entries_.find(key);
-  MK_REQUIRE(it != entries_.end(), Code::kInvalidArgument, "policy auto: a time for '%s', which never ran",
-             key.c_str());
-  Entry& e = it->second;
-  const int i = static_cast<int>(p);
-  MK_REQUIRE(static_cast<int>(e.ms[i].size()) < e.timed_asked[i], Code::kInvalidArgument,
-             "policy auto: more %s times for '%s' than timed calls (%d)", path_name(p), key.c_str(),
-             e.timed_asked[i]);
-  e.ms[i].push_back(ms);
-  const size_t want = static_cast<size_t>(std::max(cfg_.trials, 1));
-  if (!e.decided && e.ms[0].size() >= want && e.ms[1].size() >= want) {
-    const double f = median(e.ms[0]), u = median(e.ms[1]);
-    e.choice = u < f ? Path::kUnfused : Path::kFused;
-    e.decided = true;
-    MK_INFO(kSubsysTune, "policy auto: %s -> %s (median fused %.4f ms, unfused %.4f ms over %zu calls each)",
-            key.c_str(), path_name(e.choice), f, u, want);
-  }
+Status PathPolicy::report(Path p, double ms) {
+  MK_REQUIRE(std::isfinite(ms) && ms > 0, Code::kInvalidArgument, "path policy: a time of %g ms (must be > 0)", ms);
+  const int i = int(p);
+  MK_REQUIRE(int(ms_[i].size()) < timed_[i], Code::kInvalidArgument,
+             "path policy: more %s times than timed calls (%d)", path_name(p), timed_[i]);
+  ms_[i].push_back(ms);
   return OkStatus();
 }
 
-bool PathChooser::decided(const std::string& key, Path* p) const {
-  std::lock_guard<std::mutex> g(mu_);
-  auto it = entries_.find(key);
-  if (it == entries_.end() || !it->second.decided) return false;
-  *p = it->second.choice;
-  return true;
+double PathPolicy::median(Path p) const { return median_of(ms_[int(p)]); }
+
+void PathPolicy::decide(const std::vector<double>& fused_ms, const std::vector<double>& unfused_ms) {
+  double f = 0, u = 0;
+  bool missing = fused_ms.empty() || unfused_ms.empty();
+  for (double v : fused_ms) missing |= !(v > 0), f = std::max(f, v);
+  for (double v : unfused_ms) missing |= !(v > 0), u = std::max(u, v);
+  choice_ = !missing && u < f ? Path::kUnfused : Path::kFused;
+  ms_at_decision_[0] = f;
+  ms_at_decision_[1] = u;
+  decided_ = true;
 }
 
-void PathChooser::medians(const std::string& key, double* fused_ms, double* unfused_ms) const {
-  std::lock_guard<std::mutex> g(mu_);
-  auto it = entries_.find(key);
-  *fused_ms = it == entries_.end() ? 0 : median(it->second.ms[0]);
-  *unfused_ms = it == entries_.end() ? 0 : median(it->second.ms[1]);
+void PathPolicy::preset(Path p) {
+  choice_ = p;
+  decided_ = true;
+  preset_ = true;
+}
+
+std::string PathPolicy::describe() const {
+  if (mode_ != PathMode::kAuto) return path_mode_name(mode_);
+  char b[200];
+  if (!decided_)
+    snprintf(b, sizeof b, "auto: deciding (call %d of %d)", calls_, 2 * cfg_.warmup + 2 * cfg_.trials);
+  else if (preset_)
+    snprintf(b, sizeof b, "auto: %s (remembered)", path_name(choice_));
+  else
+    snprintf(b, sizeof b, "auto: %s (fused %.4f ms, unfused %.4f ms, the slowest rank's medians)", path_name(choice_),
+             ms_at_decision_[0], ms_at_decision_[1]);
+  return b;
 }
 
 }  // namespace ops

@@ -4,7 +4,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "mkernel/common/check.h"
@@ -15,6 +18,9 @@
 #include "mkernel/runtime/communicator.h"
 #include "src/gemm/fused_launch.h"
 #include "src/comm/session.h"
+#include "src/common/deadline.h"
+#include "mkernel/ops/collective.h"
+#include "src/ops/control/path_policy.h"
 #include "src/ops/control/split_controller.h"
 #include "src/ops/control/split_memory.h"
 #include "src/ops/fused_gemm/fused_gemm_testing.h"
@@ -39,6 +45,22 @@ struct FusedState {
   // The SM-partition controller (fused_split=auto and no comm_ctas option), on until
   // set_comm_ctas fixes a count.
   SplitController split;
+  // The path of each call (FusedOptions::path / fused_path) and, unless always fused, the
+  // unfused path's collective (W > 1).
+  PathPolicy policy;
+  std::unique_ptr<Collective> coll;
+  std::string path_key;  // SplitMemory key of the path auto chose
+  struct Timing {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    Path path = Path::kFused;
+  };
+  std::vector<Timing> timings;  // auto: the timed calls (events read once the trials are in)
+  ~FusedState() {
+    for (auto& t : timings) {
+      if (t.start) cudaEventDestroy(t.start);
+      if (t.stop) cudaEventDestroy(t.stop);
+    }
+  }
 };
 
 namespace {
@@ -46,13 +68,43 @@ namespace {
 struct Request {
   int32_t kind, deterministic;
   int64_t M, N, K;
+  int32_t path, pad;
 };
 
 std::string describe_request(const Request& r) {
-  char b[160];
-  snprintf(b, sizeof b, "%s (M %lld, N %lld, K %lld%s)", fused_kind_name(FusedKind(r.kind)), (long long)r.M,
-           (long long)r.N, (long long)r.K, r.deterministic ? ", deterministic" : "");
+  char b[200];
+  snprintf(b, sizeof b, "%s (M %lld, N %lld, K %lld%s, path %s)", fused_kind_name(FusedKind(r.kind)), (long long)r.M,
+           (long long)r.N, (long long)r.K, r.deterministic ? ", deterministic" : "", path_mode_name(PathMode(r.path)));
   return b;
+}
+
+// The unfused path's collective: AG all-gathers the A shards, RS/AR reduce the GEMM's [M, N].
+Status create_unfused(Communicator* comm, FusedState* st) {
+  const int64_t W = comm->world(), M = st->shape.M, N = st->shape.N, K = st->shape.K;
+  CollectiveOptions o;
+  o.staging = st->opt.staging;
+  switch (st->kind) {
+    case FusedKind::kAgGemm:
+      return Collective::create(comm, CollectiveKind::kAllGather, M / W * K, CollDType::kBF16, o, &st->coll);
+    case FusedKind::kGemmRs:
+      return Collective::create(comm, CollectiveKind::kReduceScatter, M / W * N, CollDType::kBF16, o, &st->coll);
+    case FusedKind::kGemmAr:
+      return Collective::create(comm, CollectiveKind::kAllReduce, M * N, CollDType::kBF16, o, &st->coll);
+  }
+  return make_status(Code::kInternal, "fused: unknown kind");
+}
+
+// Auto: a path remembered for this key on every rank (SplitMemory's file) is taken at once; the
+// ranks agree on it (a host collective at create), else they learn it again.
+Status preset_path(Communicator* comm, FusedState* st) {
+  int mine = 0;
+  SplitMemory::process().lookup(st->path_key, &mine);
+  std::vector<int32_t> all(size_t(comm->world()), 0);
+  const int32_t m32 = mine;
+  MK_CHECK(comm->bootstrap().allgather(&m32, all.data(), sizeof m32));
+  const bool same = std::all_of(all.begin(), all.end(), [&](int32_t v) { return v == all[0]; });
+  if (same && (all[0] == 1 || all[0] == 2)) st->policy.preset(all[0] == 2 ? Path::kUnfused : Path::kFused);
+  return OkStatus();
 }
 
 // The rank's plan as device arrays: the program through the session's resolver, then the GEMM's
@@ -136,7 +188,14 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
                          std::unique_ptr<FusedGemm>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "fused: null communicator or output");
   const char* name = fused_kind_name(kind);
-  Request req{int32_t(kind), opt.deterministic ? 1 : 0, shape.M, shape.N, shape.K};
+  PathMode mode = PathMode::kFused;
+  {
+    const std::string path = opt.path.empty() ? tunables::fused_path() : opt.path;
+    Status ps = parse_path_mode(path, &mode);
+    MK_REQUIRE(ps.ok(), Code::kInvalidArgument, "%s: %s (%s)", name, ps.message().c_str(),
+               opt.path.empty() ? "tunable fused_path, MK_FUSED_PATH" : "FusedOptions::path");
+  }
+  Request req{int32_t(kind), opt.deterministic ? 1 : 0, shape.M, shape.N, shape.K, int32_t(mode), 0};
   MK_CHECK(comm::agree_on_request(comm->bootstrap(), req, name, describe_request));
   std::unique_ptr<FusedGemm> op(new FusedGemm());
   op->st_ = std::make_unique<FusedState>();
@@ -174,6 +233,15 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
     MK_CHECK(build_plan(kind, shape, comm::layout_of(comm->topology()), opt.deterministic, &st->plan, true));
   MK_CHECK(st->session->setup(st->plan));
   MK_CHECK(agree(comm->bootstrap(), resolve(st), std::string(name) + " plan"));
+  st->policy = PathPolicy(comm->world() > 1 ? mode : PathMode::kFused);
+  if (st->policy.mode() != PathMode::kFused) {
+    MK_CHECK(create_unfused(comm, st));
+    if (st->policy.mode() == PathMode::kAuto) {
+      st->path_key = "path " + split_key(name, shape.M, shape.N, shape.K, comm->world(), comm->topology().num_nodes,
+                                         st->session->networked() ? st->session->net_name() : "nvlink", comm->rank());
+      MK_CHECK(preset_path(comm, st));
+    }
+  }
   MK_CHECK(comm->bootstrap().barrier());
   MK_TRACE(kSubsysInit, "%s", describe(st->plan, comm->rank()).c_str());
   *out = std::move(op);
@@ -190,8 +258,12 @@ Status FusedGemm::destroy() {
   if (!st || !st->session) return OkStatus();
   // The last call's split, from the device state while it still exists (the calls done first).
   st->split.finish(st->session->alive());
-  return st->session->destroy();
+  Status first = st->coll ? st->coll->destroy() : OkStatus();
+  Status s = st->session->destroy();
+  return first.ok() ? s : first;
 }
+
+std::string FusedGemm::path() const { return st_->policy.describe(); }
 
 FusedKind FusedGemm::kind() const { return st_->kind; }
 const Plan& FusedGemmTesting::plan(const FusedGemm& op) { return op.st_->plan; }
@@ -259,10 +331,100 @@ Status FusedGemm::run(const FusedArgs& a, cudaStream_t stream) {
   return enqueue(a, stream);
 }
 
+namespace {
+
+// The unfused path: the GEMM, then the standalone collective (AG: the collective first). Its
+// workspaces: AG gathers into the operator's gathered A (gathered_a() stays valid); RS and AR
+// compute into the collective's input workspace (no copy in), RS scatters into C, AR copies the
+// result out of its output workspace into C.
+Status enqueue_unfused(FusedState* st, const FusedArgs& a, cudaStream_t stream) {
+  gemm::Arguments g;
+  g.M = st->shape.M, g.N = st->shape.N, g.K = st->shape.K;
+  g.B = a.B;
+  gemm::RunConfig cfg;
+  cfg.max_ctas = st->opt.max_ctas;
+  if (st->kind == FusedKind::kAgGemm) {
+    void* full = st->session->local(Buf::kAFull);
+    MK_CHECK(st->coll->enqueue({a.A, full}, stream));
+    g.A = full;
+    g.C = a.C;
+    return gemm::run(g, stream, cfg);
+  }
+  g.A = a.A;
+  g.C = st->coll->input();
+  MK_CHECK(gemm::run(g, stream, cfg));
+  return st->coll->enqueue({st->coll->input(), a.C}, stream);
+}
+
+// Auto, once the trials are in: this rank's timed calls read (bounded: their kernels' waits
+// are), every rank's medians exchanged, the same decision on every rank, remembered.
+Status decide_path(FusedState* st) {
+  Communicator* comm = st->session->comm();
+  const auto deadline = deadline_after_ms(device_setup_timeout_ms());
+  for (auto& t : st->timings) {
+    cudaError_t e;
+    while ((e = cudaEventQuery(t.stop)) == cudaErrorNotReady) {
+      MK_REQUIRE(std::chrono::steady_clock::now() < deadline, Code::kTimeout, "%s: policy auto: the timed calls did not complete within %lld ms",
+                 fused_kind_name(st->kind), (long long)device_setup_timeout_ms());
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    MK_CUDA_CHECK(e);
+    float ms = 0;
+    MK_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
+    MK_CHECK(st->policy.report(t.path, double(ms)));
+  }
+  const int W = comm->world();
+  const double mine[2] = {st->policy.median(Path::kFused), st->policy.median(Path::kUnfused)};
+  std::vector<double> all(size_t(2 * W));
+  MK_CHECK(comm->bootstrap().allgather(mine, all.data(), sizeof mine));
+  std::vector<double> f(W), u(W);
+  for (int q = 0; q < W; ++q) f[q] = all[2 * q], u[q] = all[2 * q + 1];
+  st->policy.decide(f, u);
+  MK_INFO(kSubsysTune, "%s: policy %s", fused_kind_name(st->kind), st->policy.describe().c_str());
+  const Status rs = SplitMemory::process().record(st->path_key, st->policy.choice() == Path::kUnfused ? 2 : 1);
+  if (!rs.ok()) MK_WARN(kSubsysTune, "%s: remembering the path: %s", fused_kind_name(st->kind), rs.to_string().c_str());
+  return OkStatus();
+}
+
+}  // namespace
+
 Status FusedGemm::enqueue(const FusedArgs& a, cudaStream_t stream) {
   FusedState* st = st_.get();
   MK_CHECK(can_implement(a));
   MK_CHECK(st->session->check_call());
+  if (st->session->comm()->world() > 1 && st->policy.mode() != PathMode::kFused) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    MK_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
+    MK_REQUIRE(cap == cudaStreamCaptureStatusNone || st->policy.settled(), Code::kInvalidArgument,
+               "%s: policy auto has not chosen a path yet (%s): run the calls it times outside CUDA graph capture, "
+               "on every rank, before capturing",
+               fused_kind_name(st->kind), st->policy.describe().c_str());
+    PathPolicy::Call c = st->policy.next();
+    if (c.decide_before) {
+      MK_CHECK(decide_path(st));
+      c = st->policy.next();
+    }
+    FusedState::Timing t;
+    if (c.timed) {
+      // Kept in the state at once (destroyed with it, whatever fails next).
+      st->timings.emplace_back();
+      FusedState::Timing& k = st->timings.back();
+      k.path = c.path;
+      MK_CUDA_CHECK(cudaEventCreate(&k.start));
+      MK_CUDA_CHECK(cudaEventCreate(&k.stop));
+      t = k;
+      MK_CUDA_CHECK(cudaEventRecord(t.start, stream));
+    }
+    if (c.path == Path::kUnfused) MK_CHECK(enqueue_unfused(st, a, stream));
+    else MK_CHECK(enqueue_fused(a, stream));
+    if (c.timed) MK_CUDA_CHECK(cudaEventRecord(t.stop, stream));
+    return OkStatus();
+  }
+  return enqueue_fused(a, stream);
+}
+
+Status FusedGemm::enqueue_fused(const FusedArgs& a, cudaStream_t stream) {
+  FusedState* st = st_.get();
   if (st->session->comm()->world() == 1) {
     // One rank: there is nothing to communicate; the plain GEMM writes C (AG also keeps the
     // "gathered" A, which is A itself).

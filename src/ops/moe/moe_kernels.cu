@@ -10,6 +10,7 @@
 #include "mkernel/device/epoch.cuh"
 #include "mkernel/device/signal.cuh"
 #include "src/comm/executor.cuh"
+#include "src/comm/runner.cuh"
 #include "src/ops/moe/moe_plan.h"
 #include "src/ops/moe/moe_program.h"
 
@@ -18,7 +19,6 @@ namespace ops {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kRunnerThreads = 256;
 constexpr int64_t kMaxGrid = 65536;  // CTAs of the per-token / per-row kernels (grid-stride past it)
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -333,13 +333,8 @@ __global__ void __launch_bounds__(kThreads) pack(MoeLaunch l, const char* x) {
   }
 }
 
-// ---- the program: communication CTAs take ops in order until none is left.
-__global__ void __launch_bounds__(kRunnerThreads) runner(comm::DeviceProgram h) {
-  const uint64_t epoch = device::epoch_of_call(h.epoch);
-  comm::for_each_op_in_order<kRunnerThreads, 1>(
-      h, int(threadIdx.x), [&](int op) { comm::run_comm_op<kRunnerThreads, 1>(h, op, int(threadIdx.x), epoch); });
-  device::epoch_finish(h.epoch, gridDim.x);
-}
+// ---- the program: communication CTAs take ops in order until none is left (comm::run_program,
+// src/comm/runner.cuh).
 
 // The epoch of the call whose runner just finished (the runner advanced it at its end).
 __device__ __forceinline__ uint64_t epoch_after_runner(const comm::DeviceProgram& h) {
@@ -605,14 +600,6 @@ __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char*
   }
 }
 
-Status run_program(const comm::DeviceProgram& h, int ctas, cudaStream_t stream) {
-  if (h.n_ops <= 0) return OkStatus();
-  MK_CUDA_CHECK(cudaMemsetAsync(h.op_counter, 0, sizeof(int), stream));
-  runner<<<ctas, kRunnerThreads, 0, stream>>>(h);
-  MK_CUDA_CHECK(cudaGetLastError());
-  return OkStatus();
-}
-
 }  // namespace
 
 namespace {
@@ -640,7 +627,7 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x));
   MK_CUDA_CHECK(cudaGetLastError());
-  MK_CHECK(run_program(l.dispatch_program, l.comm_ctas, stream));
+  MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
   if (l.hier) {
     const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
     repack<<<dim3(gx, l.nodes), kThreads, 0, stream>>>(l);
@@ -658,7 +645,7 @@ Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStre
   const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
   combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y));
   MK_CUDA_CHECK(cudaGetLastError());
-  MK_CHECK(run_program(l.combine_program, l.comm_ctas, stream));
+  MK_CHECK(comm::run_program(l.combine_program, l.comm_ctas, stream));
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), static_cast<char*>(out));
   MK_CUDA_CHECK(cudaGetLastError());

@@ -1,0 +1,38 @@
+// mkernel — a communication program run alone: the kernel whose CTAs all take the program's ops
+// in order until none is left (executor.cuh), for operators with no compute role (standalone
+// collectives, MoE's dispatch and combine). The last CTA advances the call's epoch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/common/status.h"
+#include "mkernel/device/epoch.cuh"
+#include "src/comm/device_program.h"
+#include "src/comm/executor.cuh"
+
+namespace mk {
+namespace comm {
+
+constexpr int kRunnerThreads = 256;
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) program_runner(DeviceProgram h) {
+  const uint64_t epoch = device::epoch_of_call(h.epoch);
+  for_each_op_in_order<kThreads, 1>(h, int(threadIdx.x),
+                                    [&](int op) { run_comm_op<kThreads, 1>(h, op, int(threadIdx.x), epoch); });
+  device::epoch_finish(h.epoch, gridDim.x);
+}
+
+// Enqueues one call of program h on `ctas` CTAs (its op counter zeroed first). Nothing when the
+// program has no op.
+inline Status run_program(const DeviceProgram& h, int ctas, cudaStream_t stream) {
+  if (h.n_ops <= 0) return OkStatus();
+  MK_CUDA_CHECK(cudaMemsetAsync(h.op_counter, 0, sizeof(int), stream));
+  program_runner<kRunnerThreads><<<ctas, kRunnerThreads, 0, stream>>>(h);
+  MK_CUDA_CHECK(cudaGetLastError());
+  return OkStatus();
+}
+
+}  // namespace comm
+}  // namespace mk
