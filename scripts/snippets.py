@@ -101,6 +101,8 @@ def cli(mkernel):
                             (["bench", "reduce_scatter", "--count", "100"], 2, "multiple of 8"),
                             (["bench", "allreduce", "--ctas", "0"], 2, "--ctas"),
                             (["bench", "gemm_ar", "--dtype", "fp32"], 2, "only bf16"),
+                            (["bench", "gemm_ar", "--path", "sometimes"], 2, "fused, unfused or auto"),
+                            (["bench", "allreduce", "--path", "auto"], 2, "does not apply"),
                             (["selfcheck", "--bogus"], 2, "--bogus"),
                             (["doctor", "--foo"], 2, "unexpected argument"),
                             (["doctor", "extra"], 2, "unexpected argument"),

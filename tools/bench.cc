@@ -1,6 +1,6 @@
 // `mkernel bench <op>`: the fused operators against their unfused baselines on the local GPUs.
 //
-//   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K | --sweep] [--deterministic]
+//   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K | --sweep] [--deterministic] [--path P]
 //                                             [--splits] [--reps R] [--warmup U] [--json FILE]
 //                                             [--trace PREFIX [--trace-calls N]]
 //   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
@@ -54,6 +54,7 @@ struct BenchArgs {
   std::vector<int64_t> seqs;
   bool causal = true;
   bool sweep = false, deterministic = false, splits = false;
+  std::string path;  // --path (fused operators)
   int trace_calls = 0;  // --trace-calls (fused operators; 0: not given, 10 consecutive calls)
   std::vector<std::string> presets;  // moe_dispatch, moe_layer (checked against the operator's list after parsing)
   int64_t tokens = 0;
@@ -114,6 +115,13 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       ok = ar.value(&b->trace);
     } else if (a == "--trace-calls") {
       ok = ar.int_value(1, 1000, &b->trace_calls);
+      b->fused_only.push_back(a);
+    } else if (a == "--path") {
+      ok = ar.value(&b->path);
+      if (ok && b->path != "fused" && b->path != "unfused" && b->path != "auto") {
+        *err = "--path '" + b->path + "': fused, unfused or auto";
+        return false;
+      }
       b->fused_only.push_back(a);
     } else if (a == "--sweep" || a == "--deterministic" || a == "--splits") {
       ok = ar.no_value();
@@ -325,6 +333,7 @@ int bench(const std::vector<std::string>& args) {
     fo.sweep = ba.sweep;
     fo.deterministic = ba.deterministic;
     fo.splits = ba.splits;
+    fo.path = ba.path;
     fo.trace = ba.trace;
     if (ba.trace_calls) fo.trace_calls = ba.trace_calls;
     rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k, fo);

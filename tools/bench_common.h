@@ -297,6 +297,7 @@ struct FusedBenchOpts {
   bool splits = false;         // --splits: static splits {1..32} against the SM-partition controller
   std::string trace;           // --trace PREFIX: traced calls per shape and rank
   int trace_calls = 10;        // --trace-calls: how many consecutive calls are traced
+  std::string path;            // --path fused|unfused|auto ("": the tunable fused_path)
 };
 int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o);
 

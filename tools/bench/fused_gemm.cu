@@ -61,7 +61,25 @@ struct Row {
   double ctl = 0;
   int ctl_split = 0;
   int default_split = 0;
+  // --path: the path the timed calls took and why (FusedGemm::path()), "fused" by default.
+  std::string path = "fused";
 };
+
+// The unfused path's reference (RS/AR): every rank's product rounded to bf16 (as the GEMM writes
+// it into the collective's workspace), summed in fp32 in the collective's order — by local index
+// within each node, then the node partials in node order — and rounded once.
+__global__ void accumulate_bf16(float* acc, const __nv_bfloat16* v, int64_t n, int first) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    acc[i] = first ? __bfloat162float(v[i]) : __fadd_rn(acc[i], __bfloat162float(v[i]));
+}
+__global__ void accumulate_f32(float* acc, const float* v, int64_t n, int first) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    acc[i] = first ? v[i] : __fadd_rn(acc[i], v[i]);
+}
+__global__ void round_bf16(const float* v, __nv_bfloat16* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(v[i]);
+}
 
 // Rank 0's traced calls, summarized per call: what a tile costs and where the kernel's time goes
 // (tools/trace_report.py breaks down every rank's calls from the tables).
@@ -175,6 +193,35 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
     return CLI_CUDA(comm, fill_fused_inputs(kind, M, N, K, W, me, ints, A.bf(), B.bf(), Aref.bf(), Bref.bf(), st));
   };
   gemm::Arguments ref;
+  // --path unfused or auto (RS/AR): the unfused path rounds each rank's product to bf16 before the
+  // sum, so its result has a reference of its own (Cref_u); AG's unfused path is the same GEMM.
+  const std::string mode = op->path();
+  const bool unfused_ref = W > 1 && kind != FusedKind::kAgGemm && mode != "fused";
+  Buf Cref_u, prod, part, total;
+  auto unfused_reference = [&]() -> Status {
+    const int64_t n = M * N;
+    MK_CHECK(CLI_CUDA(comm, Cref_u.alloc(size_t(n) * 2)));
+    MK_CHECK(CLI_CUDA(comm, prod.alloc(size_t(n) * 2)));
+    MK_CHECK(CLI_CUDA(comm, part.alloc(size_t(n) * 4)));
+    MK_CHECK(CLI_CUDA(comm, total.alloc(size_t(n) * 4)));
+    const Topology& topo = comm->topology();
+    for (int nd = 0; nd < topo.num_nodes; ++nd) {
+      const std::vector<int>& ranks = topo.node_ranks[nd];  // ascending: local index order
+      for (size_t l = 0; l < ranks.size(); ++l) {
+        gemm::Arguments g;  // rank r's product: its slice of the concatenated K
+        g.A = Aref.bf() + int64_t(ranks[l]) * K;
+        g.B = Bref.bf() + int64_t(ranks[l]) * K;
+        g.C = prod.p;
+        g.M = M, g.N = N, g.K = K;
+        g.lda = g.ldb = int64_t(W) * K;
+        MK_CHECK(gemm::run(g, st));
+        accumulate_bf16<<<264, 256, 0, st>>>(static_cast<float*>(part.p), prod.bf(), n, l == 0);
+      }
+      accumulate_f32<<<264, 256, 0, st>>>(static_cast<float*>(total.p), static_cast<const float*>(part.p), n, nd == 0);
+    }
+    round_bf16<<<264, 256, 0, st>>>(static_cast<const float*>(total.p), Cref_u.bf(), n);
+    return CLI_CUDA(comm, cudaGetLastError());
+  };
   Status s = [&]() -> Status {
     MK_CHECK(CLI_CUDA(comm, A.alloc(size_t(a_rows) * K * 2)));
     MK_CHECK(CLI_CUDA(comm, B.alloc(size_t(N) * K * 2)));
@@ -189,28 +236,47 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
     ref.C = Cref.p;
     ref.M = M, ref.N = N, ref.K = kind == FusedKind::kAgGemm ? K : K * W;
     MK_CHECK(gemm::run(ref, st));
+    if (unfused_ref) MK_CHECK(unfused_reference());
     MK_CHECK(CLI_CUDA(comm, cudaMemsetAsync(C.p, 0xff, size_t(c_rows) * N * 2, st)));  // poison
     return synced(comm, st);
   }();
   MK_CHECK(agreed(comm, s, "preparing inputs and the reference"));
 
-  // The checked call: run (collective), synchronize, comm->check(); only then read C.
+  // The checked call: run (collective), synchronize, comm->check(); only then read C. Its path:
+  // the operator's path before the call (auto: its first call is a fused warm-up).
   ops::FusedArgs fa;
   fa.A = A.p, fa.B = B.p, fa.C = C.p;
-  s = decoded(comm, op->run(fa, st));
-  if (s.ok()) s = synced(comm, st);
   const int64_t row0 = kind == FusedKind::kGemmRs ? me * (M / W) : 0;
   unsigned long long* d_bad = static_cast<unsigned long long*>(bad.p);
-  MK_CHECK(count_world(
-      comm, st, s, d_bad,
-      [&] {
-        count_diff<<<264, 256, 0, st>>>(static_cast<uint16_t*>(C.p), static_cast<uint16_t*>(Cref.p) + row0 * N,
-                                        c_rows * N, d_bad);
-      },
-      "the checked call", &row->bad));
+  auto checked_call = [&](const char* what) -> Status {
+    const bool unfused = unfused_ref && (op->path() == "unfused" || op->path().rfind("auto: unfused", 0) == 0);
+    Status cs = decoded(comm, op->run(fa, st));
+    if (cs.ok()) cs = synced(comm, st);
+    const uint16_t* want = static_cast<const uint16_t*>(unfused ? Cref_u.p : Cref.p) + row0 * N;
+    return count_world(
+        comm, st, cs, d_bad,
+        [&] { count_diff<<<264, 256, 0, st>>>(static_cast<uint16_t*>(C.p), want, c_rows * N, d_bad); }, what,
+        &row->bad);
+  };
+  MK_CHECK(checked_call("the checked call"));
   row->checked = true;
   row->correct = row->bad == 0;
   if (!row->correct) return OkStatus();  // no timings of a wrong operator
+  // Auto: the calls it times (both paths) and its decision, before the timed calls; then the
+  // path it chose checked the same way (exact data again, C poisoned).
+  if (mode.rfind("auto", 0) == 0 && W > 1) {
+    for (int i = 0; i < 64 && op->path().find("deciding") != std::string::npos; ++i) {
+      s = decoded(comm, op->enqueue(fa, st));
+      if (s.ok()) s = synced(comm, st);
+      MK_CHECK(agreed(comm, s, "the calls policy auto times"));
+    }
+    s = CLI_CUDA(comm, cudaMemsetAsync(C.p, 0xff, size_t(c_rows) * N * 2, st));
+    if (s.ok()) s = synced(comm, st);
+    MK_CHECK(agreed(comm, s, "poisoning C"));
+    MK_CHECK(checked_call("the call on the path auto chose"));
+    row->correct = row->bad == 0;
+    if (!row->correct) return OkStatus();
+  }
 
   // Timing on approximately normal data (the GEMM's speed depends on the data).
   s = fill_inputs(false);
@@ -220,6 +286,7 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   MK_CHECK(time_it(comm, st, rc, "timing the fused call", [&] { return op->enqueue(fa, st); }, &t));
   row->fused = t.median_ms;
   row->fused_min = t.min_ms;
+  row->path = op->path();
   gemm::Arguments g;  // T_c: the same GEMM without communication
   g.A = kind == FusedKind::kAgGemm ? op->gathered_a() : A.p;
   g.B = B.p;
@@ -317,6 +384,7 @@ Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64
   // error on every rank.
   ops::FusedOptions fo;
   fo.deterministic = o.deterministic;
+  fo.path = o.path;
   MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &op));
   row->deterministic = op->deterministic();
   const Status s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, o.trace_calls, o.splits, row);
@@ -334,14 +402,14 @@ std::string row_json(const Row& r) {
            "\"cublas_nccl_ms\": %s, \"cublas_nccl_pipelined_ms\": %s, \"nccl_only_ms\": %s, "
            "\"fused_tflops_per_rank\": %s, \"speedup_vs_sequential\": %s, \"speedup_vs_pipelined\": %s, "
            "\"overlap_efficiency\": %s, \"fused_over_compute\": %s, \"deterministic\": %s, \"route\": \"%s\", "
-           "\"fused_min_ms\": %s, \"compute_only_min_ms\": %s",
+           "\"fused_min_ms\": %s, \"compute_only_min_ms\": %s, \"path\": \"%s\"",
            r.op.c_str(), (long long)r.M, (long long)r.N, (long long)r.K, r.W, r.correct ? "true" : "false", r.bad,
            r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(), jnum(r.compute, 4).c_str(),
            jnum(r.seq, 4).c_str(), jnum(r.pipe, 4).c_str(), jnum(r.coll, 4).c_str(), jnum(tf(r.fused), 1).c_str(),
            jnum(ratio(r.seq, r.fused), 3).c_str(), jnum(ratio(r.pipe, r.fused), 3).c_str(),
            eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str(),
            jnum(r.compute > 0 ? r.fused / r.compute : 0, 3).c_str(), r.deterministic ? "true" : "false",
-           r.route.c_str(), jnum(r.fused_min, 4).c_str(), jnum(r.compute_min, 4).c_str());
+           r.route.c_str(), jnum(r.fused_min, 4).c_str(), jnum(r.compute_min, 4).c_str(), r.path.c_str());
   std::string out = b;
   if (!r.statics.empty()) {
     double best = 0, dflt = 0;
@@ -398,7 +466,8 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
                       : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable "
                         "with multi-GPU runs; no NCCL baselines",
            W == 1 ? "; W = 1: nothing is communicated, no overlap figure" : "");
-    printf("route %s%s\n", tunables::fused_route().c_str(), o.deterministic ? ", deterministic" : "");
+    printf("route %s%s%s%s\n", tunables::fused_route().c_str(), o.deterministic ? ", deterministic" : "",
+           o.path.empty() ? "" : ", path ", o.path.c_str());
     printf("%-8s %6s %6s %6s  %-7s %9s %9s %9s %6s %9s %9s %8s %8s %7s\n", "op", "M", "N", "K", "check", "fused_ms",
            "TFLOP/s", "comp_ms", "f/c", "seq_ms", "pipe_ms", "vs_seq", "vs_pipe", "overlap");
   }
@@ -431,6 +500,7 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
                  cell(ratio(r.seq, r.fused), 2).c_str(), cell(ratio(r.pipe, r.fused), 2).c_str(),
                  eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                  comparable ? "" : "  (not comparable)");
+          if (r.path != "fused") printf("  path: %s\n", r.path.c_str());
           if (!r.statics.empty()) {
             double best = 0, dflt = 0;
             int best_at = 0;
