@@ -62,6 +62,7 @@ MOE = "src/ops/moe/moe_program.cc"
 FUSED = "src/ops/fused_gemm/fused_gemm_plan.cc"
 SPLIT = "src/comm/split_control.h"
 TORCH = "python/mkernel/torch.py"
+COLL = "src/ops/collective/collective_plan.cc"
 
 MUTATIONS = [
     Mutation("ring-arrival-wait", RING,
@@ -110,6 +111,21 @@ MUTATIONS = [
                    "calibrated on the H200's traces (test_split_calibration) the split changes almost "
                    "nothing on one node (a jump: 0.979 of the best at worst), so what could tell is a "
                    "traced sweep of static splits and multi-node plans in that model, not built yet"),
+    Mutation("coll-end-of-call-early", COLL,
+             "    if (reads_of[me]) end.waits.push_back(wait_on(CRegion::kReadsDone, me, 0, reads_of[me], -1));",
+             "",
+             ["test_collective_plan"],
+             "a collective's call ends before the node's ranks finished reading its input workspace"),
+    Mutation("coll-nodes-summed-out-of-order", COLL,
+             "      for (int nn = 0; nn < nodes; ++nn) {\n        if (nn == n) {",
+             "      for (int nn = nodes; nn-- > 0;) {\n        if (nn == n) {",
+             ["test_collective_plan"],
+             "the node partials summed in reverse node order (the documented order, and bit equality, lost)"),
+    Mutation("path-policy-rank-local", "src/ops/control/path_policy.cc",
+             "  for (double v : fused_ms) missing |= !(v > 0), f = std::max(f, v);",
+             "  for (double v : fused_ms) missing |= !(v > 0), f = v;",
+             ["test_control_host:PathPolicy.*"],
+             "policy auto decides on one rank's fused time instead of the slowest rank's"),
     Mutation("torch-ag-backward-local", TORCH,
              "        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size)",
              "        grad_a = (grad_out @ b.t())[: grad_out.shape[0] // ctx.world_size]",
@@ -157,6 +173,12 @@ MUTATIONS = [
              ["test_gpu_fused_gemm_np2", "test_gpu_fused_gemm_np4"],
              "the owner's final sum of a reduce-scatter tile leaves out one rank's share (off by one)",
              gpu=True, targets=["test_gpu_fused_gemm"]),
+    Mutation("reduce-ignores-bf16-sources", "src/comm/executor.cuh",
+             "const bool bf16_src = (op.flags & kDevOpSrcBf16) != 0;",
+             "const bool bf16_src = false;",
+             ["test_gpu_collective_np2", "test_gpu_collective_np4"],
+             "the executor reads a collective's bf16 inputs as fp32 (the source type flag ignored)",
+             gpu=True, targets=["test_gpu_collective"]),
     Mutation("controller-ignores-forced-switches", "src/comm/split_control.cuh",
              "const bool force = c->n_force > 0 && split_force_due(c, sched);",
              "const bool force = false;",

@@ -401,6 +401,17 @@ TEST(PathPolicy, PicksThePathWhoseSlowestRankIsFaster) {
   for (int q = 0; q < 4; ++q) EXPECT_EQ(r.pol[q].choice(), Path::kFused) << "rank " << q;
   r = run_ranks(4, {0, 3}, {1.5, 1.2, 1.5, 1.5}, {1.0, 1.0, 1.4, 1.0}, rng);
   for (int q = 0; q < 4; ++q) EXPECT_EQ(r.pol[q].choice(), Path::kUnfused) << "rank " << q;
+  // The slowest rank anywhere in the list: fused's (rank 1, 2.2) is slower than unfused's (2.0).
+  r = run_ranks(4, {1, 3}, {1.5, 2.2, 1.5, 1.5}, {1.0, 1.0, 2.0, 1.0}, rng);
+  for (int q = 0; q < 4; ++q) EXPECT_EQ(r.pol[q].choice(), Path::kUnfused) << "rank " << q;
+  PathPolicy d(PathMode::kAuto);
+  d.decide({3.0, 1.0}, {2.0, 2.0});
+  EXPECT_EQ(d.choice(), Path::kUnfused);
+  EXPECT_DOUBLE_EQ(d.decided_fused_ms(), 3.0);
+  d = PathPolicy(PathMode::kAuto);
+  d.decide({1.0, 1.0}, {2.0, 0.5});
+  EXPECT_EQ(d.choice(), Path::kFused);
+  EXPECT_DOUBLE_EQ(d.decided_unfused_ms(), 2.0);
 }
 
 TEST(PathPolicy, TiesAndMissingTimesGoToFused) {

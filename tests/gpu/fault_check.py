@@ -19,7 +19,7 @@ refused on that rank alone), put / completion (a provider error on its 3rd put /
 register (its first window registration refused); the network ones only where ranks span
 several (emulated) nodes.
 
-usage: fault_check.py --build DIR --out DIR [--modes api,cli] [--ops fused,ring,moe]
+usage: fault_check.py --build DIR --out DIR [--modes api,cli] [--ops fused,ring,moe,coll]
                       [--faults kill,stop,...] [--layouts one,nodes] [--budget S]
 Writes faults.jsonl and faults.md under --out; exit 0 when every scenario passed.
 """
@@ -59,6 +59,7 @@ CLI_ARGS = {
     "fused": ["gemm_rs", "--m", "1536", "--n", "1024", "--k", "512", "--reps", "4", "--warmup", "1"],
     "ring": ["ring_attention", "--seq", "1024", "--reps", "4", "--warmup", "1"],
     "moe": ["moe_dispatch", "--preset", "mixtral", "--tokens", "256", "--reps", "4", "--warmup", "1"],
+    "coll": ["allreduce", "--count", "1048576", "--reps", "4", "--warmup", "1"],
 }
 PLANT_RE = re.compile(r"planted failure '[^']*' now \(MK_FAULT; t=([0-9.]+) s")
 
@@ -249,7 +250,7 @@ def main():
     ap.add_argument("--build", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--modes", default="api,cli")
-    ap.add_argument("--ops", default="fused,ring,moe")
+    ap.add_argument("--ops", default="fused,ring,moe,coll")
     ap.add_argument("--faults", default="kill,stop,badinput,put,completion,register")
     ap.add_argument("--layouts", default="one,nodes")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; scenarios past it are not started")

@@ -1,7 +1,8 @@
 // One rank of a fault-injection job through the public API (tests/gpu/fault_check.py starts W of
 // them and plants the fault with MK_FAULT). The ranks bootstrap through a file store
 // (make_store_bootstrap: no launcher tears the job down for them), create a communicator and
-// one operator — the fused GEMM+RS, ring attention, or MoE dispatch+combine — and run calls
+// one operator — the fused GEMM+RS, ring attention, MoE dispatch+combine, or the standalone
+// all-reduce — and run calls
 // until one fails. Then they do what an application does: ask for the job's failure
 // (Communicator::failure, which names the culprit), destroy the operator and the communicator,
 // and exit. Each writes one JSON line to <dir>/result_<rank>.json:
@@ -10,7 +11,7 @@
 // (times: CLOCK_MONOTONIC seconds, comparable across the processes of one host). Exit status:
 // 0 every call succeeded, 1 the job failed and this rank tore down, 3 setup failed.
 //
-//   MK_FAULT_DIR=dir MK_FAULT_RANK=r MK_FAULT_WORLD=W fault_rank fused|ring|moe [calls]
+//   MK_FAULT_DIR=dir MK_FAULT_RANK=r MK_FAULT_WORLD=W fault_rank fused|ring|moe|coll [calls]
 #include <cuda_runtime_api.h>
 
 #include <chrono>
@@ -23,6 +24,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/mkernel.h"
+#include "mkernel/ops/collective.h"
 #include "mkernel/ops/fused.h"
 #include "mkernel/ops/moe.h"
 #include "mkernel/ops/ring_attention.h"
@@ -72,6 +74,8 @@ struct Job {
   std::unique_ptr<mk::ops::FusedGemm> fused;
   std::unique_ptr<mk::ops::RingAttention> ring;
   std::unique_ptr<mk::ops::MoeEp> moe;
+  std::unique_ptr<mk::ops::Collective> coll;
+  void* coll_x = nullptr;  // the all-reduce's data, in place
   std::vector<void*> mem;
   mk::ops::FusedArgs fa;
   mk::ops::RingAttentionArgs ra;
@@ -132,7 +136,14 @@ struct Job {
       moe_out = keep(random_bf16(size_t(T * c.hidden), 5));
       return OkOr(da.x && d_ids && d_w && counts && offsets && dout.recv_x && moe_out);
     }
-    return mk::make_status(mk::Code::kInvalidArgument, "unknown operator '%s' (fused, ring, moe)", op.c_str());
+    if (op == "coll") {
+      const int64_t n = int64_t(1) << 20;
+      MK_CHECK(mk::ops::Collective::create(comm, mk::ops::CollectiveKind::kAllReduce, n, mk::ops::CollDType::kBF16, {},
+                                           &coll));
+      coll_x = keep(random_bf16(size_t(n), 41 + me));
+      return OkOr(coll_x != nullptr);
+    }
+    return mk::make_status(mk::Code::kInvalidArgument, "unknown operator '%s' (fused, ring, moe, coll)", op.c_str());
   }
   static Status OkOr(bool ok) {
     return ok ? mk::OkStatus() : mk::make_status(mk::Code::kOutOfMemory, "fault_rank: input allocation failed");
@@ -141,6 +152,7 @@ struct Job {
     cudaStream_t st = comm->stream();
     if (fused) MK_CHECK(fused->run(fa, st));
     if (ring) MK_CHECK(ring->run(ra, st));
+    if (coll) MK_CHECK(coll->run({coll_x, coll_x}, st));
     if (moe) {
       MK_CHECK(moe->dispatch(da, dout, st));
       // The experts' output is their input here (y = recv_x): combine moves it back.
@@ -157,6 +169,7 @@ struct Job {
     if (fused) keep_first(fused->destroy());
     if (ring) keep_first(ring->destroy());
     if (moe) keep_first(moe->destroy());
+    if (coll) keep_first(coll->destroy());
     for (void* p : mem) cudaFree(p);
     mem.clear();
     return first;
@@ -170,7 +183,7 @@ int main(int argc, char** argv) {
   const char* rs = getenv("MK_FAULT_RANK");
   const char* ws = getenv("MK_FAULT_WORLD");
   if (argc < 2 || !dir || !rs || !ws) {
-    fprintf(stderr, "usage: MK_FAULT_DIR=dir MK_FAULT_RANK=r MK_FAULT_WORLD=W %s fused|ring|moe [calls]\n", argv[0]);
+    fprintf(stderr, "usage: MK_FAULT_DIR=dir MK_FAULT_RANK=r MK_FAULT_WORLD=W %s fused|ring|moe|coll [calls]\n", argv[0]);
     return 2;
   }
   const std::string op = argv[1];

@@ -12,6 +12,8 @@
 //    failure prints the first wrong element with the reference and an exact CPU value.
 //  - Ring attention: the reference is a CPU fp64 attention over the whole sequence for this
 //    rank's queries; O within bf16 rounding, LSE within 1e-3, O poisoned first.
+//  - Standalone collectives: every kind and dtype, tiny and odd counts, small chunks on few CTAs,
+//    bit for bit against the fp32 sum in the documented order (tests/gpu/collective_case.cuh).
 //  - InFlight: while calls of every operator are in flight, the application thread makes the
 //    blocking CUDA calls that once starved the proxy (pageable copies, cudaMalloc/cudaFree, a
 //    first-use kernel launch on another stream, cudaStreamSynchronize of another stream); every
@@ -34,6 +36,7 @@
 #include "src/attention/fmha_launch.h"
 #include "src/ops/ring_attention/ring_attention_testing.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
+#include "tests/gpu/collective_case.cuh"
 #include "tests/gpu/mpi_fixture.h"
 
 namespace mk {
@@ -473,6 +476,26 @@ TEST_F(Matrix, RingAttentionEveryLayout) {
   }
 }
 
+TEST_F(Matrix, CollectivesEveryKindAndDtype) {
+  const int W = comm_->world();
+  struct Opt {
+    int64_t chunk;
+    int ctas;
+  };
+  for (ops::CollectiveKind k :
+       {ops::CollectiveKind::kAllGather, ops::CollectiveKind::kReduceScatter, ops::CollectiveKind::kAllReduce})
+    for (ops::CollDType t : {ops::CollDType::kBF16, ops::CollDType::kF32})
+      for (int64_t n : {int64_t(8), 8 * (int64_t(37) * W + 3)})
+        for (Opt o : {Opt{0, 0}, Opt{1000, 2}}) {
+          coll::Case c{comm_, k, t, n};
+          c.opt.chunk_elems = o.chunk;
+          c.opt.ctas = o.ctas;
+          MK_ASSERT_OK(c.init());
+          coll::run_calls(c, 2, 0);
+          if (HasFatalFailure()) return;
+        }
+}
+
 // A long run: 2000 calls of GEMM+RS back to back through one operator, every call checked bit
 // for bit on fresh tagged data (epochs, flags and the proxy's counters wrap no differently in
 // call 2000 than in call 2). Run in some launches only (scripts/device/matrix_check.sh).
@@ -579,6 +602,10 @@ TEST_F(Matrix, InFlightBlockingCudaCalls) {
     if (HasFatalFailure()) return;
   }
   run_ring_case(comm_, RingCase{ops::SeqLayout::kZigzag, true, 2, 1, 128, 256, -1}, seed, 3, true);
+  if (HasFatalFailure()) return;
+  coll::Case c{comm_, ops::CollectiveKind::kAllReduce, ops::CollDType::kBF16, 8 * (int64_t(4099) * comm_->world())};
+  MK_ASSERT_OK(c.init());
+  coll::run_calls(c, 3, 0, [&](cudaStream_t st) { blocking_calls(st, c.ref->p, size_t(c.op->out_elems()) * 2); });
 }
 
 }  // namespace
