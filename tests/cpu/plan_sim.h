@@ -1,5 +1,5 @@
-// mkernel tests — a timed model of one fused GEMM collective call on every rank of one node,
-// driven by the operator's real plan (src/ops/fused_gemm/fused_gemm_plan.h): the tile order, the
+// mkernel tests — a timed model of one fused GEMM collective call on every rank (one node or
+// several), driven by the operator's real plan (src/ops/fused_gemm/fused_gemm_plan.h): the tile order, the
 // tile rows' load and store waits and signals, the communication ops with their waits, signals
 // and bytes, and the kernel's work-item rule (comm_role.cuh's take_op and help_op). What it does
 // not take from the plan it takes from SimCosts, which tests/cpu/test_split_calibration.cc fits
@@ -13,6 +13,11 @@
 // store signals. Once no tile is left every CTA takes the remaining ops (help_op). Copies share
 // the GPU's copy bandwidth (every rank's, as ranks that share one GPU do): each runs at
 // min(per-CTA rate, total / copies running), recomputed whenever one starts or ends.
+//
+// Several nodes: a network put's CTA first copies the bytes into the host mirror when the plan is
+// staged (a copy like the others), then hands the put to its rank's proxy and is free; the proxy
+// sends its puts one after the other (net_gbps), each landing net_latency_us after it left, and
+// then raises the destination's arrival flag and the sender's local-completion flag.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +45,8 @@ struct SimCosts {
   double switch_us = 0;         // a tile after an op on the same CTA (its pipeline starts empty)
   double contention = 0;        // a tile's MMA is slowed by contention * (copies running) / grid
   double sample_us = 2.5;       // the controller's sample on its CTA (2.2-3.2 us measured under MPS)
+  double net_latency_us = 9;    // a put's flight (libfabric tcp on the H200 host: 8.9 us per 8 B put)
+  double net_gbps = 3.4;        // a proxy's send rate (tcp: 3.2-3.6 GB/s at 64 KiB-4 MiB; shm 9-14)
 };
 
 // The bytes an op moves through the GPU's memory (what SimCosts' copy rates apply to).
@@ -48,6 +55,7 @@ inline uint64_t op_bytes(const comm::Op& op) {
     case comm::OpKind::kCopy:
     case comm::OpKind::kZero: return op.bytes * std::max<size_t>(1, op.dsts.size());
     case comm::OpKind::kReduce: return op.elems * 4 * (op.srcs.size() + op.dsts.size());
+    case comm::OpKind::kNetPut: return op.stage_src.buf != comm::kNoBuf ? op.bytes : 0;  // the staging copy
     default: return 0;
   }
 }
@@ -82,6 +90,7 @@ class PlanSim {
     interval_us_ = 1e-3 * double(comm::split_interval_ns(2000, int64_t(c_.sample_us * 1e3), grid_));
     flags_.assign(W, std::vector<uint64_t>(p_.pad_flags, 0));
     ranks_.assign(W, Rank{});
+    proxy_free_.assign(W, 0.0);
     copies_.clear();
     blocked_.clear();
     q_ = {};
@@ -92,8 +101,6 @@ class PlanSim {
       ranks_[k].comm = std::max(1, std::min(split, grid_ - 1));
       comm::split_begin(&ranks_[k].ctl, ranks_[k].comm, lim_, 0);
       ranks_[k].comm = ranks_[k].ctl.comm;
-      for (const comm::Op& op : p_.ranks[k].ops)
-        if (op.kind == comm::OpKind::kNetPut) return fail(&r, "a put through the proxy: not modelled (one node only)");
       for (int c = 0; c < grid_; ++c) push(0.0, kFree, k, c, 0);
     }
     const double inf = std::numeric_limits<double>::infinity();
@@ -140,7 +147,7 @@ class PlanSim {
   }
 
  private:
-  enum Kind { kFree = 0, kMmaDone = 1, kTileDone = 2, kOpDone = 3, kSampled = 4 };
+  enum Kind { kFree = 0, kMmaDone = 1, kTileDone = 2, kOpDone = 3, kSampled = 4, kDelivered = 5 };
   enum What { kOpWait = 0, kLoadWait = 1, kStoreWait = 2 };
   struct Rank {
     size_t next_tile = 0, next_op = 0;
@@ -226,9 +233,23 @@ class PlanSim {
   void step(int kind, int rank, int cta, int item, bool peek) {
     Rank& R = ranks_[rank];
     const ops::RankPlan& rp = p_.ranks[rank];
+    if (kind == kDelivered) {  // a put landed (cta: unused)
+      const comm::Op& op = rp.ops[item];
+      ++flags_[op.remote_flag.rank][p_.flag_index(op.remote_flag)];
+      if (op.local_flag.region != comm::kNoRegion) ++flags_[op.local_flag.rank][p_.flag_index(op.local_flag)];
+      unblock();
+      return;
+    }
     if (kind == kOpDone) {
       ++R.ops_done;
-      for (const comm::Signal& s : rp.ops[item].signals) raise(s);
+      const comm::Op& op = rp.ops[item];
+      if (op.kind == comm::OpKind::kNetPut) {
+        // Handed to the proxy: sent after its earlier puts, landing after the flight.
+        const double sent = std::max(now_, proxy_free_[rank]) + double(op.bytes) / (c_.net_gbps * 1e3);
+        proxy_free_[rank] = sent;
+        push(sent + c_.net_latency_us, kDelivered, rank, -1, item);
+      }
+      for (const comm::Signal& s : op.signals) raise(s);
       R.last_op[cta] = 1;
       push(now_, kFree, rank, cta, 0);
       unblock();
@@ -321,6 +342,7 @@ class PlanSim {
   const SimCosts c_;
   std::vector<std::vector<uint64_t>> flags_;
   std::vector<Rank> ranks_;
+  std::vector<double> proxy_free_;  // per rank: when its proxy has sent its last put
   std::vector<Copy> copies_;
   std::vector<Blocked> blocked_;
   std::priority_queue<Ev, std::vector<Ev>, std::greater<Ev>> q_;
