@@ -476,6 +476,54 @@ TEST(Moe, BadExpertIdIsNamed) {
                  Code::kInvalidArgument, {"rank " + std::to_string(bad), "token 5", "expert " + std::to_string(2 * W + 3)});
 }
 
+// A combine after the dispatch that recorded a bad input runs on every rank — here with the
+// stream synchronized in between, so the device's record is already visible to the host when the
+// combine is called: the refusal follows check(), which nobody asked yet. (A refusal taken from
+// the record would refuse this combine on the bad rank while the others wait in theirs: the
+// others' syncs would time out.) Once check() reported it, the bad rank's calls are refused.
+TEST(Moe, CombineAfterABadDispatchRunsOnEveryRank) {
+  Communicator* comm = shared_comm();
+  const int W = comm->world(), me = comm->rank();
+  const ops::MoeConfig cfg{128, 2 * W, 2, 16, 1, 0};
+  const int bad = W - 1;
+  std::unique_ptr<ops::MoeEp> ep;
+  MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, {}, &ep));
+  const int64_t T = cfg.max_tokens_per_rank, H = cfg.hidden;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  int64_t n;
+  make_moe_routing(MoeRouting::kUniform, mix(test_seed(), 0xbad2), me, W, cfg.num_experts, cfg.topk, T, &ids, &w, &n);
+  if (me == bad) ids[3 * 2] = 2 * W + 5;
+  const int32_t n32 = int32_t(T);
+  DevBuf dx(size_t(T) * H * 2), dids(ids.size() * 4), dw(w.size() * 4), dn(4);
+  DevBuf drecv(size_t(ep->recv_rows()) * H * 2), dcounts(4 * size_t(ep->local_experts())), dout(size_t(T) * H * 2);
+  ASSERT_EQ(cudaMemset(dx.p, 0x3c, dx.bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dn.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MK_ASSERT_OK(ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
+                            {drecv.p, dcounts.as<int32_t>(), nullptr}, comm->stream()));
+  MK_ASSERT_OK(comm->sync(comm->stream()));
+  // The record is on the host now (bad rank); the combine still runs, on every rank.
+  const Status c = ep->combine({drecv.p}, dout.p, comm->stream());
+  EXPECT_TRUE(c.ok()) << "rank " << me << ": " << c.to_string();
+  const Status s = comm->sync(comm->stream());
+  EXPECT_TRUE(s.ok()) << "rank " << me << ": " << s.to_string();
+  ASSERT_TRUE(c.ok() && s.ok());
+  const Status chk = ep->check();
+  if (me == bad) {
+    EXPECT_EQ(chk.code(), Code::kInvalidArgument) << chk.to_string();
+    EXPECT_NE(chk.message().find("expert " + std::to_string(2 * W + 5)), std::string::npos) << chk.to_string();
+    // Reported: refused from now on (only this rank calls: no peer waits for it).
+    EXPECT_EQ(ep->combine({drecv.p}, dout.p, comm->stream()).code(), Code::kInvalidArgument);
+  } else {
+    MK_EXPECT_OK(chk);
+  }
+  MK_ASSERT_OK(comm->bootstrap().barrier());
+  MK_EXPECT_OK(ep->destroy());
+}
+
 TEST(Moe, TooManyTokensIsNamed) {
   const int W = shared_comm()->world();
   ops::MoeConfig cfg{128, 2 * W, 2, 16, 1, 0};

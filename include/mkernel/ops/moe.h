@@ -21,8 +21,10 @@
 //
 // Bad input — an expert id out of range, more tokens than max_tokens_per_rank, more received
 // rows than the receive capacity — is recorded on the device (rank, token, expert, count) and
-// the entry is left out; check() then reports it and the operator refuses further calls. No
-// rank waits for data that will not come: every record slot still travels with its header.
+// the entry is left out; check() then reports it, and once it did the operator refuses further
+// calls (calls enqueued before the caller asked still run on every rank: the refusal follows the
+// caller's program order, not the device's record racing the calls in flight). No rank waits for
+// data that will not come: every record slot still travels with its header.
 //
 // Usage (collective: every rank, same config):
 //   std::unique_ptr<MoeEp> ep;
@@ -143,7 +145,7 @@ class MoeEp {
   // another operator, a combine with no dispatch into its handle before it.
   Status can_implement(const MoeDispatchArgs& a, const MoeDispatchOut& out, const MoeHandle* handle = nullptr) const;
   Status can_implement(const MoeCombineArgs& a, const void* out, const MoeHandle* handle = nullptr) const;
-  // Refused once a call recorded bad input on the device (check()); local checks
+  // Refused once check() reported a bad input a call recorded on the device; local checks
   // (can_implement, the communicator's health), then enqueues: no host collective, no host
   // synchronization, graph-capturable. With the debug tunable check_calls=1 the ranks first
   // agree on can_implement (a bad argument on one rank is then the same error on every rank).
@@ -164,8 +166,8 @@ class MoeEp {
   // A handle for this operator's calls (local: device memory for one dispatch's routing).
   Status create_handle(std::unique_ptr<MoeHandle>* out);
   // After the stream completed: OK, or the first bad input a call met on the device (rank,
-  // token, expert, count); once set, calls are refused. The communicator's own failures
-  // (a silent rank) come from Communicator::sync / check.
+  // token, expert, count); once it returned one, dispatch() and combine() refuse with it. The
+  // communicator's own failures (a silent rank) come from Communicator::sync / check.
   Status check() const;
 
   const MoeConfig& config() const;
@@ -177,6 +179,8 @@ class MoeEp {
 
  private:
   MoeEp() = default;
+  // The device's record as it is now (check() latches what it returns).
+  Status record_status() const;
   std::unique_ptr<MoeState> st_;
 };
 

@@ -18,7 +18,7 @@
 // kernel whose CTAs take dispatch, compute and combine roles is not done yet (docs/moe.md).
 //
 // Errors and graphs follow MoeEp: bad routing input is recorded on the device and reported by
-// check() after the stream completed (then calls are refused); a call is capturable in a CUDA
+// check() after the stream completed (once it reported one, calls are refused); a call is capturable in a CUDA
 // graph and replays with new routings and token counts.
 #pragma once
 
@@ -77,7 +77,8 @@ class MoeLayer {
   // for a caller that dispatches and combines through ep() itself.
   Status run_experts(const void* w1, const void* w2, cudaStream_t stream);
   // After the stream completed: OK, or the first bad input a call met on the device (MoeEp's
-  // record, or an expert range the GEMMs refused). Once set, calls are refused.
+  // record, or an expert range the GEMMs refused). Once it returned one, run() and run_experts()
+  // refuse with it (calls enqueued before it was asked still run on every rank).
   Status check() const;
 
   const MoeLayerConfig& config() const;

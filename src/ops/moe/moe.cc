@@ -33,6 +33,11 @@ struct MoeState {
   bool hier = false;
   MoeNodeGeometry ng;
   MoeErrorRecord* err_host = nullptr;  // pinned, mapped
+  // The first bad input check() reported: from then on dispatch() and combine() refuse. Latched
+  // when the caller observes it (check(), in its program order), never from the device's record
+  // as a call is enqueued: that record races the calls in flight (a combine right after the
+  // dispatch that recorded it would be refused on one rank while its peers wait in theirs).
+  mutable Status reported;
   bool dispatched = false;
   ~MoeState() {
     if (err_host) cudaFreeHost(err_host);
@@ -313,6 +318,13 @@ int MoeEp::comm_ctas() const { return st_->l.comm_ctas; }
 bool MoeEp::hierarchical() const { return st_->hier; }
 
 Status MoeEp::check() const {
+  if (st_ && !st_->reported.ok()) return st_->reported;
+  const Status s = record_status();
+  if (st_ && !s.ok()) st_->reported = s;
+  return s;
+}
+
+Status MoeEp::record_status() const {
   const MoeErrorRecord* e = st_ ? st_->err_host : nullptr;
   if (!e || *reinterpret_cast<const volatile uint32_t*>(&e->state) == 0) return OkStatus();
   switch (e->kind) {
@@ -396,9 +408,9 @@ Status MoeEp::can_implement(const MoeCombineArgs& a, const void* out, const MoeH
 
 Status MoeEp::dispatch(const MoeDispatchArgs& a, const MoeDispatchOut& o, cudaStream_t stream, MoeHandle* handle) {
   MK_REQUIRE(st_, Code::kInvalidArgument, "moe: the operator was destroyed (or its communicator was destroyed first)");
-  // The refusal after a recorded bad input, then the local checks (again in dispatch_enqueue);
-  // with the debug tunable check_calls the ranks agree on them first.
-  Status local = check();
+  // The refusal after a bad input check() reported (MoeState::reported), then the local checks
+  // (again in dispatch_enqueue); with the debug tunable check_calls the ranks agree on them first.
+  Status local = st_->reported;
   if (local.ok()) local = can_implement(a, o, handle);
   MK_CHECK(st_->dses ? st_->dses->agree_on_call(local, "moe dispatch arguments") : local);
   return dispatch_enqueue(a, o, stream, handle);
@@ -418,7 +430,7 @@ Status MoeEp::dispatch_enqueue(const MoeDispatchArgs& a, const MoeDispatchOut& o
 
 Status MoeEp::combine(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle) {
   MK_REQUIRE(st_, Code::kInvalidArgument, "moe: the operator was destroyed (or its communicator was destroyed first)");
-  Status local = check();
+  Status local = st_->reported;
   if (local.ok()) local = can_implement(a, out, handle);
   MK_CHECK(st_->cses ? st_->cses->agree_on_call(local, "moe combine arguments") : local);
   return combine_enqueue(a, out, stream, handle);

@@ -27,6 +27,9 @@ struct MoeLayer::State {
   // pinned host memory at the end of each call (stream-ordered, capturable).
   int32_t* gemm_err_dev = nullptr;
   int32_t* gemm_err_host = nullptr;
+  // The first error check() reported: run() and run_experts() refuse from then on (the caller's
+  // observation, in its program order; never the device's records racing the calls in flight).
+  mutable Status reported;
   ~State() {
     cudaFree(recv_x);
     cudaFree(act);
@@ -109,19 +112,21 @@ Status MoeLayer::destroy() {
 
 Status MoeLayer::check() const {
   MK_REQUIRE(st_ && st_->ep, Code::kInvalidArgument, "moe layer: not created");
-  MK_CHECK(st_->ep->check());
+  if (!st_->reported.ok()) return st_->reported;
+  Status s = st_->ep->check();
   const int32_t g = *reinterpret_cast<const volatile int32_t*>(st_->gemm_err_host);
-  if (g != 0)
-    return make_status(Code::kInternal,
-                       "moe layer: the expert GEMMs found local expert %d's rows outside the receive buffer (%lld rows)",
-                       g - 1, (long long)st_->rows);
-  return OkStatus();
+  if (s.ok() && g != 0)
+    s = make_status(Code::kInternal,
+                    "moe layer: the expert GEMMs found local expert %d's rows outside the receive buffer (%lld rows)",
+                    g - 1, (long long)st_->rows);
+  st_->reported = s;
+  return s;
 }
 
 Status MoeLayer::run(const MoeLayerArgs& a, void* out, cudaStream_t stream) {
   MK_REQUIRE(st_ && st_->ep, Code::kInvalidArgument, "moe layer: not created");
   State& st = *st_;
-  MK_CHECK(check());
+  MK_CHECK(st.reported);  // an error check() reported (not the device's records: they race)
   MK_REQUIRE(a.w1 && a.w2 && out, Code::kInvalidArgument, "moe layer: null w1, w2 or out");
   MK_REQUIRE(aligned16(a.w1) && aligned16(a.w2), Code::kInvalidArgument,
              "moe layer: w1 and w2 must be 16-byte aligned");
@@ -129,8 +134,7 @@ Status MoeLayer::run(const MoeLayerArgs& a, void* out, cudaStream_t stream) {
                                    {st.recv_x, st.counts, st.offsets}, stream));
   MK_CHECK(enqueue_experts(a.w1, a.w2, stream));
   MK_CUDA_CHECK(cudaMemcpyAsync(st.gemm_err_host, st.gemm_err_dev, 4, cudaMemcpyDeviceToHost, stream));
-  // Not combine(): it refuses once a bad input was recorded, and this call's dispatch may record
-  // one while we enqueue — the other ranks' combines would then wait for this rank's in vain.
+  // combine_enqueue: the refusal is the layer's own (above), already taken for this call.
   return st.ep->combine_enqueue({st.y}, out, stream, nullptr);
 }
 
@@ -162,7 +166,7 @@ Status MoeLayer::enqueue_experts(const void* w1, const void* w2, cudaStream_t st
 
 Status MoeLayer::run_experts(const void* w1, const void* w2, cudaStream_t stream) {
   MK_REQUIRE(st_ && st_->ep, Code::kInvalidArgument, "moe layer: not created");
-  MK_CHECK(check());
+  MK_CHECK(st_->reported);
   MK_REQUIRE(w1 && w2 && aligned16(w1) && aligned16(w2), Code::kInvalidArgument,
              "moe layer: w1 and w2 must be non-null and 16-byte aligned");
   MK_CHECK(enqueue_experts(w1, w2, stream));
