@@ -48,7 +48,7 @@ Status parse_collective_kind(const std::string& name, CollectiveKind* out);
 
 struct CollectiveOptions {
   // Elements per chunk: the unit of data movement, of flags and of work for one CTA (rounded up
-  // to a multiple of 8; >= 8). 0: 256 Ki elements (512 KiB of bf16).
+  // to a multiple of 8; >= 8). 0: a 64th of a shard, within 8 Ki .. 256 Ki elements.
   int64_t chunk_elems = 0;
   // Communication CTAs of the kernel (>= 1). 0: every SM of the device, at most one per op.
   int ctas = 0;

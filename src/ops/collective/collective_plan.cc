@@ -340,6 +340,11 @@ struct Builder {
 
 }  // namespace
 
+int64_t default_chunk_elems(int64_t max_shard) {
+  const int64_t c = ((max_shard + 63) / 64 + 7) / 8 * 8;
+  return std::min(kCollMaxChunkElems, std::max(kCollMinChunkElems, c));
+}
+
 Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, const comm::Layout& layout,
                        int64_t chunk_elems, bool net_staged, CollPlan* out) {
   const int W = layout.world;
@@ -366,7 +371,6 @@ Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, cons
   p.count = count;
   p.layout = layout;
   p.net_staged = net_staged && layout.nodes() > 1;
-  p.chunk_elems = chunk_elems <= 0 ? kCollDefaultChunkElems : (chunk_elems + 7) / 8 * 8;
   const int nodes = layout.nodes();
   // Shards: AG and RS `count` each; AR the count split in W parts of whole 8-element groups.
   p.shard_lo.resize(W);
@@ -378,6 +382,7 @@ Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, cons
     p.shard_hi[s] = std::min<int64_t>(total, int64_t(s + 1) * per);
     p.max_shard = std::max(p.max_shard, p.shard_hi[s] - p.shard_lo[s]);
   }
+  p.chunk_elems = chunk_elems <= 0 ? default_chunk_elems(p.max_shard) : (chunk_elems + 7) / 8 * 8;
   p.shard_chunks.resize(W);
   for (int s = 0; s < W; ++s)
     for (int64_t e = 0; e < p.shard_hi[s] - p.shard_lo[s]; e += p.chunk_elems) {

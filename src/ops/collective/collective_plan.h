@@ -106,8 +106,11 @@ struct CollPlan : comm::Program {
   uint64_t buf_bytes(comm::BufId b) const { return b < bufs.size() ? bufs[b].bytes : 0; }
 };
 
-// 256 Ki elements.
-constexpr int64_t kCollDefaultChunkElems = 256 * 1024;
+// The default chunk: a 64th of the largest shard (so up to 64 CTAs of a rank share its work),
+// rounded up to 8 elements, within [8 Ki, 256 Ki] elements. The same on every rank (it depends on
+// the count and the world size only).
+constexpr int64_t kCollMinChunkElems = 8 * 1024, kCollMaxChunkElems = 256 * 1024;
+int64_t default_chunk_elems(int64_t max_shard);
 
 // Builds every rank's program. kInvalidArgument for counts can_implement refuses and malformed
 // layouts (nodes of different sizes). chunk_elems <= 0: the default. net_staged: the network
