@@ -3,6 +3,8 @@
 
 #include <cstdio>
 
+#include "mkernel/common/check.h"
+
 namespace mk {
 namespace comm {
 
@@ -20,6 +22,24 @@ Layout Layout::uniform(int world, int nodes) {
     if (n < nodes) l.node_ranks[n].push_back(r);
   }
   return l;
+}
+
+Status Layout::check(const char* what) const {
+  const int W = world;
+  MK_REQUIRE(W >= 1 && int(node_of.size()) == W && int(local_of.size()) == W && nodes() >= 1, Code::kInvalidArgument,
+             "%s: malformed layout (world %d)", what, W);
+  const int l0 = local();
+  for (const auto& nr : node_ranks)
+    MK_REQUIRE(int(nr.size()) == l0 && l0 >= 1, Code::kInvalidArgument,
+               "%s: every node must hold the same number of ranks (%d vs %d)", what, int(nr.size()), l0);
+  MK_REQUIRE(nodes() * l0 == W, Code::kInvalidArgument, "%s: nodes x local != world", what);
+  for (int n = 0; n < nodes(); ++n)
+    for (int l = 0; l < l0; ++l) {
+      const int r = node_ranks[n][l];
+      MK_REQUIRE(r >= 0 && r < W && node_of[r] == n && local_of[r] == l, Code::kInvalidArgument,
+                 "%s: layout tables disagree about rank %d", what, r);
+    }
+  return OkStatus();
 }
 
 Layout Layout::strided(int world, int nodes) {

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "mkernel/common/status.h"
+
 namespace mk {
 namespace comm {
 
@@ -46,6 +48,9 @@ struct Layout {
   static Layout uniform(int world, int nodes);
   // `nodes` nodes, node n holding ranks n, n + nodes, n + 2 * nodes, ... (hosts taken round-robin).
   static Layout strided(int world, int nodes);
+  // kInvalidArgument "<what>: ..." unless the tables agree and every node holds as many ranks
+  // (what the operators' plans need).
+  Status check(const char* what) const;
 };
 
 using BufId = uint8_t;

@@ -59,6 +59,17 @@ Op ProgramBuilder::token_put(int me, int to, BufId token, FlagRef remote_flag, F
                 local_flag, std::move(what));
 }
 
+void ProgramBuilder::entry_ops(int me, RegionId entry, RegionId entry_net, BufId token, std::vector<Op>* ops) {
+  Op op;
+  op.kind = OpKind::kSignal;
+  for (int q : p_.layout.node_peers(me)) op.signals.push_back(set_epoch(entry, q, uint32_t(me)));
+  op.what = "entry signal to the node's peers";
+  ops->push_back(op);
+  for (int q : p_.layout.twins(me))
+    ops->push_back(token_put(me, q, token, flag_at(entry_net, q, uint32_t(me)), FlagRef{},
+                             "entry signal to rank " + std::to_string(q) + " (network)"));
+}
+
 std::vector<std::pair<uint32_t, uint64_t>> ProgramBuilder::completions(RegionId region, int rank) const {
   std::vector<std::pair<uint32_t, uint64_t>> out;
   for (const auto& [key, count] : completions_)

@@ -53,6 +53,12 @@ class ProgramBuilder {
   // the token's host mirror, which holds the same words (no staging copy). local_flag may be none.
   Op token_put(int me, int to, BufId token, FlagRef remote_flag, FlagRef local_flag, std::string what);
 
+  // The entry handshake of rank me, appended to `ops` (a program's first ops): region `entry`'s
+  // flag me set to the call's epoch on every other rank of me's node (their buffers may now be
+  // written: me entered the call), and me's token put to its twin on every other node, raising
+  // that twin's `entry_net` flag me (token_put: no local completion).
+  void entry_ops(int me, RegionId entry, RegionId entry_net, BufId token, std::vector<Op>* ops);
+
   // Local completions counted on local flags by put() and token_put(): per flag index within
   // `region` of `rank` (ascending), and on one flag.
   std::vector<std::pair<uint32_t, uint64_t>> completions(RegionId region, int rank) const;

@@ -341,37 +341,59 @@ TEST(SplitCalibration, DefaultSplitOnTheH200Threads) {
 // The controller in the calibrated model: on each point's plan and costs, three calls (each
 // starting where the previous one settled, as the host does) against every static split of the
 // same model.
+// Every static split of `splits` (below the grid) and the controller's third call (each call
+// starting where the last settled, the first at 8) in the model.
+struct SplitSweep {
+  std::map<int, double> us;  // static split -> kernel us
+  double best = 1e30;
+  int best_at = 0;
+  std::string row;           // " 1:900 2:900 ..."
+  SimResult ctl;
+  bool ok = true;
+  std::string error;
+};
+SplitSweep sweep_splits(const ops::Plan& plan, int ctas, const SimCosts& c, const std::vector<int>& splits) {
+  SplitSweep w;
+  for (int split : splits) {
+    if (split >= ctas) break;
+    const SimResult r = PlanSim(plan, ctas, c).run(split);
+    if (!r.ok) {
+      w.ok = false;
+      w.error = r.error;
+      return w;
+    }
+    w.us[split] = r.kernel_us;
+    if (r.kernel_us < w.best) w.best = r.kernel_us, w.best_at = split;
+    char b[32];
+    snprintf(b, sizeof b, " %d:%.0f", split, r.kernel_us);
+    w.row += b;
+  }
+  int start = 8;
+  for (int call = 0; call < 3; ++call) {
+    w.ctl = PlanSim(plan, ctas, c).run(start, true);
+    if (!w.ctl.ok) {
+      w.ok = false;
+      w.error = w.ctl.error;
+      return w;
+    }
+    start = w.ctl.settled[0];
+  }
+  return w;
+}
+
 TEST(SplitCalibration, ControllerInTheCalibratedModel) {
   const std::vector<Point> pts = load_points(std::string(MK_SOURCE_DIR) + "/tests/cpu/data/split_default_h200_threads.tsv");
   ASSERT_EQ(pts.size(), 6u);
   for (const Point& p : pts) {
     const ops::Plan plan = plan_of(kind_of(p.key.op), p.key.W, p.key.M, p.key.N, p.key.K);
-    const SimCosts c = costs_of(plan, p);
-    double best = 1e30, dflt = 0;
-    int best_at = 0;
-    std::string row;
-    for (int split : {1, 2, 4, 8, 16, 24, 32}) {
-      if (split >= p.ctas) break;
-      const SimResult r = PlanSim(plan, p.ctas, c).run(split);
-      ASSERT_TRUE(r.ok) << r.error;
-      if (r.kernel_us < best) best = r.kernel_us, best_at = split;
-      if (split == 8) dflt = r.kernel_us;
-      char b[32];
-      snprintf(b, sizeof b, " %d:%.0f", split, r.kernel_us);
-      row += b;
-    }
-    int start = 8;
-    SimResult ctl;
-    for (int call = 0; call < 3; ++call) {
-      ctl = PlanSim(plan, p.ctas, c).run(start, true);
-      ASSERT_TRUE(ctl.ok) << ctl.error;
-      start = ctl.settled[0];
-    }
+    const SplitSweep w = sweep_splits(plan, p.ctas, costs_of(plan, p), {1, 2, 4, 8, 16, 24, 32});
+    ASSERT_TRUE(w.ok) << w.error;
+    const double dflt = w.us.at(8), ctl = w.ctl.kernel_us;
     printf("%s W %d: static%s; controller %.0f us (settled at %d, %d switches): %.3f of the best (%d), %.3f of the "
-           "default\n", p.key.op.c_str(), p.key.W, row.c_str(), ctl.kernel_us, ctl.settled[0], ctl.changes,
-           best / ctl.kernel_us, best_at, dflt / ctl.kernel_us);
-    EXPECT_GE(best / ctl.kernel_us, 0.97) << p.key.op << " W " << p.key.W;
-    EXPECT_GE(dflt / ctl.kernel_us, 0.99) << p.key.op << " W " << p.key.W;
+           "default\n", p.key.op.c_str(), p.key.W, w.row.c_str(), ctl, w.ctl.settled[0], w.ctl.changes, w.best / ctl,
+           w.best_at, dflt / ctl);
+    EXPECT_GE(w.best / ctl, 0.97) << p.key.op << " W " << p.key.W;
+    EXPECT_GE(dflt / ctl, 0.99) << p.key.op << " W " << p.key.W;
   }
 }
 
@@ -430,33 +452,19 @@ TEST(SplitCalibration, TwoNodesWhereTheSplitMatters) {
       SimCosts c = costs_of(plan_of(kind, p.key.W, p.key.M, p.key.N, p.key.K), p);
       c.net_gbps = 45;
       c.net_latency_us = 3;
-      double best = 1e30, worst4 = 0, ceil_us = 0;  // worst4: the slowest split from 4 up
-      int best_at = 0;
-      std::string row;
       const int hi = std::min(p.ctas - 1, std::max(32, p.ctas / 2));
-      for (int split : {1, 2, 4, 8, 16, 24, 32, hi}) {
-        const SimResult r = PlanSim(plan, p.ctas, c).run(split);
-        ASSERT_TRUE(r.ok) << r.error;
-        if (r.kernel_us < best) best = r.kernel_us, best_at = split;
-        if (split >= 4) worst4 = std::max(worst4, r.kernel_us);
-        if (split == hi) ceil_us = r.kernel_us;
-        char b[32];
-        snprintf(b, sizeof b, " %d:%.0f", split, r.kernel_us);
-        row += b;
-      }
-      int start = 8;
-      SimResult ctl;
-      for (int call = 0; call < 3; ++call) {
-        ctl = PlanSim(plan, p.ctas, c).run(start, true);
-        ASSERT_TRUE(ctl.ok) << ctl.error;
-        start = ctl.settled[0];
-      }
+      const SplitSweep w = sweep_splits(plan, p.ctas, c, {1, 2, 4, 8, 16, 24, 32, hi});
+      ASSERT_TRUE(w.ok) << w.error;
+      double worst4 = 0;  // the slowest split from 4 up
+      for (const auto& [split, us] : w.us)
+        if (split >= 4) worst4 = std::max(worst4, us);
+      const double ceil_us = w.us.at(hi);
       printf("%s W %d on 2 nodes%s: static%s; controller %.0f us (settled at %d): %.3f of the best (%d); the "
              "ceiling %.3f of the best\n",
-             p.key.op.c_str(), p.key.W, staged ? ", staged" : "", row.c_str(), ctl.kernel_us, ctl.settled[0],
-             best / ctl.kernel_us, best_at, best / ceil_us);
-      if (kind == ops::FusedKind::kAgGemm) EXPECT_LT(best / ceil_us, 0.92) << "the split should matter here";
-      else EXPECT_GT(best / worst4, 0.98) << "the split (from 4 up) should not matter here";
+             p.key.op.c_str(), p.key.W, staged ? ", staged" : "", w.row.c_str(), w.ctl.kernel_us, w.ctl.settled[0],
+             w.best / w.ctl.kernel_us, w.best_at, w.best / ceil_us);
+      if (kind == ops::FusedKind::kAgGemm) EXPECT_LT(w.best / ceil_us, 0.92) << "the split should matter here";
+      else EXPECT_GT(w.best / worst4, 0.98) << "the split (from 4 up) should not matter here";
     }
 }
 

@@ -421,6 +421,32 @@ TEST(Moe, GraphReplaysWithFreshRoutings) {
   MK_EXPECT_OK(ep->destroy());
 }
 
+// One rank's buffers for the bad-input tests: x (constant), a uniform routing of `seed` spoiled
+// by `spoil` (ids, and the device token count), uploaded; the receive side sized for `ep`.
+struct SpoiledCall {
+  int64_t T, H;
+  DevBuf dx, dids, dw, dn, drecv, dcounts, dout;
+  SpoiledCall(const ops::MoeEp& ep, const ops::MoeConfig& cfg, uint64_t seed, int me, int W,
+              const std::function<void(std::vector<int32_t>&, int32_t&, int)>& spoil)
+      : T(cfg.max_tokens_per_rank), H(cfg.hidden), dx(size_t(T) * H * 2), dids(size_t(T) * cfg.topk * 4),
+        dw(size_t(T) * cfg.topk * 4), dn(4), drecv(size_t(ep.recv_rows()) * H * 2),
+        dcounts(4 * size_t(ep.local_experts())), dout(size_t(T) * H * 2) {
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    int64_t n;
+    make_moe_routing(MoeRouting::kUniform, seed, me, W, cfg.num_experts, cfg.topk, T, &ids, &w, &n);
+    int32_t n32 = int32_t(T);
+    spoil(ids, n32, me);
+    EXPECT_EQ(cudaMemset(dx.p, 0x3c, dx.bytes), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(dn.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  ops::MoeDispatchArgs args() const { return {dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T}; }
+  ops::MoeDispatchOut out() const { return {drecv.p, dcounts.as<int32_t>(), nullptr}; }
+};
+
 // Bad input on one rank: the call still completes everywhere (no hang), the rank that made it
 // names it in check(), and refuses later calls.
 void bad_input_case(const char* what, ops::MoeConfig cfg, int bad_rank,
@@ -430,23 +456,8 @@ void bad_input_case(const char* what, ops::MoeConfig cfg, int bad_rank,
   const int W = comm->world(), me = comm->rank();
   std::unique_ptr<ops::MoeEp> ep;
   MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, {}, &ep));
-  const int64_t T = cfg.max_tokens_per_rank, H = cfg.hidden;
-  const int k = cfg.topk;
-  std::vector<int32_t> ids;
-  std::vector<float> w;
-  int64_t n;
-  make_moe_routing(MoeRouting::kUniform, mix(test_seed(), 0xbad), me, W, cfg.num_experts, k, T, &ids, &w, &n);
-  int32_t n32 = int32_t(T);
-  spoil(ids, n32, me);
-  DevBuf dx(size_t(T) * H * 2), dids(ids.size() * 4), dw(w.size() * 4), dn(4);
-  DevBuf drecv(size_t(ep->recv_rows()) * H * 2), dcounts(4 * size_t(ep->local_experts())), dout(size_t(T) * H * 2);
-  ASSERT_EQ(cudaMemset(dx.p, 0x3c, dx.bytes), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dn.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  MK_ASSERT_OK(ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
-                            {drecv.p, dcounts.as<int32_t>(), nullptr}, comm->stream()));
+  SpoiledCall call(*ep, cfg, mix(test_seed(), 0xbad), me, W, spoil);
+  MK_ASSERT_OK(ep->dispatch(call.args(), call.out(), comm->stream()));
   MK_ASSERT_OK(comm->sync(comm->stream()));
   // An overflow is met by the receiving ranks: every rank may report it.
   const Status s = ep->check();
@@ -455,8 +466,7 @@ void bad_input_case(const char* what, ops::MoeConfig cfg, int bad_rank,
     for (const auto& wd : words) EXPECT_NE(s.message().find(wd), std::string::npos) << what << ": " << s.to_string();
     printf("rank %d %s: %s\n", me, what, s.to_string().c_str());
     // Refused from now on, with the same message.
-    const Status again = ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
-                                      {drecv.p, dcounts.as<int32_t>(), nullptr}, comm->stream());
+    const Status again = ep->dispatch(call.args(), call.out(), comm->stream());
     EXPECT_EQ(again.code(), code) << again.to_string();
   } else if (code != Code::kOutOfMemory) {
     MK_EXPECT_OK(s);
@@ -488,25 +498,13 @@ TEST(Moe, CombineAfterABadDispatchRunsOnEveryRank) {
   const int bad = W - 1;
   std::unique_ptr<ops::MoeEp> ep;
   MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, {}, &ep));
-  const int64_t T = cfg.max_tokens_per_rank, H = cfg.hidden;
-  std::vector<int32_t> ids;
-  std::vector<float> w;
-  int64_t n;
-  make_moe_routing(MoeRouting::kUniform, mix(test_seed(), 0xbad2), me, W, cfg.num_experts, cfg.topk, T, &ids, &w, &n);
-  if (me == bad) ids[3 * 2] = 2 * W + 5;
-  const int32_t n32 = int32_t(T);
-  DevBuf dx(size_t(T) * H * 2), dids(ids.size() * 4), dw(w.size() * 4), dn(4);
-  DevBuf drecv(size_t(ep->recv_rows()) * H * 2), dcounts(4 * size_t(ep->local_experts())), dout(size_t(T) * H * 2);
-  ASSERT_EQ(cudaMemset(dx.p, 0x3c, dx.bytes), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dn.p, &n32, 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  MK_ASSERT_OK(ep->dispatch({dx.p, dids.as<int32_t>(), dw.as<float>(), dn.as<int32_t>(), T},
-                            {drecv.p, dcounts.as<int32_t>(), nullptr}, comm->stream()));
+  SpoiledCall call(*ep, cfg, mix(test_seed(), 0xbad2), me, W, [&](std::vector<int32_t>& ids, int32_t&, int r) {
+    if (r == bad) ids[3 * 2] = 2 * W + 5;
+  });
+  MK_ASSERT_OK(ep->dispatch(call.args(), call.out(), comm->stream()));
   MK_ASSERT_OK(comm->sync(comm->stream()));
   // The record is on the host now (bad rank); the combine still runs, on every rank.
-  const Status c = ep->combine({drecv.p}, dout.p, comm->stream());
+  const Status c = ep->combine({call.drecv.p}, call.dout.p, comm->stream());
   EXPECT_TRUE(c.ok()) << "rank " << me << ": " << c.to_string();
   const Status s = comm->sync(comm->stream());
   EXPECT_TRUE(s.ok()) << "rank " << me << ": " << s.to_string();
@@ -516,7 +514,7 @@ TEST(Moe, CombineAfterABadDispatchRunsOnEveryRank) {
     EXPECT_EQ(chk.code(), Code::kInvalidArgument) << chk.to_string();
     EXPECT_NE(chk.message().find("expert " + std::to_string(2 * W + 5)), std::string::npos) << chk.to_string();
     // Reported: refused from now on (only this rank calls: no peer waits for it).
-    EXPECT_EQ(ep->combine({drecv.p}, dout.p, comm->stream()).code(), Code::kInvalidArgument);
+    EXPECT_EQ(ep->combine({call.drecv.p}, call.dout.p, comm->stream()).code(), Code::kInvalidArgument);
   } else {
     MK_EXPECT_OK(chk);
   }

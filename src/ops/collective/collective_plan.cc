@@ -97,18 +97,6 @@ struct Builder {
   // The node's ranks in local order (the order of the node sums).
   const std::vector<int>& node_of_rank(int me) const { return L.node_ranks[L.node_of[me]]; }
 
-  Op entry_op(int me) const {
-    Op op;
-    op.kind = OpKind::kSignal;
-    for (int q : L.node_peers(me)) op.signals.push_back(set_epoch(CRegion::kEntry, q, me));
-    op.what = "entry signal to the node's peers";
-    return op;
-  }
-  void net_entry_ops(comm::RankProgram& rp, int me) {
-    for (int q : L.twins(me))
-      rp.ops.push_back(pb.token_put(me, q, CBuf::kToken, flag_at(CRegion::kEntryNet, q, me), comm::FlagRef{},
-                                    "entry signal to rank " + std::to_string(q) + " (network)"));
-  }
   // A read of rank q's kIn by me: waits for q's entry (its data of this call is there), counted
   // at q when done (AG, RS). AR counts nothing: every read of q's kIn comes before a result
   // chunk lands in q's kOut — the node sum of q's own node's shards writes it there, a partial
@@ -123,21 +111,25 @@ struct Builder {
   }
 
   // ---- all-gather ----
+  // Chunk c from src into my output.
+  Op chunk_to_output(int me, comm::BufRef src, int c, std::string what) const {
+    Op op;
+    op.kind = OpKind::kCopy;
+    op.srcs = {src};
+    op.dsts = {buf_at(CBuf::kUserOut, me, in_off(data_elem(c)))};
+    op.bytes = uint64_t(p.chunks[c].elems) * es;
+    op.what = std::move(what);
+    return op;
+  }
+
   void build_ag(int me) {
     comm::RankProgram& rp = p.ranks[me];
     const int n = L.node_of[me];
-    rp.ops.push_back(entry_op(me));
-    net_entry_ops(rp, me);
+    pb.entry_ops(me, CRegion::kEntry, CRegion::kEntryNet, CBuf::kToken, &rp.ops);
     // 1. My shard into my output.
-    for (int c : p.shard_chunks[me]) {
-      Op op;
-      op.kind = OpKind::kCopy;
-      op.srcs = {buf_at(CBuf::kIn, me, in_off(p.chunks[c].elem0))};
-      op.dsts = {buf_at(CBuf::kUserOut, me, in_off(data_elem(c)))};
-      op.bytes = uint64_t(p.chunks[c].elems) * es;
-      op.what = "own chunk " + std::to_string(c) + " into the output";
-      rp.ops.push_back(op);
-    }
+    for (int c : p.shard_chunks[me])
+      rp.ops.push_back(chunk_to_output(me, buf_at(CBuf::kIn, me, in_off(p.chunks[c].elem0)), c,
+                                       "own chunk " + std::to_string(c) + " into the output"));
     // 2. My shard to every twin's kGather (ready at the start: no local wait).
     for (int q : L.twins(me))
       for (int c : p.shard_chunks[me]) {
@@ -168,13 +160,9 @@ struct Builder {
     //    the kGather of the rank of my node that received them.
     for (int q : L.node_peers(me))
       for (int c : p.shard_chunks[q]) {
-        Op op;
-        op.kind = OpKind::kCopy;
-        op.srcs = {buf_at(CBuf::kIn, q, in_off(p.chunks[c].elem0))};
-        op.dsts = {buf_at(CBuf::kUserOut, me, in_off(data_elem(c)))};
-        op.bytes = uint64_t(p.chunks[c].elems) * es;
+        Op op = chunk_to_output(me, buf_at(CBuf::kIn, q, in_off(p.chunks[c].elem0)), c,
+                                "chunk " + std::to_string(c) + " of shard " + std::to_string(q) + " read from its owner");
         read_of(op, me, q);
-        op.what = "chunk " + std::to_string(c) + " of shard " + std::to_string(q) + " read from its owner";
         rp.ops.push_back(op);
       }
     for (int d = 1; d < nodes; ++d)
@@ -182,16 +170,12 @@ struct Builder {
         const int f = node_of_rank(me)[L.local_of[s]];  // received it
         if (f == me) continue;                          // step 3
         for (int c : p.shard_chunks[s]) {
-          Op op;
-          op.kind = OpKind::kCopy;
+          Op op = chunk_to_output(me, buf_at(CBuf::kGather, f, in_off(data_elem(c))), c,
+                                  "chunk " + std::to_string(c) + " of shard " + std::to_string(s) + " read from rank " +
+                                      std::to_string(f));
           op.waits = {wait_on(CRegion::kFwd, me, uint32_t(c), 1, f)};
-          op.srcs = {buf_at(CBuf::kGather, f, in_off(data_elem(c)))};
-          op.dsts = {buf_at(CBuf::kUserOut, me, in_off(data_elem(c)))};
-          op.bytes = uint64_t(p.chunks[c].elems) * es;
           op.signals.push_back(add_to(CRegion::kReadsDone, f, 0));
           ++reads_of[f];
-          op.what = "chunk " + std::to_string(c) + " of shard " + std::to_string(s) + " read from rank " +
-                    std::to_string(f);
           rp.ops.push_back(op);
         }
       }
@@ -234,8 +218,7 @@ struct Builder {
     comm::RankProgram& rp = p.ranks[me];
     const int n = L.node_of[me];
     const bool f32 = p.dtype == CollDType::kF32;
-    rp.ops.push_back(entry_op(me));
-    net_entry_ops(rp, me);
+    pb.entry_ops(me, CRegion::kEntry, CRegion::kEntryNet, CBuf::kToken, &rp.ops);
     // 1. The shards of my twins: the node sum (fp32) into kPart, put to the twin.
     for (int s : L.twins(me))
       for (int c : p.shard_chunks[s]) {
@@ -348,19 +331,8 @@ int64_t default_chunk_elems(int64_t max_shard) {
 Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, const comm::Layout& layout,
                        int64_t chunk_elems, bool net_staged, CollPlan* out) {
   const int W = layout.world;
-  MK_REQUIRE(W >= 1 && int(layout.node_of.size()) == W && int(layout.local_of.size()) == W && layout.nodes() >= 1,
-             Code::kInvalidArgument, "collective plan: malformed layout (world %d)", W);
+  MK_CHECK(layout.check("collective plan"));
   const int local = layout.local();
-  for (const auto& nr : layout.node_ranks)
-    MK_REQUIRE(int(nr.size()) == local && local >= 1, Code::kInvalidArgument,
-               "collective plan: every node must hold the same number of ranks (%d vs %d)", int(nr.size()), local);
-  MK_REQUIRE(layout.nodes() * local == W, Code::kInvalidArgument, "collective plan: nodes x local != world");
-  for (int n = 0; n < layout.nodes(); ++n)
-    for (int l = 0; l < local; ++l) {
-      const int r = layout.node_ranks[n][l];
-      MK_REQUIRE(r >= 0 && r < W && layout.node_of[r] == n && layout.local_of[r] == l, Code::kInvalidArgument,
-                 "collective plan: layout tables disagree about rank %d", r);
-    }
   MK_CHECK(Collective::can_implement(kind, count, dtype, W));
   MK_REQUIRE(chunk_elems <= (1ll << 32), Code::kInvalidArgument, "%s: chunk of %lld elements is too large (<= 2^32)",
              collective_kind_name(kind), (long long)chunk_elems);

@@ -109,18 +109,7 @@ struct Builder {
         for (int tn = 0; tn < p.tiles_n; ++tn) rp.tile_order.push_back(tn * p.tiles_m + tm);
       }
   }
-  Op entry_op(int me) const {
-    Op op;
-    op.kind = OpKind::kSignal;
-    for (int q : L.node_peers(me)) op.signals.push_back(set_epoch(Region::kEntry, q, me));
-    op.what = "entry signal to the node's peers";
-    return op;
-  }
-  void net_entry_ops(RankPlan& rp, int me) {
-    for (int q : L.twins(me))
-      rp.ops.push_back(pb.token_put(me, q, Buf::kToken, flag_at(Region::kEntryNet, q, me), comm::FlagRef{},
-                                    "entry signal to rank " + std::to_string(q) + " (network)"));
-  }
+
 
   // My chunk c of `buf` (final once kLocal[c] is set) to my twin q on another node, once q
   // entered the call, raising q's kNetIn[net_index]; its source is free at kSrcFree[c].
@@ -167,8 +156,7 @@ struct Builder {
   void build_ag(int me) {
     RankPlan& rp = p.ranks[me];
     const int64_t rowb = K * 2;
-    rp.ops.push_back(entry_op(me));
-    net_entry_ops(rp, me);
+    pb.entry_ops(me, Region::kEntry, Region::kEntryNet, Buf::kToken, &rp.ops);
     // 1. My shard is in my own gathered A when the kernel starts (the launch copies it there with
     //    the copy engine, Plan::own_copy_before): my first tiles start at once and wait for
     //    nothing. My shard into my node's peers' (each waits for that peer's entry), chunk by
@@ -443,8 +431,7 @@ struct Builder {
     const Reduce r = reduce_of(me, allreduce);
     reduce_epilogue(rp, r);
     reduce_row_hooks(rp, r);
-    rp.ops.push_back(entry_op(me));
-    net_entry_ops(rp, me);
+    pb.entry_ops(me, Region::kEntry, Region::kEntryNet, Buf::kToken, &rp.ops);
     std::map<uint32_t, Op> zeros;
     reduce_partials_out(rp, r, &zeros);
     reduce_own_shard(rp, r);
@@ -487,20 +474,8 @@ Status FusedGemm::can_implement(FusedKind kind, const PlanShape& shape, int worl
 Status build_plan(FusedKind kind, const PlanShape& shape, const comm::Layout& layout, bool deterministic,
                   Plan* out, bool net_staged) {
   const int W = layout.world;
-  MK_REQUIRE(W >= 1 && int(layout.node_of.size()) == W && int(layout.local_of.size()) == W &&
-                 layout.nodes() >= 1,
-             Code::kInvalidArgument, "plan: malformed layout (world %d)", W);
+  MK_CHECK(layout.check("plan"));
   const int local = layout.local();
-  for (const auto& nr : layout.node_ranks)
-    MK_REQUIRE(int(nr.size()) == local && local >= 1, Code::kInvalidArgument,
-               "plan: every node must hold the same number of ranks (%d vs %d)", int(nr.size()), local);
-  MK_REQUIRE(layout.nodes() * local == W, Code::kInvalidArgument, "plan: nodes x local != world");
-  for (int n = 0; n < layout.nodes(); ++n)
-    for (int l = 0; l < local; ++l) {
-      const int r = layout.node_ranks[n][l];
-      MK_REQUIRE(r >= 0 && r < W && layout.node_of[r] == n && layout.local_of[r] == l, Code::kInvalidArgument,
-                 "plan: layout tables disagree about rank %d", r);
-    }
   MK_CHECK(FusedGemm::can_implement(kind, shape, W));
   const int64_t M = shape.M, N = shape.N, K = shape.K;
   Plan& p = *out;
