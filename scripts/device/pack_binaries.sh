@@ -7,7 +7,7 @@
 # rewrites ctest's paths; it builds there instead when the archive is absent.
 # MK_PACK_SLIM=1 packs only what the suite's compare step runs (mkernel, the C ABI library,
 # bench_gemm, bench_host_call): the full pack and .devbin-before together are over the 64 MiB
-# a device call carries.
+# a device call carries. MK_PACK_ONLY (below) keeps a subset of the tests.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -21,6 +21,19 @@ for f in "$build"/tests/gpu/test_gpu_* "$build"/tests/gpu/fault_rank; do [[ -x $
 # The benchmarks that run on the GPU, when built.
 for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy bench/bench_peer_write bench/bench_fused_threads; do [[ -x $build/$f ]] && files+=("$f"); done
 [[ ${MK_PACK_SLIM:-0} == 1 ]] && files=(mkernel libmkernel_capi.so bench/bench_gemm bench/bench_host_call)
+# MK_PACK_ONLY=REGEX: of the test binaries and benchmarks, only those whose path matches (the CLI,
+# the C ABI library and ctest's files always): a pack that fits the 64 MiB a call carries when
+# the whole set (about 60 MiB) and the GPU mutants would not.
+if [[ -n ${MK_PACK_ONLY:-} ]]; then
+  keep=()
+  for f in "${files[@]}"; do
+    case $f in
+      mkernel|libmkernel_capi.so|*CTestTestfile.cmake) keep+=("$f") ;;
+      *) [[ $f =~ $MK_PACK_ONLY ]] && keep+=("$f") ;;
+    esac
+  done
+  files=("${keep[@]}")
+fi
 for f in "${files[@]}"; do [[ -e $build/$f ]] || { echo "pack: $build/$f missing (build first)" >&2; exit 1; }; done
 # MK_PACK_MUTANTS=DIR: also the GPU mutations' binaries (scripts/mutation_check.py --build-only DIR),
 # as mutants/<name>/<path>, each right after its unmutated binary (the solid archive then stores
