@@ -274,6 +274,15 @@ TEST(CollPlanErrors, RejectsBadCountsAndLayouts) {
   bad.node_ranks[1].pop_back();
   EXPECT_NE(msg(CollectiveKind::kAllReduce, 64, CollDType::kBF16, bad).find("same number of ranks"), std::string::npos);
   EXPECT_EQ(msg(CollectiveKind::kAllReduce, 64, CollDType::kBF16, L), "ok");
+  // At most 16 buffers per op: an all-reduce over 9 nodes of 8 ranks would read 9 partials and
+  // write 8 ranks' outputs.
+  EXPECT_NE(msg(CollectiveKind::kAllReduce, 8 * 72, CollDType::kBF16, comm::Layout::uniform(72, 9))
+                .find("would touch 17 buffers"),
+            std::string::npos);
+  EXPECT_EQ(msg(CollectiveKind::kAllReduce, 8 * 64, CollDType::kBF16, comm::Layout::uniform(64, 8)), "ok");
+  EXPECT_NE(msg(CollectiveKind::kAllReduce, 8 * 16, CollDType::kBF16, comm::Layout::uniform(16, 1))
+                .find("would touch 32 buffers"),
+            std::string::npos);
   CollectiveKind k;
   EXPECT_TRUE(parse_collective_kind("all_reduce", &k).ok());
   EXPECT_EQ(k, CollectiveKind::kAllReduce);

@@ -334,6 +334,18 @@ Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, cons
   MK_CHECK(layout.check("collective plan"));
   const int local = layout.local();
   MK_CHECK(Collective::can_implement(kind, count, dtype, W));
+  {
+    // An op touches at most 16 buffers (the executor's pointer table): the sums read a node's
+    // inputs or every node's partial and, for the all-reduce, write every rank of the node.
+    const int nodes = layout.nodes();
+    int most = 3;  // AG: a staged arrival into kGather and the output
+    if (kind == CollectiveKind::kReduceScatter) most = std::max(local, nodes) + 1;
+    if (kind == CollectiveKind::kAllReduce) most = nodes == 1 ? 2 * local : std::max(local + 1, nodes + local);
+    MK_REQUIRE(most <= 16, Code::kNotSupported,
+               "%s on %d node(s) of %d rank(s): an op would touch %d buffers (at most 16; all-reduce: 8 ranks on one "
+               "node, or nodes + ranks per node <= 16; reduce-scatter: up to 15 nodes and 15 ranks per node)",
+               collective_kind_name(kind), nodes, local, most);
+  }
   MK_REQUIRE(chunk_elems <= (1ll << 32), Code::kInvalidArgument, "%s: chunk of %lld elements is too large (<= 2^32)",
              collective_kind_name(kind), (long long)chunk_elems);
   CollPlan& p = *out;
