@@ -61,12 +61,19 @@ Status Collective::create(Communicator* comm, CollectiveKind kind, int64_t count
                           const CollectiveOptions& opt, std::unique_ptr<Collective>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "collective: null communicator or output");
   const char* name = collective_kind_name(kind);
-  MK_CHECK(can_implement(kind, count, dtype, comm->world()));
-  MK_REQUIRE(opt.ctas >= 0 && opt.chunk_elems >= 0, Code::kInvalidArgument,
-             "%s: ctas (%d) and chunk_elems (%lld) must be >= 0 (0: the default)", name, opt.ctas,
-             (long long)opt.chunk_elems);
+  // Every rank asked for the same thing first (a rank whose request alone is bad would otherwise
+  // leave the others waiting in the agreement); then the rules, the same outcome everywhere.
   Request req{int32_t(kind), int32_t(dtype), count, opt.chunk_elems};
   MK_CHECK(comm::agree_on_request(comm->bootstrap(), req, name, describe_request));
+  MK_CHECK(can_implement(kind, count, dtype, comm->world()));
+  // The CTA count is this rank's own (it need not agree): its error is agreed, so no rank goes on
+  // into the collective steps below without the others.
+  const Status local = opt.ctas >= 0 && opt.chunk_elems >= 0
+                           ? OkStatus()
+                           : make_status(Code::kInvalidArgument,
+                                         "%s: ctas (%d) and chunk_elems (%lld) must be >= 0 (0: the default)", name,
+                                         opt.ctas, (long long)opt.chunk_elems);
+  MK_CHECK(agree(comm->bootstrap(), local, std::string(name) + " options"));
   std::unique_ptr<Collective> op(new Collective());
   op->st_ = std::make_unique<CollectiveState>();
   CollectiveState* st = op->st_.get();

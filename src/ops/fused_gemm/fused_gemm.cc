@@ -188,13 +188,13 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
                          std::unique_ptr<FusedGemm>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "fused: null communicator or output");
   const char* name = fused_kind_name(kind);
+  // The path: a bad one (on any rank) is every rank's error, before anything else is collective.
   PathMode mode = PathMode::kFused;
-  {
-    const std::string path = opt.path.empty() ? tunables::fused_path() : opt.path;
-    Status ps = parse_path_mode(path, &mode);
-    MK_REQUIRE(ps.ok(), Code::kInvalidArgument, "%s: %s (%s)", name, ps.message().c_str(),
-               opt.path.empty() ? "tunable fused_path, MK_FUSED_PATH" : "FusedOptions::path");
-  }
+  Status ps = parse_path_mode(opt.path.empty() ? tunables::fused_path() : opt.path, &mode);
+  if (!ps.ok())
+    ps = make_status(Code::kInvalidArgument, "%s: %s (%s)", name, ps.message().c_str(),
+                     opt.path.empty() ? "tunable fused_path, MK_FUSED_PATH" : "FusedOptions::path");
+  MK_CHECK(agree(comm->bootstrap(), ps, std::string(name) + " path"));
   Request req{int32_t(kind), opt.deterministic ? 1 : 0, shape.M, shape.N, shape.K, int32_t(mode), 0};
   MK_CHECK(comm::agree_on_request(comm->bootstrap(), req, name, describe_request));
   std::unique_ptr<FusedGemm> op(new FusedGemm());
