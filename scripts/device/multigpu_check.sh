@@ -18,6 +18,7 @@
 #      bench/bench_torch.py (against symm_mem's fused ops and NCCL + matmul, one GPU per rank);
 #   7. the SM-partition controller: the matrix again with MK_FUSED_SPLIT=auto, and `mkernel bench
 #      all --splits` (static splits 1..32 against the controller) at every W and 2 nodes x W/2;
+#      and policy auto: `mkernel bench all --path fused|unfused|auto` at M 512 and 8192, every W;
 #   8. the standalone collectives: test_gpu_collective at every W and 2 emulated nodes x W/2
 #      (tcp_rxm, staged), and `mkernel bench allgather|reduce_scatter|allreduce` (bf16, 64 KiB ..
 #      256 MiB; all-reduce in fp32 too) against NCCL and a device copy, one node and 2 emulated
@@ -112,6 +113,17 @@ for w in "${ws[@]}"; do
   run "bench_splits_w$w" "$w" -- "$B/mkernel" bench all --splits --json "$RESULT/splits_w$w.json"
   (( w >= 4 )) && run "bench_splits_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
     "$B/mkernel" bench all --splits --json "$RESULT/splits_2nodes_w$w.json"
+done
+# 7c. policy auto: each fused operator on each path (fused, unfused, auto) at a small and a large
+#     M (auto must come within 0.98 of the faster path: scripts/device/collective_check.sh's summary
+#     reads the same file names)
+for w in "${ws[@]}"; do
+  for m in 512 8192; do
+    for path in fused unfused auto; do
+      run "bench_path_w${w}_m${m}_$path" "$w" -- "$B/mkernel" bench all --m $m --n 8192 --k $((8192 / w)) \
+        --path $path --json "$RESULT/paths_np${w}_${m}x8192x$((8192 / w))_$path.json"
+    done
+  done
 done
 # 5b. MoE benchmarks: every preset (DeepEP's throughput and low-latency shapes, Qwen3, Mixtral)
 for w in "${ws[@]}"; do
