@@ -19,11 +19,7 @@ namespace ops {
 
 struct CollectiveState {
   std::unique_ptr<comm::OpSession> session;  // workspaces, pad, epoch, network; the comm attachment
-  CollectiveKind kind = CollectiveKind::kAllReduce;
-  CollDType dtype = CollDType::kBF16;
-  int64_t count = 0;
-  CollectiveOptions opt;
-  CollPlan plan;
+  CollPlan plan;                             // kind, dtype and count as asked
   comm::DeviceProgram program{};  // the resolved program
   int ctas = 1;
 };
@@ -77,10 +73,6 @@ Status Collective::create(Communicator* comm, CollectiveKind kind, int64_t count
   std::unique_ptr<Collective> op(new Collective());
   op->st_ = std::make_unique<CollectiveState>();
   CollectiveState* st = op->st_.get();
-  st->kind = kind;
-  st->dtype = dtype;
-  st->count = count;
-  st->opt = opt;
   const comm::Layout layout = comm::layout_of(comm->topology());
   // Same inputs on every rank: the plan (or its error) is the same everywhere.
   MK_CHECK(build_coll_plan(kind, count, dtype, layout, opt.chunk_elems, false, &st->plan));
@@ -116,9 +108,9 @@ Status Collective::destroy() {
   return st->session->destroy();
 }
 
-CollectiveKind Collective::kind() const { return st_->kind; }
-CollDType Collective::dtype() const { return st_->dtype; }
-int64_t Collective::count() const { return st_->count; }
+CollectiveKind Collective::kind() const { return st_->plan.kind; }
+CollDType Collective::dtype() const { return st_->plan.dtype; }
+int64_t Collective::count() const { return st_->plan.count; }
 int64_t Collective::in_elems() const { return st_->plan.in_elems(); }
 int64_t Collective::out_elems() const { return st_->plan.out_elems(); }
 int Collective::ctas() const { return st_->ctas; }
@@ -127,7 +119,7 @@ void* Collective::input() const {
   return st_->session->local(CBuf::kIn);
 }
 void* Collective::output() const {
-  if (st_->kind != CollectiveKind::kAllReduce || !st_->session || !st_->session->alive()) return nullptr;
+  if (st_->plan.kind != CollectiveKind::kAllReduce || !st_->session || !st_->session->alive()) return nullptr;
   return st_->session->local(CBuf::kOut);
 }
 
@@ -135,7 +127,7 @@ Status Collective::can_implement(const CollectiveArgs& a) const {
   const CollectiveState* st = st_.get();
   MK_REQUIRE(st && st->session && st->session->alive(), Code::kInvalidArgument,
              "collective: the operator was destroyed (or its communicator was destroyed first)");
-  const char* name = collective_kind_name(st->kind);
+  const char* name = collective_kind_name(st->plan.kind);
   MK_REQUIRE(a.in && a.out, Code::kInvalidArgument, "%s: null input or output", name);
   MK_REQUIRE(aligned16(a.in) && aligned16(a.out), Code::kInvalidArgument, "%s: input and output must be 16-byte aligned",
              name);
@@ -147,7 +139,7 @@ Status Collective::can_implement(const CollectiveArgs& a) const {
   MK_REQUIRE(a.in == ws_in || !overlaps(a.in, ib, ws_in, ib), Code::kInvalidArgument,
              "%s: the input overlaps the operator's input workspace (pass input() itself, or memory apart from it)",
              name);
-  if (st->kind == CollectiveKind::kAllReduce) {
+  if (st->plan.kind == CollectiveKind::kAllReduce) {
     // The result is copied out of output() after the kernel (unless the output is output()).
     const void* ws_out = output();
     MK_REQUIRE(a.out == ws_out || !overlaps(a.out, ob, ws_out, ob), Code::kInvalidArgument,
@@ -164,7 +156,7 @@ Status Collective::can_implement(const CollectiveArgs& a) const {
 
 Status Collective::run(const CollectiveArgs& a, cudaStream_t stream) {
   if (st_->session)
-    MK_CHECK(st_->session->agree_on_call(can_implement(a), std::string(collective_kind_name(st_->kind)) + " arguments"));
+    MK_CHECK(st_->session->agree_on_call(can_implement(a), std::string(collective_kind_name(st_->plan.kind)) + " arguments"));
   return enqueue(a, stream);
 }
 
@@ -184,9 +176,9 @@ Status Collective::enqueue(const CollectiveArgs& a, cudaStream_t stream) {
   void* ws_in = st->session->local(CBuf::kIn);
   if (a.in != ws_in) MK_CUDA_CHECK(cudaMemcpyAsync(ws_in, a.in, ib, cudaMemcpyDeviceToDevice, stream));
   comm::DeviceProgram h = st->program;
-  if (st->kind != CollectiveKind::kAllReduce) h.user[kCollUserSlotOut] = a.out;
+  if (st->plan.kind != CollectiveKind::kAllReduce) h.user[kCollUserSlotOut] = a.out;
   MK_CHECK(collective_launch(h, st->ctas, stream));
-  if (st->kind == CollectiveKind::kAllReduce) {
+  if (st->plan.kind == CollectiveKind::kAllReduce) {
     void* ws_out = st->session->local(CBuf::kOut);
     if (a.out != ws_out) MK_CUDA_CHECK(cudaMemcpyAsync(a.out, ws_out, ob, cudaMemcpyDeviceToDevice, stream));
   }

@@ -103,7 +103,6 @@ struct CollPlan : comm::Program {
   int esize() const { return dtype == CollDType::kBF16 ? 2 : 4; }
   int64_t in_elems() const;   // AG: count; RS: W * count; AR: count
   int64_t out_elems() const;  // AG: W * count; RS: count; AR: count
-  uint64_t buf_bytes(comm::BufId b) const { return b < bufs.size() ? bufs[b].bytes : 0; }
 };
 
 // The default chunk: a 64th of the largest shard (so up to 64 CTAs of a rank share its work),

@@ -64,7 +64,6 @@ class PathPolicy {
   // The slowest rank's medians the decision was made on (0 when preset).
   double decided_fused_ms() const { return ms_at_decision_[0]; }
   double decided_unfused_ms() const { return ms_at_decision_[1]; }
-  int calls() const { return calls_; }
   // "fused", "unfused", "auto: deciding (call 3 of 12)", "auto: unfused (fused 1.20 ms, unfused
   // 0.95 ms, the slowest rank's medians)", "auto: fused (remembered)".
   std::string describe() const;

@@ -54,13 +54,15 @@ struct FusedState {
     cudaEvent_t start = nullptr, stop = nullptr;
     Path path = Path::kFused;
   };
-  std::vector<Timing> timings;  // auto: the timed calls (events read once the trials are in)
-  ~FusedState() {
+  std::vector<Timing> timings;  // auto: the timed calls (events read, then freed, at the decision)
+  void free_timings() {
     for (auto& t : timings) {
       if (t.start) cudaEventDestroy(t.start);
       if (t.stop) cudaEventDestroy(t.stop);
     }
+    timings.clear();
   }
+  ~FusedState() { free_timings(); }
 };
 
 namespace {
@@ -364,8 +366,9 @@ Status decide_path(FusedState* st) {
   for (auto& t : st->timings) {
     cudaError_t e;
     while ((e = cudaEventQuery(t.stop)) == cudaErrorNotReady) {
-      MK_REQUIRE(std::chrono::steady_clock::now() < deadline, Code::kTimeout, "%s: policy auto: the timed calls did not complete within %lld ms",
-                 fused_kind_name(st->kind), (long long)device_setup_timeout_ms());
+      MK_REQUIRE(std::chrono::steady_clock::now() < deadline, Code::kTimeout,
+                 "%s: policy auto: the timed calls did not complete within %lld ms", fused_kind_name(st->kind),
+                 (long long)device_setup_timeout_ms());
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     MK_CUDA_CHECK(e);
@@ -373,6 +376,7 @@ Status decide_path(FusedState* st) {
     MK_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
     MK_CHECK(st->policy.report(t.path, double(ms)));
   }
+  st->free_timings();
   const int W = comm->world();
   const double mine[2] = {st->policy.median(Path::kFused), st->policy.median(Path::kUnfused)};
   std::vector<double> all(size_t(2 * W));
