@@ -73,7 +73,7 @@ fi
 python3 - "$L" "$RESULT/collective_summary.json" <<'EOF'
 import glob, json, os, re, sys
 d, out = sys.argv[1], sys.argv[2]
-summary = {"allreduce_64MiB_w4": None, "paths": []}
+summary = {"allreduce_64MiB_w4": None, "paths": [], "paths_same_run": []}
 def rows(path):
     try:
         return json.load(open(path)).get("results", [])
@@ -100,10 +100,23 @@ for key, t in sorted(times.items()):
     summary["paths"].append({"W": key[0], "op": key[1], "M": key[2], "N": key[3], "K": key[4], "fused_ms": t["fused"][0],
                              "unfused_ms": t["unfused"][0], "auto_ms": t["auto"][0], "auto_chose": t["auto"][1],
                              "auto_vs_faster": round(ratio, 3), "met": ratio >= 0.98})
+# The auto runs also time operators forced onto each path in the same process (two rounds):
+# the figure the target is judged on; the table above compares separate runs.
+for f in sorted(glob.glob(os.path.join(d, "paths_np*_auto.json"))):
+    m = re.match(r"paths_np(\d+)_(\d+)x(\d+)x(\d+)_auto\.json", os.path.basename(f))
+    for r in rows(f):
+        p = r.get("paths_same_run")
+        if m and p:
+            summary["paths_same_run"].append({"W": int(m.group(1)), "op": r["op"], "M": int(m.group(2)),
+                                              "N": int(m.group(3)), "K": int(m.group(4)), **p,
+                                              "auto_chose": r.get("path"), "met": p["auto_vs_faster"] >= 0.98})
 json.dump(summary, open(out, "w"), indent=1)
 a = summary["allreduce_64MiB_w4"]
 print("summary: all-reduce 64 MiB W 4 vs copy:", a and a["vs_copy"], "(target 0.8)")
 for p in summary["paths"]:
     print(f"summary: {p['op']} W {p['W']} {p['M']}x{p['N']}x{p['K']}: fused {p['fused_ms']} unfused {p['unfused_ms']} "
           f"auto {p['auto_ms']} ({p['auto_chose']}): {p['auto_vs_faster']} of the faster (target 0.98)")
+for p in summary["paths_same_run"]:
+    print(f"summary, same run: {p['op']} W {p['W']} {p['M']}x{p['N']}x{p['K']}: fused {p['fused_ms']} unfused "
+          f"{p['unfused_ms']} auto {p['auto_ms']}: {p['auto_vs_faster']} of the faster (target 0.98)")
 EOF

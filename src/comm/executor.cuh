@@ -65,14 +65,14 @@ __device__ __forceinline__ bool op_ready(const DeviceProgram& h, int idx, uint64
 
 // dsts[d][0, bytes) = src[0, bytes) for d < ndst, by kThreads threads; 16-byte aligned, bytes a
 // multiple of 16. Plain vector loads and stores: also for pinned host memory (staged network).
-template <int kThreads>
+// kU * 16 bytes in flight per thread (8: 32 KiB per 256 threads): copies under a running GEMM see
+// microseconds of latency, so a CTA needs many bytes in flight (docs/fused.md); a runner CTA,
+// with nothing else on its registers, takes 16.
+template <int kThreads, int kU = 8>
 __device__ __forceinline__ void copy_words(const void* src_, void* const* dsts, uint32_t ndst, uint64_t bytes,
                                            int tid) {
   const int4* src = static_cast<const int4*>(src_);
   const uint64_t n = bytes / 16;
-  // kU * 16 bytes in flight per thread (32 KiB per 256 threads): copies under a running GEMM see
-  // microseconds of latency, so a CTA needs many bytes in flight (docs/fused.md).
-  constexpr int kU = 8;
   uint64_t j = tid;
   for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
     int4 v[kU];
@@ -90,9 +90,159 @@ __device__ __forceinline__ void copy_words(const void* src_, void* const* dsts, 
   }
 }
 
+// The reduce op: dsts[d][i] = sum over k of srcs[k][i] for i < op.elems, in fp32, sources added
+// in their order (deterministic plans rely on it); sources in op.zero_mask zeroed after reading.
+// Bandwidth comes from bytes in flight: with kB > 1 every thread loads its words of kB sources
+// before it adds any (kUW 16-byte words of each; one 8-byte word at a time, one source after the
+// other, left a runner's CTA latency-bound: the bf16 all-reduce moved a quarter of a device
+// copy's bytes). bf16 sources then go 8 elements per 16-byte word when every pointer is 16-byte
+// aligned (the collectives' chunks are); otherwise, and for the last 4 elements, 4 per word.
+// kB == 1: one source at a time, 4 words of 4 elements per thread (a fused kernel's CTAs).
+template <int kThreads, int kB, int kUW>
+__device__ __forceinline__ void reduce_op(const DevOp& op, void* const* ptr, int tid) {
+  constexpr int kU4 = kB > 1 ? 2 : 4;  // 4-element words per thread (the same bytes in flight, or more)
+  const uint32_t nsrc = op.nsrc, ndst = op.ndst;
+  const bool bf16_src = (op.flags & kDevOpSrcBf16) != 0;
+  auto add4 = [](float4& a, const float4& v) { a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w; };
+  auto widen = [](uint32_t w) { return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w)); };
+  auto narrow = [](float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  };
+  uint64_t g4_begin = 0;  // the first 4-element group the general loop below takes
+  bool wide = kB > 1 && bf16_src;
+  for (uint32_t k = 0; k < nsrc + ndst && wide; ++k) wide = (reinterpret_cast<uintptr_t>(ptr[k]) & 15u) == 0;
+  if constexpr (kB > 1) if (wide) {
+    // 8 elements per word: sources uint4 (bf16), destinations uint4 (bf16) or 2 x float4 (fp32).
+    const uint64_t n = op.elems / 8;
+    auto finish8 = [&](uint64_t j, const float4& lo, const float4& hi) {
+      for (uint32_t k = 0; k < nsrc; ++k)
+        if (op.zero_mask & (1u << k)) static_cast<uint4*>(ptr[k])[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (op.dst_f32) {
+        for (uint32_t d = 0; d < ndst; ++d) {
+          float4* o = static_cast<float4*>(ptr[nsrc + d]);
+          o[2 * j] = lo;
+          o[2 * j + 1] = hi;
+        }
+      } else {
+        const uint4 w = make_uint4(narrow(lo.x, lo.y), narrow(lo.z, lo.w), narrow(hi.x, hi.y), narrow(hi.z, hi.w));
+        for (uint32_t d = 0; d < ndst; ++d) static_cast<uint4*>(ptr[nsrc + d])[j] = w;
+      }
+    };
+    auto acc8 = [&](float4& lo, float4& hi, const uint4& w, bool first) {
+      const float2 a = widen(w.x), b = widen(w.y), c = widen(w.z), d = widen(w.w);
+      const float4 l = make_float4(a.x, a.y, b.x, b.y), h = make_float4(c.x, c.y, d.x, d.y);
+      if (first) {
+        lo = l, hi = h;
+      } else {
+        add4(lo, l), add4(hi, h);
+      }
+    };
+    uint64_t j = tid;
+    for (; j + (kUW - 1) * kThreads < n; j += kUW * kThreads) {
+      float4 lo[kUW], hi[kUW];
+      for (uint32_t k0 = 0; k0 < nsrc; k0 += kB) {
+        uint4 v[kB][kUW];
+        #pragma unroll
+        for (int b = 0; b < kB; ++b)
+          if (k0 + b < nsrc) {
+            const uint4* src = static_cast<const uint4*>(ptr[k0 + b]);
+            #pragma unroll
+            for (int u = 0; u < kUW; ++u) v[b][u] = src[j + u * kThreads];
+          }
+        #pragma unroll
+        for (int b = 0; b < kB; ++b)
+          if (k0 + b < nsrc) {
+            #pragma unroll
+            for (int u = 0; u < kUW; ++u) acc8(lo[u], hi[u], v[b][u], k0 + b == 0);
+          }
+      }
+      #pragma unroll
+      for (int u = 0; u < kUW; ++u) finish8(j + u * kThreads, lo[u], hi[u]);
+    }
+    for (; j < n; j += kThreads) {
+      float4 lo, hi;
+      for (uint32_t k = 0; k < nsrc; ++k) acc8(lo, hi, static_cast<const uint4*>(ptr[k])[j], k == 0);
+      finish8(j, lo, hi);
+    }
+    g4_begin = 2 * n;
+  }
+  // 4 elements per word: fp32 sources float4, bf16 sources uint2.
+  const uint64_t n = op.elems / 4;
+  auto finish = [&](uint64_t j, const float4& acc) {
+    for (uint32_t k = 0; k < nsrc; ++k)
+      if (op.zero_mask & (1u << k)) {
+        if (bf16_src) static_cast<uint2*>(ptr[k])[j] = make_uint2(0u, 0u);
+        else static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    if (op.dst_f32) {
+      for (uint32_t d = 0; d < ndst; ++d) static_cast<float4*>(ptr[nsrc + d])[j] = acc;
+    } else {
+      const uint2 w = make_uint2(narrow(acc.x, acc.y), narrow(acc.z, acc.w));
+      for (uint32_t d = 0; d < ndst; ++d) static_cast<uint2*>(ptr[nsrc + d])[j] = w;
+    }
+  };
+  // Element group j (4 values) of source k: fp32, or bf16 widened (kDevOpSrcBf16).
+  auto ld = [&](uint32_t k, uint64_t j) -> float4 {
+    if (!bf16_src) return static_cast<const float4*>(ptr[k])[j];
+    const uint2 raw = static_cast<const uint2*>(ptr[k])[j];
+    const float2 lo = widen(raw.x), hi = widen(raw.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  };
+  uint64_t j = g4_begin + tid;
+  if constexpr (kB == 1) {
+    // One source at a time (a fused kernel's communication CTA: its registers are the GEMM's).
+    for (; j + (kU4 - 1) * kThreads < n; j += kU4 * kThreads) {
+      float4 acc[kU4];
+      #pragma unroll
+      for (int u = 0; u < kU4; ++u) acc[u] = ld(0, j + u * kThreads);
+      for (uint32_t k = 1; k < nsrc; ++k) {
+        float4 v[kU4];
+        #pragma unroll
+        for (int u = 0; u < kU4; ++u) v[u] = ld(k, j + u * kThreads);
+        #pragma unroll
+        for (int u = 0; u < kU4; ++u) add4(acc[u], v[u]);
+      }
+      #pragma unroll
+      for (int u = 0; u < kU4; ++u) finish(j + u * kThreads, acc[u]);
+    }
+  } else {
+    for (; j + (kU4 - 1) * kThreads < n; j += kU4 * kThreads) {
+      float4 acc[kU4];
+      for (uint32_t k0 = 0; k0 < nsrc; k0 += kB) {
+        float4 v[kB][kU4];
+        #pragma unroll
+        for (int b = 0; b < kB; ++b)
+          if (k0 + b < nsrc) {
+            #pragma unroll
+            for (int u = 0; u < kU4; ++u) v[b][u] = ld(k0 + b, j + u * kThreads);
+          }
+        #pragma unroll
+        for (int b = 0; b < kB; ++b)
+          if (k0 + b < nsrc) {
+            #pragma unroll
+            for (int u = 0; u < kU4; ++u) {
+              if (k0 + b == 0) acc[u] = v[b][u];
+              else add4(acc[u], v[b][u]);
+            }
+          }
+      }
+      #pragma unroll
+      for (int u = 0; u < kU4; ++u) finish(j + u * kThreads, acc[u]);
+    }
+  }
+  for (; j < n; j += kThreads) {
+    float4 acc = ld(0, j);
+    for (uint32_t k = 1; k < nsrc; ++k) add4(acc, ld(k, j));
+    finish(j, acc);
+  }
+}
+
 // One op of the communication program, run by kThreads threads (tid 0..kThreads-1) of a CTA that
-// meet on named barrier kBarrier.
-template <int kThreads, uint32_t kBarrier>
+// meet on named barrier kBarrier. kCopyU: copy_words' words in flight per thread; kReduceB,
+// kReduceUW: reduce_op's sources loaded together and 8-element words per thread (a runner's CTA
+// takes more than a fused kernel's, whose registers the compute role sizes).
+template <int kThreads, uint32_t kBarrier, int kCopyU = 8, int kReduceB = 1, int kReduceUW = 1>
 __device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int tid, uint64_t epoch) {
   const DevOp& op = h.ops[index];
   if (tid == 0) hook_waits(h, op.wait0, op.nwait, epoch);
@@ -110,7 +260,7 @@ __device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int 
   }
   switch (op.kind) {
     case kDevCopy:
-      copy_words<kThreads>(ptr[0], ptr + op.nsrc, op.ndst, bytes, tid);
+      copy_words<kThreads, kCopyU>(ptr[0], ptr + op.nsrc, op.ndst, bytes, tid);
       break;
     case kDevZero: {
       const uint64_t n = bytes / 16;
@@ -119,61 +269,9 @@ __device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int 
         for (uint64_t j = tid; j < n; j += kThreads) static_cast<int4*>(ptr[op.nsrc + d])[j] = z;
       break;
     }
-    case kDevReduce: {
-      // kU float4 of every source in flight per thread (a float4 at a time leaves one CTA
-      // latency-bound); sources summed in their order (deterministic plans rely on it).
-      const uint64_t n = op.elems / 4;
-      const bool bf16_src = (op.flags & kDevOpSrcBf16) != 0;
-      constexpr int kU = 4;
-      auto finish = [&](uint64_t j, const float4& acc) {
-        for (uint32_t k = 0; k < op.nsrc; ++k)
-          if (op.zero_mask & (1u << k)) {
-            if (bf16_src) static_cast<uint2*>(ptr[k])[j] = make_uint2(0u, 0u);
-            else static_cast<float4*>(ptr[k])[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-          }
-        if (op.dst_f32) {
-          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<float4*>(ptr[op.nsrc + d])[j] = acc;
-        } else {
-          __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-          uint2 packed;
-          packed.x = *reinterpret_cast<uint32_t*>(&lo);
-          packed.y = *reinterpret_cast<uint32_t*>(&hi);
-          for (uint32_t d = 0; d < op.ndst; ++d) static_cast<uint2*>(ptr[op.nsrc + d])[j] = packed;
-        }
-      };
-      auto add = [](float4& a, const float4& v) {
-        a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w;
-      };
-      // Element group j (4 values) of source k: fp32, or bf16 widened (kDevOpSrcBf16).
-      auto ld = [&](uint32_t k, uint64_t j) -> float4 {
-        if (!bf16_src) return static_cast<const float4*>(ptr[k])[j];
-        const uint2 raw = static_cast<const uint2*>(ptr[k])[j];
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-        return make_float4(lo.x, lo.y, hi.x, hi.y);
-      };
-      uint64_t j = tid;
-      for (; j + (kU - 1) * kThreads < n; j += kU * kThreads) {
-        float4 acc[kU];
-        #pragma unroll
-        for (int u = 0; u < kU; ++u) acc[u] = ld(0, j + u * kThreads);
-        for (uint32_t k = 1; k < op.nsrc; ++k) {
-          float4 v[kU];
-          #pragma unroll
-          for (int u = 0; u < kU; ++u) v[u] = ld(k, j + u * kThreads);
-          #pragma unroll
-          for (int u = 0; u < kU; ++u) add(acc[u], v[u]);
-        }
-        #pragma unroll
-        for (int u = 0; u < kU; ++u) finish(j + u * kThreads, acc[u]);
-      }
-      for (; j < n; j += kThreads) {
-        float4 acc = ld(0, j);
-        for (uint32_t k = 1; k < op.nsrc; ++k) add(acc, ld(k, j));
-        finish(j, acc);
-      }
+    case kDevReduce:
+      reduce_op<kThreads, kReduceB, kReduceUW>(op, ptr, tid);
       break;
-    }
     case kDevNetPut:
       // Its waits (taken above) made the source final; the proxy reads it after the push.
       // Staged: the CTA first copies it into the host mirror the proxy sends from.

@@ -14,13 +14,20 @@
 namespace mk {
 namespace comm {
 
+// A runner's CTA is alone on its SM (its registers: about 250 per thread) and gets its bandwidth
+// from bytes in flight per thread, not from resident warps: a copy keeps 64 KiB in flight per
+// CTA, a reduce of bf16 sources 64 KiB of four sources (executor.cuh). Programs are taken in
+// order, so CTAs that wait for an SM hold no op anyone waits for.
 constexpr int kRunnerThreads = 256;
+constexpr int kRunnerCopyWords = 16;     // 16-byte words in flight per thread in a copy
+constexpr int kRunnerReduceSources = 4;  // a reduce's sources loaded together
+constexpr int kRunnerReduceWords = 4;    // and 16-byte words of each per thread (bf16 sources)
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) program_runner(DeviceProgram h) {
   const uint64_t epoch = device::epoch_of_call(h.epoch);
   for_each_op_in_order<kThreads, 1>(h, int(threadIdx.x),
-                                    [&](int op) { run_comm_op<kThreads, 1>(h, op, int(threadIdx.x), epoch); });
+                                    [&](int op) { run_comm_op<kThreads, 1, kRunnerCopyWords, kRunnerReduceSources, kRunnerReduceWords>(h, op, int(threadIdx.x), epoch); });
   device::epoch_finish(h.epoch, gridDim.x);
 }
 

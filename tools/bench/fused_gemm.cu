@@ -63,6 +63,10 @@ struct Row {
   int default_split = 0;
   // --path: the path the timed calls took and why (FusedGemm::path()), "fused" by default.
   std::string path = "fused";
+  // --path auto (W > 1): in the same run, operators forced onto each path timed beside the auto
+  // one, in two rounds (fused, unfused, auto; then auto, unfused, fused); each figure the mean
+  // of its two medians (ms; 0: not run).
+  double same_fused = 0, same_unfused = 0, same_auto = 0;
 };
 
 // The unfused path's reference (RS/AR): every rank's product rounded to bf16 (as the GEMM writes
@@ -181,7 +185,8 @@ Status split_sweep(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64
 }
 
 Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64_t M, int64_t N, int64_t K,
-                      const RunCfg& rc, const std::string& trace, int trace_calls, bool splits, Row* row) {
+                      const RunCfg& rc, const std::string& trace, int trace_calls, bool splits, Row* row,
+                      ops::FusedGemm* forced_fused = nullptr, ops::FusedGemm* forced_unfused = nullptr) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
   const int64_t a_rows = kind == FusedKind::kAgGemm ? M / W : M;
@@ -295,6 +300,18 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   MK_CHECK(time_it(comm, st, rc, "timing the GEMM alone", [&] { return gemm::run(g, st); }, &t));
   row->compute = t.median_ms;
   row->compute_min = t.min_ms;
+  if (forced_fused && forced_unfused) {
+    // The paths side by side: the forced operators were checked in their own runs (--path
+    // fused / unfused run the same library paths); here they are timed on the same inputs.
+    ops::FusedGemm* order[2][3] = {{forced_fused, forced_unfused, op}, {op, forced_unfused, forced_fused}};
+    double sum[3] = {0, 0, 0};  // fused, unfused, auto
+    for (auto& round : order)
+      for (ops::FusedGemm* o : round) {
+        MK_CHECK(time_it(comm, st, rc, "timing the paths side by side", [&] { return o->enqueue(fa, st); }, &t));
+        sum[o == forced_fused ? 0 : o == forced_unfused ? 1 : 2] += t.median_ms;
+      }
+    row->same_fused = sum[0] / 2, row->same_unfused = sum[1] / 2, row->same_auto = sum[2] / 2;
+  }
   if (splits && W > 1) MK_CHECK(split_sweep(comm, op, kind, M, N, K, op->deterministic(), rc, fa, row));
   if (!trace.empty() && W > 1) {
     // trace_calls consecutive traced calls per rank (FusedArgs::trace records where the fused
@@ -387,9 +404,26 @@ Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64
   fo.path = o.path;
   MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &op));
   row->deterministic = op->deterministic();
-  const Status s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, o.trace_calls, o.splits, row);
+  // --path auto: the two forced paths too, timed in the same run (collective creates).
+  std::unique_ptr<ops::FusedGemm> forced[2];
+  Status s;
+  if (o.path == "auto" && comm->world() > 1) {
+    for (int i = 0; i < 2 && s.ok(); ++i) {
+      ops::FusedOptions fp = fo;
+      fp.path = i == 0 ? "fused" : "unfused";
+      s = ops::FusedGemm::create(comm, kind, {M, N, K}, fp, &forced[i]);
+    }
+  }
+  if (s.ok())
+    s = bench_one_body(comm, op.get(), kind, M, N, K, o.rc, o.trace, o.trace_calls, o.splits, row, forced[0].get(),
+                       forced[1].get());
   // Every rank gets here on the same path (the body's failures are agreed): destroy is collective.
-  const Status d = op->destroy();
+  Status d = op->destroy();
+  for (auto& f : forced)
+    if (f) {
+      const Status df = f->destroy();
+      if (d.ok()) d = df;
+    }
   return s.ok() ? d : s;
 }
 
@@ -411,6 +445,12 @@ std::string row_json(const Row& r) {
            jnum(r.compute > 0 ? r.fused / r.compute : 0, 3).c_str(), r.deterministic ? "true" : "false",
            r.route.c_str(), jnum(r.fused_min, 4).c_str(), jnum(r.compute_min, 4).c_str(), r.path.c_str());
   std::string out = b;
+  if (r.same_auto > 0) {
+    const double faster = std::min(r.same_fused, r.same_unfused);
+    out += ", \"paths_same_run\": {\"fused_ms\": " + jnum(r.same_fused, 4) + ", \"unfused_ms\": " +
+           jnum(r.same_unfused, 4) + ", \"auto_ms\": " + jnum(r.same_auto, 4) + ", \"auto_vs_faster\": " +
+           jnum(ratio(faster, r.same_auto), 3) + "}";
+  }
   if (!r.statics.empty()) {
     double best = 0, dflt = 0;
     int best_at = 0;
@@ -501,6 +541,10 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
                  eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                  comparable ? "" : "  (not comparable)");
           if (r.path != "fused") printf("  path: %s\n", r.path.c_str());
+          if (r.same_auto > 0)
+            printf("  paths, same run: fused %s ms, unfused %s ms, auto %s ms: auto %s of the faster\n",
+                   cell(r.same_fused, 4).c_str(), cell(r.same_unfused, 4).c_str(), cell(r.same_auto, 4).c_str(),
+                   cell(ratio(std::min(r.same_fused, r.same_unfused), r.same_auto), 3).c_str());
           if (!r.statics.empty()) {
             double best = 0, dflt = 0;
             int best_at = 0;
