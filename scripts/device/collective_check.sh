@@ -48,7 +48,7 @@ run_bench() {  # name np envs args... (mkernel bench ...)
   echo "\$ ${cmd[*]} $B/mkernel bench $* ${REPS[*]} --json $L/$name.json" > "$L/$name.log"
   timeout -k 10 240 "${cmd[@]}" "$B/mkernel" bench "$@" "${REPS[@]}" --json "$L/$name.json" >> "$L/$name.log" 2>&1
   echo "bench $name rc=$?"
-  grep -E "^(allgather|reduce_scatter|allreduce|ag_gemm|gemm_rs|gemm_ar|check|bench:|  path)" "$L/$name.log" | head -40
+  grep -E "^(allgather|reduce_scatter|allreduce|ag_gemm|gemm_rs|gemm_ar|check|bench:|  path|  unfused)" "$L/$name.log" | head -40
 }
 if has bench; then
   for np in ${MK_COLL_NPS:-1 2 4}; do

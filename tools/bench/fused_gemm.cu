@@ -31,6 +31,7 @@
 #include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/mkernel.h"
+#include "mkernel/ops/collective.h"
 #include "mkernel/ops/fused.h"
 #include "tools/bench_common.h"
 #include "tools/bench/fused_inputs.cuh"
@@ -67,6 +68,10 @@ struct Row {
   // one, in two rounds (fused, unfused, auto; then auto, unfused, fused); each figure the mean
   // of its two medians (ms; 0: not run).
   double same_fused = 0, same_unfused = 0, same_auto = 0;
+  // --path unfused or auto (W > 1): the unfused path's collective alone (a standalone operator of
+  // the same kind and count, zero-copy, calls back to back; ms, median), beside the GEMM alone
+  // (compute): the unfused call against the sum of its parts.
+  double coll_alone = 0;
 };
 
 // The unfused path's reference (RS/AR): every rank's product rounded to bf16 (as the GEMM writes
@@ -312,6 +317,28 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
       }
     row->same_fused = sum[0] / 2, row->same_unfused = sum[1] / 2, row->same_auto = sum[2] / 2;
   }
+  if (W > 1 && mode != "fused") {
+    // The unfused path's parts: its collective alone, as a standalone operator (the operator's
+    // own is internal), on the same data sizes.
+    const ops::CollectiveKind ck = kind == FusedKind::kAgGemm  ? ops::CollectiveKind::kAllGather
+                                   : kind == FusedKind::kGemmRs ? ops::CollectiveKind::kReduceScatter
+                                                                : ops::CollectiveKind::kAllReduce;
+    const int64_t count = kind == FusedKind::kAgGemm ? M / W * K : kind == FusedKind::kGemmRs ? M / W * N : M * N;
+    std::unique_ptr<ops::Collective> coll;
+    MK_CHECK(ops::Collective::create(comm, ck, count, ops::CollDType::kBF16, {}, &coll));
+    Buf out;
+    Status cs = kind == FusedKind::kGemmAr ? Status() : CLI_CUDA(comm, out.alloc(size_t(coll->out_elems()) * 2));
+    cs = agreed(comm, cs, "allocating the collective's output");
+    if (cs.ok()) {
+      void* o = kind == FusedKind::kGemmAr ? coll->output() : out.p;
+      cs = time_it(comm, st, rc, "timing the unfused path's collective alone",
+                   [&] { return coll->enqueue({coll->input(), o}, st); }, &t);
+      row->coll_alone = t.median_ms;
+    }
+    const Status d = coll->destroy();
+    MK_CHECK(cs);
+    MK_CHECK(d);
+  }
   if (splits && W > 1) MK_CHECK(split_sweep(comm, op, kind, M, N, K, op->deterministic(), rc, fa, row));
   if (!trace.empty() && W > 1) {
     // trace_calls consecutive traced calls per rank (FusedArgs::trace records where the fused
@@ -445,6 +472,8 @@ std::string row_json(const Row& r) {
            jnum(r.compute > 0 ? r.fused / r.compute : 0, 3).c_str(), r.deterministic ? "true" : "false",
            r.route.c_str(), jnum(r.fused_min, 4).c_str(), jnum(r.compute_min, 4).c_str(), r.path.c_str());
   std::string out = b;
+  if (r.coll_alone > 0)
+    out += ", \"unfused_collective_alone_ms\": " + jnum(r.coll_alone, 4);
   if (r.same_auto > 0) {
     const double faster = std::min(r.same_fused, r.same_unfused);
     out += ", \"paths_same_run\": {\"fused_ms\": " + jnum(r.same_fused, 4) + ", \"unfused_ms\": " +
@@ -541,6 +570,10 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
                  eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                  comparable ? "" : "  (not comparable)");
           if (r.path != "fused") printf("  path: %s\n", r.path.c_str());
+          if (r.coll_alone > 0)
+            printf("  unfused path's parts, each alone: GEMM %s ms + collective %s ms = %s ms\n",
+                   cell(r.compute, 4).c_str(), cell(r.coll_alone, 4).c_str(),
+                   cell(r.compute + r.coll_alone, 4).c_str());
           if (r.same_auto > 0)
             printf("  paths, same run: fused %s ms, unfused %s ms, auto %s ms: auto %s of the faster\n",
                    cell(r.same_fused, 4).c_str(), cell(r.same_unfused, 4).c_str(), cell(r.same_auto, 4).c_str(),
