@@ -229,6 +229,26 @@ std::vector<Config> sweep() {
             out.push_back(c);
           }
         }
+  // Final sums over more partials than one op's 16 buffers take: chains of links (17 nodes of
+  // one: one link; 40 nodes: two links, the second not full; 9 nodes of 8, all-reduce: one link
+  // of every partial and a last op of the accumulator alone into 8 outputs; 34 nodes of 2 across
+  // strided nodes).
+  const Lay chains[] = {{17, 17, false}, {40, 40, false}, {72, 9, false}, {34, 17, true}};
+  for (CollectiveKind k : {CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce})
+    for (CollDType t : {CollDType::kBF16, CollDType::kF32})
+      for (const Lay& l : chains)
+        for (bool staged : {false, true}) {
+          Config c;
+          c.kind = k;
+          c.dtype = t;
+          c.W = l.W;
+          c.nodes = l.nodes;
+          c.strided = l.strided;
+          c.staged = staged;
+          c.count = k == CollectiveKind::kAllReduce ? 8 * (2 * l.W + 1) : 24;
+          c.chunk = 16, c.slots = 6;
+          out.push_back(c);
+        }
   return out;
 }
 
@@ -274,19 +294,55 @@ TEST(CollPlanErrors, RejectsBadCountsAndLayouts) {
   bad.node_ranks[1].pop_back();
   EXPECT_NE(msg(CollectiveKind::kAllReduce, 64, CollDType::kBF16, bad).find("same number of ranks"), std::string::npos);
   EXPECT_EQ(msg(CollectiveKind::kAllReduce, 64, CollDType::kBF16, L), "ok");
-  // At most 16 buffers per op: an all-reduce over 9 nodes of 8 ranks would read 9 partials and
-  // write 8 ranks' outputs.
-  EXPECT_NE(msg(CollectiveKind::kAllReduce, 8 * 72, CollDType::kBF16, comm::Layout::uniform(72, 9))
-                .find("would touch 17 buffers"),
-            std::string::npos);
+  // At most 16 buffers per op: the final sums over many nodes are chains (an all-reduce over 9
+  // nodes of 8 ranks reads 9 partials and writes 8 ranks' outputs: 17), but a node sum is one op:
+  // 16 ranks on one node (all-reduce: 16 inputs and 16 outputs), 16 ranks per node (16 inputs
+  // and a partial) are refused.
+  EXPECT_EQ(msg(CollectiveKind::kAllReduce, 8 * 72, CollDType::kBF16, comm::Layout::uniform(72, 9)), "ok");
+  EXPECT_GT(p.chain_links, 0);
   EXPECT_EQ(msg(CollectiveKind::kAllReduce, 8 * 64, CollDType::kBF16, comm::Layout::uniform(64, 8)), "ok");
+  EXPECT_EQ(p.chain_links, 0);
+  EXPECT_EQ(msg(CollectiveKind::kReduceScatter, 64, CollDType::kF32, comm::Layout::uniform(256, 256)), "ok");
   EXPECT_NE(msg(CollectiveKind::kAllReduce, 8 * 16, CollDType::kBF16, comm::Layout::uniform(16, 1))
                 .find("would touch 32 buffers"),
+            std::string::npos);
+  EXPECT_NE(msg(CollectiveKind::kReduceScatter, 64, CollDType::kBF16, comm::Layout::uniform(32, 2))
+                .find("would touch 17 buffers"),
+            std::string::npos);
+  EXPECT_NE(msg(CollectiveKind::kAllReduce, 8 * 32, CollDType::kBF16, comm::Layout::uniform(32, 2))
+                .find("would touch 17 buffers"),
             std::string::npos);
   CollectiveKind k;
   EXPECT_TRUE(parse_collective_kind("all_reduce", &k).ok());
   EXPECT_EQ(k, CollectiveKind::kAllReduce);
   EXPECT_NE(parse_collective_kind("broadcast", &k).to_string().find("unknown collective 'broadcast'"), std::string::npos);
+}
+
+// How many links a final sum takes: none while the partials and the destinations fit one op;
+// then a first link of 15 partials, further links of 14, until the last op (the accumulator,
+// what is left, the destinations) fits 16 buffers. Every op of every plan stays within 16.
+TEST(CollPlanShape, FinalSumChains) {
+  EXPECT_EQ(chain_links_for(15, 1), 0);
+  EXPECT_EQ(chain_links_for(16, 1), 1);   // 15, then the accumulator + 1 + 1 output
+  EXPECT_EQ(chain_links_for(29, 1), 1);   // 15, then 1 + 14 + 1
+  EXPECT_EQ(chain_links_for(30, 1), 2);   // 15, 14, then 1 + 1 + 1
+  EXPECT_EQ(chain_links_for(9, 8), 1);    // all 9, then the accumulator into 8 outputs
+  EXPECT_EQ(chain_links_for(8, 8), 0);
+  EXPECT_EQ(chain_links_for(40, 1), 2);   // 15, 14, then 1 + 11 + 1
+  EXPECT_EQ(chain_links_for(40, 8), 3);   // 15, 14, 4 (the last op takes 1 + 7 + 8)
+  for (CollectiveKind k : {CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce})
+    for (auto [W, nodes] : {std::pair{17, 17}, {40, 40}, {72, 9}, {120, 15}, {256, 32}}) {
+      CollPlan p;
+      MK_ASSERT_OK(build_coll_plan(k, int64_t(8) * W, CollDType::kBF16, comm::Layout::uniform(W, nodes), 0, false, &p));
+      int chained = 0;
+      for (const auto& rp : p.ranks)
+        for (const auto& op : rp.ops) {
+          ASSERT_LE(op.srcs.size() + op.dsts.size(), size_t(kMaxOpBuffers)) << op.what;
+          chained += op.what.find(", link ") != std::string::npos;
+        }
+      EXPECT_EQ(chained, int(p.chunks.size()) * p.chain_links) << collective_kind_name(k) << " W " << W;
+      EXPECT_EQ(p.chain_links > 0, nodes + (k == CollectiveKind::kAllReduce ? W / nodes : 1) > kMaxOpBuffers);
+    }
 }
 
 // Shards and chunks cover the data once, in order; the all-reduce's shards are 8-element aligned.

@@ -42,7 +42,7 @@ const char* coll_buf_name(BufId b) {
 }
 const char* coll_region_name(RegionId r) {
   static const char* n[] = {"entry", "entry_net", "reads_done", "fwd", "net_in", "local", "final", "out_count",
-                            "src_free"};
+                            "src_free", "chain"};
   static_assert(sizeof(n) / sizeof(n[0]) == CRegion::kCount, "a name per region");
   return r < CRegion::kCount ? n[r] : "?";
 }
@@ -250,21 +250,56 @@ struct Builder {
       part.signals.push_back(set_epoch(CRegion::kLocal, me, uint32_t(c)));
       part.what = "node sum of chunk " + std::to_string(c) + " (own shard)";
       rp.ops.push_back(part);
-      Op op;
-      op.kind = OpKind::kReduce;
+      // The partials in node order, each with the wait that makes it final.
+      std::vector<comm::BufRef> srcs;
+      std::vector<comm::Wait> waits;
       for (int nn = 0; nn < nodes; ++nn) {
         if (nn == n) {
-          op.waits.push_back(wait_on(CRegion::kLocal, me, uint32_t(c), 1, me));
-          op.srcs.push_back(buf_at(CBuf::kPart, me, part_off(n, c)));
+          waits.push_back(wait_on(CRegion::kLocal, me, uint32_t(c), 1, me));
+          srcs.push_back(buf_at(CBuf::kPart, me, part_off(n, c)));
         } else {
-          op.waits.push_back(wait_on(CRegion::kNetIn, me, uint32_t(c * nodes + nn), 1, L.node_ranks[nn][L.local_of[me]]));
+          waits.push_back(wait_on(CRegion::kNetIn, me, uint32_t(c * nodes + nn), 1, L.node_ranks[nn][L.local_of[me]]));
           // Staged: read where the partials landed, in the host mirror.
-          op.srcs.push_back(buf_at(p.net_staged ? CBuf::kRecvNet : CBuf::kRecv, me, part_off(nn, c)));
+          srcs.push_back(buf_at(p.net_staged ? CBuf::kRecvNet : CBuf::kRecv, me, part_off(nn, c)));
         }
       }
-      op.dst_f32 = f32;
+      // More than one op takes (16 buffers): links that add the next partials to the first
+      // one's buffer in place (fp32), each waiting for the link before it; the last op adds the
+      // rest and writes the result. The same additions in the same order as one op.
+      Op op;
+      op.kind = OpKind::kReduce;
       op.elems = uint64_t(p.chunks[c].elems);
       result_dsts(op, me, c);
+      size_t next = 0;
+      for (int l = 0; l < p.chain_links; ++l) {
+        Op link;
+        link.kind = OpKind::kReduce;
+        link.elems = op.elems;
+        link.dst_f32 = true;
+        if (l > 0) {
+          link.srcs.push_back(srcs[0]);
+          link.waits.push_back(wait_on(CRegion::kChain, me, uint32_t(c * p.chain_links + l - 1), 1, me));
+        }
+        while (link.srcs.size() < size_t(kMaxOpBuffers - 1) && next < srcs.size()) {
+          link.srcs.push_back(srcs[next]);
+          link.waits.push_back(waits[next]);
+          ++next;
+        }
+        link.dsts = {srcs[0]};
+        link.signals.push_back(set_epoch(CRegion::kChain, me, uint32_t(c * p.chain_links + l)));
+        link.what = "final sum of chunk " + std::to_string(c) + " (own shard), link " + std::to_string(l) +
+                    ": the partials of nodes up to " + std::to_string(next - 1);
+        rp.ops.push_back(link);
+      }
+      if (p.chain_links > 0) {
+        op.srcs.push_back(srcs[0]);
+        op.waits.push_back(wait_on(CRegion::kChain, me, uint32_t(c * p.chain_links + p.chain_links - 1), 1, me));
+      }
+      for (; next < srcs.size(); ++next) {
+        op.srcs.push_back(srcs[next]);
+        op.waits.push_back(waits[next]);
+      }
+      op.dst_f32 = f32;
       op.what = "final sum of chunk " + std::to_string(c) + " (own shard)";
       rp.ops.push_back(op);
     }
@@ -323,6 +358,17 @@ struct Builder {
 
 }  // namespace
 
+int chain_links_for(int partials, int dsts) {
+  // One op: the partials and the destinations. Else links of up to kMaxOpBuffers - 1 new partials
+  // (the first) or the accumulator and up to kMaxOpBuffers - 2 new ones, each with the
+  // accumulator as its destination, until the last op fits: the accumulator, what is left (maybe
+  // nothing) and the destinations.
+  if (partials + dsts <= kMaxOpBuffers) return 0;
+  int left = partials - std::min(partials, kMaxOpBuffers - 1), links = 1;
+  while (1 + left + dsts > kMaxOpBuffers) left -= std::min(left, kMaxOpBuffers - 2), ++links;
+  return links;
+}
+
 int64_t default_chunk_elems(int64_t max_shard) {
   const int64_t c = ((max_shard + 63) / 64 + 7) / 8 * 8;
   return std::min(kCollMaxChunkElems, std::max(kCollMinChunkElems, c));
@@ -335,16 +381,17 @@ Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, cons
   const int local = layout.local();
   MK_CHECK(Collective::can_implement(kind, count, dtype, W));
   {
-    // An op touches at most 16 buffers (the executor's pointer table): the sums read a node's
-    // inputs or every node's partial and, for the all-reduce, write every rank of the node.
+    // An op touches at most 16 buffers (the executor's pointer table): the node sums read a
+    // node's inputs (and, for the one-node all-reduce, write every rank of the node); the final
+    // sums over many nodes' partials are chains (chain_links_for).
     const int nodes = layout.nodes();
     int most = 3;  // AG: a staged arrival into kGather and the output
-    if (kind == CollectiveKind::kReduceScatter) most = std::max(local, nodes) + 1;
-    if (kind == CollectiveKind::kAllReduce) most = nodes == 1 ? 2 * local : std::max(local + 1, nodes + local);
-    MK_REQUIRE(most <= 16, Code::kNotSupported,
-               "%s on %d node(s) of %d rank(s): an op would touch %d buffers (at most 16; all-reduce: 8 ranks on one "
-               "node, or nodes + ranks per node <= 16; reduce-scatter: up to 15 nodes and 15 ranks per node)",
-               collective_kind_name(kind), nodes, local, most);
+    if (kind == CollectiveKind::kReduceScatter) most = local + 1;
+    if (kind == CollectiveKind::kAllReduce) most = nodes == 1 ? 2 * local : local + 1;
+    MK_REQUIRE(most <= kMaxOpBuffers, Code::kNotSupported,
+               "%s on %d node(s) of %d rank(s): an op would touch %d buffers (at most %d: an all-reduce on one node "
+               "up to 8 ranks, on several nodes up to 15 ranks per node; a reduce-scatter up to 15 ranks per node)",
+               collective_kind_name(kind), nodes, local, most, kMaxOpBuffers);
   }
   MK_REQUIRE(chunk_elems <= (1ll << 32), Code::kInvalidArgument, "%s: chunk of %lld elements is too large (<= 2^32)",
              collective_kind_name(kind), (long long)chunk_elems);
@@ -424,6 +471,8 @@ Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, cons
              network, user ? kCollUserSlotOut : -1, mirror_of, id == CBuf::kToken || id == CBuf::kTokenNet);
   }
   const uint32_t nch = uint32_t(p.chunks.size());
+  if (reduce && nodes > 1)
+    p.chain_links = chain_links_for(nodes, kind == CollectiveKind::kAllReduce ? local : 1);
   p.add_region(coll_region_name(CRegion::kEntry), W, false);
   p.add_region(coll_region_name(CRegion::kEntryNet), W, true);
   p.add_region(coll_region_name(CRegion::kReadsDone), 1, false);
@@ -433,6 +482,7 @@ Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, cons
   p.add_region(coll_region_name(CRegion::kFinal), nch, false);
   p.add_region(coll_region_name(CRegion::kOutCount), 1, false);
   p.add_region(coll_region_name(CRegion::kSrcFree), nch, true);
+  p.add_region(coll_region_name(CRegion::kChain), nch * uint32_t(p.chain_links), false);
   p.place_regions();
   p.ranks.resize(W);
   for (int me = 0; me < W; ++me) {

@@ -21,7 +21,9 @@
 //  RS  entry; per chunk of the shards I reduce (my own and my twins'), the node sum in local order
 //      read from the node's kIn (one node: straight into my output); several nodes: the partials
 //      of my twins' shards put to them (fp32), my own shard's partials summed in node order into
-//      my output; then the end of call.
+//      my output (more partials than an op's 16 buffers take: a chain of sums, each adding the
+//      next nodes' partials to an fp32 accumulator in place of the first, in node order, so the
+//      bits are those of one sum); then the end of call.
 //  AR  as RS, the result of my shard written into kOut of every rank of my node, put to my
 //      twins (kOut) and forwarded by them inside their nodes; then the end of call.
 //  End of call (every kind): the last op waits until every read of my workspaces by the node's
@@ -78,7 +80,8 @@ enum : comm::RegionId {
   kFinal = 6,      // [chunks] AR: my result of chunk c is in my kOut
   kOutCount = 7,   // [1] AR: result chunks landed in my kOut (adds)
   kSrcFree = 8,    // [chunks] proxy: my puts of chunk c completed locally
-  kCount = 9,
+  kChain = 9,      // [chunks * links] RS/AR: link l of chunk c's final sum is in its accumulator
+  kCount = 10,
 };
 }  // namespace CRegion
 
@@ -99,11 +102,17 @@ struct CollPlan : comm::Program {
   int64_t max_shard = 0;
   std::vector<CollChunk> chunks;            // in shard order
   std::vector<std::vector<int>> shard_chunks;  // shard -> chunk ids
+  int chain_links = 0;  // RS/AR, several nodes: ops before the last of each chunk's final sum (0: one op)
 
   int esize() const { return dtype == CollDType::kBF16 ? 2 : 4; }
   int64_t in_elems() const;   // AG: count; RS: W * count; AR: count
   int64_t out_elems() const;  // AG: W * count; RS: count; AR: count
 };
+
+// The buffers one op may touch (the executor's pointer table), and the links a final sum over
+// `partials` fp32 partials into `dsts` destinations needs before its last op (0: one op).
+constexpr int kMaxOpBuffers = 16;
+int chain_links_for(int partials, int dsts);
 
 // The default chunk: a 64th of the largest shard (so up to 64 CTAs of a rank share its work),
 // rounded up to 8 elements, within [8 Ki, 256 Ki] elements. The same on every rank (it depends on
