@@ -202,6 +202,16 @@ std::vector<Config> sweep() {
     int W, nodes;
     bool strided;
   };
+  auto base = [](CollectiveKind k, CollDType t, const Lay& l, bool staged) {
+    Config c;
+    c.kind = k;
+    c.dtype = t;
+    c.W = l.W;
+    c.nodes = l.nodes;
+    c.strided = l.strided;
+    c.staged = staged;
+    return c;
+  };
   const Lay lays[] = {{1, 1, false}, {2, 1, false}, {3, 1, false}, {4, 1, false}, {8, 1, false}, {2, 2, false},
                       {4, 2, false}, {4, 2, true},  {6, 3, false}, {8, 2, false}, {8, 4, true}};
   for (CollectiveKind k : {CollectiveKind::kAllGather, CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce})
@@ -209,13 +219,7 @@ std::vector<Config> sweep() {
       for (const Lay& l : lays)
         for (bool staged : {false, true}) {
           if (staged && l.nodes == 1) continue;
-          Config c;
-          c.kind = k;
-          c.dtype = t;
-          c.W = l.W;
-          c.nodes = l.nodes;
-          c.strided = l.strided;
-          c.staged = staged;
+          Config c = base(k, t, l, staged);
           // Several chunks per shard with a short tail, strict op order.
           c.count = 104, c.chunk = 32, c.slots = 1;
           out.push_back(c);
@@ -238,13 +242,7 @@ std::vector<Config> sweep() {
     for (CollDType t : {CollDType::kBF16, CollDType::kF32})
       for (const Lay& l : chains)
         for (bool staged : {false, true}) {
-          Config c;
-          c.kind = k;
-          c.dtype = t;
-          c.W = l.W;
-          c.nodes = l.nodes;
-          c.strided = l.strided;
-          c.staged = staged;
+          Config c = base(k, t, l, staged);
           c.count = k == CollectiveKind::kAllReduce ? 8 * (2 * l.W + 1) : 24;
           c.chunk = 16, c.slots = 6;
           out.push_back(c);
