@@ -6,7 +6,10 @@
 # all-reduce of 64 MiB at W = 4 >= 0.8 of a device copy (zero-copy path, bus bytes), and auto
 # >= 0.98 of the faster of fused and unfused on every shape. Logs and JSON: $OUT/collective_logs.tgz,
 # the summary: $OUT/collective_summary.json. Binaries from .devbin (pack_binaries.sh) or a build.
-#   MK_COLL_STEPS   "setup unit smoke bench paths" (default: all, in that order)
+#   MK_COLL_STEPS   "setup unit smoke bench paths" (default), or any of them and "unfused": the
+#                   unfused path at W = 2 (gemm_rs, ag_gemm 2048x8192x4096) with its parts timed
+#                   alone, the ranks' MPS share 50 % and 100 % (is the unfused call's excess the
+#                   ranks' contention for SMs?)
 #   MK_COLL_UNIT    unit tests (a ctest regex; default "collective")
 #   MK_COLL_REPS    timing calls per figure (default "--reps 20 --warmup 3")
 #   MK_COLL_NPS     world sizes of the one-node runs (default "1 2 4")
@@ -34,7 +37,7 @@ if has unit || has smoke; then
 fi
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 started=0
-if (has bench || has paths) && ((ngpu == 1)) && ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+if (has bench || has paths || has unfused) && ((ngpu == 1)) && ! echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
   nvidia-cuda-mps-control -d && started=1
 fi
 run_bench() {  # name np envs args... (mkernel bench ...)
@@ -65,6 +68,18 @@ if has paths; then
       for path in fused unfused auto; do
         run_bench "paths_np${np}_${m}x${n}x${k}_$path" "$np" "" all --m "$m" --n "$n" --k "$k" --path "$path"
       done
+    done
+  done
+fi
+if has unfused; then
+  for pct in 50 100; do
+    for op in gemm_rs ag_gemm; do
+      log=$L/unfused_${op}_pct$pct.log
+      echo "\$ mpirun -np 2 -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct $B/mkernel bench $op --m 2048 --n 8192 --k 4096 --path unfused ${REPS[*]}" > "$log"
+      timeout -k 10 120 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct \
+        "$B/mkernel" bench "$op" --m 2048 --n 8192 --k 4096 --path unfused "${REPS[@]}" --json "$L/unfused_${op}_pct$pct.json" >> "$log" 2>&1
+      echo "unfused $op MPS $pct %: rc=$?"
+      grep -E "^(ag_gemm|gemm_rs) |  unfused" "$log"
     done
   done
 fi
