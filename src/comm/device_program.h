@@ -40,6 +40,10 @@ MK_HOST_DEVICE inline uint64_t user_ptr(int slot, uint64_t offset) {
   return kUserPtrBit | (uint64_t(slot) << 56) | offset;
 }
 
+// The buffers one op may touch, sources and destinations together: the executor's pointer table
+// (executor.cuh). The session refuses a longer op; plans split theirs (collective_plan.cc).
+constexpr int kMaxOpBuffers = 16;
+
 enum DevOpKind : uint32_t { kDevCopy = 0, kDevReduce = 1, kDevNetPut = 2, kDevSignal = 3, kDevZero = 4 };
 
 // DevOp::flags

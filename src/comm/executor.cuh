@@ -248,8 +248,8 @@ __device__ __noinline__ void run_comm_op(const DeviceProgram& h, int index, int 
   if (tid == 0) hook_waits(h, op.wait0, op.nwait, epoch);
   device::named_barrier_sync(kThreads, kBarrier);
   // Resolve the op's pointers (at most 16; a caller buffer's entry is relative to h.user).
-  void* ptr[16];
-  const uint32_t np = min(op.nsrc + op.ndst, 16u);
+  void* ptr[kMaxOpBuffers];
+  const uint32_t np = min(op.nsrc + op.ndst, uint32_t(kMaxOpBuffers));
   for (uint32_t k = 0; k < np; ++k) ptr[k] = op_ptr(h, h.ptrs[op.ptr0 + k]);
   uint64_t bytes = op.bytes;
   if (op.flags & kDevOpCountAt) {

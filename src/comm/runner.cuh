@@ -26,8 +26,10 @@ constexpr int kRunnerReduceWords = 4;    // and 16-byte words of each per thread
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) program_runner(DeviceProgram h) {
   const uint64_t epoch = device::epoch_of_call(h.epoch);
-  for_each_op_in_order<kThreads, 1>(h, int(threadIdx.x),
-                                    [&](int op) { run_comm_op<kThreads, 1, kRunnerCopyWords, kRunnerReduceSources, kRunnerReduceWords>(h, op, int(threadIdx.x), epoch); });
+  for_each_op_in_order<kThreads, 1>(h, int(threadIdx.x), [&](int op) {
+    run_comm_op<kThreads, 1, kRunnerCopyWords, kRunnerReduceSources, kRunnerReduceWords>(h, op, int(threadIdx.x),
+                                                                                           epoch);
+  });
   device::epoch_finish(h.epoch, gridDim.x);
 }
 

@@ -312,7 +312,7 @@ class Resolver {
   }
   // A copy, reduce, zero or signal: its sources, then its destinations, in the pointer pool.
   Status plain_operands(const Op& op, DevOp* d) {
-    MK_REQUIRE(op.srcs.size() + op.dsts.size() <= 16, Code::kNotSupported,
+    MK_REQUIRE(op.srcs.size() + op.dsts.size() <= size_t(kMaxOpBuffers), Code::kNotSupported,
                "%s: op '%s' touches %zu buffers (at most 16: fewer nodes or ranks per node)", name_, op.what.c_str(),
                op.srcs.size() + op.dsts.size());
     MK_REQUIRE(op.bytes % 16 == 0 && op.elems % 4 == 0, Code::kInternal, "%s: op '%s' is not 16-byte sized", name_,

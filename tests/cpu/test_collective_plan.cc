@@ -335,11 +335,11 @@ TEST(CollPlanShape, FinalSumChains) {
       int chained = 0;
       for (const auto& rp : p.ranks)
         for (const auto& op : rp.ops) {
-          ASSERT_LE(op.srcs.size() + op.dsts.size(), size_t(kMaxOpBuffers)) << op.what;
+          ASSERT_LE(op.srcs.size() + op.dsts.size(), size_t(comm::kMaxOpBuffers)) << op.what;
           chained += op.what.find(", link ") != std::string::npos;
         }
       EXPECT_EQ(chained, int(p.chunks.size()) * p.chain_links) << collective_kind_name(k) << " W " << W;
-      EXPECT_EQ(p.chain_links > 0, nodes + (k == CollectiveKind::kAllReduce ? W / nodes : 1) > kMaxOpBuffers);
+      EXPECT_EQ(p.chain_links > 0, nodes + (k == CollectiveKind::kAllReduce ? W / nodes : 1) > comm::kMaxOpBuffers);
     }
 }
 

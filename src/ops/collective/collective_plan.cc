@@ -280,7 +280,7 @@ struct Builder {
           link.srcs.push_back(srcs[0]);
           link.waits.push_back(wait_on(CRegion::kChain, me, uint32_t(c * p.chain_links + l - 1), 1, me));
         }
-        while (link.srcs.size() < size_t(kMaxOpBuffers - 1) && next < srcs.size()) {
+        while (link.srcs.size() < size_t(comm::kMaxOpBuffers - 1) && next < srcs.size()) {
           link.srcs.push_back(srcs[next]);
           link.waits.push_back(waits[next]);
           ++next;
@@ -359,13 +359,13 @@ struct Builder {
 }  // namespace
 
 int chain_links_for(int partials, int dsts) {
-  // One op: the partials and the destinations. Else links of up to kMaxOpBuffers - 1 new partials
-  // (the first) or the accumulator and up to kMaxOpBuffers - 2 new ones, each with the
+  // One op: the partials and the destinations. Else links of up to kMaxOpBuffers - 1 new
+  // partials (the first) or the accumulator and up to kMaxOpBuffers - 2 new ones, each with the
   // accumulator as its destination, until the last op fits: the accumulator, what is left (maybe
   // nothing) and the destinations.
-  if (partials + dsts <= kMaxOpBuffers) return 0;
-  int left = partials - std::min(partials, kMaxOpBuffers - 1), links = 1;
-  while (1 + left + dsts > kMaxOpBuffers) left -= std::min(left, kMaxOpBuffers - 2), ++links;
+  if (partials + dsts <= comm::kMaxOpBuffers) return 0;
+  int left = partials - std::min(partials, comm::kMaxOpBuffers - 1), links = 1;
+  while (1 + left + dsts > comm::kMaxOpBuffers) left -= std::min(left, comm::kMaxOpBuffers - 2), ++links;
   return links;
 }
 
@@ -388,10 +388,10 @@ Status build_coll_plan(CollectiveKind kind, int64_t count, CollDType dtype, cons
     int most = 3;  // AG: a staged arrival into kGather and the output
     if (kind == CollectiveKind::kReduceScatter) most = local + 1;
     if (kind == CollectiveKind::kAllReduce) most = nodes == 1 ? 2 * local : local + 1;
-    MK_REQUIRE(most <= kMaxOpBuffers, Code::kNotSupported,
+    MK_REQUIRE(most <= comm::kMaxOpBuffers, Code::kNotSupported,
                "%s on %d node(s) of %d rank(s): an op would touch %d buffers (at most %d: an all-reduce on one node "
                "up to 8 ranks, on several nodes up to 15 ranks per node; a reduce-scatter up to 15 ranks per node)",
-               collective_kind_name(kind), nodes, local, most, kMaxOpBuffers);
+               collective_kind_name(kind), nodes, local, most, comm::kMaxOpBuffers);
   }
   MK_REQUIRE(chunk_elems <= (1ll << 32), Code::kInvalidArgument, "%s: chunk of %lld elements is too large (<= 2^32)",
              collective_kind_name(kind), (long long)chunk_elems);

@@ -38,6 +38,7 @@
 
 #include "mkernel/common/status.h"
 #include "mkernel/ops/collective.h"
+#include "src/comm/device_program.h"
 #include "src/comm/program.h"
 
 namespace mk {
@@ -109,9 +110,8 @@ struct CollPlan : comm::Program {
   int64_t out_elems() const;  // AG: W * count; RS: count; AR: count
 };
 
-// The buffers one op may touch (the executor's pointer table), and the links a final sum over
-// `partials` fp32 partials into `dsts` destinations needs before its last op (0: one op).
-constexpr int kMaxOpBuffers = 16;
+// The links a final sum over `partials` fp32 partials into `dsts` destinations needs before its
+// last op (0: one op), each op within comm::kMaxOpBuffers.
 int chain_links_for(int partials, int dsts);
 
 // The default chunk: a 64th of the largest shard (so up to 64 CTAs of a rank share its work),
