@@ -1,6 +1,7 @@
 // `mkernel bench <op>`: the fused operators against their unfused baselines on the local GPUs.
 //
-//   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K | --sweep] [--deterministic] [--path P]
+//   mkernel bench ag_gemm|gemm_rs|gemm_ar|all [--m M --n N --k K | --sweep] [--rows R0,R1,...]
+//                                             [--deterministic] [--path P]
 //                                             [--splits] [--reps R] [--warmup U] [--json FILE]
 //                                             [--trace PREFIX [--trace-calls N]]
 //   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
@@ -32,6 +33,7 @@
 // culprit rank C: ..." and exits 1 after a teardown that waits for nobody.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <set>
 #include <string>
@@ -55,6 +57,7 @@ struct BenchArgs {
   bool causal = true;
   bool sweep = false, deterministic = false, splits = false;
   std::string path;  // --path (fused operators)
+  std::vector<int64_t> rows;  // --rows r0,r1,...: each rank's shard rows (fused operators)
   int trace_calls = 0;  // --trace-calls (fused operators; 0: not given, 10 consecutive calls)
   std::vector<std::string> presets;  // moe_dispatch, moe_layer (checked against the operator's list after parsing)
   int64_t tokens = 0;
@@ -121,6 +124,22 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       if (ok && b->path != "fused" && b->path != "unfused" && b->path != "auto") {
         *err = "--path '" + b->path + "': fused, unfused or auto";
         return false;
+      }
+      b->fused_only.push_back(a);
+    } else if (a == "--rows") {
+      std::string list;
+      ok = ar.value(&list);
+      size_t at = 0;
+      while (ok && at <= list.size()) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        const std::string item = list.substr(at, comma - at);
+        char* end = nullptr;
+        const long long v = item.empty() ? 0 : strtoll(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || v < 1 || v > kMaxDim)
+          ok = ar.fail("--rows '" + list + "': comma-separated row counts, each 1 to " + std::to_string(kMaxDim));
+        else
+          b->rows.push_back(v);
+        at = comma + 1;
       }
       b->fused_only.push_back(a);
     } else if (a == "--sweep" || a == "--deterministic" || a == "--splits") {
@@ -228,14 +247,28 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = b->moe_only[0] + " applies to moe_dispatch and moe_layer only, not to '" + b->which + "'";
     return false;
   }
+  if (!b->rows.empty() && b->sweep) {
+    *err = "--rows needs one shape (--m, or none: M is then the rows' sum), not --sweep";
+    return false;
+  }
+  if (!b->rows.empty() && !b->m) {
+    for (int64_t r : b->rows) b->m += r;  // M: the shards' sum
+    if (b->m > kMaxDim) {
+      *err = "--rows: the rows sum to more than " + std::to_string(kMaxDim);
+      return false;
+    }
+  }
   if (!ring && !moe && !coll && (b->m || b->n || b->k)) {
-    // The shape rules first, before any GPU is looked for (a dimension left out is 4096).
-    const ops::PlanShape shape{b->m ? b->m : 4096, b->n ? b->n : 4096, b->k ? b->k : 4096};
+    // The shape rules first, before any GPU is looked for (a dimension left out is 4096; AG and
+    // RS split an M that W does not divide as evenly as it allows, bench_common.h).
+    const int W = std::max(1, launch_size());
+    const int64_t M = b->m ? b->m : 4096;
     for (ops::FusedKind kind : {ops::FusedKind::kAgGemm, ops::FusedKind::kGemmRs, ops::FusedKind::kGemmAr}) {
       if (b->which != "all" && b->which != ops::fused_kind_name(kind)) continue;
-      const Status s = ops::FusedGemm::can_implement(kind, shape, std::max(1, launch_size()));
+      const ops::PlanShape shape(M, b->n ? b->n : 4096, b->k ? b->k : 4096, bench::fused_shard_rows(kind, M, W, b->rows));
+      const Status s = ops::FusedGemm::can_implement(kind, shape, W);
       if (!s.ok()) {
-        *err = s.message();
+        *err = (b->rows.empty() ? "" : "--rows: ") + s.message();
         return false;
       }
     }
@@ -334,6 +367,7 @@ int bench(const std::vector<std::string>& args) {
     fo.deterministic = ba.deterministic;
     fo.splits = ba.splits;
     fo.path = ba.path;
+    fo.rows = ba.rows;
     fo.trace = ba.trace;
     if (ba.trace_calls) fo.trace_calls = ba.trace_calls;
     rc = bench::fused_gemm(env, ba.which, ba.m, ba.n, ba.k, fo);

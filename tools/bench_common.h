@@ -25,6 +25,7 @@
 #include "mkernel/common/status.h"
 #include "mkernel/device/trace.h"
 #include "mkernel/ops/collective.h"
+#include "mkernel/ops/fused.h"
 #include "mkernel/runtime/communicator.h"
 
 namespace mk {
@@ -298,7 +299,18 @@ struct FusedBenchOpts {
   std::string trace;           // --trace PREFIX: traced calls per shape and rank
   int trace_calls = 10;        // --trace-calls: how many consecutive calls are traced
   std::string path;            // --path fused|unfused|auto ("": the tunable fused_path)
+  std::vector<int64_t> rows;   // --rows: each rank's shard rows (empty: see fused_shard_rows)
 };
+// Each rank's shard rows for a fused operator of M rows on W ranks: `given` (--rows), else for AG
+// and RS, when M % W != 0, as even as M allows (the first M % W ranks one row more); empty: the
+// operator's own split (M / W each; AR: its own split of any M).
+inline std::vector<int64_t> fused_shard_rows(ops::FusedKind kind, int64_t M, int W, const std::vector<int64_t>& given) {
+  if (!given.empty()) return given;
+  if (kind == ops::FusedKind::kGemmAr || W < 1 || M % W == 0) return {};
+  std::vector<int64_t> r;
+  for (int s = 0; s < W; ++s) r.push_back(M / W + (s < M % W ? 1 : 0));
+  return r;
+}
 int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o);
 
 // tools/bench/ring_attention.cu. `seqs`: tokens per rank, one run each (empty: the default

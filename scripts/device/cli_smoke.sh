@@ -158,6 +158,14 @@ run coll_ag4            4 ""                                                    
 run coll_rs3_fp32       3 ""                                                                     ok:1 -- bench reduce_scatter --dtype fp32 --count 8200 --chunk 1001 "${REPS[@]}"
 run coll_ar2x2_tcp      4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:1 -- bench allreduce --count 262144 --ctas 4 "${REPS[@]}"
 run bad_coll_count      2 "" "err:count = 100 is not a multiple of 8"                            -- bench allreduce --count 100
+# Uneven shards (issue 35): the issue's command (M not a multiple of W: split as evenly as it
+# allows), explicit rows with a one-row shard, two emulated nodes over tcp; rows that do not sum
+# to M, one entry per rank.
+run uneven_rs2          2 ""                                                                     ok:1 -- bench gemm_rs --m 5005 --n 1032 --k 264 "${REPS[@]}"
+run uneven_rows3        3 ""                                                                     ok:3 -- bench all --rows 700,1,1300 --n 1032 --k 264 "${REPS[@]}"
+run uneven_2x2_tcp      4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:3 -- bench all --m 2047 --n 1024 --k 256 "${REPS[@]}"
+run bad_rows_sum        2 "" "err:--rows: ag_gemm: the shards' rows sum to 900, not M = 1000"   -- bench ag_gemm --m 1000 --rows 400,500
+run bad_rows_count      3 "" "err:--rows: gemm_rs: PlanShape::rows has 2 entries for 3 ranks"   -- bench gemm_rs --rows 400,500
 # W = 1: runs, and shows no overlap figure.
 run w1_all              0 ""                                                                     ok1:3 -- bench all --m 2048 --n 1024 --k 256 "${REPS[@]}"
 # Must fail with a clear error, before any GPU work.

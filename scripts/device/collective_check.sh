@@ -11,6 +11,7 @@
 #                   alone, the ranks' MPS share 50 % and 100 % (is the unfused call's excess the
 #                   ranks' contention for SMs?)
 #   MK_COLL_UNIT    unit tests (a ctest regex; default "collective")
+#   MK_COLL_SMOKE   CLI smoke lines (cli_smoke.sh names, globs; default "coll_* bad_coll_count")
 #   MK_COLL_REPS    timing calls per figure (default "--reps 20 --warmup 3")
 #   MK_COLL_NPS     world sizes of the one-node runs (default "1 2 4")
 #   MK_COLL_SHAPES  fused shapes for the paths step, "M,N,K ..." (default: M 512, 2048, 8192)
@@ -30,7 +31,7 @@ if has unit || has smoke; then
   steps_s=""
   has unit && steps_s+=" unit"
   has smoke && steps_s+=" smoke"
-  MK_SUITE_STEPS="$steps_s" MK_UNIT_ONLY="${MK_COLL_UNIT:-collective}" MK_SMOKE_ONLY="coll_* bad_coll_count" \
+  MK_SUITE_STEPS="$steps_s" MK_UNIT_ONLY="${MK_COLL_UNIT:-collective}" MK_SMOKE_ONLY="${MK_COLL_SMOKE:-coll_* bad_coll_count}" \
     bash scripts/device/suite.sh > "$L/suite.log" 2>&1
   sed -n '/==== summary/,$p' "$L/suite.log"
   cp /tmp/mk-suite/suite_logs.tgz "$L/" 2>/dev/null

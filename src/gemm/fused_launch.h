@@ -28,10 +28,10 @@ struct FusedLaunch {
 };
 
 // The tensor maps of the routed bulk epilogue (RouteEpilogue::route_maps): one per destination
-// dsts[i], an fp32 [rows, N] row-major block (16-byte aligned; N a multiple of 8), appended to
-// `maps` (128 bytes each, to be copied to device memory). kNotSupported without CUTLASS or a
+// dsts[i], an fp32 [rows[i], N] row-major block (16-byte aligned; N a multiple of 8), appended
+// to `maps` (128 bytes each, to be copied to device memory). kNotSupported without CUTLASS or a
 // driver; kInvalidArgument for extents the tensor maps cannot describe.
-Status route_tensor_maps(float* const* dsts, int n, int64_t rows, int64_t N, std::vector<uint8_t>* maps);
+Status route_tensor_maps(float* const* dsts, int n, const int64_t* rows, int64_t N, std::vector<uint8_t>* maps);
 
 // Checks `a` as a plain bf16 GEMM with a store epilogue (C must be valid memory of [M, N]
 // bf16 even when the routed epilogue never writes it), zeroes the counters and launches.

@@ -381,20 +381,21 @@ Status launch(const Arguments& a, const FusedLaunch* f, cudaStream_t stream, con
 
 Status run(const Arguments& a, cudaStream_t stream, const RunConfig& cfg) { return launch(a, nullptr, stream, cfg); }
 
-Status route_tensor_maps(float* const* dsts, int n, int64_t rows, int64_t N, std::vector<uint8_t>* maps) {
+Status route_tensor_maps(float* const* dsts, int n, const int64_t* rows, int64_t N, std::vector<uint8_t>* maps) {
 #if MK_WITH_CUTLASS
   using namespace sm90;
   static_assert(sizeof(CUtensorMap) == 128, "RouteEpilogue::route_maps holds 128-byte maps");
-  MK_REQUIRE(rows >= 1 && N >= 8 && N % 8 == 0 && rows < (1ll << 31) && N < (1ll << 31), Code::kInvalidArgument,
-             "gemm: route maps need rows >= 1 and N a positive multiple of 8 (got %lld x %lld)", (long long)rows,
-             (long long)N);
+  MK_REQUIRE(N >= 8 && N % 8 == 0 && N < (1ll << 31), Code::kInvalidArgument,
+             "gemm: route maps need N a positive multiple of 8 (got %lld)", (long long)N);
   const CudaDriver* drv = nullptr;
   MK_CHECK(cuda_driver(&drv));
   for (int i = 0; i < n; ++i) {
+    MK_REQUIRE(rows[i] >= 1 && rows[i] < (1ll << 31), Code::kInvalidArgument,
+               "gemm: route map %d needs 1 to 2^31 - 1 rows (got %lld)", i, (long long)rows[i]);
     MK_REQUIRE(dsts[i] && (reinterpret_cast<uintptr_t>(dsts[i]) & 15u) == 0, Code::kInvalidArgument,
                "gemm: route destination %d is null or not 16-byte aligned", i);
     CUtensorMap m;
-    const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(rows)};
+    const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(rows[i])};
     const cuuint64_t strides[1] = {cuuint64_t(N) * 4};
     const cuuint32_t box[2] = {cuuint32_t(kRouteBoxCols), cuuint32_t(kRouteBoxRows)};
     const cuuint32_t elem[2] = {1, 1};

@@ -371,19 +371,20 @@ TEST(CollPlanShape, ShardsAndChunksTileTheData) {
       }
 }
 
-// The default chunk: a 64th of the largest shard within [8 Ki, 256 Ki] elements, the same on
+// The default chunk: a 32nd of the largest shard within [8 Ki, 256 Ki] elements, the same on
 // every rank (a function of count and world size).
 TEST(CollPlanShape, DefaultChunks) {
   EXPECT_EQ(default_chunk_elems(8), 8 * 1024);
-  EXPECT_EQ(default_chunk_elems(int64_t(8) << 20), int64_t(128) * 1024);  // 16 MiB of bf16: 64 chunks
+  EXPECT_EQ(default_chunk_elems(int64_t(4) << 20), int64_t(128) * 1024);  // 8 MiB of bf16: 32 chunks
+  EXPECT_EQ(default_chunk_elems(int64_t(8) << 20), int64_t(256) * 1024);  // 16 MiB of bf16: 32 chunks
   EXPECT_EQ(default_chunk_elems(int64_t(1) << 30), 256 * 1024);
   EXPECT_EQ(default_chunk_elems(64 * 8 * 1024 + 8) % 8, 0);
   CollPlan p;
-  // 64 MiB of bf16 over 4 ranks: 8 Mi elements per shard, 64 chunks each.
+  // 64 MiB of bf16 over 4 ranks: 8 Mi elements per shard, 32 chunks each.
   MK_ASSERT_OK(build_coll_plan(CollectiveKind::kAllReduce, int64_t(32) << 20, CollDType::kBF16,
                                comm::Layout::uniform(4, 1), 0, false, &p));
-  EXPECT_EQ(p.chunk_elems, int64_t(128) * 1024);
-  EXPECT_EQ(p.chunks.size(), 4u * 64);
+  EXPECT_EQ(p.chunk_elems, int64_t(256) * 1024);
+  EXPECT_EQ(p.chunks.size(), 4u * 32);
 }
 
 // ---- Mutation tests.

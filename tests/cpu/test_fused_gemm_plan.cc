@@ -88,7 +88,9 @@ struct Config {
   uint64_t seed = 0;  // the replay's seed: set from the run seed (seeded()), not part of the name
   bool strided = false;  // node n holds ranks n, n + nodes, ... instead of a consecutive block
   bool staged = false;   // network traffic through host mirrors (Plan::net_staged)
+  std::vector<int64_t> rows;  // uneven shards (PlanShape::rows); empty: M / W each (AR: as even as M allows)
 };
+PlanShape shape_of(const Config& c) { return PlanShape(c.M, c.N, c.K, c.rows); }
 comm::Layout make_layout(const Config& c) {
   return c.strided ? comm::Layout::strided(c.W, c.nodes) : comm::Layout::uniform(c.W, c.nodes);
 }
@@ -97,7 +99,8 @@ std::string config_name(const Config& c) {
   if (c.det) s += "_det";
   return s + "_W" + std::to_string(c.W) + (c.strided ? "s" : "n") + std::to_string(c.nodes) + "_M" + std::to_string(c.M) + "_N" +
          std::to_string(c.N) + "_K" + std::to_string(c.K) + "_c" + std::to_string(c.comm_slots) + "_t" +
-         std::to_string(c.tile_slots) + "_v" + std::to_string(c.variant) + (c.staged ? "_staged" : "");
+         std::to_string(c.tile_slots) + "_v" + std::to_string(c.variant) + (c.staged ? "_staged" : "") +
+         (c.rows.empty() ? "" : "_uneven");
 }
 void PrintTo(const Config& c, std::ostream* os) { *os << config_name(c); }  // gtest's failure line
 
@@ -162,7 +165,7 @@ std::string check_static(const Plan& p) {
 class GemmCompute : public comm::ReplayCompute {
  public:
   explicit GemmCompute(const Plan& p)
-      : p_(p), W_(p.layout.world), M_(p.shape.M), N_(p.shape.N), K_(p.shape.K), Ms_(p.shard_rows) {
+      : p_(p), W_(p.layout.world), M_(p.shape.M), N_(p.shape.N), K_(p.shape.K) {
     ag_ = p.kind == FusedKind::kAgGemm;
     acc_.resize(W_);
     ag_c_.resize(W_);
@@ -188,7 +191,7 @@ class GemmCompute : public comm::ReplayCompute {
 
  private:
   struct CallData {                            // inputs and reference of one call, all ranks
-    std::vector<std::vector<float>> a, b;      // A (AG: shard [Ms, K]; RS/AR: [M, K]), B [N, K]
+    std::vector<std::vector<float>> a, b;      // A (AG: shard [rows of the shard, K]; RS/AR: [M, K]), B [N, K]
     std::vector<std::vector<float>> prod;      // RS/AR: A·Bᵀ [M, N]
     std::vector<float> sum;                    // RS/AR: Σ over ranks
   };
@@ -198,7 +201,7 @@ class GemmCompute : public comm::ReplayCompute {
 
   const Plan& p_;
   const int W_;
-  const int64_t M_, N_, K_, Ms_;
+  const int64_t M_, N_, K_;
   bool ag_ = false;
   std::map<int, CallData> calls_;
   std::vector<std::map<size_t, std::vector<float>>> acc_;  // [rank] unit -> the tile's fp32 values
@@ -224,7 +227,7 @@ const GemmCompute::CallData& GemmCompute::call_data(int e) {
       for (auto& x : v) x = float(lo + int(rng() % uint64_t(3 - lo)));
       return v;
     };
-    d.a.push_back(draw((ag_ ? Ms_ : M_) * K_));
+    d.a.push_back(draw((ag_ ? p_.rows_of(r) : M_) * K_));
     d.b.push_back(draw(N_ * K_));
   }
   if (!ag_) {
@@ -253,7 +256,7 @@ void GemmCompute::start_call(comm::Replay& r, int me, int epoch) {
     if (a && p_.own_copy_before) {
       // The launch's copy of my shard into my gathered A (stream order: before the kernel).
       const uint64_t bytes = d.a[me].size() * 2;
-      uint8_t* full = r.mem(me, BufRef{Buf::kAFull, me, uint64_t(me) * bytes}, bytes);
+      uint8_t* full = r.mem(me, BufRef{Buf::kAFull, me, uint64_t(p_.shard_row0[me] * K_ * 2)}, bytes);
       if (full) memcpy(full, a, bytes);
     }
     ag_c_[me].assign(M_ * N_, kPoison);
@@ -267,8 +270,8 @@ void GemmCompute::start_call(comm::Replay& r, int me, int epoch) {
 // Checks rank me's output of its call (exact).
 bool GemmCompute::finish_call(comm::Replay& r, int me, int epoch) {
   const CallData& d = call_data(epoch);
-  const int64_t rows = p_.kind == FusedKind::kGemmRs ? Ms_ : M_;
-  const int64_t row0 = p_.kind == FusedKind::kGemmRs ? me * Ms_ : 0;
+  const int64_t rows = p_.kind == FusedKind::kGemmRs ? p_.rows_of(me) : M_;
+  const int64_t row0 = p_.kind == FusedKind::kGemmRs ? p_.shard_row0[me] : 0;
   const uint8_t* c = ag_ ? nullptr : r.mem(me, BufRef{Buf::kUserC, me, 0}, uint64_t(rows * N_ * 2));
   if (!ag_ && !c) return false;
   int64_t bad = 0;
@@ -276,10 +279,11 @@ bool GemmCompute::finish_call(comm::Replay& r, int me, int epoch) {
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t n = 0; n < N_; ++n) {
       const int64_t gm = row0 + m;
+      const int sh = p_.shard_of(gm);
       float want;
       uint16_t got;
       if (ag_) {
-        want = dot(&d.a[gm / Ms_][(gm % Ms_) * K_], &d.b[me][n * K_], K_);
+        want = dot(&d.a[sh][(gm - p_.shard_row0[sh]) * K_], &d.b[me][n * K_], K_);
         got = ag_c_[me][m * N_ + n];
       } else {
         want = d.sum[gm * N_ + n];
@@ -288,7 +292,7 @@ bool GemmCompute::finish_call(comm::Replay& r, int me, int epoch) {
       if (got != to_bf16(want) && bad++ == 0) {
         char line[160];
         snprintf(line, sizeof line, "C[%lld][%lld] (shard %lld) = %g (0x%04x), expected %g", (long long)gm,
-                 (long long)n, (long long)(gm / Ms_), from_bf16(got), got, want);
+                 (long long)n, (long long)sh, from_bf16(got), got, want);
         first = line;
       }
     }
@@ -335,7 +339,7 @@ bool GemmCompute::store_tile(comm::Replay& r, int me, size_t unit) {
       for (int64_t n = 0; n < w; ++n) ag_c_[me][m * N_ + c0 + n] = to_bf16(acc[n]);
       continue;
     }
-    const int64_t sh = m / Ms_;
+    const int sh = p_.shard_of(m);
     if (rp.fin.on && m >= rp.fin.lo && m < rp.fin.hi) {
       // The owner's final sum (RankPlan::fin): the terms in order, its own values at fin.self.
       const EpilogueFinal& f = rp.fin;
@@ -366,7 +370,7 @@ bool GemmCompute::store_tile(comm::Replay& r, int me, size_t unit) {
       continue;
     }
     BufRef to = rp.route[sh];
-    to.offset += uint64_t(((m - sh * Ms_) * N_ + c0) * 4);
+    to.offset += uint64_t(((m - p_.shard_row0[sh]) * N_ + c0) * 4);
     uint8_t* dst = r.mem(me, to, uint64_t(w) * 4);
     if (!dst) return false;
     for (int64_t n = 0; n < w; ++n) {
@@ -409,7 +413,7 @@ std::vector<Config> sweep() {
           if (det && k == FusedKind::kAgGemm) continue;
           auto add = [&](int64_t rows_per_rank, int64_t N, int64_t K, int cs, int ts, int variant,
                          bool strided = false) {
-            out.push_back(Config{k, W, nodes, rows_per_rank * W, N, K, det, cs, ts, variant, 0, strided});
+            out.push_back(Config{k, W, nodes, rows_per_rank * W, N, K, det, cs, ts, variant, 0, strided, false, {}});
             // Several nodes: the staged network (host mirrors) too, same shapes.
             if (nodes > 1) {
               out.push_back(out.back());
@@ -422,6 +426,28 @@ std::vector<Config> sweep() {
           if (W <= 4) add(200, 520, 16, 2, 1, 4);   // shards over a tile
           if (W == 16) add(48, 264, 16, 2, 4, 5);
           if (nodes > 1 && nodes < W) add(40, 264, 16, 2, 2, 6, true);  // nodes of strided ranks
+          if (W > 1 && W <= 8) {
+            // Uneven shards: 1 to 150 rows (some within one tile-row, some straddling two or
+            // three, one of a single row), and one large shard among small ones.
+            std::vector<int64_t> mixed, lopsided;
+            for (int s = 0; s < W; ++s) {
+              mixed.push_back(s == W - 1 ? 1 : 1 + (s * 53 + 17) % 150);
+              lopsided.push_back(s == W / 2 ? 300 : 5 + s);
+            }
+            for (const auto& rows : {mixed, lopsided}) {
+              add(0, 264, 16, 2, 4, rows == mixed ? 7 : 8);
+              out.back().rows = rows;
+              out.back().M = 0;
+              for (int64_t x : rows) out.back().M += x;
+              if (nodes > 1) {  // the staged twin add() appended
+                out[out.size() - 2].rows = rows;
+                out[out.size() - 2].M = out.back().M;
+              }
+            }
+            // AR without rows: M not a multiple of W, split as evenly as it allows.
+            if (k == FusedKind::kGemmAr) add(0, 264, 16, 2, 4, 9), out.back().M = 131 * W + W - 1;
+            if (k == FusedKind::kGemmAr && nodes > 1) out[out.size() - 2].M = out.back().M;
+          }
         }
     }
   return out;
@@ -432,7 +458,8 @@ class PlanReplay : public ::testing::TestWithParam<Config> {};
 TEST_P(PlanReplay, ThreeCallsExact) {
   const Config c = seeded(GetParam());
   Plan p;
-  MK_ASSERT_OK(build_plan(c.kind, PlanShape{c.M, c.N, c.K}, make_layout(c), c.det, &p, c.staged));
+  MK_ASSERT_OK(build_plan(c.kind, shape_of(c), make_layout(c), c.det, &p, c.staged));
+  ASSERT_EQ(p.even, c.rows.empty() && c.M % c.W == 0);
   ASSERT_EQ(p.net_staged, c.staged && c.nodes > 1);
   ASSERT_EQ(check_static(p), "") << seed_note(c);
   Replay replay(p, c);
@@ -446,9 +473,31 @@ INSTANTIATE_TEST_SUITE_P(Sweep, PlanReplay, ::testing::ValuesIn(sweep()),
 TEST(PlanErrors, RejectsBadShapesAndLayouts) {
   Plan p;
   for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {
+    // M % W != 0 without the shards' rows: AG and RS need them (the caller's buffers), AR splits.
     Status s = build_plan(k, PlanShape{100, 264, 16}, comm::Layout::uniform(3, 1), false, &p);
+    if (k == FusedKind::kGemmAr) {
+      MK_EXPECT_OK(s);
+      EXPECT_EQ(p.shard_row0, (std::vector<int64_t>{0, 34, 67, 100}));
+      EXPECT_FALSE(p.even);
+    } else {
+      EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+      EXPECT_NE(s.message().find("PlanShape::rows"), std::string::npos) << s.to_string();
+    }
+    s = build_plan(k, PlanShape{2, 264, 16}, comm::Layout::uniform(3, 1), false, &p);  // fewer rows than ranks
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
-    EXPECT_NE(s.message().find("uneven"), std::string::npos) << s.to_string();
+    // Shards' rows: one per rank, each >= 1, summing to M.
+    for (const std::vector<int64_t>& rows : {std::vector<int64_t>{50, 50}, {50, 0, 50}, {50, 60, -10}, {40, 40, 40}}) {
+      s = build_plan(k, PlanShape(100, 264, 16, rows), comm::Layout::uniform(3, 1), false, &p);
+      EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+      EXPECT_EQ(s.code(), FusedGemm::can_implement(k, PlanShape(100, 264, 16, rows), 3).code());
+    }
+    MK_EXPECT_OK(build_plan(k, PlanShape(100, 264, 16, {1, 98, 1}), comm::Layout::uniform(3, 1), false, &p));
+    EXPECT_EQ(p.shard_row0, (std::vector<int64_t>{0, 1, 99, 100}));
+    EXPECT_EQ(p.shard_rows, 98);
+    EXPECT_EQ(p.shard_of(0), 0);
+    EXPECT_EQ(p.shard_of(1), 1);
+    EXPECT_EQ(p.shard_of(98), 1);
+    EXPECT_EQ(p.shard_of(99), 2);
     s = build_plan(k, PlanShape{96, 100, 16}, comm::Layout::uniform(3, 1), false, &p);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
     s = build_plan(k, PlanShape{96, 264, 0}, comm::Layout::uniform(3, 1), false, &p);
@@ -520,6 +569,12 @@ std::vector<Config> mutation_bases() {
   add(FusedKind::kGemmAr, 4, 2, false, true, 48);
   add(FusedKind::kGemmAr, 4, 2, true, false, 48);
   add(FusedKind::kGemmAr, 4, 4, false, true, 48);
+  // Uneven shards (a shard inside one tile-row, one straddling two, a single row).
+  for (FusedKind k : {FusedKind::kAgGemm, FusedKind::kGemmRs, FusedKind::kGemmAr}) {
+    add(k, 4, 2, k == FusedKind::kGemmAr, k == FusedKind::kGemmRs, 0);
+    out.back().rows = {150, 1, 40, 129};
+    out.back().M = 320;
+  }
   return out;
 }
 
@@ -772,8 +827,7 @@ class PlanMutation : public ::testing::TestWithParam<Config> {
  protected:
   void SetUp() override {
     base_ = seeded(GetParam());
-    MK_ASSERT_OK(build_plan(base_.kind, PlanShape{base_.M, base_.N, base_.K}, make_layout(base_), base_.det, &plan_,
-                            base_.staged));
+    MK_ASSERT_OK(build_plan(base_.kind, shape_of(base_), make_layout(base_), base_.det, &plan_, base_.staged));
     // The unmutated plan passes, under the slot counts the mutants are replayed with.
     ASSERT_EQ(check_static(plan_), "") << seed_note(base_);
     for (int k = 0; k < 4; ++k) {

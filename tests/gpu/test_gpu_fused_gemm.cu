@@ -131,6 +131,7 @@ struct Case {
   unsigned long long* d_bad = nullptr;  // [3]: see compare()
   uint64_t* d_call = nullptr;           // graph replays: the call whose inputs the graph builds
   int64_t a_rows = 0, c_rows = 0, c_elems = 0;
+  int64_t my_row0 = 0, my_rows = 0;  // this rank's shard (PlanShape::rows, or M / W rows)
   std::string path;  // FusedOptions::path ("": the tunable)
 
   Status init(int comm_ctas = -1) {
@@ -140,8 +141,14 @@ struct Case {
     o.comm_ctas = comm_ctas;
     o.path = path;
     MK_CHECK(FusedGemm::create(comm, kind, s, o, &op));
-    a_rows = kind == FusedKind::kAgGemm ? s.M / W : s.M;
-    c_rows = kind == FusedKind::kGemmRs ? s.M / W : s.M;
+    my_rows = s.M / W, my_row0 = comm->rank() * my_rows;
+    if (!s.rows.empty()) {
+      my_row0 = 0;
+      for (int q = 0; q < comm->rank(); ++q) my_row0 += s.rows[size_t(q)];
+      my_rows = s.rows[size_t(comm->rank())];
+    }
+    a_rows = kind == FusedKind::kAgGemm ? my_rows : s.M;
+    c_rows = kind == FusedKind::kGemmRs ? my_rows : s.M;
     c_elems = c_rows * s.N;
     A = std::make_unique<DevBuf>(size_t(a_rows) * s.K * 2);
     B = std::make_unique<DevBuf>(size_t(s.N) * s.K * 2);
@@ -171,10 +178,11 @@ struct Case {
   // reference output, on `st`; C poisoned. Capturable.
   Status prepare(uint64_t call, cudaStream_t st, const uint64_t* call_at = nullptr) {
     const int W = comm->world(), me = comm->rank();
-    const int64_t M = s.M, N = s.N, K = s.K, Ms = M / W;
+    const int64_t M = s.M, N = s.N, K = s.K;
     if (kind == FusedKind::kAgGemm) {
-      // Rank r's shard: rows [r Ms, (r+1) Ms) of one [M, K] tag matrix "rank 0, which 0"; B per rank.
-      fill_tag<<<kFillGrid, kFillBlock, 0, st>>>(A->bf(), Ms, K, K, seed, 0, 0, call, K, me * Ms, call_at);
+      // Rank r's shard: its rows [row0_r, row0_r + rows_r) of one [M, K] tag matrix "rank 0,
+      // which 0"; B per rank.
+      fill_tag<<<kFillGrid, kFillBlock, 0, st>>>(A->bf(), my_rows, K, K, seed, 0, 0, call, K, my_row0, call_at);
       fill_tag<<<kFillGrid, kFillBlock, 0, st>>>(A_ref->bf(), M, K, K, seed, 0, 0, call, K, 0, call_at);
       fill_tag<<<kFillGrid, kFillBlock, 0, st>>>(B->bf(), N, K, K, seed, me, 1, call, K, 0, call_at);
       launch_reference(A_ref->p, B->p, C_ref->p, M, N, K, st);
@@ -241,7 +249,7 @@ struct Case {
   }
   // Enqueues the comparison of C against the reference (RS: this rank's rows of it) into d_bad.
   void enqueue_compare(cudaStream_t st, const uint64_t* replay_at = nullptr) {
-    const int64_t row0 = kind == FusedKind::kGemmRs ? comm->rank() * (s.M / comm->world()) : 0;
+    const int64_t row0 = kind == FusedKind::kGemmRs ? my_row0 : 0;
     compare<<<kFillGrid, kFillBlock, 0, st>>>(static_cast<const uint16_t*>(C->p),
                                               static_cast<const uint16_t*>(C_ref->p) + row0 * s.N, c_elems, d_bad,
                                               replay_at);
@@ -383,6 +391,35 @@ std::vector<ops::PlanShape> shapes(int W) {
   std::vector<ops::PlanShape> s = {{int64_t(W) * 250, 520, 264}, {int64_t(W) * 96, 264, 136}};
   if (!small_shapes()) s.push_back({2048, 1024, 512});
   return s;
+}
+
+// Uneven shards (PlanShape::rows): shards of 1 to a few hundred rows, inside one tile-row or
+// straddling several, one large among small ones; AR on an M the ranks do not divide (its own
+// split). Every kind, both reductions.
+std::vector<ops::PlanShape> uneven_shapes(int W) {
+  std::vector<int64_t> mixed, lopsided;
+  for (int s = 0; s < W; ++s) {
+    mixed.push_back(s == W - 1 ? 1 : 37 + 61 * s);
+    lopsided.push_back(s == W / 2 ? 300 : 5 + 3 * s);
+  }
+  auto sum = [](const std::vector<int64_t>& v) {
+    int64_t t = 0;
+    for (int64_t x : v) t += x;
+    return t;
+  };
+  return {ops::PlanShape(sum(mixed), 520, 264, mixed), ops::PlanShape(sum(lopsided), 264, 136, lopsided)};
+}
+TEST_F(Fused, UnevenShardsMatchReference) {
+  const int W = comm->world();
+  for (const ops::PlanShape& s : uneven_shapes(W)) {
+    run_calls(FusedKind::kAgGemm, s, false, 2);
+    run_calls(FusedKind::kGemmRs, s, false, 2);
+    run_calls(FusedKind::kGemmRs, s, true, 2);
+    run_calls(FusedKind::kGemmAr, s, false, 2);
+  }
+  // AR on any M: its own split (the first M mod W ranks one row more).
+  run_calls(FusedKind::kGemmAr, {int64_t(W) * 250 + W - 1, 520, 264}, false, 2);
+  run_calls(FusedKind::kGemmAr, {int64_t(W) * 250 + W - 1, 520, 264}, true, 2);
 }
 
 TEST_F(Fused, AgGemmMatchesReference) {
@@ -684,11 +721,31 @@ TEST_F(Fused, UnfusedAndAutoPathsMatchReference) {
 TEST_F(Fused, BadInputIsRejectedOnEveryRank) {
   const int W = comm->world();
   std::unique_ptr<FusedGemm> op;
-  // Uneven shards.
+  // An M the ranks do not divide, without the shards' rows (AG and RS need them).
   Status s = FusedGemm::create(comm, FusedKind::kGemmRs, {int64_t(W) * 128 + 1, 256, 256}, {}, &op);
   if (W > 1) {
     EXPECT_EQ(s.code(), Code::kInvalidArgument);
     EXPECT_NE(s.message().find("equal shards"), std::string::npos) << s.to_string();
+  }
+  // Shards' rows that do not sum to M.
+  s = FusedGemm::create(comm, FusedKind::kAgGemm, ops::PlanShape(int64_t(W) * 128, 256, 256, std::vector<int64_t>(W, 127)),
+                        {}, &op);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("sum to"), std::string::npos) << s.to_string();
+  if (W > 1) {
+    // Uneven AG and RS have no unfused path.
+    std::vector<int64_t> rows(W, 128);
+    rows[0] = 129, rows[1] = 127;
+    ops::FusedOptions uo;
+    uo.path = "unfused";
+    s = FusedGemm::create(comm, FusedKind::kGemmRs, ops::PlanShape(int64_t(W) * 128, 256, 256, rows), uo, &op);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find("needs even shards"), std::string::npos) << s.to_string();
+    // Rows that differ across ranks.
+    rows[0] += comm->rank() == W - 1 ? 1 : 0;
+    rows[1] -= comm->rank() == W - 1 ? 1 : 0;
+    s = FusedGemm::create(comm, FusedKind::kAgGemm, ops::PlanShape(int64_t(W) * 128, 256, 256, rows), {}, &op);
+    EXPECT_EQ(s.code(), Code::kMismatch) << s.to_string();
   }
   // Shapes that differ across ranks.
   s = FusedGemm::create(comm, FusedKind::kAgGemm, {int64_t(W) * 128, 256 + 8 * (comm->rank() == W - 1), 256}, {}, &op);

@@ -72,6 +72,13 @@ struct Row {
   // the same kind and count, zero-copy, calls back to back; ms, median), beside the GEMM alone
   // (compute): the unfused call against the sum of its parts.
   double coll_alone = 0;
+  // Uneven shards (--rows, or M % W != 0): each rank's rows (empty: the operator's own split) and
+  // the same operator with every shard padded to the largest (M = W x largest, even), timed in
+  // the same run (ms, median; 0: not run).
+  std::vector<int64_t> rows;
+  bool uneven = false;
+  int64_t padded_M = 0;
+  double padded = 0;
 };
 
 // The unfused path's reference (RS/AR): every rank's product rounded to bf16 (as the GEMM writes
@@ -177,7 +184,7 @@ Status split_sweep(Communicator* comm, ops::FusedGemm* op, FusedKind kind, int64
   std::unique_ptr<ops::FusedGemm> ctl;
   ops::FusedOptions fo;
   fo.deterministic = deterministic;
-  Status s = ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &ctl);
+  Status s = ops::FusedGemm::create(comm, kind, ops::PlanShape(M, N, K, row->rows), fo, &ctl);
   (void)tunables::reset("fused_split");
   MK_CHECK(s);
   s = time_it(comm, st, rc, "timing the controller", [&] { return ctl->enqueue(fa, st); }, &t);
@@ -194,13 +201,23 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
                       ops::FusedGemm* forced_fused = nullptr, ops::FusedGemm* forced_unfused = nullptr) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
-  const int64_t a_rows = kind == FusedKind::kAgGemm ? M / W : M;
-  const int64_t c_rows = kind == FusedKind::kGemmRs ? M / W : M;
+  // This rank's shard: M / W rows at me * M / W, or its --rows entry after the lower ranks'.
+  int64_t my_row0 = me * (M / W), my_rows = M / W;
+  if (!row->rows.empty()) {
+    my_row0 = 0;
+    for (int q = 0; q < me; ++q) my_row0 += row->rows[size_t(q)];
+    my_rows = row->rows[size_t(me)];
+  }
+  const int64_t a_rows = kind == FusedKind::kAgGemm ? my_rows : M;
+  const int64_t c_rows = kind == FusedKind::kGemmRs ? my_rows : M;
+  // AG and RS with uneven shards: NCCL's collectives and the unfused path take equal shards.
+  const bool even_only = row->uneven && kind != FusedKind::kGemmAr;
   Buf A, B, C, Aref, Bref, Cref, bad;
   // Correctness: exact small integers; the reference is the unfused GEMM over inputs every rank
   // rebuilds (AG: the gathered A; RS/AR: one GEMM over the ranks' concatenated K).
   auto fill_inputs = [&](bool ints) {
-    return CLI_CUDA(comm, fill_fused_inputs(kind, M, N, K, W, me, ints, A.bf(), B.bf(), Aref.bf(), Bref.bf(), st));
+    return CLI_CUDA(comm, fill_fused_inputs(kind, M, N, K, W, me, ints, A.bf(), B.bf(), Aref.bf(), Bref.bf(), st,
+                                            my_row0, my_rows));
   };
   gemm::Arguments ref;
   // --path unfused or auto (RS/AR): the unfused path rounds each rank's product to bf16 before the
@@ -256,7 +273,7 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
   // the operator's path before the call (auto: its first call is a fused warm-up).
   ops::FusedArgs fa;
   fa.A = A.p, fa.B = B.p, fa.C = C.p;
-  const int64_t row0 = kind == FusedKind::kGemmRs ? me * (M / W) : 0;
+  const int64_t row0 = kind == FusedKind::kGemmRs ? my_row0 : 0;
   unsigned long long* d_bad = static_cast<unsigned long long*>(bad.p);
   auto checked_call = [&](const char* what) -> Status {
     const bool unfused = unfused_ref && (op->path() == "unfused" || op->path().rfind("auto: unfused", 0) == 0);
@@ -339,6 +356,31 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
     MK_CHECK(cs);
     MK_CHECK(d);
   }
+  if (row->uneven && W > 1) {
+    // The same operator on even shards padded to the largest: what uneven shards cost.
+    int64_t most = (M + W - 1) / W;
+    for (int64_t r : row->rows) most = std::max(most, r);
+    row->padded_M = most * W;
+    const int64_t pa = kind == FusedKind::kAgGemm ? most : row->padded_M, pc = kind == FusedKind::kGemmRs ? most : row->padded_M;
+    Buf Ap, Cp;
+    std::unique_ptr<ops::FusedGemm> pad;
+    ops::FusedOptions po;
+    po.deterministic = op->deterministic();
+    po.path = "fused";
+    s = CLI_CUDA(comm, Ap.alloc(size_t(pa) * K * 2));
+    if (s.ok()) s = CLI_CUDA(comm, Cp.alloc(size_t(pc) * N * 2));
+    if (s.ok()) s = CLI_CUDA(comm, cudaMemsetAsync(Ap.p, 0x3c, size_t(pa) * K * 2, st));  // 0x3c3c: about 0.0115
+    if (s.ok()) s = synced(comm, st);
+    MK_CHECK(agreed(comm, s, "allocating the padded operator's buffers"));
+    MK_CHECK(ops::FusedGemm::create(comm, kind, {row->padded_M, N, K}, po, &pad));
+    ops::FusedArgs pf;
+    pf.A = Ap.p, pf.B = B.p, pf.C = Cp.p;
+    s = time_it(comm, st, rc, "timing the padded even operator", [&] { return pad->enqueue(pf, st); }, &t);
+    row->padded = t.median_ms;
+    const Status d = pad->destroy();
+    MK_CHECK(s);
+    MK_CHECK(d);
+  }
   if (splits && W > 1) MK_CHECK(split_sweep(comm, op, kind, M, N, K, op->deterministic(), rc, fa, row));
   if (!trace.empty() && W > 1) {
     // trace_calls consecutive traced calls per rank (FusedArgs::trace records where the fused
@@ -372,7 +414,7 @@ Status bench_one_body(Communicator* comm, ops::FusedGemm* op, FusedKind kind, in
     }
   }
 #if MK_HAVE_NCCL
-  if (row->comparable) {
+  if (row->comparable && !even_only) {
     using ops::baseline::Baselines;
     std::unique_ptr<Baselines> bl;
     MK_CHECK(agreed(comm, Baselines::create(comm->bootstrap(), comm->device(), &bl), "creating the NCCL baselines"));
@@ -423,22 +465,31 @@ Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64
   row->comparable = comparable;
   row->flops = flops_of(kind, M, N, K);
   row->route = kind == FusedKind::kAgGemm ? "" : tunables::fused_route();
+  row->rows = fused_shard_rows(kind, M, comm->world(), o.rows);
+  row->uneven = !row->rows.empty() || M % comm->world() != 0;
+  if (!row->rows.empty()) {
+    bool same = true;
+    for (int64_t r : row->rows) same = same && r == row->rows[0];
+    row->uneven = !same;
+  }
+  const ops::PlanShape shape(M, N, K, row->rows);
   std::unique_ptr<ops::FusedGemm> op;
   // Collective: bad shapes (N not a multiple of 8, M not divisible by W, ...) are the same
   // error on every rank.
   ops::FusedOptions fo;
   fo.deterministic = o.deterministic;
   fo.path = o.path;
-  MK_CHECK(ops::FusedGemm::create(comm, kind, {M, N, K}, fo, &op));
+  MK_CHECK(ops::FusedGemm::create(comm, kind, shape, fo, &op));
   row->deterministic = op->deterministic();
-  // --path auto: the two forced paths too, timed in the same run (collective creates).
+  // --path auto: the two forced paths too, timed in the same run (collective creates); AG and RS
+  // on uneven shards have no unfused path (auto runs fused there).
   std::unique_ptr<ops::FusedGemm> forced[2];
   Status s;
-  if (o.path == "auto" && comm->world() > 1) {
+  if (o.path == "auto" && comm->world() > 1 && !(row->uneven && kind != FusedKind::kGemmAr)) {
     for (int i = 0; i < 2 && s.ok(); ++i) {
       ops::FusedOptions fp = fo;
       fp.path = i == 0 ? "fused" : "unfused";
-      s = ops::FusedGemm::create(comm, kind, {M, N, K}, fp, &forced[i]);
+      s = ops::FusedGemm::create(comm, kind, shape, fp, &forced[i]);
     }
   }
   if (s.ok())
@@ -474,6 +525,14 @@ std::string row_json(const Row& r) {
   std::string out = b;
   if (r.coll_alone > 0)
     out += ", \"unfused_collective_alone_ms\": " + jnum(r.coll_alone, 4);
+  if (!r.rows.empty()) {
+    out += ", \"shard_rows\": [";
+    for (size_t i = 0; i < r.rows.size(); ++i) out += (i ? ", " : "") + std::to_string(r.rows[i]);
+    out += "]";
+  }
+  if (r.padded > 0)
+    out += ", \"padded_even\": {\"M\": " + std::to_string(r.padded_M) + ", \"ms\": " + jnum(r.padded, 4) +
+           ", \"padded_over_uneven\": " + jnum(ratio(r.padded, r.fused), 3) + "}";
   if (r.same_auto > 0) {
     const double faster = std::min(r.same_fused, r.same_unfused);
     out += ", \"paths_same_run\": {\"fused_ms\": " + jnum(r.same_fused, 4) + ", \"unfused_ms\": " +
@@ -570,6 +629,13 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
                  eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                  comparable ? "" : "  (not comparable)");
           if (r.path != "fused") printf("  path: %s\n", r.path.c_str());
+          if (r.uneven) {
+            std::string rs;
+            for (size_t i = 0; i < r.rows.size(); ++i) rs += (i ? ", " : "") + std::to_string(r.rows[i]);
+            printf("  uneven shards (rows %s): padded to M = %lld (even), fused %s ms; padded / uneven %s\n",
+                   rs.empty() ? "as even as M allows" : rs.c_str(), (long long)r.padded_M, cell(r.padded, 4).c_str(),
+                   cell(ratio(r.padded, r.fused), 3).c_str());
+          }
           if (r.coll_alone > 0)
             printf("  unfused path's parts, each alone: GEMM %s ms + collective %s ms = %s ms\n",
                    cell(r.compute, 4).c_str(), cell(r.coll_alone, 4).c_str(),

@@ -35,15 +35,17 @@ static __global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t 
     if (a[i] != b[i]) atomicAdd(bad, 1ull);
 }
 
-// This rank's A ([M/W, K] for AG, else [M, K]) and B ([N, K]); with `ints` also the reference
-// inputs of one unfused GEMM that every rank rebuilds: AG the gathered A [M, K] (B is its own);
-// RS/AR the ranks' A and B side by side, Aref [M, W*K] and Bref [N, W*K].
+// This rank's A ([rows of its shard, K] for AG, else [M, K]) and B ([N, K]); with `ints` also the
+// reference inputs of one unfused GEMM that every rank rebuilds: AG the gathered A [M, K] (B is
+// its own); RS/AR the ranks' A and B side by side, Aref [M, W*K] and Bref [N, W*K]. AG's shard:
+// rows [shard_row0, shard_row0 + shard_rows) of the gathered A (-1: M / W rows at me * M / W).
 inline cudaError_t fill_fused_inputs(ops::FusedKind kind, int64_t M, int64_t N, int64_t K, int W, int me, bool ints,
                                      __nv_bfloat16* A, __nv_bfloat16* B, __nv_bfloat16* Aref, __nv_bfloat16* Bref,
-                                     cudaStream_t st) {
+                                     cudaStream_t st, int64_t shard_row0 = -1, int64_t shard_rows = -1) {
   const uint64_t sa = 0x5eed0000, sb = 0x5eed1000;
+  if (shard_rows < 0) shard_row0 = me * (M / W), shard_rows = M / W;
   if (kind == ops::FusedKind::kAgGemm) {
-    fill_bf16<<<264, 256, 0, st>>>(A, M / W, K, K, sa, me * (M / W), K, ints);
+    fill_bf16<<<264, 256, 0, st>>>(A, shard_rows, K, K, sa, shard_row0, K, ints);
     fill_bf16<<<264, 256, 0, st>>>(B, N, K, K, sb + me, 0, K, ints);
     if (ints) fill_bf16<<<264, 256, 0, st>>>(Aref, M, K, K, sa, 0, K, ints);
   } else {

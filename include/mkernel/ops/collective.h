@@ -48,9 +48,10 @@ Status parse_collective_kind(const std::string& name, CollectiveKind* out);
 
 struct CollectiveOptions {
   // Elements per chunk: the unit of data movement, of flags and of work for one CTA (rounded up
-  // to a multiple of 8; >= 8). 0: a 64th of a shard, within 8 Ki .. 256 Ki elements.
+  // to a multiple of 8; >= 8). 0: a 32nd of a shard, within 8 Ki .. 256 Ki elements.
   int64_t chunk_elems = 0;
-  // Communication CTAs of the kernel (>= 1). 0: every SM of the device, at most one per op.
+  // Communication CTAs of the kernel (>= 1). 0: half the SMs this process may use (the device's,
+  // or its MPS share: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), at most one per op.
   int ctas = 0;
   std::string staging;  // network staging "auto" | "always" | "never"; "": tunable net_staging
 };

@@ -11,8 +11,10 @@
 //   gemm_ar: C[M, N] = allreduce(A[M, K] · B[N, K]ᵀ)
 //
 // bf16 in and out, fp32 accumulation; cross-rank sums in fp32 (reduce-adds into an fp32
-// buffer, or — deterministic — per-rank partials summed in rank order). M % W == 0 is
-// required (uneven shards are rejected at create); M need not be a multiple of the tile.
+// buffer, or — deterministic — per-rank partials summed in rank order). Shards: rank s owns
+// rows [row0_s, row0_s + rows_s) of M, in rank order — M / W each by default (then M % W == 0 is
+// required for AG and RS), or any counts >= 1 summing to M (PlanShape::rows; AR's shards are
+// internal: any M >= W, split as evenly as possible). M need not be a multiple of the tile.
 //
 // Usage (collective: every rank, same shape):
 //   std::unique_ptr<FusedGemm> op;
@@ -24,6 +26,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mkernel/common/status.h"
 #include "mkernel/gemm/gemm.h"
@@ -42,6 +46,14 @@ const char* fused_kind_name(FusedKind k);
 // AR: C[M, N] = all-reduce of A[M, K]·B[N, K]ᵀ.
 struct PlanShape {
   int64_t M = 0, N = 0, K = 0;
+  // Uneven shards: rank s's rows (AG: of its A shard; RS: of its C; AR: of the shard it reduces),
+  // [world] entries >= 1 summing to M, the same on every rank. Empty: M / W each (AR: M split as
+  // evenly as possible, the first M % W ranks one row more).
+  std::vector<int64_t> rows;
+
+  PlanShape() = default;
+  PlanShape(int64_t m, int64_t n, int64_t k, std::vector<int64_t> shard_rows = {})
+      : M(m), N(n), K(k), rows(std::move(shard_rows)) {}
 };
 
 
@@ -55,14 +67,16 @@ struct FusedOptions {
   std::string staging;         // network staging "auto" | "always" | "never"; "": tunable net_staging
   // "fused" (one persistent kernel), "unfused" (the GEMM, then the standalone collective of
   // ops/collective.h), or "auto" (both timed on the first calls, then the faster one for good:
-  // the ranks decide together; docs/controller.md). "": tunable fused_path.
+  // the ranks decide together; docs/controller.md). "": tunable fused_path. AG and RS with
+  // uneven shards have no unfused path (the standalone collectives take equal shards): "unfused"
+  // is an error there and "auto" runs fused.
   std::string path;
 };
 
 struct FusedArgs {
-  const void* A = nullptr;  // AG: this rank's shard [M/W, K]; RS/AR: [M, K_loc]
+  const void* A = nullptr;  // AG: this rank's shard [rows_me, K] (M/W rows when even); RS/AR: [M, K_loc]
   const void* B = nullptr;  // [N, K] (AG: N_loc rows; RS/AR: K_loc columns)
-  void* C = nullptr;        // AG: [M, N_loc]; RS: [M/W, N]; AR: [M, N]
+  void* C = nullptr;        // AG: [M, N_loc]; RS: [rows_me, N]; AR: [M, N]
   gemm::DType a_type = gemm::DType::kBF16, b_type = gemm::DType::kBF16, c_type = gemm::DType::kBF16;
   // Non-null (W > 1): the traced kernel records per CTA every tile ("load", "compute") and every
   // communication op ("comm", or "net-send" for a put through the proxy; item = op index).
@@ -87,7 +101,8 @@ class FusedGemm {
   Status destroy();
 
   // The shape rules, before any communicator or GPU: M, N, K > 0 and < 2^31, N and K multiples
-  // of 8, M a multiple of the world size. create() applies them too (the same error).
+  // of 8; shards: PlanShape::rows ([world] counts >= 1 summing to M) or, without them, M a
+  // multiple of the world size (AR: M >= world). create() applies them too (the same error).
   static Status can_implement(FusedKind kind, const PlanShape& shape, int world);
   // Local checks: dtypes, null or misaligned pointers, C overlapping A or B.
   Status can_implement(const FusedArgs& args) const;

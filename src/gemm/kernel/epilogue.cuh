@@ -79,8 +79,24 @@ __device__ __forceinline__ void store_f32_pair(float* row, int n, int n1, int N,
   }
 }
 
-// Routed fp32 epilogue: element (m, n) of shard s = m / shard_rows goes to
-// route[s] + (m - s * shard_rows) * N + n, reduce-added (or stored when deterministic). The
+// The first row of shard s and the shard of row m (0 <= m < M): a product and a division with
+// even shards, the shards' first rows (a binary search) with uneven ones.
+__device__ __forceinline__ int shard_start(const RouteEpilogue& h, int s) {
+  return h.shard_rows > 0 ? s * static_cast<int>(h.shard_rows) : __ldg(h.shard_row0 + s);
+}
+__device__ __forceinline__ int shard_of_row(const RouteEpilogue& h, int m) {
+  if (h.shard_rows > 0) return min(h.world - 1, m / static_cast<int>(h.shard_rows));
+  int lo = 0, hi = h.world - 1;  // the last shard whose first row is <= m
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(h.shard_row0 + mid) <= m) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Routed fp32 epilogue: element (m, n) of shard s (the one holding row m) goes to
+// route[s] + (m - shard_start(s)) * N + n, reduce-added (or stored when deterministic). The
 // destinations are peers' accumulation buffers on this node. Rows and columns past (M, N) are
 // skipped.
 template <class Accum_>
@@ -93,20 +109,21 @@ __device__ __forceinline__ void route_tile(const RouteEpilogue& h, const Problem
                              make_coord(tile_m, tile_n));
   Tensor tc = thr_mma.partition_C(coords);  // same layout as the accumulators
   static_assert(decltype(size(accum))::value % 2 == 0, "accumulators come in column pairs");
-  const int ms = static_cast<int>(h.shard_rows);
   // The tile's rows span shards [s_first, ...]: the common case is one shard, so the shard of a
-  // row is found by stepping from the first one rather than by a division per element.
+  // row is found by stepping from the first one rather than by a search per element.
   const int m_first = tile_m * int(size<0>(TileShape{}));
-  const int s_first = m_first / ms;
+  const int s_first = shard_of_row(h, m_first);
+  const int s_next = s_first + 1 < h.world ? shard_start(h, s_first + 1) : M;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(accum); i += 2) {
     const int m = get<0>(tc(i)), n = get<1>(tc(i)), n1 = get<1>(tc(i + 1));
     if (m >= M) continue;
-    int s = s_first, r = m - s_first * ms;
-    while (r >= ms) {
-      r -= ms;
+    int s = s_first;
+    if (m >= s_next) {
       ++s;
+      while (s + 1 < h.world && m >= shard_start(h, s + 1)) ++s;
     }
+    const int r = m - shard_start(h, s);
     float* row = h.route[s] + int64_t(r) * N;
     if (h.route_store) {
       store_f32_pair(row, n, n1, N, accum(i), accum(i + 1));
@@ -178,8 +195,8 @@ __device__ __forceinline__ void route_tile_bulk(const RouteEpilogue& h, const Pr
   const int m0 = tile_m * int(size<0>(TileShape{})) + warp * kRouteBoxRows;
   if (m0 >= M) return;
   const int n0 = tile_n * int(size<1>(TileShape{}));
-  const int ms = static_cast<int>(h.shard_rows);
-  const int s_first = m0 / ms, s_last = min(h.world - 1, (min(m0 + kRouteBoxRows, M) - 1) / ms);
+  const int s_first = shard_of_row(h, m0), s_last = shard_of_row(h, min(m0 + kRouteBoxRows, M) - 1);
+  const int box_row = m0 - shard_start(h, s_first);  // the warp's first row in shard s_first's map
   if (s_first != s_last) {
     // A shard starts inside the warp's rows: a box would need a negative row in the next
     // shard's map. These (rare: shards not a multiple of 16 rows) go element by element.
@@ -215,7 +232,7 @@ __device__ __forceinline__ void route_tile_bulk(const RouteEpilogue& h, const Pr
       __syncwarp();
       if (lane == 0) {
         tma_box_out(static_cast<const char*>(h.route_maps) + size_t(s_first) * 128, sb, n0 + k * kRouteBoxCols,
-                    m0 - s_first * ms, store);
+                    box_row, store);
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       }
     }

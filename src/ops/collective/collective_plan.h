@@ -114,7 +114,7 @@ struct CollPlan : comm::Program {
 // last op (0: one op), each op within comm::kMaxOpBuffers.
 int chain_links_for(int partials, int dsts);
 
-// The default chunk: a 64th of the largest shard (so up to 64 CTAs of a rank share its work),
+// The default chunk: a 32nd of the largest shard (so up to 32 CTAs of a rank share its work),
 // rounded up to 8 elements, within [8 Ki, 256 Ki] elements. The same on every rank (it depends on
 // the count and the world size only).
 constexpr int64_t kCollMinChunkElems = 8 * 1024, kCollMaxChunkElems = 256 * 1024;

@@ -70,15 +70,27 @@ namespace {
 struct Request {
   int32_t kind, deterministic;
   int64_t M, N, K;
-  int32_t path, pad;
+  int32_t path, nrows;
+  uint64_t rows_hash;  // PlanShape::rows (FNV-1a of the counts; 0 and nrows 0 without them)
 };
 
 std::string describe_request(const Request& r) {
-  char b[200];
-  snprintf(b, sizeof b, "%s (M %lld, N %lld, K %lld%s, path %s)", fused_kind_name(FusedKind(r.kind)), (long long)r.M,
-           (long long)r.N, (long long)r.K, r.deterministic ? ", deterministic" : "", path_mode_name(PathMode(r.path)));
+  char b[240];
+  snprintf(b, sizeof b, "%s (M %lld, N %lld, K %lld%s, path %s, %s)", fused_kind_name(FusedKind(r.kind)), (long long)r.M,
+           (long long)r.N, (long long)r.K, r.deterministic ? ", deterministic" : "", path_mode_name(PathMode(r.path)),
+           r.nrows ? ("shard rows given, hash " + std::to_string(r.rows_hash)).c_str() : "even shards");
   return b;
 }
+
+uint64_t rows_hash(const std::vector<int64_t>& rows) {
+  uint64_t h = rows.empty() ? 0 : 1469598103934665603ull;
+  for (int64_t r : rows)
+    for (int i = 0; i < 8; ++i) h = (h ^ uint64_t((r >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+
+// AG and RS with uneven shards: the standalone collectives take equal shards, so no unfused path.
+bool unfused_possible(FusedKind kind, const Plan& p) { return p.even || kind == FusedKind::kGemmAr; }
 
 // The unfused path's collective: AG all-gathers the A shards, RS/AR reduce the GEMM's [M, N].
 Status create_unfused(Communicator* comm, FusedState* st) {
@@ -86,7 +98,7 @@ Status create_unfused(Communicator* comm, FusedState* st) {
   CollectiveOptions o;
   o.staging = st->opt.staging;
   switch (st->kind) {
-    case FusedKind::kAgGemm:
+    case FusedKind::kAgGemm:  // even shards only (unfused_possible)
       return Collective::create(comm, CollectiveKind::kAllGather, M / W * K, CollDType::kBF16, o, &st->coll);
     case FusedKind::kGemmRs:
       return Collective::create(comm, CollectiveKind::kReduceScatter, M / W * N, CollDType::kBF16, o, &st->coll);
@@ -146,11 +158,19 @@ Status resolve(FusedState* st) {
   MK_CHECK(ses.upload(route, const_cast<float***>(&h.route)));
   if (!route.empty() && st->route_bulk) {
     std::vector<uint8_t> maps;
-    MK_CHECK(gemm::route_tensor_maps(route.data(), int(route.size()), p.shard_rows, p.shape.N, &maps));
+    std::vector<int64_t> rows;
+    for (int s = 0; s < int(route.size()); ++s) rows.push_back(p.rows_of(s));
+    MK_CHECK(gemm::route_tensor_maps(route.data(), int(route.size()), rows.data(), p.shape.N, &maps));
     MK_CHECK(ses.upload(maps, reinterpret_cast<uint8_t**>(const_cast<void**>(&h.route_maps))));
   }
   h.world = int32_t(route.size());
-  h.shard_rows = p.shard_rows;
+  // Even shards: the shard of a row is a division; uneven: a search of the shards' first rows.
+  h.shard_rows = p.even ? p.shard_rows : 0;
+  h.shard_row0 = nullptr;
+  if (!route.empty() && !p.even) {
+    std::vector<int32_t> row0(p.shard_row0.begin(), p.shard_row0.end());
+    MK_CHECK(ses.upload(row0, const_cast<int32_t**>(&h.shard_row0)));
+  }
   h.fin_lo = h.fin_hi = 0;
   if (rp.fin.on) {
     std::vector<uint64_t> src_addr, dsts;
@@ -197,7 +217,8 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
     ps = make_status(Code::kInvalidArgument, "%s: %s (%s)", name, ps.message().c_str(),
                      opt.path.empty() ? "tunable fused_path, MK_FUSED_PATH" : "FusedOptions::path");
   MK_CHECK(agree(comm->bootstrap(), ps, std::string(name) + " path"));
-  Request req{int32_t(kind), opt.deterministic ? 1 : 0, shape.M, shape.N, shape.K, int32_t(mode), 0};
+  Request req{int32_t(kind), opt.deterministic ? 1 : 0, shape.M, shape.N, shape.K, int32_t(mode),
+              int32_t(shape.rows.size()), rows_hash(shape.rows)};
   MK_CHECK(comm::agree_on_request(comm->bootstrap(), req, name, describe_request));
   std::unique_ptr<FusedGemm> op(new FusedGemm());
   op->st_ = std::make_unique<FusedState>();
@@ -207,6 +228,12 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
   st->opt = opt;
   // Same inputs on every rank: the plan (or its error) is the same everywhere.
   MK_CHECK(build_plan(kind, shape, comm::layout_of(comm->topology()), opt.deterministic, &st->plan));
+  if (!unfused_possible(kind, st->plan)) {
+    MK_REQUIRE(mode != PathMode::kUnfused, Code::kInvalidArgument,
+               "%s: path \"unfused\" needs even shards (the standalone collectives take M / W rows per rank): "
+               "use path \"fused\" or \"auto\" with uneven shards", name);
+    mode = PathMode::kFused;  // auto: the one path there is
+  }
   MK_CHECK(comm::OpSession::create(comm, name, opt.staging, &st->session));
   const std::string route = tunables::fused_route();
   st->route_bulk = route != "red";
@@ -307,15 +334,15 @@ Status FusedGemm::can_implement(const FusedArgs& a) const {
   MK_REQUIRE(st && st->session && st->session->alive(), Code::kInvalidArgument,
              "fused: the operator was destroyed (or its communicator was destroyed first)");
   const char* name = fused_kind_name(st->kind);
-  const int W = st->session->comm()->world();
   const PlanShape& s = st->shape;
   MK_REQUIRE(a.a_type == gemm::DType::kBF16 && a.b_type == gemm::DType::kBF16 && a.c_type == gemm::DType::kBF16,
              Code::kInvalidArgument, "%s: A, B and C must be bf16", name);
   MK_REQUIRE(a.A && a.B && a.C, Code::kInvalidArgument, "%s: null A, B or C", name);
   MK_REQUIRE(aligned16(a.A) && aligned16(a.B) && aligned16(a.C), Code::kInvalidArgument,
              "%s: A, B and C must be 16-byte aligned", name);
-  const int64_t a_rows = st->kind == FusedKind::kAgGemm ? s.M / W : s.M;
-  const int64_t c_rows = st->kind == FusedKind::kGemmRs ? s.M / W : s.M;
+  const int64_t mine = st->plan.rows_of(st->session->comm()->rank());
+  const int64_t a_rows = st->kind == FusedKind::kAgGemm ? mine : s.M;
+  const int64_t c_rows = st->kind == FusedKind::kGemmRs ? mine : s.M;
   const uint64_t ab = uint64_t(a_rows) * s.K * 2, bb = uint64_t(s.N) * s.K * 2, cb = uint64_t(c_rows) * s.N * 2;
   auto overlaps = [](const void* p, uint64_t pb, const void* q, uint64_t qb) {
     auto x = reinterpret_cast<uintptr_t>(p), y = reinterpret_cast<uintptr_t>(q);
@@ -463,9 +490,9 @@ Status FusedGemm::enqueue_fused(const FusedArgs& a, cudaStream_t stream) {
       // My shard into my gathered A before the kernel (Plan::own_copy_before): stream order
       // makes it follow the previous call's reads and precede this call's.
       const int me = st->session->comm()->rank();
-      const uint64_t shard = uint64_t(st->plan.shard_rows) * st->shape.K * 2;
-      MK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(st->session->local(Buf::kAFull)) + uint64_t(me) * shard, a.A, shard,
-                                    cudaMemcpyDeviceToDevice, stream));
+      const uint64_t row = uint64_t(st->shape.K) * 2;
+      MK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(st->session->local(Buf::kAFull)) + uint64_t(st->plan.shard_row0[me]) * row,
+                                    a.A, uint64_t(st->plan.rows_of(me)) * row, cudaMemcpyDeviceToDevice, stream));
     }
   } else {
     g.A = a.A;

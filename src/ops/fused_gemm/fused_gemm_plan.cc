@@ -61,8 +61,9 @@ using comm::Wait;
 struct Builder {
   Plan& p;
   const comm::Layout& L;
-  int64_t M, N, K, Ms;
+  int64_t M, N, K, Ms;  // Ms: the largest shard (the per-shard workspaces' stride)
   int W, nodes, local;
+  int64_t row0(int s) const { return p.shard_row0[size_t(s)]; }
   std::vector<std::vector<int>> shard_chunks;  // shard -> chunk ids
   std::vector<int> chunks_in_row;              // tile-row -> number of chunks
   comm::ProgramBuilder pb;                     // counts this rank's puts per kSrcFree flag
@@ -166,7 +167,7 @@ struct Builder {
         const Chunk& ch = p.chunks[c];
         Op op;
         op.kind = OpKind::kCopy;
-        op.srcs = {buf_at(Buf::kUserA, me, uint64_t(ch.row0 - me * Ms) * rowb)};
+        op.srcs = {buf_at(Buf::kUserA, me, uint64_t(ch.row0 - row0(me)) * rowb)};
         for (int q : L.node_peers(me)) {
           op.dsts.push_back(buf_at(Buf::kAFull, q, uint64_t(ch.row0) * rowb));
           op.waits.push_back(wait_on(Region::kEntry, me, q, 1, q));
@@ -224,15 +225,15 @@ struct Builder {
     bool pure_row(int tm) const { return fin && b->chunks_in_row[tm] == 1; }  // one shard's rows only
     bool fin_row(int tm) const {
       const int64_t r0 = int64_t(tm) * kPlanTileM;
-      return pure_row(tm) && r0 >= me * b->Ms && r0 < (me + 1) * b->Ms;
+      return pure_row(tm) && r0 >= b->row0(me) && r0 < b->row0(me + 1);
     }
     uint64_t row_target(int tm) const { return fin_row(tm) ? per_tile_row - b->p.tiles_n : per_tile_row; }
     // accum offset of row m of shard s (node n_s) in slot k
     uint64_t accum_off(int s, int k, int64_t m) const {
-      return ((uint64_t(k) * b->nodes + b->L.node_of[s]) * b->Ms + uint64_t(m - s * b->Ms)) * row4;
+      return ((uint64_t(k) * b->nodes + b->L.node_of[s]) * b->Ms + uint64_t(m - b->row0(s))) * row4;
     }
     uint64_t recv_off(int s, int src_node, int64_t m) const {
-      return (uint64_t(src_node) * b->Ms + uint64_t(m - s * b->Ms)) * row4;
+      return (uint64_t(src_node) * b->Ms + uint64_t(m - b->row0(s))) * row4;
     }
   };
   Reduce reduce_of(int me, bool allreduce) const {
@@ -257,7 +258,7 @@ struct Builder {
     rp.route.resize(W);
     for (int s = 0; s < W; ++s) {
       const int red = L.node_ranks[r.n][L.local_of[s]];
-      rp.route[s] = buf_at(Buf::kAccum, red, r.accum_off(s, p.deterministic ? r.l : 0, s * Ms));
+      rp.route[s] = buf_at(Buf::kAccum, red, r.accum_off(s, p.deterministic ? r.l : 0, row0(s)));
     }
     int64_t fin_lo = -1, fin_hi = -1;  // rows of the tile-rows with fin_row
     for (int tm = 0; tm < p.tiles_m; ++tm)
@@ -268,23 +269,23 @@ struct Builder {
     if (fin_lo >= 0) {
       EpilogueFinal& f = rp.fin;
       f.on = true;
-      f.row0 = me * Ms;
+      f.row0 = row0(me);
       f.lo = fin_lo;
       f.hi = fin_hi;
       if (p.deterministic) {
         // Slots in local order, this rank's own values at its own index.
         for (int k = 0; k < r.slots; ++k)
-          if (k != r.l) f.srcs.push_back(buf_at(Buf::kAccum, me, r.accum_off(me, k, me * Ms)));
+          if (k != r.l) f.srcs.push_back(buf_at(Buf::kAccum, me, r.accum_off(me, k, row0(me))));
         f.self = r.l;
       } else {
-        f.srcs = {buf_at(Buf::kAccum, me, r.accum_off(me, 0, me * Ms))};
+        f.srcs = {buf_at(Buf::kAccum, me, r.accum_off(me, 0, row0(me)))};
         f.self = 0;
         f.zero_srcs = true;
       }
       // AR: straight into my C, and into the node's other ranks' c_ws (they copy it to theirs).
-      f.dsts = {buf_at(Buf::kUserC, me, r.allreduce ? uint64_t(me * Ms) * r.row2 : 0)};
+      f.dsts = {buf_at(Buf::kUserC, me, r.allreduce ? uint64_t(row0(me)) * r.row2 : 0)};
       if (r.allreduce)
-        for (int q : L.node_peers(me)) f.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(me * Ms) * r.row2));
+        for (int q : L.node_peers(me)) f.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(row0(me)) * r.row2));
     }
   }
 
@@ -296,7 +297,7 @@ struct Builder {
     for (int tm = 0; tm < p.tiles_m; ++tm) {
       std::set<int> reducers;
       const int64_t r0 = int64_t(tm) * kPlanTileM, r1 = std::min<int64_t>(M, r0 + kPlanTileM);
-      for (int64_t s = r0 / Ms; s <= (r1 - 1) / Ms; ++s) reducers.insert(L.node_ranks[r.n][L.local_of[s]]);
+      for (int s = p.shard_of(r0); s <= p.shard_of(r1 - 1); ++s) reducers.insert(L.node_ranks[r.n][L.local_of[s]]);
       RowHooks& h = rp.rows[tm];
       h.store_wait0 = uint32_t(rp.waits.size());
       h.store_sig0 = uint32_t(rp.signals.size());
@@ -382,7 +383,7 @@ struct Builder {
       }
       op.elems = uint64_t(ch.rows) * N;
       if (!r.allreduce) {
-        op.dsts = {buf_at(Buf::kUserC, me, uint64_t(ch.row0 - me * Ms) * r.row2)};
+        op.dsts = {buf_at(Buf::kUserC, me, uint64_t(ch.row0 - row0(me)) * r.row2)};
       } else {
         for (int q : local_all(me)) {
           op.dsts.push_back(buf_at(Buf::kCws, q, uint64_t(ch.row0) * r.row2));
@@ -462,13 +463,44 @@ Status FusedGemm::can_implement(FusedKind kind, const PlanShape& shape, int worl
              "%s: N and K must be multiples of 8 (16-byte rows), got N %lld, K %lld", fused_kind_name(kind),
              (long long)N, (long long)K);
   MK_REQUIRE(W >= 1, Code::kInvalidArgument, "%s: world size %d", fused_kind_name(kind), W);
-  MK_REQUIRE(M % W == 0, Code::kInvalidArgument,
-             "%s: M = %lld does not split into %d equal shards (uneven shards are not supported: pad M to a "
-             "multiple of the world size)",
-             fused_kind_name(kind), (long long)M, W);
   MK_REQUIRE(M < (1ll << 31) && N < (1ll << 31) && K < (1ll << 31), Code::kInvalidArgument,
              "%s: M, N, K must be < 2^31", fused_kind_name(kind));
+  std::vector<int64_t> row0;
+  return shard_starts(kind, shape, W, &row0);
+}
+
+Status shard_starts(FusedKind kind, const PlanShape& shape, int world, std::vector<int64_t>* row0) {
+  const char* name = fused_kind_name(kind);
+  const int64_t M = shape.M;
+  const int W = world;
+  row0->assign(size_t(W) + 1, 0);
+  if (shape.rows.empty()) {
+    // AG and RS: the caller's buffers are the shards, so their size is the caller's to state.
+    MK_REQUIRE(kind == FusedKind::kGemmAr || M % W == 0, Code::kInvalidArgument,
+               "%s: M = %lld does not split into %d equal shards: give every rank's rows (PlanShape::rows; "
+               "`mkernel bench` splits as evenly as M allows)",
+               name, (long long)M, W);
+    MK_REQUIRE(M >= W, Code::kInvalidArgument, "%s: M = %lld is less than one row for each of the %d ranks", name,
+               (long long)M, W);
+    for (int s = 0; s < W; ++s) (*row0)[size_t(s) + 1] = (*row0)[size_t(s)] + M / W + (s < M % W ? 1 : 0);
+    return OkStatus();
+  }
+  MK_REQUIRE(int64_t(shape.rows.size()) == W, Code::kInvalidArgument,
+             "%s: PlanShape::rows has %zu entries for %d ranks (one per rank, or none)", name, shape.rows.size(), W);
+  for (int s = 0; s < W; ++s) {
+    const int64_t r = shape.rows[size_t(s)];
+    MK_REQUIRE(r >= 1 && r <= M, Code::kInvalidArgument, "%s: rank %d's shard has %lld rows (each needs 1 to M = %lld)",
+               name, s, (long long)r, (long long)M);
+    (*row0)[size_t(s) + 1] = (*row0)[size_t(s)] + r;
+  }
+  MK_REQUIRE((*row0)[size_t(W)] == M, Code::kInvalidArgument, "%s: the shards' rows sum to %lld, not M = %lld", name,
+             (long long)(*row0)[size_t(W)], (long long)M);
   return OkStatus();
+}
+
+int Plan::shard_of(int64_t m) const {
+  // The last shard whose first row is <= m (every shard has a row).
+  return int(std::upper_bound(shard_row0.begin(), shard_row0.end() - 1, m) - shard_row0.begin()) - 1;
 }
 
 Status build_plan(FusedKind kind, const PlanShape& shape, const comm::Layout& layout, bool deterministic,
@@ -489,15 +521,19 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const comm::Layout& la
   // read-modify-write and the zeroing: fewer bytes, and the order is fixed too.
   p.deterministic = (deterministic || layout.local() <= 2) && kind != FusedKind::kAgGemm;
   p.net_staged = net_staged && layout.nodes() > 1;
-  p.shard_rows = M / W;
+  MK_CHECK(shard_starts(kind, shape, W, &p.shard_row0));
+  p.shard_rows = 0;
+  for (int s = 0; s < W; ++s) p.shard_rows = std::max(p.shard_rows, p.rows_of(s));
+  p.even = true;
+  for (int s = 0; s < W; ++s) p.even = p.even && p.rows_of(s) == p.shard_rows;
   p.own_copy_before = kind == FusedKind::kAgGemm;
   p.tiles_m = int((M + kPlanTileM - 1) / kPlanTileM);
   p.tiles_n = int((N + kPlanTileN - 1) / kPlanTileN);
-  Builder b{p, layout, M, N, K, M / W, W, layout.nodes(), local, {}, {}, comm::ProgramBuilder(p)};
+  Builder b{p, layout, M, N, K, p.shard_rows, W, layout.nodes(), local, {}, {}, comm::ProgramBuilder(p)};
   b.shard_chunks.resize(W);
   b.chunks_in_row.assign(p.tiles_m, 0);
   for (int s = 0; s < W; ++s) {
-    const int64_t a = s * b.Ms, e = a + b.Ms;
+    const int64_t a = p.shard_row0[size_t(s)], e = p.shard_row0[size_t(s) + 1];
     for (int64_t r = a; r < e;) {
       const int tm = int(r / kPlanTileM);
       const int64_t stop = std::min<int64_t>(e, int64_t(tm + 1) * kPlanTileM);
@@ -564,9 +600,10 @@ Status build_plan(FusedKind kind, const PlanShape& shape, const comm::Layout& la
 std::string describe(const Plan& p, int rank) {
   char line[256];
   const RankPlan& rp = p.ranks[rank];
-  snprintf(line, sizeof line, "%s rank %d: M %lld N %lld K %lld, %d x %d tiles, %zu chunks, %zu ops\n",
+  snprintf(line, sizeof line, "%s rank %d: M %lld N %lld K %lld, %d x %d tiles, %zu chunks, %zu ops; shard rows [%lld, %lld)%s\n",
            fused_kind_name(p.kind), rank, (long long)p.shape.M, (long long)p.shape.N, (long long)p.shape.K,
-           p.tiles_m, p.tiles_n, p.chunks.size(), rp.ops.size());
+           p.tiles_m, p.tiles_n, p.chunks.size(), rp.ops.size(), (long long)p.shard_row0[size_t(rank)],
+           (long long)p.shard_row0[size_t(rank) + 1], p.even ? "" : " (uneven shards)");
   std::string out = line;
   if (rp.fin.on) {
     out += "  epilogue final of rows [" + std::to_string(rp.fin.lo) + ", " + std::to_string(rp.fin.hi) +

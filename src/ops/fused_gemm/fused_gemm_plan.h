@@ -7,7 +7,9 @@
 //
 // Vocabulary
 //  - W ranks on `nodes` nodes, `local` ranks per node (every node the same size). Shard s
-//    (rank s's share of the rows) covers rows [s * Ms, (s + 1) * Ms), Ms = M / W.
+//    (rank s's share of the rows) covers rows [row0_s, row0_s + rows_s) (Plan::shard_row0): M / W
+//    rows each when even, PlanShape::rows when not. Ms (Plan::shard_rows) is the largest shard:
+//    the stride of the per-shard workspaces.
 //  - Tile-row tm covers GEMM rows [tm * 128, tm * 128 + 128). A *chunk* is the intersection of
 //    a shard with a tile-row (at most 128 rows): the unit of data movement and of flags.
 //  - Buffers are named (Buf) and addressed per rank with byte offsets (comm::BufRef). kAFull,
@@ -128,7 +130,11 @@ struct Plan : comm::ProgramDecl {
   // stream before the kernel (the copy engine: tens of microseconds, where copies inside the
   // running GEMM crawl); the program's ops for those chunks only signal.
   bool own_copy_before = false;
-  int64_t shard_rows = 0;             // Ms
+  int64_t shard_rows = 0;             // Ms: the largest shard's rows (every shard's when even)
+  std::vector<int64_t> shard_row0;    // [world + 1]: shard s covers rows [shard_row0[s], shard_row0[s + 1])
+  bool even = true;                   // every shard M / W rows
+  int64_t rows_of(int s) const { return shard_row0[size_t(s) + 1] - shard_row0[size_t(s)]; }
+  int shard_of(int64_t m) const;      // the shard holding row m (0 <= m < M)
   int tiles_m = 0, tiles_n = 0;
   std::vector<Chunk> chunks;          // in shard order
   std::vector<RankPlan> ranks;        // [world]
@@ -139,9 +145,13 @@ struct Plan : comm::ProgramDecl {
 constexpr int kPlanTileM = 128;
 constexpr int kPlanTileN = 256;
 
-// Builds every rank's plan. kInvalidArgument for shapes it cannot split: M % W != 0 (uneven
-// shards are rejected), M, N, K <= 0, N or K not a multiple of 8, a layout whose nodes differ in
-// size. Deterministic: RS/AR partials are stored per source rank and summed in a fixed order
+// Every shard's first row, [world + 1] (the last is M), from PlanShape::rows or the even split
+// (AR without rows: as even as M allows); FusedGemm::can_implement's shard rules.
+Status shard_starts(FusedKind kind, const PlanShape& shape, int world, std::vector<int64_t>* row0);
+
+// Builds every rank's plan. kInvalidArgument for shapes it cannot split (FusedGemm::can_implement:
+// M, N, K <= 0, N or K not a multiple of 8, shards that do not cover M), a layout whose nodes
+// differ in size. Deterministic: RS/AR partials are stored per source rank and summed in a fixed order
 // (within a node by local index, then across nodes in node order): reproducible bit for bit for
 // a given layout. With one or two ranks per node the plan is always deterministic (the slot
 // layout; Plan::deterministic is then true). net_staged: see Plan::net_staged (ignored on
