@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 4
+#define MK_C_API_VERSION 5
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -108,6 +108,12 @@ MK_C_EXPORT int mk_comm_destroy(mk_comm_t comm);
  * tunable. */
 MK_C_EXPORT int mk_fused_create(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K, int deterministic,
                     int comm_ctas, const char* staging, mk_fused_t* out);
+/* As mk_fused_create, on uneven shards (fused.h: PlanShape::rows): shard_rows[nrows] (host memory)
+ * each rank's rows, nrows the world size, each >= 1, summing to M; A (ag_gemm) and C (gemm_rs) are
+ * then this rank's shard_rows[rank] rows. shard_rows NULL and nrows 0: as mk_fused_create. */
+MK_C_EXPORT int mk_fused_create_rows(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K,
+                                     const int64_t* shard_rows, int nrows, int deterministic, int comm_ctas,
+                                     const char* staging, mk_fused_t* out);
 /* A, B, C (fused.h: shapes per kind). Enqueues on `stream`; capturable in a CUDA graph. */
 MK_C_EXPORT int mk_fused_run(mk_fused_t op, const void* A, const void* B, void* C, void* stream);
 /* ag_gemm: the gathered A [M, K] of the last call (valid once it completed on its stream). */

@@ -20,7 +20,7 @@ STORE_ERASE = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p)
 STORE_WHY = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t)
 
 # The C ABI this module speaks (c_api.h: MK_C_API_VERSION); the library must say the same.
-API_VERSION = 4
+API_VERSION = 5
 
 
 class CommInfo(ctypes.Structure):
@@ -74,6 +74,8 @@ def signatures():
         "mk_comm_check": [c_void_p],
         "mk_comm_destroy": [c_void_p],
         "mk_fused_create": [c_void_p, c_int, c_int64, c_int64, c_int64, c_int, c_int, c_char_p, P(c_void_p)],
+        "mk_fused_create_rows": [c_void_p, c_int, c_int64, c_int64, c_int64, P(c_int64), c_int, c_int, c_int, c_char_p,
+                                 P(c_void_p)],
         "mk_fused_run": [c_void_p] * 5,
         "mk_fused_gathered_a": [c_void_p, P(c_void_p)],
         "mk_fused_copy_gathered_a": [c_void_p] * 3,

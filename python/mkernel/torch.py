@@ -399,7 +399,7 @@ def _reduced_matmul(kind, what, a, b, group_name, world_size):
     _check_mm(what, a, b)
     W = c.world
     M, K, N = a.shape[0], a.shape[1], b.shape[1]
-    if M % W:
+    if kind == _KIND_RS and M % W:  # all-reduce splits any M itself
         raise MkError(1, f"mkernel.{what}: M = {M} rows do not split over {W} ranks")
     a = a.contiguous()
     bt = _weight(b)

@@ -250,9 +250,17 @@ int mk_tunable_set(const char* name, const char* value) {
 // kind: 0 ag_gemm, 1 gemm_rs, 2 gemm_ar. Collective. comm_ctas -1: tunable. staging: "" tunable.
 int mk_fused_create(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K, int deterministic, int comm_ctas,
                     const char* staging, mk_fused_t* out) {
+  return mk_fused_create_rows(comm, kind, M, N, K, nullptr, 0, deterministic, comm_ctas, staging, out);
+}
+
+// Uneven shards: shard_rows[nrows] (host), each rank's rows (PlanShape::rows); NULL and 0: even.
+int mk_fused_create_rows(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K, const int64_t* shard_rows,
+                         int nrows, int deterministic, int comm_ctas, const char* staging, mk_fused_t* out) {
   return guard("mk_fused_create", [&]() -> int {
     if (!comm || !out) return invalid("mk_fused_create: null argument");
     if (kind < 0 || kind > 2) return invalid("mk_fused_create: kind " + std::to_string(kind) + " is not 0, 1 or 2");
+    if (nrows < 0 || (nrows > 0) != (shard_rows != nullptr))
+      return invalid("mk_fused_create: shard_rows and nrows must both be given (or NULL and 0)");
     *out = nullptr;
     mk::ops::FusedOptions opt;
     opt.deterministic = deterministic != 0;
@@ -261,7 +269,9 @@ int mk_fused_create(mk_comm_t comm, int kind, int64_t M, int64_t N, int64_t K, i
     auto h = std::make_unique<FusedHandle>();
     h->kind = static_cast<mk::ops::FusedKind>(kind);
     h->M = M, h->N = N, h->K = K;
-    mk::Status s = mk::ops::FusedGemm::create(comm_of(comm), h->kind, {M, N, K}, opt, &h->op);
+    std::vector<int64_t> rows;
+    if (nrows > 0) rows.assign(shard_rows, shard_rows + nrows);
+    mk::Status s = mk::ops::FusedGemm::create(comm_of(comm), h->kind, mk::ops::PlanShape(M, N, K, rows), opt, &h->op);
     if (!s.ok()) return ret(s);
     *out = reinterpret_cast<mk_fused_t>(h.release());
     return 0;

@@ -69,6 +69,11 @@ int main(void) {
   expect_error(mk_fused_create(NULL, 1, 128, 128, 128, 0, -1, "", &fused), MK_INVALID_ARGUMENT, "mk_fused_create",
                "mk_fused_create(NULL)");
   expect_error(mk_fused_run(NULL, NULL, NULL, NULL, NULL), MK_INVALID_ARGUMENT, "mk_fused_run", "mk_fused_run(NULL)");
+  {
+    const int64_t rows[2] = {100, 28};
+    expect_error(mk_fused_create_rows(NULL, 1, 128, 128, 128, rows, 2, 0, -1, "", &fused), MK_INVALID_ARGUMENT,
+                 "mk_fused_create", "mk_fused_create_rows(NULL)");
+  }
   expect_error(mk_ring_create(NULL, 1, 8, 8, 128, 1024, 1, 1, 0.f, -1, NULL, &ring), MK_INVALID_ARGUMENT,
                "mk_ring_create", "mk_ring_create(NULL)");
   expect_error(mk_moe_create(NULL, 1024, 8, 2, 128, 1, 0, 0, 0, NULL, &moe), MK_INVALID_ARGUMENT, "mk_moe_create",
