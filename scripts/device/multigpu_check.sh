@@ -18,6 +18,7 @@
 #      bench/bench_torch.py (against symm_mem's fused ops and NCCL + matmul, one GPU per rank);
 #   7. the SM-partition controller: the matrix again with MK_FUSED_SPLIT=auto, and `mkernel bench
 #      all --splits` (static splits 1..32 against the controller) at every W and 2 nodes x W/2;
+#      uneven shards (`mkernel bench all --m 8191` and `--rows`, against the padded even case);
 #      and policy auto: `mkernel bench all --path fused|unfused|auto` at M 512 and 8192, every W;
 #   8. the standalone collectives: test_gpu_collective at every W and 2 emulated nodes x W/2
 #      (tcp_rxm, staged), and `mkernel bench allgather|reduce_scatter|allreduce` (bf16, 64 KiB ..
@@ -113,6 +114,16 @@ for w in "${ws[@]}"; do
   run "bench_splits_w$w" "$w" -- "$B/mkernel" bench all --splits --json "$RESULT/splits_w$w.json"
   (( w >= 4 )) && run "bench_splits_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- \
     "$B/mkernel" bench all --splits --json "$RESULT/splits_2nodes_w$w.json"
+done
+# 7b. uneven shards: M one short of a multiple of W (shards differ by a row) and one large shard,
+#     each beside the same operator padded to even shards (JSON padded_even: target >= 0.98)
+for w in "${ws[@]}"; do
+  (( w > 1 )) || continue
+  run "bench_uneven_w$w" "$w" -- "$B/mkernel" bench all --m 8191 --n 8192 --k $((8192 / w)) \
+    --json "$RESULT/uneven_m_np$w.json"
+  rows=$(python3 -c "import sys; W=int(sys.argv[1]); print(','.join(str(3072 if s == 0 else (8192 - 3072) // (W - 1)) for s in range(W)))" "$w")
+  run "bench_uneven_rows_w$w" "$w" -- "$B/mkernel" bench all --rows "$rows" --n 8192 --k $((8192 / w)) \
+    --json "$RESULT/uneven_rows_np$w.json"
 done
 # 7c. policy auto: each fused operator on each path (fused, unfused, auto) at a small and a large
 #     M (auto must come within 0.98 of the faster path: scripts/device/collective_check.sh's summary
