@@ -51,7 +51,7 @@ struct CollectiveOptions {
   // to a multiple of 8; >= 8). 0: a 32nd of a shard, within 8 Ki .. 256 Ki elements.
   int64_t chunk_elems = 0;
   // Communication CTAs of the kernel (>= 1). 0: half the SMs this process may use (the device's,
-  // or its MPS share: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), at most one per op.
+  // or its share under MPS with an active thread percentage), at most one per op.
   int ctas = 0;
   std::string staging;  // network staging "auto" | "always" | "never"; "": tunable net_staging
 };
