@@ -388,12 +388,20 @@ TEST(PathPolicy, PicksThePathWhoseSlowestRankIsFaster) {
   EXPECT_EQ(r.pol[0].choice(), Path::kFused);
   r = run_ranks(1, {1, 5}, {1.3}, {1.0}, rng);
   EXPECT_EQ(r.pol[0].choice(), Path::kUnfused);
-  // The sequence: warm-up fused, unfused, then 5 timed of each alternating, then the choice.
-  ASSERT_GE(r.order.size(), 13u);
-  EXPECT_EQ(r.order[0], Path::kFused);
-  EXPECT_EQ(r.order[1], Path::kUnfused);
-  for (size_t i = 2; i < 12; ++i) EXPECT_EQ(r.order[i], i % 2 == 0 ? Path::kFused : Path::kUnfused) << i;
-  for (size_t i = 12; i < r.order.size(); ++i) EXPECT_EQ(r.order[i], Path::kUnfused) << i;
+  // The sequence, in blocks of one path (each led by a warm-up call): fused 1 + 3, unfused 1 + 5,
+  // fused 1 + 2, then the choice.
+  ASSERT_GE(r.order.size(), 14u);
+  for (size_t i = 0; i < 13; ++i) EXPECT_EQ(r.order[i], i < 4 || i >= 10 ? Path::kFused : Path::kUnfused) << i;
+  for (size_t i = 13; i < r.order.size(); ++i) EXPECT_EQ(r.order[i], Path::kUnfused) << i;
+  {
+    // Which calls are timed: all but each block's first.
+    PathPolicy p(PathMode::kAuto, {1, 5});
+    std::string timed;
+    for (int i = 0; i < 13; ++i) timed += p.next().timed ? 't' : '-';
+    EXPECT_EQ(timed, "-ttt-ttttt-tt");
+    EXPECT_TRUE(p.next().decide_before);
+    EXPECT_EQ(p.describe(), "auto: deciding (call 13 of 13)");
+  }
   EXPECT_EQ(r.pol[0].describe().rfind("auto: unfused (fused 1.", 0), 0u) << r.pol[0].describe();
   // Four ranks: unfused is faster on three of them, but its slowest rank (2.0) is slower than
   // fused's slowest (1.5): fused, on every rank.

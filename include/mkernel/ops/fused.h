@@ -128,7 +128,7 @@ class FusedGemm {
   // AG: the gathered A [M, K] (valid after a call completes). With one rank it is the caller's A
   // of the last call (nothing is gathered, nothing copied).
   const void* gathered_a() const;
-  // The path calls take: "fused", "unfused", "auto: deciding (call 3 of 12)", "auto: unfused
+  // The path calls take: "fused", "unfused", "auto: deciding (call 3 of 13)", "auto: unfused
   // (fused 1.20 ms, unfused 0.95 ms, the slowest rank's medians)", "auto: fused (remembered)".
   std::string path() const;
 

@@ -26,6 +26,15 @@ Status parse_path_mode(const std::string& s, PathMode* out) {
 PathPolicy::PathPolicy(PathMode mode, PathPolicyConfig cfg) : mode_(mode), cfg_(cfg) {
   cfg_.warmup = std::max(cfg_.warmup, 0);
   cfg_.trials = std::max(cfg_.trials, 1);
+  auto block = [&](Path p, int timed) {
+    if (timed <= 0) return;
+    for (int i = 0; i < cfg_.warmup; ++i) schedule_.push_back({p, false});
+    for (int i = 0; i < timed; ++i) schedule_.push_back({p, true});
+  };
+  const int first = (cfg_.trials + 1) / 2;
+  block(Path::kFused, first);
+  block(Path::kUnfused, cfg_.trials);
+  block(Path::kFused, cfg_.trials - first);
 }
 
 double PathPolicy::median_of(std::vector<double> v) {
@@ -42,20 +51,14 @@ PathPolicy::Call PathPolicy::next() {
     ++calls_;
     return c;
   }
-  // Warm-up (fused, then unfused), then alternating timed calls, fused first; then decide.
-  const int w = cfg_.warmup, t = cfg_.trials;
-  if (calls_ < w) {
-    c.path = Path::kFused;
-  } else if (calls_ < 2 * w) {
-    c.path = Path::kUnfused;
-  } else if (calls_ < 2 * w + 2 * t) {
-    c.path = (calls_ - 2 * w) % 2 == 0 ? Path::kFused : Path::kUnfused;
-    c.timed = true;
-    ++timed_[int(c.path)];
-  } else {
+  // The blocks of the schedule (path_policy.h), then decide.
+  if (calls_ >= int(schedule_.size())) {
     c.decide_before = true;
     return c;
   }
+  c.path = schedule_[size_t(calls_)].path;
+  c.timed = schedule_[size_t(calls_)].timed;
+  if (c.timed) ++timed_[int(c.path)];
   ++calls_;
   return c;
 }
@@ -92,7 +95,7 @@ std::string PathPolicy::describe() const {
   if (mode_ != PathMode::kAuto) return path_mode_name(mode_);
   char b[200];
   if (!decided_)
-    snprintf(b, sizeof b, "auto: deciding (call %d of %d)", calls_, 2 * cfg_.warmup + 2 * cfg_.trials);
+    snprintf(b, sizeof b, "auto: deciding (call %d of %zu)", calls_, schedule_.size());
   else if (preset_)
     snprintf(b, sizeof b, "auto: %s (remembered)", path_name(choice_));
   else

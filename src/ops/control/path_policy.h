@@ -3,8 +3,12 @@
 //
 // A fused operator is not faster than its unfused form at every shape: a small GEMM has too few
 // tiles to hide the traffic behind, and the fused kernel gives CTAs to communication. Under
-// auto an operator times both paths on its first calls — warm-up calls of each first, then the
-// two alternating, each timed, until each has `trials` timings — and then decides, once.
+// auto an operator times both paths on its first calls, in blocks of consecutive calls of one
+// path as the calls after the decision will run (back to back; a call's time depends on the
+// call before it: on one GPU shared by the ranks, unfused calls alternating with fused ones ran
+// 2-5x faster than unfused calls back to back, 2026-12-05), fused-unfused-fused so that a drift
+// (clocks) weighs on both: fused `warmup` untimed + ceil(trials / 2) timed, unfused `warmup` +
+// `trials` timed, fused `warmup` + floor(trials / 2) timed — and then decides, once.
 //
 // Every rank must take the same path on every call (the paths run different programs), so the
 // sequence of paths depends only on the number of calls made, and the decision is collective:
@@ -70,9 +74,14 @@ class PathPolicy {
 
  private:
   static double median_of(std::vector<double> v);
+  struct Step {
+    Path path;
+    bool timed;
+  };
 
   PathMode mode_;
   PathPolicyConfig cfg_;
+  std::vector<Step> schedule_;  // auto: the calls before the decision
   int calls_ = 0;
   int timed_[2] = {0, 0};
   std::vector<double> ms_[2];
