@@ -16,6 +16,7 @@ current CUDA stream and can be captured in a CUDA graph once the shape has run o
 import atexit
 import ctypes
 import threading
+from typing import List, Optional
 
 try:
     import torch
@@ -141,14 +142,20 @@ class Communicator:
                              "allocates memory and talks to every rank, which capture forbids; run the call once "
                              "(a warm-up, on every rank) before capturing it")
 
-    def fused(self, kind, M, N, K):
-        key = (kind, M, N, K)
+    def fused(self, kind, M, N, K, rows=None):
+        rows = tuple(int(r) for r in rows) if rows else ()
+        key = (kind, M, N, K, rows)
         h = self._fused.get(key)
         if h is None:
             self._creating(f"{('all_gather_matmul', 'matmul_reduce_scatter', 'matmul_all_reduce')[kind]} "
-                           f"with M={M} N={N} K={K}")
+                           f"with M={M} N={N} K={K}" + (f" shard rows {list(rows)}" if rows else ""))
             out = ctypes.c_void_p()
-            check(_capi.lib().mk_fused_create(self._handle, kind, M, N, K, 0, -1, b"", ctypes.byref(out)))
+            if rows:
+                arr = (ctypes.c_int64 * len(rows))(*rows)
+                check(_capi.lib().mk_fused_create_rows(self._handle, kind, M, N, K, arr, len(rows), 0, -1, b"",
+                                                       ctypes.byref(out)))
+            else:
+                check(_capi.lib().mk_fused_create(self._handle, kind, M, N, K, 0, -1, b"", ctypes.byref(out)))
             h = self._fused[key] = out.value
         return h
 
@@ -320,6 +327,27 @@ def _world(name):
                          "call mkernel.torch.init(group) first") from None
 
 
+def _rank(name):
+    c = _comms.get(name)
+    if c is not None and c.alive:
+        return c.rank
+    try:
+        return dist.distributed_c10d._resolve_process_group(name).rank()
+    except Exception:  # noqa: BLE001
+        raise MkError(1, f"mkernel: no communicator for process group '{name}': "
+                         "call mkernel.torch.init(group) first") from None
+
+
+def _check_rows(what, rows, W, M=None):
+    """Uneven shards: every rank's rows (a list of W counts >= 1; M their sum when given)."""
+    if rows is None:
+        return
+    if len(rows) != W or any(int(r) < 1 for r in rows):
+        raise MkError(1, f"mkernel.{what}: shard rows {list(rows)}: one count >= 1 per rank ({W} ranks)")
+    if M is not None and sum(rows) != M:
+        raise MkError(1, f"mkernel.{what}: shard rows {list(rows)} sum to {sum(rows)}, not M = {M}")
+
+
 def _stream():
     return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
@@ -364,15 +392,19 @@ def _device_check(c, what, t):
 
 @torch.library.custom_op("mkernel::all_gather_matmul", mutates_args=(), device_types="cuda")
 def _all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group_name: str, world_size: int,
-                       return_a: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       return_a: bool, shard_rows: Optional[List[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     c = _op_comm("all_gather_matmul", group_name, world_size, a)
     _check_mm("all_gather_matmul", a, b)
     W = c.world
-    M, K, N = a.shape[0] * W, a.shape[1], b.shape[1]
+    _check_rows("all_gather_matmul", shard_rows, W)
+    if shard_rows is not None and shard_rows[c.rank] != a.shape[0]:
+        raise MkError(1, f"mkernel.all_gather_matmul: rank {c.rank}'s shard has {a.shape[0]} rows, shard rows say "
+                         f"{shard_rows[c.rank]}")
+    M, K, N = (sum(shard_rows) if shard_rows is not None else a.shape[0] * W), a.shape[1], b.shape[1]
     a = a.contiguous()
     bt = _weight(b)
     out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
-    h = c.fused(_KIND_AG, M, N, K)
+    h = c.fused(_KIND_AG, M, N, K, shard_rows)
     s = _stream()
     check(_capi.lib().mk_fused_run(h, a.data_ptr(), bt.data_ptr(), out.data_ptr(), s))
     if not return_a:
@@ -386,37 +418,48 @@ def _all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group_name: str, world_
 
 
 @_all_gather_matmul.register_fake
-def _(a, b, group_name, world_size, return_a):
+def _(a, b, group_name, world_size, return_a, shard_rows=None):
     _check_mm("all_gather_matmul", a, b)
-    M = a.shape[0] * world_size
+    _check_rows("all_gather_matmul", shard_rows, world_size)
+    M = sum(shard_rows) if shard_rows is not None else a.shape[0] * world_size
     gathered = a.new_empty((M, a.shape[1])) if return_a else a.new_empty((0,))
     return gathered, a.new_empty((M, b.shape[1]))
 
 
-def _reduced_matmul(kind, what, a, b, group_name, world_size):
-    """matmul_reduce_scatter (this rank's M/W rows) or matmul_all_reduce (all M rows)."""
+def _reduced_matmul(kind, what, a, b, group_name, world_size, shard_rows=None):
+    """matmul_reduce_scatter (this rank's M/W rows, or its shard_rows entry) or matmul_all_reduce
+    (all M rows)."""
     c = _op_comm(what, group_name, world_size, a)
     _check_mm(what, a, b)
     W = c.world
     M, K, N = a.shape[0], a.shape[1], b.shape[1]
-    if kind == _KIND_RS and M % W:  # all-reduce splits any M itself
-        raise MkError(1, f"mkernel.{what}: M = {M} rows do not split over {W} ranks")
+    _check_rows(what, shard_rows, W, M)
+    if kind == _KIND_RS and shard_rows is None and M % W:  # all-reduce splits any M itself
+        raise MkError(1, f"mkernel.{what}: M = {M} rows do not split over {W} ranks (give shard_rows)")
     a = a.contiguous()
     bt = _weight(b)
-    out = torch.empty((M // W if kind == _KIND_RS else M, N), dtype=torch.bfloat16, device=a.device)
-    check(_capi.lib().mk_fused_run(c.fused(kind, M, N, K), a.data_ptr(), bt.data_ptr(), out.data_ptr(), _stream()))
+    rows = M if kind != _KIND_RS else shard_rows[c.rank] if shard_rows is not None else M // W
+    out = torch.empty((rows, N), dtype=torch.bfloat16, device=a.device)
+    check(_capi.lib().mk_fused_run(c.fused(kind, M, N, K, shard_rows), a.data_ptr(), bt.data_ptr(), out.data_ptr(),
+                                   _stream()))
     return out
 
 
 @torch.library.custom_op("mkernel::matmul_reduce_scatter", mutates_args=(), device_types="cuda")
-def _matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
-    return _reduced_matmul(_KIND_RS, "matmul_reduce_scatter", a, b, group_name, world_size)
+def _matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group_name: str, world_size: int,
+                           shard_rows: Optional[List[int]] = None) -> torch.Tensor:
+    return _reduced_matmul(_KIND_RS, "matmul_reduce_scatter", a, b, group_name, world_size, shard_rows)
 
 
 @_matmul_reduce_scatter.register_fake
-def _(a, b, group_name, world_size):
+def _(a, b, group_name, world_size, shard_rows=None):
     _check_mm("matmul_reduce_scatter", a, b)
     W = world_size
+    if shard_rows is not None:
+        torch._check(a.shape[0] == sum(shard_rows),
+                     lambda: f"mkernel.matmul_reduce_scatter: M rows are not the sum of shard rows {list(shard_rows)}")
+        _check_rows("matmul_reduce_scatter", shard_rows, W)
+        return a.new_empty((shard_rows[_rank(group_name)], b.shape[1]))
     torch._check(a.shape[0] % W == 0, lambda: f"mkernel.matmul_reduce_scatter: M rows do not split over {W} ranks")
     return a.new_empty((a.shape[0] // W, b.shape[1]))
 
@@ -543,8 +586,8 @@ def _(x, group_name, world_size):
 # all_gather_matmul returns is not differentiable.
 
 def _ag_setup(ctx, inputs, output):
-    a, b, group_name, world_size, return_a = inputs
-    ctx.group_name, ctx.world_size = group_name, world_size
+    a, b, group_name, world_size, return_a, shard_rows = inputs
+    ctx.group_name, ctx.world_size, ctx.shard_rows = group_name, world_size, shard_rows
     ctx.save_for_backward(b, output[0] if return_a else None)
     ctx.mark_non_differentiable(output[0])
 
@@ -554,21 +597,22 @@ def _ag_backward(ctx, _grad_gathered, grad_out):
     grad_out = grad_out.to(torch.bfloat16)
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
-        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size)
+        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size,
+                                                         ctx.shard_rows)
     if ctx.needs_input_grad[1]:
         if gathered is None or gathered.numel() == 0:
             raise MkError(1, "mkernel.all_gather_matmul: b needs a gradient but the gathered A was not kept "
                              "(call with return_a=True, or through mkernel.torch.all_gather_matmul)")
         grad_b = gathered.t() @ grad_out
-    return grad_a, grad_b, None, None, None
+    return grad_a, grad_b, None, None, None, None
 
 
 _all_gather_matmul.register_autograd(_ag_backward, setup_context=_ag_setup)
 
 
 def _rs_setup(ctx, inputs, output):
-    a, b, group_name, world_size = inputs
-    ctx.group_name, ctx.world_size = group_name, world_size
+    a, b, group_name, world_size, shard_rows = inputs
+    ctx.group_name, ctx.world_size, ctx.shard_rows = group_name, world_size, shard_rows
     ctx.save_for_backward(a, b)
 
 
@@ -576,9 +620,9 @@ def _rs_backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     need_b = ctx.needs_input_grad[1]
     full, grad_a = torch.ops.mkernel.all_gather_matmul(grad_out.to(torch.bfloat16).contiguous(), b.t(),
-                                                       ctx.group_name, ctx.world_size, need_b)
+                                                       ctx.group_name, ctx.world_size, need_b, ctx.shard_rows)
     grad_b = a.t() @ full if need_b else None
-    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
+    return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None, None
 
 
 _matmul_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
@@ -635,12 +679,13 @@ def _group(group):
     return group if isinstance(group, str) else group.group_name
 
 
-def all_gather_matmul(a_shard, b, gather_dim=0, group=None, return_a=False):
+def all_gather_matmul(a_shard, b, gather_dim=0, group=None, return_a=False, shard_sizes=None):
     """(A, C) with A = all_gather(a_shard, gather_dim) and C = A @ b, fused.
 
     a_shard [..., K] bf16 (this rank's shard along gather_dim), b [K, N] bf16 — an nn.Linear
     weight passed as weight.t() is used in place, any other b is copied once. A is returned when
-    return_a (else None); it is also kept for the backward when b needs a gradient.
+    return_a (else None); it is also kept for the backward when b needs a gradient. Uneven shards:
+    shard_sizes, every rank's size along gather_dim (the same list on every rank; None: equal).
     """
     name = _group(group)
     nd = a_shard.dim()
@@ -652,18 +697,41 @@ def all_gather_matmul(a_shard, b, gather_dim=0, group=None, return_a=False):
     lead = x.shape[:-1]
     need_a = return_a or (torch.is_grad_enabled() and b.requires_grad)
     W = _world(name)
-    gathered, c = torch.ops.mkernel.all_gather_matmul(x.reshape(-1, x.shape[-1]), b, name, W, need_a)
-    c = c.view(W * lead[0], *lead[1:], c.shape[-1])
+    rows, total = _shard_rows("all_gather_matmul", shard_sizes, W, lead, name)
+    gathered, c = torch.ops.mkernel.all_gather_matmul(x.reshape(-1, x.shape[-1]), b, name, W, need_a, rows)
+    total = W * lead[0] if total is None else total
+    c = c.view(total, *lead[1:], c.shape[-1])
     c = c.movedim(0, gd) if gd else c
     if not return_a:
         return None, c
-    gathered = gathered.view(W * lead[0], *lead[1:], x.shape[-1])
+    gathered = gathered.view(total, *lead[1:], x.shape[-1])
     return (gathered.movedim(0, gd) if gd else gathered), c
 
 
-def matmul_reduce_scatter(a, b, scatter_dim=0, reduce_op="sum", group=None):
+def _shard_rows(what, shard_sizes, W, lead, name, total=None):
+    """Uneven shards: the ops' shard rows (each rank's size along the shard dimension times the
+    other leading dimensions) and the shard dimension's full size; (None, None) when even."""
+    if shard_sizes is None:
+        return None, None
+    sizes = [int(s) for s in shard_sizes]
+    if len(sizes) != W or any(s < 1 for s in sizes):
+        raise MkError(1, f"mkernel.{what}: shard_sizes {sizes}: one size >= 1 per rank ({W} ranks)")
+    if total is None and sizes[_rank(name)] != lead[0]:
+        raise MkError(1, f"mkernel.{what}: this rank's shard has {lead[0]} along the gathered dimension, "
+                         f"shard_sizes say {sizes[_rank(name)]}")
+    if total is not None and sum(sizes) != total:
+        raise MkError(1, f"mkernel.{what}: shard_sizes {sizes} sum to {sum(sizes)}, not {total}")
+    inner = 1
+    for d in lead[1:]:
+        inner *= d
+    return [s * inner for s in sizes], sum(sizes)
+
+
+def matmul_reduce_scatter(a, b, scatter_dim=0, reduce_op="sum", group=None, shard_sizes=None):
     """reduce_scatter(a @ b, scatter_dim), fused: a [..., K_loc] bf16, b [K_loc, N] bf16 (weight.t()
-    of an nn.Linear weight is used in place). Returns this rank's part, [..., N]. reduce_op: "sum"."""
+    of an nn.Linear weight is used in place). Returns this rank's part, [..., N]. reduce_op: "sum".
+    Uneven shards: shard_sizes, every rank's size along scatter_dim (the same list on every rank,
+    summing to a's size there; None: equal)."""
     if reduce_op != "sum":
         raise MkError(7, f"mkernel.matmul_reduce_scatter: reduce_op '{reduce_op}' is not supported (only 'sum')")
     name = _group(group)
@@ -674,11 +742,13 @@ def matmul_reduce_scatter(a, b, scatter_dim=0, reduce_op="sum", group=None):
                          "the last (K) dimension")
     W = _world(name)
     x = a.movedim(sd, 0) if sd else a
-    if x.shape[0] % W:
+    rows, _ = _shard_rows("matmul_reduce_scatter", shard_sizes, W, x.shape[:-1], name, total=x.shape[0])
+    if rows is None and x.shape[0] % W:
         raise MkError(1, f"mkernel.matmul_reduce_scatter: dimension {sd} of size {x.shape[0]} does not split over "
-                         f"{W} ranks")
-    out = torch.ops.mkernel.matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), b, name, W)
-    out = out.view(x.shape[0] // W, *x.shape[1:-1], out.shape[-1])
+                         f"{W} ranks (give shard_sizes)")
+    out = torch.ops.mkernel.matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), b, name, W, rows)
+    mine = x.shape[0] // W if rows is None else int(shard_sizes[_rank(name)])
+    out = out.view(mine, *x.shape[1:-1], out.shape[-1])
     return out.movedim(0, sd) if sd else out
 
 

@@ -153,6 +153,28 @@ def main():
         exact("RS", mkt.matmul_reduce_scatter(x[rank], w[rank].t()), s[rank * m // W:(rank + 1) * m // W])
         exact("AR", mkt.matmul_all_reduce(x[rank], w[rank].t()), s)
 
+    @check("uneven shards (shard_sizes): all three ops bit-exact on integer data, and their backwards")
+    def _():
+        sizes = [1 + (37 * r + 11) % 60 for r in range(W)]  # 1 to 60 rows per rank
+        M, N, K = sum(sizes), 64, 64
+        lo = sum(sizes[:rank])
+        x = [gen(850 + r, sizes[r], K, kind="int") for r in range(W)]
+        w = [gen(860 + r, N, K, kind="int") for r in range(W)]
+        _, c = mkt.all_gather_matmul(x[rank], w[rank].t(), shard_sizes=sizes)
+        exact("AG uneven", c, torch.cat(x).float() @ w[rank].float().t())
+        a = [gen(870 + r, M, K, kind="int") for r in range(W)]
+        s = sum(a[r].float() @ w[r].float().t() for r in range(W))
+        exact("RS uneven", mkt.matmul_reduce_scatter(a[rank], w[rank].t(), shard_sizes=sizes), s[lo:lo + sizes[rank]])
+        exact("AR on M rows", mkt.matmul_all_reduce(a[rank][: M - 1 if M > W else M], w[rank].t()),
+              s[: M - 1 if M > W else M])
+        # Backward of AG on uneven shards: d x = this rank's rows of reduce_scatter(g @ w), exact.
+        xr = x[rank].clone().requires_grad_()
+        g = [gen(880 + r, M, N, kind="int") for r in range(W)]
+        _, c = mkt.all_gather_matmul(xr, w[rank].t(), shard_sizes=sizes)
+        (c.float() * g[rank].float()).sum().backward()
+        want = sum(g[r].float() @ w[r].float() for r in range(W))[lo:lo + sizes[rank]]
+        exact("AG uneven backward", xr.grad, want)
+
     # ---- autograd ------------------------------------------------------------------------------
     @check("autograd: all_gather_matmul and matmul_reduce_scatter (each the other's backward), matmul_all_reduce")
     def _():

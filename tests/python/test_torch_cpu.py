@@ -47,9 +47,9 @@ class Schemas(unittest.TestCase):
     def test_ops_registered_with_schemas(self):
         want = {
             "all_gather_matmul": "mkernel::all_gather_matmul(Tensor a, Tensor b, str group_name, SymInt world_size, "
-                                 "bool return_a) -> (Tensor, Tensor)",
-            "matmul_reduce_scatter": "mkernel::matmul_reduce_scatter(Tensor a, Tensor b, str group_name, SymInt world_size) "
-                                     "-> Tensor",
+                                 "bool return_a, SymInt[]? shard_rows=None) -> (Tensor, Tensor)",
+            "matmul_reduce_scatter": "mkernel::matmul_reduce_scatter(Tensor a, Tensor b, str group_name, SymInt world_size, "
+                                     "SymInt[]? shard_rows=None) -> Tensor",
             "matmul_all_reduce": "mkernel::matmul_all_reduce(Tensor a, Tensor b, str group_name, SymInt world_size) -> Tensor",
             "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, bool causal, str layout, "
                               "float scale, str group_name) -> (Tensor, Tensor)",
@@ -100,6 +100,32 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual((tuple(out.shape), out.dtype), ((32, 320), bf16))
         out = mkt.matmul_reduce_scatter(meta(2, 128, 64), meta(320, 64).t(), scatter_dim=1)
         self.assertEqual(tuple(out.shape), (2, 32, 320))
+
+    def test_uneven_shards(self):
+        """shard_sizes (every rank's size along the shard dimension; this is rank 1 of 4): the
+        gathered and scattered shapes follow them, in 2-D and along an inner dimension."""
+        sizes, w = [10, 30, 20, 40], meta(512, 256)
+        g, c = mkt.all_gather_matmul(meta(30, 256), w.t(), return_a=True, shard_sizes=sizes)
+        self.assertEqual((tuple(g.shape), tuple(c.shape)), ((100, 256), (100, 512)))
+        _, c = mkt.all_gather_matmul(meta(2, 30, 256), w.t(), gather_dim=1, shard_sizes=sizes)
+        self.assertEqual(tuple(c.shape), (2, 100, 512))
+        out = mkt.matmul_reduce_scatter(meta(100, 64), meta(320, 64).t(), shard_sizes=sizes)
+        self.assertEqual(tuple(out.shape), (30, 320))
+        out = mkt.matmul_reduce_scatter(meta(2, 100, 64), meta(320, 64).t(), scatter_dim=1, shard_sizes=sizes)
+        self.assertEqual(tuple(out.shape), (2, 30, 320))
+        # The op sees rows: sizes times the other leading dimensions (here 2).
+        from torch.fx.experimental.proxy_tensor import make_fx
+        gm = make_fx(lambda x, v: mkt.matmul_reduce_scatter(x, v.t(), scatter_dim=1, shard_sizes=sizes),
+                     tracing_mode="fake")(meta(2, 100, 64), meta(320, 64))
+        node = [n for n in gm.graph.nodes if str(n.target) == "mkernel.matmul_reduce_scatter.default"][0]
+        self.assertEqual(list(node.args[4]), [20, 60, 40, 80])
+        for bad in (lambda: mkt.all_gather_matmul(meta(30, 256), w.t(), shard_sizes=[10, 30, 20]),     # 3 of 4
+                    lambda: mkt.all_gather_matmul(meta(31, 256), w.t(), shard_sizes=sizes),            # not mine
+                    lambda: mkt.all_gather_matmul(meta(30, 256), w.t(), shard_sizes=[0, 30, 20, 40]),  # empty
+                    lambda: mkt.matmul_reduce_scatter(meta(99, 64), meta(320, 64).t(), shard_sizes=sizes)):  # sum
+            with self.assertRaises(mkernel.MkError) as cm:
+                bad()
+            self.assertIn("shard", str(cm.exception))
 
     def test_matmul_all_reduce(self):
         out = mkt.matmul_all_reduce(meta(3, 40, 64), meta(64, 72))
@@ -189,6 +215,24 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual(calls[1][1][2:], (name, W, True))  # w needs a gradient: the gathered gradient is kept
         self.assertEqual(tuple(calls[1][1][0].meta["val"].shape), (128 // W, 64))  # this rank's gradient rows
         self.assertEqual(grads, [(128, 96), (64, 96)])
+
+        # Uneven shards: each op's backward calls the other with the same shard rows.
+        rows = [10, 30, 20, 40]
+        calls, grads = self._backward_graph(lambda a, w: mkt.all_gather_matmul(a, w.t(), shard_sizes=rows)[1],
+                                            (30, 64), (128, 64))
+        self.assertEqual([c[0] for c in calls], ["mkernel.all_gather_matmul.default",
+                                                 "mkernel.matmul_reduce_scatter.default"])
+        self.assertEqual(list(calls[0][1][5]), rows)
+        self.assertEqual(list(calls[1][1][4]), rows)
+        self.assertEqual(tuple(calls[1][1][0].meta["val"].shape), (100, 128))
+        self.assertEqual(grads, [(30, 64), (128, 64)])
+        calls, grads = self._backward_graph(lambda h, w: mkt.matmul_reduce_scatter(h, w.t(), shard_sizes=rows),
+                                            (100, 96), (64, 96))
+        self.assertEqual([c[0] for c in calls], ["mkernel.matmul_reduce_scatter.default",
+                                                 "mkernel.all_gather_matmul.default"])
+        self.assertEqual(list(calls[1][1][5]), rows)
+        self.assertEqual(tuple(calls[1][1][0].meta["val"].shape), (30, 64))  # this rank's gradient rows
+        self.assertEqual(grads, [(100, 96), (64, 96)])
 
         calls, grads = self._backward_graph(lambda x, w: mkt.matmul_all_reduce(x, w), (16, 32), (32, 8))
         self.assertEqual([c[0] for c in calls], ["mkernel.matmul_all_reduce.default"])
