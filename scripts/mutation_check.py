@@ -137,13 +137,14 @@ MUTATIONS = [
              ["test_control_host:PathPolicy.*"],
              "policy auto decides on one rank's fused time instead of the slowest rank's"),
     Mutation("torch-ag-backward-local", TORCH,
-             "        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size)",
+             "        grad_a = torch.ops.mkernel.matmul_reduce_scatter(grad_out, b.t(), ctx.group_name, ctx.world_size,\n"
+             "                                                         ctx.shard_rows)",
              "        grad_a = (grad_out @ b.t())[: grad_out.shape[0] // ctx.world_size]",
              ["test_torch_cpu"],
              "all_gather_matmul's backward skips the reduce-scatter (a local product of the right shape)"),
     Mutation("torch-rs-backward-local", TORCH,
              "    full, grad_a = torch.ops.mkernel.all_gather_matmul(grad_out.to(torch.bfloat16).contiguous(), b.t(),\n"
-             "                                                       ctx.group_name, ctx.world_size, need_b)",
+             "                                                       ctx.group_name, ctx.world_size, need_b, ctx.shard_rows)",
              "    full = grad_out.to(torch.bfloat16).repeat(ctx.world_size, 1)\n    grad_a = full @ b.t()",
              ["test_torch_cpu"],
              "matmul_reduce_scatter's backward skips the all-gather (the local gradient repeated)"),
