@@ -474,12 +474,10 @@ Status bench_one(Communicator* comm, FusedKind kind, int64_t M, int64_t N, int64
   row->flops = flops_of(kind, M, N, K);
   row->route = kind == FusedKind::kAgGemm ? "" : tunables::fused_route();
   row->rows = fused_shard_rows(kind, M, comm->world(), o.rows);
-  row->uneven = !row->rows.empty() || M % comm->world() != 0;
-  if (!row->rows.empty()) {
-    bool same = true;
-    for (int64_t r : row->rows) same = same && r == row->rows[0];
-    row->uneven = !same;
-  }
+  // Uneven: rows that differ, or (none given) an M the ranks do not divide.
+  row->uneven = row->rows.empty() ? M % comm->world() != 0
+                                  : std::adjacent_find(row->rows.begin(), row->rows.end(),
+                                                       std::not_equal_to<int64_t>()) != row->rows.end();
   const ops::PlanShape shape(M, N, K, row->rows);
   std::unique_ptr<ops::FusedGemm> op;
   // Collective: bad shapes (N not a multiple of 8, M not divisible by W, ...) are the same
