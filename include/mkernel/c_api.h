@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 5
+#define MK_C_API_VERSION 6
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -81,6 +81,15 @@ MK_C_EXPORT int mk_tunable_set(const char* name, const char* value);
 MK_C_EXPORT int mk_attention_forward(const void* q, const void* k, const void* v, void* o, float* lse,
                          const int64_t* strides12, int B, int H, int Hkv, int Sq, int Skv, int D,
                          float scale, int causal, int64_t q_pos0, int64_t kv_pos0, void* stream);
+/* The backward (attention.h: BackwardArgs). Strides: 3 per tensor, q, k, v, o, dout, dq, dk, dv (24).
+ * lse: the forward's [B, H, Sq] fp32. workspace: device memory of at least the bytes that
+ * mk_attention_backward_workspace writes to *out, 256-byte aligned. deterministic: 0 or 1. */
+MK_C_EXPORT int mk_attention_backward_workspace(int B, int H, int Sq, int D, size_t* out);
+MK_C_EXPORT int mk_attention_backward(const void* q, const void* k, const void* v, const void* o, const void* dout,
+                          const float* lse, void* dq, void* dk, void* dv, const int64_t* strides, int B, int H,
+                          int Hkv, int Sq, int Skv, int D, float scale, int causal, int64_t q_pos0,
+                          int64_t kv_pos0, int deterministic, void* workspace, size_t workspace_bytes,
+                          void* stream);
 MK_C_EXPORT int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, void* stream);
 MK_C_EXPORT int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part, const int64_t* part_strides,
                        const float* lse_part, int B, int H, int S, int D, void* stream);

@@ -1,4 +1,4 @@
-"""The sm_90a attention forward and the merge of partial results, on torch tensors.
+"""The sm_90a attention forward, its backward and the merge of partial results, on torch tensors.
 
 Tensors are logically (B, S, H, D) with the head dimension contiguous; any batch, sequence and
 head strides (multiples of 8 elements) work, e.g. q.transpose(1, 2) of a (B, H, S, D) tensor.
@@ -52,3 +52,32 @@ def attention_merge(parts, out=None):
     st = (ctypes.c_int64 * 3)(*_strides(out))
     _check(lib().mk_attention_merge_finish(acc.data_ptr(), out.data_ptr(), st, B, H, S, D, _stream()))
     return out, lse_acc
+
+
+def attention_backward(q, k, v, out, lse, dout, causal=False, scale=0.0, q_pos0=0, kv_pos0=0, deterministic=False,
+                       dq=None, dk=None, dv=None):
+    """dQ, dK, dV of attention_forward(q, k, v) given its output `out`, its `lse` (B, H, Sq) and the
+    output's gradient `dout` (same shape as q). bf16; the same layouts and causal positions as the
+    forward. deterministic: dQ's fp32 reductions in a fixed order (bitwise reproducible)."""
+    B, Sq, H, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    ts = (q, k, v, out, dout, dq, dk, dv)
+    for t, name in zip(ts, ("q", "k", "v", "out", "dout", "dq", "dk", "dv")):
+        if t.dtype != torch.bfloat16 or t.stride(3) != 1:
+            raise MkError(1, f"attention_backward: {name} must be bf16 with a contiguous head dimension")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, Sq):
+        raise MkError(1, f"attention_backward: lse must be fp32 of shape {(B, H, Sq)}, not {lse.dtype} {tuple(lse.shape)}")
+    lse = lse.contiguous()
+    nbytes = ctypes.c_size_t(0)
+    _check(lib().mk_attention_backward_workspace(B, H, Sq, D, ctypes.byref(nbytes)))
+    ws = torch.empty(nbytes.value + 256, dtype=torch.uint8, device=q.device)
+    ws_ptr = (ws.data_ptr() + 255) // 256 * 256
+    st = (ctypes.c_int64 * 24)(*sum((_strides(t) for t in ts), []))
+    _check(lib().mk_attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
+                                       lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), st, B, H, Hkv,
+                                       Sq, Skv, D, float(scale), int(causal), int(q_pos0), int(kv_pos0),
+                                       int(deterministic), ws_ptr, nbytes.value, _stream()))
+    return dq, dk, dv

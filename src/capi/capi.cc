@@ -158,6 +158,42 @@ int mk_attention_forward(const void* q, const void* k, const void* v, void* o, f
   });
 }
 
+int mk_attention_backward_workspace(int B, int H, int Sq, int D, size_t* bytes) {
+  return guard("mk_attention_backward_workspace", [&]() -> int {
+    if (!bytes) return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_backward_workspace: null bytes"));
+    if (B <= 0 || H <= 0 || Sq <= 0 || (D != 64 && D != 128))
+      return ret(mk::make_status(mk::Code::kInvalidArgument,
+                                 "mk_attention_backward_workspace: B %d H %d Sq %d D %d (positive; D 64 or 128)", B, H,
+                                 Sq, D));
+    *bytes = mk::attention::backward_workspace_bytes(B, H, Sq, D);
+    return ret(mk::OkStatus());
+  });
+}
+
+// Strides are (batch, sequence, head) in elements, 3 per tensor: q, k, v, o, dout, dq, dk, dv.
+int mk_attention_backward(const void* q, const void* k, const void* v, const void* o, const void* dout,
+                          const float* lse, void* dq, void* dk, void* dv, const int64_t* strides24, int B, int H,
+                          int Hkv, int Sq, int Skv, int D, float scale, int causal, int64_t q_pos0, int64_t kv_pos0,
+                          int deterministic, void* workspace, size_t workspace_bytes, void* stream) {
+  return guard("mk_attention_backward", [&]() -> int {
+    if (!strides24) return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_backward: null strides"));
+    mk::attention::BackwardArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = o, a.dout = dout, a.lse = lse;
+    a.dq = dq, a.dk = dk, a.dv = dv;
+    mk::attention::Strides* st[8] = {&a.q_stride, &a.k_stride, &a.v_stride, &a.o_stride,
+                                     &a.do_stride, &a.dq_stride, &a.dk_stride, &a.dv_stride};
+    for (int i = 0; i < 8; ++i) *st[i] = strides(strides24 + 3 * i);
+    a.B = B, a.H = H, a.Hkv = Hkv, a.Sq = Sq, a.Skv = Skv, a.D = D;
+    a.scale = scale;
+    a.causal = causal != 0;
+    a.q_pos0 = q_pos0, a.kv_pos0 = kv_pos0;
+    a.deterministic = deterministic != 0;
+    a.workspace = workspace;
+    a.workspace_bytes = workspace_bytes;
+    return ret(mk::attention::backward(a, static_cast<cudaStream_t>(stream)));
+  });
+}
+
 int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, void* stream) {
   return guard("mk_attention_merge_init", [&]() -> int {
     return ret(mk::attention::merge_init(o_acc, lse_acc, B, H, S, D, static_cast<cudaStream_t>(stream)));

@@ -71,5 +71,46 @@ Status merge_finish(const float* o_acc, void* o, Strides o_stride, int B, int H,
 // FLOPs of one forward (2 GEMMs; causal counts the visible half, as FlashAttention reports).
 double forward_flops(int B, int H, int Sq, int Skv, int D, bool causal);
 
+// ---- backward ----
+//
+// dQ, dK, dV of the forward above from Q, K, V, O, its LSE and dO (bf16; fp32 accumulation):
+// with P = softmax(Q·Kᵀ·scale) (masked) and dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)),
+//   dV = Pᵀ·dO,  dK = scale · dSᵀ·Q,  dQ = scale · dS·K
+// (GQA: dK and dV of a key/value head sum over its query heads). Same layouts, strides, causal
+// positions and GQA rule as the forward; dQ, dK, dV bf16 [B, S, H(kv), D] with strides. dQ is
+// reduced across key blocks in fp32: in any order by default, in a fixed order (bitwise
+// reproducible from run to run) with `deterministic`. Needs a device workspace of
+// backward_workspace_bytes(), 256-byte aligned, used for the call's duration (stream-ordered).
+struct BackwardArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* o = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;  // [B, H, Sq] fp32, natural log, as the forward wrote it
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  Strides q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride, dv_stride;
+  int B = 0, H = 0, Hkv = 0, Sq = 0, Skv = 0, D = 0;
+  float scale = 0.f;  // 0: 1 / sqrt(D)
+  bool causal = false;
+  int64_t q_pos0 = 0, kv_pos0 = 0;
+  bool deterministic = false;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+size_t backward_workspace_bytes(int B, int H, int Sq, int D);
+// kInvalidArgument with the reason; kNotSupported without the sm_90a kernel.
+Status can_implement_backward(const BackwardArgs& a);
+// A deterministic call whose ordering wait gave up (it cannot happen while the GPU runs the
+// call's CTAs in launch order) poisons dQ with NaN; the next backward() on that device reports
+// the wait (rank, flag, values) as kInternal.
+Status backward(const BackwardArgs& a, cudaStream_t stream);
+
+// FLOPs of one backward (5 GEMMs; causal counts the visible half).
+double backward_flops(int B, int H, int Sq, int Skv, int D, bool causal);
+
 }  // namespace attention
 }  // namespace mk

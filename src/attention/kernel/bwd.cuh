@@ -1,0 +1,451 @@
+// mkernel — the sm_90a attention backward kernel: dK and dV of one 128-row key block per CTA,
+// and that block's share of dQ.
+//
+// The preprocessing kernel (sm90_fmha_bwd.cu) has written, per query row, Dsum = rowsum(dO ∘ O)
+// and LSE·log2(e) (+inf for a row that sees no key and for the padding past Sq, so that its P is
+// 0), and zeroed an fp32 dQ accumulator [B][H][Sq_pad][D]. Then, per CTA (key block n of batch b
+// and key/value head hk), for every query head of the group and every query block (128 rows at
+// D = 64, 64 at D = 128) that sees a key of the block:
+//
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (WGMMA from shared memory; 128 keys x 128 or 64 queries)
+//   Pᵀ = exp2(Sᵀ·scale·log2 e − LSE₂), masked;  dSᵀ = Pᵀ ∘ (dPᵀ − Dsum)
+//   dV += Pᵀ·dO,  dK += dSᵀ·Q          (Pᵀ and dSᵀ straight from registers, fp32 accumulators)
+//   dQ_acc += dS·K · scale             (dS through shared memory; fp32 reductions into L2)
+//
+// so dK and dV of a block never leave registers until the end (GQA: summed over the group's
+// query heads in the same accumulators), and only dQ is reduced across CTAs. Deterministic mode
+// orders the dQ reductions of each query block by key block (a per-(b, h, query block) counter,
+// bounded waits); otherwise they land in any order. A finishing kernel rounds dQ to bf16.
+//
+// CTA: 3 warpgroups. Warpgroup 0's first thread issues the TMA loads (K and V once; Q, dO and
+// the rows' LSE₂ and Dsum per step, 2 stages). Warpgroups 1 and 2 each own 64 of the block's
+// 128 key rows for Sᵀ, dPᵀ, dK and dV, and half of the step's query rows (D = 64, 128-row steps)
+// or half of the head dimension (D = 128, 64-row steps) for dQ.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "mkernel/device/diag.h"
+#include "mkernel/device/signal.cuh"
+#include "src/attention/kernel/config.cuh"
+
+// Leave-one-stage-out builds, for accounting where a call's time goes (benchmarks only; 0 in the
+// library): bit 0 drops the dQ reductions, bit 1 the dQ MMA with its dS stores (and the
+// reductions), bit 2 the dK and dV MMAs, bit 3 the exponentials and masks.
+#ifndef MK_BWD_SKIP
+#define MK_BWD_SKIP 0
+#endif
+
+namespace mk {
+namespace attention {
+namespace sm90 {
+
+constexpr int kBwdBlockN = 128;  // key rows per CTA
+constexpr int kBwdRowPad = 128;  // the workspace's rows per (batch, head) are a multiple of this
+constexpr uint32_t kBwdDsBarrier = 1;       // named barrier: dS of a step is in shared memory (256 threads)
+constexpr uint32_t kBwdDqFullBarrier = 2;   // dQ of a step is in shared memory (256 consumers + the reducing warp)
+constexpr uint32_t kBwdDqEmptyBarrier = 3;  // the reducing warp has read it
+constexpr int kBwdDqThreads = kMmaThreads + 32;
+
+template <int kD>
+struct BwdCfg {
+  // Query rows per step: 128 at D = 64 (the warpgroups split them for dQ), 64 at D = 128 (the
+  // warpgroups split D for dQ); either way each WGMMA of dQ is 64 wide in its contiguous mode.
+  static constexpr int kBlockM = kD == 64 ? 128 : 64;
+  static constexpr int kBlockN = kBwdBlockN;
+  static constexpr int kStages = 2;
+  using BM = Int<kBlockM>;
+  using BN = Int<kBlockN>;
+  using HD = Int<kD>;
+  // Sᵀ and dPᵀ: (keys, queries, D), both operands K-major from shared memory; the two consumer
+  // warpgroups split the keys.
+  using MmaSdP = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, BM, HD>>(),
+                                         Layout<Shape<_2, _1, _1>>{}));
+  // dV and dK: (keys, D, queries), A = Pᵀ / dSᵀ from registers, B = dOᵀ / Qᵀ (MN-major views).
+  using MmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, HD, BM>, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // dQ: (queries, D, keys), A = dS (query-contiguous in shared memory), B = Kᵀ; the warpgroups
+  // split the queries (D = 64) or D (D = 128).
+  using MmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, BN>, GMMA::Major::MN, GMMA::Major::MN>(),
+      std::conditional_t<kD == 64, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>{}));
+  using AtomK = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  using SmemKV = decltype(tile_to_shape(AtomK{}, Shape<BN, HD>{}));
+  using SmemKt = decltype(composition(SmemKV{}, make_ordered_layout(Shape<HD, BN>{}, Step<_2, _1>{})));
+  using SmemQ = decltype(tile_to_shape(AtomK{}, Shape<BM, HD, Int<kStages>>{}));
+  using SmemQt =
+      decltype(composition(SmemQ{}, make_ordered_layout(Shape<HD, BM, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // dS, double-buffered: a step writes one buffer while the other may still feed the previous
+  // step's dQ MMA of the other warpgroup.
+  using SmemdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<BM, BN, _2>{}));
+  using PipeKV = cutlass::PipelineTmaAsync<1>;
+  using PipeQ = cutlass::PipelineTmaAsync<kStages>;  // Q, dO, LSE₂ and Dsum of a step
+  struct Shared {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemdS>> ds;
+    // dQ of a step in fragment order (element i of consumer thread t at i * 256 + t), for the
+    // reducing warp's bulk add into the workspace, which keeps the same order (bwd_finish_dq).
+    alignas(128) float dq[kBlockM * kD];
+    alignas(16) float lse2[kStages][kBlockM];
+    alignas(16) float dsum[kStages][kBlockM];
+    alignas(16) typename PipeKV::SharedStorage pipe_kv;
+    alignas(16) typename PipeQ::SharedStorage pipe_q;
+  };
+  // (seq, d, head, batch)
+  using Gmem = Layout<Shape<int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), Gmem{}),
+                                      take<0, 2>(SmemQ{})));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                       make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), Gmem{}),
+                                       SmemKV{}));
+};
+
+template <int kD>
+struct BwdParams {
+  typename BwdCfg<kD>::TmaQ tma_q, tma_do;
+  typename BwdCfg<kD>::TmaKV tma_k, tma_v;
+  int B, H, Hkv, Sq, Skv, Sq_pad, m_blocks;
+  const float* lse2;  // [B][H][Sq_pad]
+  const float* dsum;  // [B][H][Sq_pad]
+  float* dq_acc;      // [B][H][Sq_pad][D], per query block in fragment order (Shared::dq)
+  uint64_t* dq_order; // [B][H][m_blocks], deterministic mode (zeroed by the preprocessing)
+  Element* dk;
+  Element* dv;
+  int64_t dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
+  float scale, scale_log2;
+  int causal;
+  int deterministic;
+  int64_t q_pos0, kv_pos0;
+  WaitCtx wait;
+};
+
+// The first query block that sees a key of key block n (causal), or 0.
+template <int kD>
+__device__ __forceinline__ int bwd_first_m(const BwdParams<kD>& p, int n) {
+  if (!p.causal) return 0;
+  const int64_t first_q = p.kv_pos0 + int64_t(n) * kBwdBlockN - p.q_pos0;  // the first query row that sees key row n * 128
+  if (first_q <= 0) return 0;
+  return int(min<int64_t>(first_q / BwdCfg<kD>::kBlockM, p.m_blocks));
+}
+
+// Bulk add of `bytes` of fp32 from shared to global memory (one thread), as one bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, int bytes) {
+  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem), "r"(sa),
+               "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+template <class Mma_, class TA_, class TB_, class TC_>
+__device__ __forceinline__ void bwd_gemm(Mma_& mma, const TA_& a, const TB_& b, TC_& c, bool zero) {
+  mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+}
+
+template <class Acc_, class Frag_>
+__device__ __forceinline__ void bwd_to_bf16(const Acc_& acc, Frag_& frag) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
+    frag(i) = Element::bitcast(reinterpret_cast<uint16_t*>(&v)[0]);
+    frag(i + 1) = Element::bitcast(reinterpret_cast<uint16_t*>(&v)[1]);
+  }
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__ const BwdParams<kD> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = BwdCfg<kD>;
+  constexpr int kBlockM = C::kBlockM, kBlockN = C::kBlockN;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& sh = *reinterpret_cast<typename C::Shared*>(smem_raw);
+  const int wg = cutlass::canonical_warp_group_idx();
+  const int warp_in_wg = cutlass::canonical_warp_idx_sync() % 4;
+  const int nb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = p.H / p.Hkv;
+  const int m_begin = bwd_first_m(p, nb);
+  const int m_count = p.m_blocks - m_begin;  // query blocks per head
+  const int steps = m_count * group;
+
+  typename C::PipeKV::Params pkv;
+  typename C::PipeQ::Params pq;
+  if (wg == 0 && warp_in_wg == 0) {
+    pkv.role = C::PipeKV::ThreadCategory::Producer;
+    pq.role = C::PipeQ::ThreadCategory::Producer;
+  }
+  if (wg >= 1) {
+    pkv.role = C::PipeKV::ThreadCategory::Consumer;
+    pq.role = C::PipeQ::ThreadCategory::Consumer;
+  }
+  pkv.is_leader = pq.is_leader = (threadIdx.x % 128) == 0;
+  pkv.num_consumers = pq.num_consumers = kMmaThreads;
+  pkv.transaction_bytes = 2 * kBlockN * kD * sizeof(Element);
+  pq.transaction_bytes = 2 * kBlockM * kD * sizeof(Element) + 2 * kBlockM * sizeof(float);
+  typename C::PipeKV pipe_kv(sh.pipe_kv, pkv, Shape<_1, _1, _1>{});
+  typename C::PipeQ pipe_q(sh.pipe_q, pq, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(sh.k.data()), typename C::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(sh.v.data()), typename C::SmemKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(sh.q.data()), typename C::SmemQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(sh.dout.data()), typename C::SmemQ{});
+
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (warp_in_wg == 0 && elect_one_sync()) {
+      if (steps > 0) {
+        auto skv = cutlass::make_producer_start_state<typename C::PipeKV>();
+        pipe_kv.producer_acquire(skv);
+        {
+          Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.Skv, kD, p.Hkv, p.B));
+          Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.Skv, kD, p.Hkv, p.B));
+          Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kD>>{}, make_coord(nb, 0));
+          Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kD>>{}, make_coord(nb, 0));
+          auto ck = p.tma_k.get_slice(0);
+          auto cv = p.tma_v.get_slice(0);
+          copy(p.tma_k.with(*pipe_kv.producer_get_barrier(skv)), ck.partition_S(gK), ck.partition_D(sK));
+          copy(p.tma_v.with(*pipe_kv.producer_get_barrier(skv)), cv.partition_S(gV), cv.partition_D(sV));
+        }
+        Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.Sq, kD, p.H, p.B));
+        Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.Sq, kD, p.H, p.B));
+        auto cq = p.tma_q.get_slice(0);
+        auto cdo = p.tma_do.get_slice(0);
+        Tensor tQs = cq.partition_D(sQ);
+        Tensor tdOs = cdo.partition_D(sdO);
+        auto sq = cutlass::make_producer_start_state<typename C::PipeQ>();
+        for (int s = 0; s < steps; ++s) {
+          const int h = hk * group + s / m_count, m = m_begin + s % m_count;
+          pipe_q.producer_acquire(sq);
+          auto* bar = pipe_q.producer_get_barrier(sq);
+          Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kD>>{}, make_coord(m, 0));
+          Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kD>>{}, make_coord(m, 0));
+          copy(p.tma_q.with(*bar), cq.partition_S(gQ), tQs(_, _, _, sq.index()));
+          copy(p.tma_do.with(*bar), cdo.partition_S(gdO), tdOs(_, _, _, sq.index()));
+          const int64_t row = (int64_t(b) * p.H + h) * p.Sq_pad + int64_t(m) * kBlockM;
+          SM90_BULK_COPY_G2S::copy(p.lse2 + row, bar, &sh.lse2[sq.index()][0], kBlockM * int(sizeof(float)));
+          SM90_BULK_COPY_G2S::copy(p.dsum + row, bar, &sh.dsum[sq.index()][0], kBlockM * int(sizeof(float)));
+          ++sq;
+        }
+      }
+    } else if (warp_in_wg == 1) {
+      // The reducing warp: each step's dQ tile, bulk-added into the workspace (deterministic:
+      // after key blocks 0 .. n - 1 added theirs, and complete before it lets key block n + 1 on).
+      if (steps > 0) cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqEmptyBarrier);
+      for (int s = 0; s < steps; ++s) {
+        const int h = hk * group + s / m_count, m = m_begin + s % m_count;
+        cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqFullBarrier);
+        if (elect_one_sync()) {
+          float* tile = p.dq_acc + ((int64_t(b) * p.H + h) * p.Sq_pad + int64_t(m) * kBlockM) * kD;
+          const int idx = (b * p.H + h) * p.m_blocks + m;
+          if (p.deterministic)
+            // A wait that gives up has set the abort word: the finishing kernel then poisons dQ,
+            // and the next call reports the wait; later waits see the abort word and stop at once.
+            (void)device::wait_ge<true>(p.wait, p.dq_order + idx, uint64_t(nb), -1, idx);
+          bulk_reduce_add_f32(tile, sh.dq, kBlockM * kD * int(sizeof(float)));
+          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+          if (p.deterministic) {
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+            device::red_add_release_sys(p.dq_order + idx, 1);
+          }
+        }
+        __syncwarp();
+        cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqEmptyBarrier);
+      }
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  const int tid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
+  Tensor sKt = make_tensor(make_smem_ptr(sh.k.data()), typename C::SmemKt{});
+  Tensor sQt = make_tensor(make_smem_ptr(sh.q.data()), typename C::SmemQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(sh.dout.data()), typename C::SmemQt{});
+  Tensor sdS = make_tensor(make_smem_ptr(sh.ds.data()), typename C::SmemdS{});
+  typename C::MmaSdP mma_sdp;
+  typename C::MmadKV mma_dkv;
+  typename C::MmadQ mma_dq;
+  auto t_sdp = mma_sdp.get_thread_slice(tid);
+  auto t_dkv = mma_dkv.get_thread_slice(tid);
+  auto t_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrK = t_sdp.partition_fragment_A(sK);     // (MMA, MMA_M, MMA_K)
+  Tensor tSrV = t_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = t_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
+  Tensor tSrdO = t_sdp.partition_fragment_B(sdO);
+  Tensor tdKrQt = t_dkv.partition_fragment_B(sQt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tdVrdOt = t_dkv.partition_fragment_B(sdOt);
+  Tensor tdQrdS = t_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, buffer)
+  Tensor tdQrKt = t_dq.partition_fragment_B(sKt);
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
+  clear(tdKrdK);
+  clear(tdVrdV);
+  Tensor cS = t_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));  // (key, query)
+  Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
+  const float sl2 = p.scale_log2;
+  const int key0 = nb * kBlockN;
+
+  if (steps > 0) {
+    auto ckv = cutlass::PipelineState<1>();
+    pipe_kv.consumer_wait(ckv);
+  }
+  auto cq = cutlass::PipelineState<C::kStages>();
+  for (int s = 0; s < steps; ++s) {
+    const int m = m_begin + s % m_count;
+    const int st = cq.index();
+    const int buf = s & 1;
+    pipe_q.consumer_wait(cq);
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as two groups: Pᵀ is computed while dPᵀ runs.
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    bwd_gemm(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS, true);
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(tSrdP);
+    warpgroup_arrive();
+    bwd_gemm(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP, true);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
+
+    // Pᵀ in place of Sᵀ.
+    Tensor S_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+    Tensor dP_rc = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
+    const int64_t q_pos_m = p.q_pos0 + int64_t(m) * kBlockM;
+    const bool need_mask = key0 + kBlockN > p.Skv || (p.causal && p.kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(S_rc) && !(MK_BWD_SKIP & 8); ++c) {
+      const int q = get<1>(cS_rc(0, c));
+      const float l2 = sh.lse2[st][q];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(S_rc); ++r) {
+        float pv = exp2f(fmaf(S_rc(r, c), sl2, -l2));
+        if (need_mask) {
+          const int key = key0 + get<0>(cS_rc(r, c));
+          if (key >= p.Skv || (p.causal && p.kv_pos0 + key > q_pos_m + q)) pv = 0.f;
+        }
+        S_rc(r, c) = pv;
+      }
+    }
+    // dV += Pᵀ·dO (Pᵀ in bf16 as the A operand) while dPᵀ finishes.
+    Tensor tdVrP = make_tensor<Element>(acc_to_a(tSrS.layout()));
+    bwd_to_bf16(tSrS, tdVrP);
+    warpgroup_fence_operand(tdVrdV);
+    warpgroup_arrive();
+    if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdVrP, tdVrdOt(_, _, _, st), tdVrdV, false);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrdP);
+    // dSᵀ = Pᵀ ∘ (dPᵀ − Dsum) in place of dPᵀ.
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(S_rc); ++c) {
+      const float ds = sh.dsum[st][get<1>(cS_rc(0, c))];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(S_rc); ++r) dP_rc(r, c) = S_rc(r, c) * (dP_rc(r, c) - ds);
+    }
+    Tensor tdKrdS = make_tensor<Element>(acc_to_a(tSrdP.layout()));
+    bwd_to_bf16(tSrdP, tdKrdS);
+    // dK += dSᵀ·Q
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_arrive();
+    if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
+    warpgroup_commit_batch();
+    // dS (query-major) into this step's buffer, for dQ: the buffer's previous reader (the dQ MMA
+    // two steps back) finished before both warpgroups passed the last step's barrier. The A
+    // fragment holds the accumulator's elements in the same order (acc_to_a only regroups modes),
+    // so cS names their coordinates; a pair is two adjacent queries, adjacent in shared memory.
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
+      const int key = get<0>(cS(i)), q = get<1>(cS(i));
+      Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
+      *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
+    // dQ = dS·K (this warpgroup's half)
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kD>>{});
+    warpgroup_fence_operand(tdQrdQ);
+    warpgroup_arrive();
+    if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdQrdQ);
+    warpgroup_fence_operand(tdVrdV);
+    warpgroup_fence_operand(tdKrdK);
+    pipe_q.consumer_release(cq);
+    ++cq;
+    // dQ (scaled) to shared memory in fragment order, for the reducing warp.
+    cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
+    if (!(MK_BWD_SKIP & 3)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * p.scale;
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
+  }
+  // The reducing warp's last arrival (it has read the last tile).
+  if (steps > 0) cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
+
+  // dK (scaled) and dV of the block, bf16.
+  Tensor cKV = t_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kD>>{}));  // (key, d)
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdKrdK); i += 2) {
+    const int key = key0 + get<0>(cKV(i)), d = get<1>(cKV(i));
+    if (key >= p.Skv) continue;
+    Element* dk = p.dk + b * p.dk_sb + key * p.dk_ss + hk * p.dk_sh + d;
+    Element* dv = p.dv + b * p.dv_sb + key * p.dv_ss + hk * p.dv_sh + d;
+    *reinterpret_cast<__nv_bfloat162*>(dk) = __floats2bfloat162_rn(tdKrdK(i) * p.scale, tdKrdK(i + 1) * p.scale);
+    *reinterpret_cast<__nv_bfloat162*>(dv) = __floats2bfloat162_rn(tdVrdV(i), tdVrdV(i + 1));
+  }
+#endif
+}
+
+// dQ (bf16, strides) from the workspace's accumulator: one CTA of 256 threads per (query block,
+// head, batch), thread t reading its fragment elements i at i * 256 + t; NaN when a
+// deterministic call's wait gave up (abort word set).
+template <int kD>
+__global__ void __launch_bounds__(kMmaThreads) bwd_finish_dq(const float* acc, Element* dq, int64_t sb, int64_t ss,
+                                                             int64_t sh, int H, int Sq, int Sq_pad,
+                                                             const uint64_t* abort) {
+  using C = BwdCfg<kD>;
+  constexpr int kBlockM = C::kBlockM;
+  typename C::MmadQ mma;
+  auto thr = mma.get_thread_slice(threadIdx.x);
+  Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kD>>{}));  // (query, d)
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const float* tile = acc + ((int64_t(b) * H + h) * Sq_pad + int64_t(m) * kBlockM) * kD;
+  const bool poison = abort && *reinterpret_cast<const volatile uint64_t*>(abort) != 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(c); i += 2) {
+    const int row = m * kBlockM + get<0>(c(i)), d = get<1>(c(i));
+    if (row >= Sq) continue;
+    const float x = tile[i * kMmaThreads + threadIdx.x], y = tile[(i + 1) * kMmaThreads + threadIdx.x];
+    *reinterpret_cast<__nv_bfloat162*>(dq + b * sb + row * ss + h * sh + d) =
+        poison ? __floats2bfloat162_rn(NAN, NAN) : __floats2bfloat162_rn(x, y);
+  }
+}
+
+}  // namespace sm90
+}  // namespace attention
+}  // namespace mk

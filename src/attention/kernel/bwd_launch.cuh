@@ -1,0 +1,65 @@
+// mkernel — the attention backward kernel's host-side launch: TMA descriptors, parameters and
+// the launch. Included by the instantiation units sm90_fmha_bwd_d{64,128}.cu, so that the two
+// head dimensions compile in parallel.
+#pragma once
+
+#include <cstdint>
+
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "src/attention/bwd_launch.h"
+#include "src/attention/kernel/bwd.cuh"
+
+namespace mk {
+namespace attention {
+namespace sm90 {
+
+template <int kD, class Smem_>
+auto make_tma_bwd(const void* ptr, int S, int H, int B, const Strides& st, Smem_ smem) {
+  auto t = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       make_layout(make_shape(S, kD, H, B), make_stride(st.s, _1{}, st.h, st.b)));
+  return make_tma_copy(SM90_TMA_LOAD{}, t, smem);
+}
+
+template <int kD>
+Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream) {
+  using C = BwdCfg<kD>;
+  BwdParams<kD> p{};
+  p.tma_q = make_tma_bwd<kD>(a.q, a.Sq, a.H, a.B, a.q_stride, take<0, 2>(typename C::SmemQ{}));
+  p.tma_do = make_tma_bwd<kD>(a.dout, a.Sq, a.H, a.B, a.do_stride, take<0, 2>(typename C::SmemQ{}));
+  p.tma_k = make_tma_bwd<kD>(a.k, a.Skv, a.Hkv, a.B, a.k_stride, typename C::SmemKV{});
+  p.tma_v = make_tma_bwd<kD>(a.v, a.Skv, a.Hkv, a.B, a.v_stride, typename C::SmemKV{});
+  p.B = a.B, p.H = a.H, p.Hkv = a.Hkv, p.Sq = a.Sq, p.Skv = a.Skv;
+  p.Sq_pad = w.sq_pad;
+  p.m_blocks = w.sq_pad / C::kBlockM;
+  p.lse2 = w.lse2;
+  p.dsum = w.dsum;
+  p.dq_acc = w.dq_acc;
+  p.dq_order = w.order;
+  p.dk = static_cast<Element*>(a.dk);
+  p.dv = static_cast<Element*>(a.dv);
+  p.dk_sb = a.dk_stride.b, p.dk_ss = a.dk_stride.s, p.dk_sh = a.dk_stride.h;
+  p.dv_sb = a.dv_stride.b, p.dv_ss = a.dv_stride.s, p.dv_sh = a.dv_stride.h;
+  p.scale = w.scale;
+  p.scale_log2 = w.scale * 1.44269504088896340736f;
+  p.causal = a.causal ? 1 : 0;
+  p.deterministic = a.deterministic ? 1 : 0;
+  p.q_pos0 = a.q_pos0, p.kv_pos0 = a.kv_pos0;
+  p.wait = w.wait;
+  const int smem = int(sizeof(typename C::Shared));
+  auto kernel = fmha_bwd_kernel<kD>;
+  MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid((a.Skv + C::kBlockN - 1) / C::kBlockN, a.Hkv, a.B);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  MK_CUDA_CHECK(cudaGetLastError());
+  const dim3 grid_dq(p.m_blocks, a.H, a.B);
+  bwd_finish_dq<kD><<<grid_dq, kMmaThreads, 0, stream>>>(w.dq_acc, static_cast<Element*>(a.dq), a.dq_stride.b,
+                                                          a.dq_stride.s, a.dq_stride.h, a.H, a.Sq, w.sq_pad,
+                                                          w.wait.abort);
+  MK_CUDA_CHECK(cudaGetLastError());
+  return OkStatus();
+}
+
+}  // namespace sm90
+}  // namespace attention
+}  // namespace mk

@@ -1,0 +1,263 @@
+// The attention backward's API: argument checks, the workspace, the preprocessing kernel (Dsum,
+// LSE₂, zeroed dQ accumulator), then the main kernel and the kernel that rounds dQ to bf16
+// (src/attention/kernel/bwd.cuh, instantiated by sm90_fmha_bwd_d{64,128}.cu).
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "mkernel/attention/attention.h"
+#include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
+#include "mkernel/common/tunables.h"
+#include "src/attention/bwd_launch.h"
+
+#if MK_WITH_CUTLASS
+#include <cuda_bf16.h>
+#endif
+
+namespace mk {
+namespace attention {
+
+namespace {
+constexpr int kRowPad = 128;    // rows per (batch, head) in the workspace: a multiple of every query block
+constexpr int kOrderRows = 64;  // rows per deterministic-order counter (the smallest query block)
+constexpr size_t kAlign = 256;
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+struct Parts {
+  size_t dq = 0, lse2 = 0, dsum = 0, order = 0, total = 0;
+  int sq_pad = 0;
+};
+Parts parts_of(int B, int H, int Sq, int D) {
+  Parts p;
+  p.sq_pad = int(round_up(size_t(Sq), kRowPad));
+  const size_t rows = size_t(B) * H * p.sq_pad;
+  p.dq = 0;
+  p.lse2 = round_up(rows * D * sizeof(float), kAlign);
+  p.dsum = p.lse2 + round_up(rows * sizeof(float), kAlign);
+  p.order = p.dsum + round_up(rows * sizeof(float), kAlign);
+  p.total = p.order + round_up(rows / kOrderRows * sizeof(uint64_t), kAlign);
+  return p;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Bytes from a tensor's first element to one past its last.
+uint64_t span_bytes(const Strides& st, int B, int S, int H, int D) {
+  return uint64_t((B - 1) * st.b + int64_t(S - 1) * st.s + int64_t(H - 1) * st.h + D) * 2;
+}
+bool overlap(const void* a, uint64_t an, const void* b, uint64_t bn) {
+  const auto pa = reinterpret_cast<uintptr_t>(a), pb = reinterpret_cast<uintptr_t>(b);
+  return pa < pb + bn && pb < pa + an;
+}
+}  // namespace
+
+size_t backward_workspace_bytes(int B, int H, int Sq, int D) {
+  if (B <= 0 || H <= 0 || Sq <= 0 || D <= 0) return 0;
+  return parts_of(B, H, Sq, D).total;
+}
+
+double backward_flops(int B, int H, int Sq, int Skv, int D, bool causal) {
+  const double f = 10.0 * B * H * double(Sq) * double(Skv) * D;
+  return causal ? f / 2 : f;
+}
+
+Status can_implement_backward(const BackwardArgs& a) {
+  MK_REQUIRE(a.q && a.k && a.v && a.o && a.dout && a.lse, Code::kInvalidArgument,
+             "attention backward: null Q, K, V, O, dO or LSE");
+  MK_REQUIRE(a.dq && a.dk && a.dv, Code::kInvalidArgument, "attention backward: null dQ, dK or dV");
+  MK_REQUIRE(a.D == 64 || a.D == 128, Code::kInvalidArgument, "attention backward: head dimension %d (64 or 128)", a.D);
+  MK_REQUIRE(a.B >= 1 && a.H >= 1 && a.Hkv >= 1 && a.Sq >= 1 && a.Skv >= 1, Code::kInvalidArgument,
+             "attention backward: empty shape B %d H %d Hkv %d Sq %d Skv %d", a.B, a.H, a.Hkv, a.Sq, a.Skv);
+  MK_REQUIRE(a.H % a.Hkv == 0, Code::kInvalidArgument,
+             "attention backward: %d query heads are not a multiple of %d key/value heads", a.H, a.Hkv);
+  const void* ptr[8] = {a.q, a.k, a.v, a.o, a.dout, a.dq, a.dk, a.dv};
+  const Strides* st[8] = {&a.q_stride, &a.k_stride, &a.v_stride, &a.o_stride,
+                          &a.do_stride, &a.dq_stride, &a.dk_stride, &a.dv_stride};
+  const char* nm[8] = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"};
+  const bool is_kv[8] = {false, true, true, false, false, false, true, true};
+  uint64_t bytes[8];
+  for (int i = 0; i < 8; ++i) {
+    MK_REQUIRE(aligned16(ptr[i]), Code::kInvalidArgument, "attention backward: %s must be 16-byte aligned", nm[i]);
+    MK_REQUIRE(st[i]->b % 8 == 0 && st[i]->s % 8 == 0 && st[i]->h % 8 == 0 && st[i]->b > 0 && st[i]->s > 0 &&
+                   st[i]->h > 0,
+               Code::kInvalidArgument,
+               "attention backward: %s strides (b %lld, s %lld, h %lld) must be positive multiples of 8 elements", nm[i],
+               (long long)st[i]->b, (long long)st[i]->s, (long long)st[i]->h);
+    bytes[i] = span_bytes(*st[i], a.B, is_kv[i] ? a.Skv : a.Sq, is_kv[i] ? a.Hkv : a.H, a.D);
+  }
+  for (int o = 5; o < 8; ++o)
+    for (int i = 0; i < 8; ++i)
+      if (i != o)
+        MK_REQUIRE(!overlap(ptr[o], bytes[o], ptr[i], bytes[i]), Code::kInvalidArgument,
+                   "attention backward: %s overlaps %s", nm[o], nm[i]);
+  const uint64_t lse_bytes = uint64_t(a.B) * a.H * a.Sq * 4;
+  for (int o = 5; o < 8; ++o)
+    MK_REQUIRE(!overlap(ptr[o], bytes[o], a.lse, lse_bytes), Code::kInvalidArgument,
+               "attention backward: %s overlaps the LSE", nm[o]);
+  const size_t need = backward_workspace_bytes(a.B, a.H, a.Sq, a.D);
+  MK_REQUIRE(a.workspace && a.workspace_bytes >= need, Code::kInvalidArgument,
+             "attention backward: the workspace has %zu bytes, %zu needed (backward_workspace_bytes)",
+             a.workspace ? a.workspace_bytes : size_t(0), need);
+  MK_REQUIRE((reinterpret_cast<uintptr_t>(a.workspace) % kAlign) == 0, Code::kInvalidArgument,
+             "attention backward: the workspace must be 256-byte aligned");
+  for (int i = 0; i < 8; ++i)
+    MK_REQUIRE(!overlap(a.workspace, need, ptr[i], bytes[i]), Code::kInvalidArgument,
+               "attention backward: the workspace overlaps %s", nm[i]);
+#if !MK_WITH_CUTLASS
+  return make_status(Code::kNotSupported, "attention backward: built without the CUTLASS headers (no sm_90a kernel)");
+#else
+  return OkStatus();
+#endif
+}
+
+#if MK_WITH_CUTLASS
+namespace sm90 {
+
+struct PreArgs {
+  const __nv_bfloat16* o;
+  const __nv_bfloat16* dout;
+  const float* lse;
+  Strides o_st, do_st;
+  int B, H, Sq, sq_pad, D;
+  float* dq_acc;
+  float* lse2;
+  float* dsum;
+  uint64_t* order;  // null: not deterministic
+};
+
+// One warp per workspace row (b, h, row < sq_pad).
+__global__ void bwd_pre_kernel(PreArgs a) {
+  const int64_t rows = int64_t(a.B) * a.H * a.sq_pad;
+  const int lane = threadIdx.x % 32;
+  for (int64_t w = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; w < rows;
+       w += int64_t(gridDim.x) * blockDim.x / 32) {
+    const int row = int(w % a.sq_pad);
+    const int64_t bh = w / a.sq_pad;
+    const int h = int(bh % a.H), b = int(bh / a.H);
+    float acc = 0.f;
+    if (row < a.Sq) {
+      const __nv_bfloat16* o = a.o + b * a.o_st.b + int64_t(row) * a.o_st.s + int64_t(h) * a.o_st.h;
+      const __nv_bfloat16* g = a.dout + b * a.do_st.b + int64_t(row) * a.do_st.s + int64_t(h) * a.do_st.h;
+      for (int d = lane * 2; d < a.D; d += 64) {
+        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + d));
+        const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(g + d));
+        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+      }
+    }
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    float4* dq = reinterpret_cast<float4*>(a.dq_acc + w * a.D);
+    for (int i = lane; i < a.D / 4; i += 32) dq[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lane == 0) {
+      a.dsum[w] = acc;
+      const float l = row < a.Sq ? a.lse[bh * a.Sq + row] : -INFINITY;
+      // A row that saw no key (LSE -inf) and the padding get P = exp2(s - inf) = 0.
+      a.lse2[w] = l > -INFINITY ? l * 1.44269504088896340736f : INFINITY;
+      if (a.order && row % kOrderRows == 0) a.order[w / kOrderRows] = 0;
+    }
+  }
+}
+
+}  // namespace sm90
+
+namespace {
+// The bounded waits of deterministic calls report here: one record per device, kept for the
+// process's life (pinned host record and abort word, device claim word).
+struct WaitRecord {
+  DiagRecord* diag = nullptr;
+  uint64_t* abort = nullptr;
+  uint32_t* claim = nullptr;
+};
+Status wait_record(int dev, WaitRecord* out) {
+  static std::mutex mu;
+  static std::map<int, WaitRecord>* records = new std::map<int, WaitRecord>;  // outlives static destructors
+  std::lock_guard<std::mutex> g(mu);
+  auto it = records->find(dev);
+  if (it == records->end()) {
+    WaitRecord r;
+    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&r.diag), sizeof(DiagRecord),
+                                cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(r.diag, 0, sizeof(DiagRecord));
+    r.diag->size = sizeof(DiagRecord);
+    r.diag->version = kDiagVersion;
+    MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&r.abort), sizeof(uint64_t),
+                                cudaHostAllocMapped | cudaHostAllocPortable));
+    *r.abort = 0;
+    MK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&r.claim), sizeof(uint32_t)));
+    MK_CUDA_CHECK(cudaMemset(r.claim, 0, sizeof(uint32_t)));
+    it = records->emplace(dev, r).first;
+  }
+  *out = it->second;
+  return OkStatus();
+}
+uint32_t bwd_op_tag() {
+  static const uint32_t tag = op_tag_register("attention_backward");
+  return tag;
+}
+}  // namespace
+#endif  // MK_WITH_CUTLASS
+
+Status backward(const BackwardArgs& a, cudaStream_t stream) {
+  MK_CHECK(can_implement_backward(a));
+#if MK_WITH_CUTLASS
+  const Parts parts = parts_of(a.B, a.H, a.Sq, a.D);
+  char* ws = static_cast<char*>(a.workspace);
+  BwdWorkspace w;
+  w.dq_acc = reinterpret_cast<float*>(ws + parts.dq);
+  w.lse2 = reinterpret_cast<float*>(ws + parts.lse2);
+  w.dsum = reinterpret_cast<float*>(ws + parts.dsum);
+  w.order = reinterpret_cast<uint64_t*>(ws + parts.order);
+  w.sq_pad = parts.sq_pad;
+  w.scale = a.scale > 0.f ? a.scale : 1.f / std::sqrt(float(a.D));
+  if (a.deterministic) {
+    int dev = 0;
+    MK_CUDA_CHECK(cudaGetDevice(&dev));
+    WaitRecord r;
+    MK_CHECK(wait_record(dev, &r));
+    if (*reinterpret_cast<volatile uint64_t*>(r.abort) != 0) {
+      // An earlier call's wait gave up: report it once, then clear the record for the next call.
+      const DiagRecord d = *r.diag;
+      char msg[256];
+      snprintf(msg, sizeof(msg),
+               "attention backward: an earlier deterministic call's ordering wait (block %d thread %d, dQ counter %d) "
+               "gave up after %.1f ms: expected >= %llu, seen %llu; its dQ was set to NaN",
+               d.block, d.thread, d.flag_index, d.waited_ns / 1e6, (unsigned long long)d.expected,
+               (unsigned long long)d.seen);
+      MK_CUDA_CHECK(cudaMemsetAsync(r.claim, 0, sizeof(uint32_t), stream));
+      MK_CUDA_CHECK(cudaStreamSynchronize(stream));
+      r.diag->state = 0;
+      *r.abort = 0;
+      return make_status(Code::kInternal, "%s", msg);
+    }
+    memset(&w.wait, 0, sizeof(w.wait));
+    w.wait.diag = r.diag;
+    w.wait.claim = r.claim;
+    w.wait.abort = r.abort;
+    int64_t ms = tunables::signal_timeout_ms();
+    w.wait.timeout_ns = uint64_t(ms > 0 ? ms : 1) * 1000000ull;
+    w.wait.rank = -1;
+    w.wait.op_tag = bwd_op_tag();
+    w.wait.role = static_cast<uint32_t>(Role::kCompute);
+  }
+  sm90::PreArgs pa{static_cast<const __nv_bfloat16*>(a.o), static_cast<const __nv_bfloat16*>(a.dout), a.lse,
+                   a.o_stride, a.do_stride, a.B, a.H, a.Sq, parts.sq_pad, a.D, w.dq_acc, w.lse2, w.dsum,
+                   a.deterministic ? w.order : nullptr};
+  const int64_t rows = int64_t(a.B) * a.H * parts.sq_pad;
+  const int pre_blocks = int(std::min<int64_t>((rows + 7) / 8, 4096));
+  sm90::bwd_pre_kernel<<<pre_blocks, 256, 0, stream>>>(pa);
+  MK_CUDA_CHECK(cudaGetLastError());
+  MK_CHECK(a.D == 64 ? sm90::launch_bwd_d64(a, w, stream) : sm90::launch_bwd_d128(a, w, stream));
+  return OkStatus();
+#else
+  (void)stream;
+  return make_status(Code::kNotSupported, "attention backward: built without the CUTLASS headers");
+#endif
+}
+
+}  // namespace attention
+}  // namespace mk
