@@ -29,8 +29,8 @@ from . import _capi
 from ._capi import MkError, check
 
 __all__ = ["init", "finalize", "finalize_all", "communicator", "Communicator", "all_gather_matmul",
-           "matmul_reduce_scatter", "matmul_all_reduce", "ring_attention", "all_gather", "reduce_scatter",
-           "all_reduce", "MkError"]
+           "matmul_reduce_scatter", "matmul_all_reduce", "attention", "ring_attention", "all_gather",
+           "reduce_scatter", "all_reduce", "MkError"]
 
 _KIND_AG, _KIND_RS, _KIND_AR = 0, 1, 2
 _COLL_NAMES = ("all_gather", "reduce_scatter", "all_reduce")  # collective.h's kinds 0, 1, 2
@@ -512,6 +512,64 @@ def _(q, k, v, causal, layout, scale, group_name):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, s), dtype=torch.float32)
 
 
+@torch.library.custom_op("mkernel::attention", mutates_args=(), device_types="cuda")
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .attention import attention_forward
+    B, Sq, H, _ = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    return attention_forward(q, k, v, causal=causal, scale=scale, out=o, lse=lse)
+
+
+@_attention.register_fake
+def _(q, k, v, causal, scale):
+    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dim() != 4 or t.dtype != torch.bfloat16:
+            raise MkError(1, f"mkernel.attention: {n} must be a 4-D [B, S, heads, D] bfloat16 tensor "
+                             f"(got {tuple(t.shape)} {t.dtype})")
+    B, Sq, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attention_backward_rule(ctx, grad_o, _grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.mkernel.attention_backward(q, k, v, o, lse, grad_o.to(torch.bfloat16).contiguous(),
+                                                      ctx.causal, ctx.scale, 0, 0, False)
+    return dq, dk, dv, None, None
+
+
+_attention.register_autograd(_attention_backward_rule, setup_context=_attention_setup)
+
+
+@torch.library.custom_op("mkernel::attention_backward", mutates_args=(), device_types="cuda")
+def _attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                        dout: torch.Tensor, causal: bool, scale: float, q_pos0: int, kv_pos0: int,
+                        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention import attention_backward
+    return attention_backward(q, k, v, o, lse, dout, causal=causal, scale=scale, q_pos0=q_pos0, kv_pos0=kv_pos0,
+                              deterministic=deterministic)
+
+
+@_attention_backward.register_fake
+def _(q, k, v, o, lse, dout, causal, scale, q_pos0, kv_pos0, deterministic):
+    for t, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout")):
+        if t.dim() != 4 or t.dtype != torch.bfloat16:
+            raise MkError(1, f"mkernel.attention_backward: {n} must be a 4-D [B, S, heads, D] bfloat16 tensor "
+                             f"(got {tuple(t.shape)} {t.dtype})")
+    B, Sq, H, _ = q.shape
+    if tuple(lse.shape) != (B, H, Sq) or lse.dtype != torch.float32:
+        raise MkError(1, f"mkernel.attention_backward: lse must be fp32 of shape {(B, H, Sq)}")
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _check_coll(what, x, world_size, scatter):
     if x.dtype not in _COLL_DTYPES:
         raise MkError(1, f"mkernel.{what}: x must be bfloat16 or float32 (got {x.dtype})")
@@ -644,6 +702,71 @@ def _ar_backward(ctx, grad_out):
 _matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
+# ring_attention's backward: K and V gathered from the group (mkernel's all_gather, along the
+# sequence), this rank's query rows' gradients against the whole sequence by the attention
+# backward kernel (one call per query chunk at its global position: one for "contiguous" or
+# non-causal, two for causal "zigzag"), and the dK / dV partial sums of every rank's queries
+# reduced back to the key rows' owners (reduce_scatter in fp32). LSE is not differentiable.
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, causal, layout, scale, group_name = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.layout, ctx.scale, ctx.group_name = causal, layout, scale, group_name
+    ctx.mark_non_differentiable(lse)
+
+
+def _seq_collective(op, x, name, W):
+    """mkernel's all_gather / reduce_scatter of x [B, S, ...] along the sequence (dimension 1)."""
+    y = op(x.movedim(1, 0).contiguous(), name, W)
+    return y.movedim(0, 1)
+
+
+def _ring_backward(ctx, grad_o, _grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    name, causal, scale = ctx.group_name, ctx.causal, ctx.scale
+    W, r = _world(name), _rank(name)
+    B, s, H, D = q.shape
+    Hkv = k.shape[2]
+    grad_o = grad_o.to(torch.bfloat16).contiguous()
+    kf = _seq_collective(torch.ops.mkernel.all_gather, k, name, W)  # [B, W s, Hkv, D], rank-major
+    vf = _seq_collective(torch.ops.mkernel.all_gather, v, name, W)
+    bwd = torch.ops.mkernel.attention_backward
+    if ctx.layout == "zigzag" and causal:
+        # Rank j holds global chunks j and 2W-1-j (c rows each): gathered chunk 2j + part is global
+        # chunk j (part 0) or 2W-1-j (part 1). The kernel reads K in global order (its positions).
+        c = s // 2
+        glob = [j // 2 if j % 2 == 0 else 2 * W - 1 - j // 2 for j in range(2 * W)]
+        inv = [0] * (2 * W)
+        for j, g in enumerate(glob):
+            inv[g] = j
+        def reorder(x, order):  # chunk i of the result is chunk order[i] of x
+            xc = x.reshape(B, 2 * W, c, Hkv, D)
+            return torch.stack([xc[:, j] for j in order], dim=1).reshape(B, 2 * W * c, Hkv, D)
+
+        kg, vg = reorder(kf, inv), reorder(vf, inv)
+        dqs, dk, dv = [], None, None
+        for part, g in ((0, r), (1, 2 * W - 1 - r)):
+            rows = slice(part * c, (part + 1) * c)
+            dq_p, dk_p, dv_p = bwd(q[:, rows], kg, vg, o[:, rows], lse[:, :, rows].contiguous(), grad_o[:, rows],
+                                   True, scale, g * c, 0, False)
+            dqs.append(dq_p)
+            dk = dk_p.float() if dk is None else dk + dk_p.float()
+            dv = dv_p.float() if dv is None else dv + dv_p.float()
+        dq = torch.cat(dqs, dim=1)
+        dk, dv = reorder(dk, glob), reorder(dv, glob)
+    else:
+        # Contiguous: rank j's rows are global rows j s ... (positions); non-causal needs none.
+        dq, dk, dv = bwd(q, kf, vf, o, lse, grad_o, causal, scale, r * s if causal else 0, 0, False)
+        dk, dv = dk.float(), dv.float()
+    dk = _seq_collective(torch.ops.mkernel.reduce_scatter, dk, name, W).to(torch.bfloat16)
+    dv = _seq_collective(torch.ops.mkernel.reduce_scatter, dv, name, W).to(torch.bfloat16)
+    return dq, dk, dv, None, None, None, None
+
+
+_ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+
 # The collectives' adjoints: all_gather and reduce_scatter are each other's; all_reduce's is
 # all_reduce (every rank's output is the sum of every rank's input).
 
@@ -757,6 +880,13 @@ def matmul_all_reduce(a, b, group=None):
     name = _group(group)
     out = torch.ops.mkernel.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, name, _world(name))
     return out.view(*a.shape[:-1], out.shape[-1])
+
+
+def attention(q, k, v, causal=False, scale=None):
+    """(O, LSE) of attention on this GPU: q [B, S, H, D], k and v [B, Skv, Hkv, D] bf16 (head
+    dimension 64 or 128, contiguous; GQA when Hkv divides H); causal is top-left aligned, as
+    torch's is_causal. Differentiable in q, k and v (not through LSE), by mkernel's backward kernel."""
+    return torch.ops.mkernel.attention(q, k, v, bool(causal), 0.0 if scale is None else float(scale))
 
 
 def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group=None):

@@ -7,7 +7,8 @@ communication (and no NCCL, which refuses ranks sharing a GPU).
   contiguous or as an nn.Linear weight's transpose; autograd gradients against fp64 autograd;
   torch.library.opcheck; CUDA-graph capture replayed 100 times with fresh data each replay;
   torch.compile(fullgraph=True) of a tensor-parallel MLP, forward and backward, no graph break;
-  ring attention (contiguous and zigzag, causal and not, GQA) against a full-sequence reference;
+  ring attention (contiguous and zigzag, causal and not, GQA) against a full-sequence reference,
+  and its gradients and the single-GPU attention's against float64 and SDPA's backward;
   library errors as MkError; teardown through torch.distributed.destroy_process_group.
 
 Tolerances (random data): the outputs are bf16, rounded once from fp32 accumulation, so an
@@ -356,6 +357,76 @@ def main():
                 if d > 1e-3:
                     raise AssertionError(f"LSE {layout} causal={causal}: max abs err {d:.3g} > 1e-3")
         return f"max rel err {worst:.2e}"
+
+    # ---- attention gradients ------------------------------------------------------------------------
+    # Bound per gradient (dQ, dK, dV): max abs error against the float64 gradient at most 2x that
+    # of torch SDPA's backward in bf16 on the same inputs (FlashAttention's own test bound) plus
+    # 2^-8 of the gradient's largest magnitude (the ring's dK / dV are sums of up to 2W bf16
+    # partials, each rounded once).
+    def attn_grads_ref(q, k, v, do, causal):
+        """float64 and SDPA (bf16) gradients of attention over the whole sequence; (B, S, H, D) tensors."""
+        H, Hkv, D, S = q.shape[2], k.shape[2], q.shape[3], q.shape[1]
+        out = []
+        for dt in (torch.float64, bf16):
+            leaves = [t.to(dt).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+            kk, vv = (t.repeat_interleave(H // Hkv, 1) for t in leaves[1:])
+            if dt == torch.float64:
+                logits = leaves[0] @ kk.transpose(-1, -2) / D ** 0.5
+                if causal:
+                    logits = logits.masked_fill(torch.ones(S, S, device="cuda").triu(1).bool(), float("-inf"))
+                o = torch.softmax(logits, -1) @ vv
+            else:
+                o = torch.nn.functional.scaled_dot_product_attention(leaves[0], kk, vv, is_causal=causal)
+            o.backward(do.to(dt).transpose(1, 2).contiguous())
+            out.append([t.grad.transpose(1, 2) for t in leaves])
+        return out
+
+    def grad_bound(name, got, ref, sdpa):
+        err = (got.double() - ref).abs().max().item()
+        serr = (sdpa.double() - ref).abs().max().item()
+        bound = 2 * serr + 2 ** -8 * ref.abs().max().item()
+        if not torch.isfinite(got).all() or not err <= bound:
+            raise AssertionError(f"{name}: max abs err {err:.3g} > bound {bound:.3g} (sdpa {serr:.3g})")
+        return err / max(bound, 1e-30)
+
+    @check("attention (one GPU): gradients against float64 and SDPA's backward, causal and not, GQA, D 64")
+    def _():
+        B, S, H, Hkv, D = 2, 300, 4, 2, 64
+        q, k, v, do = (gen(1420 + i, B, S, h, D) for i, h in ((0, H), (1, Hkv), (2, Hkv), (3, H)))
+        worst = 0.0
+        for causal in (False, True):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            o, _ = mkt.attention(*leaves, causal=causal)
+            o.backward(do)
+            ref, sd = attn_grads_ref(q, k, v, do, causal)
+            for i, nm in enumerate(("dq", "dk", "dv")):
+                worst = max(worst, grad_bound(f"{nm} causal={causal}", leaves[i].grad, ref[i], sd[i]))
+        return f"worst err / bound {worst:.2f}"
+
+    @check("ring_attention backward: contiguous and zigzag, causal and not, GQA, against full-sequence gradients")
+    def _():
+        B, H, Hkv, D, s = 1, 4, 2, 128, 128  # s tokens per rank
+        S = s * W
+        q, k, v, do = (gen(1450 + i, B, S, h, D) for i, h in ((0, H), (1, Hkv), (2, Hkv), (3, H)))
+        refs = {causal: attn_grads_ref(q, k, v, do, causal) for causal in (False, True)}
+        worst = 0.0
+        for layout in ("contiguous", "zigzag"):
+            if layout == "contiguous":
+                idx = torch.arange(rank * s, (rank + 1) * s)
+            else:
+                c = S // (2 * W)
+                idx = torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                                 torch.arange((2 * W - 1 - rank) * c, (2 * W - rank) * c)])
+            idx = idx.cuda()
+            for causal in (False, True):
+                leaves = [t[:, idx].detach().clone().requires_grad_() for t in (q, k, v)]
+                o, _ = mkt.ring_attention(*leaves, causal=causal, layout=layout)
+                o.backward(do[:, idx])
+                ref, sd = refs[causal]
+                for i, nm in enumerate(("dq", "dk", "dv")):
+                    worst = max(worst, grad_bound(f"{nm} {layout} causal={causal}", leaves[i].grad, ref[i][:, idx],
+                                                  sd[i][:, idx]))
+        return f"worst err / bound {worst:.2f}"
 
     # ---- standalone collectives: bit for bit against the documented order of the sum ------------
     places = [None] * W  # (node, local rank) of every rank

@@ -53,6 +53,10 @@ class Schemas(unittest.TestCase):
             "matmul_all_reduce": "mkernel::matmul_all_reduce(Tensor a, Tensor b, str group_name, SymInt world_size) -> Tensor",
             "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, bool causal, str layout, "
                               "float scale, str group_name) -> (Tensor, Tensor)",
+            "attention": "mkernel::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
+            "attention_backward": "mkernel::attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+                                  "Tensor dout, bool causal, float scale, SymInt q_pos0, SymInt kv_pos0, "
+                                  "bool deterministic) -> (Tensor, Tensor, Tensor)",
             "all_gather": "mkernel::all_gather(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "reduce_scatter": "mkernel::reduce_scatter(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "all_reduce": "mkernel::all_reduce(Tensor x, str group_name, SymInt world_size) -> Tensor",
@@ -158,6 +162,10 @@ class FakeShapes(unittest.TestCase):
             lambda: mkt.matmul_reduce_scatter(meta(8, 64), meta(64, 32), reduce_op="avg"),  # unsupported
             lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), layout="striped"),
             lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 4, 2, 64), meta(1, 4, 2, 64)),
+            lambda: mkt.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64, dtype=torch.float32), meta(1, 8, 2, 64)),
+            lambda: torch.ops.mkernel.attention_backward(*(meta(1, 8, 2, 64) for _ in range(4)),
+                                                         meta(1, 2, 4, dtype=torch.float32), meta(1, 8, 2, 64),
+                                                         False, 0.0, 0, 0, False),
             lambda: mkt.all_gather(meta(8, 8, dtype=torch.float16)),                         # dtype
             lambda: mkt.all_reduce(meta(3, 5)),                                              # 15 elements
             lambda: mkt.reduce_scatter(meta(6, 8)),                                          # 6 rows over 4
@@ -237,6 +245,55 @@ class FakeShapes(unittest.TestCase):
         calls, grads = self._backward_graph(lambda x, w: mkt.matmul_all_reduce(x, w), (16, 32), (32, 8))
         self.assertEqual([c[0] for c in calls], ["mkernel.matmul_all_reduce.default"])
         self.assertEqual(grads, [(16, 32), (32, 8)])
+
+    def _attention_backward_graph(self, op, shapes):
+        """Like _backward_graph for ops returning (O, LSE): the gradient of O.sum()."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def fwd_bwd(*xs):
+            leaves = [x.detach().requires_grad_() for x in xs]
+            o, _ = op(*leaves)
+            return torch.autograd.grad(o.float().sum(), leaves)
+
+        gm = make_fx(fwd_bwd, tracing_mode="fake")(*[meta(*sh) for sh in shapes])
+        calls = [(str(n.target), n.args) for n in gm.graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith("mkernel.")]
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        return calls, [tuple(g.meta["val"].shape) for g in out]
+
+    def test_attention_backward_wiring(self):
+        """attention's backward is one attention_backward call on the saved O and LSE; ring_attention's
+        gathers K and V (all_gather along the sequence), runs attention_backward on this rank's
+        query rows at their global positions (rank 1 of 4: contiguous rows 64.., zigzag chunks 1
+        and 6 of 8) and reduces dK and dV back (reduce_scatter, fp32)."""
+        q, kv = (2, 64, 8, 128), (2, 64, 2, 128)
+        calls, grads = self._attention_backward_graph(lambda a, b, c: mkt.attention(a, b, c, causal=True), (q, kv, kv))
+        self.assertEqual([c[0] for c in calls], ["mkernel.attention.default", "mkernel.attention_backward.default"])
+        self.assertEqual(calls[1][1][6:], (True, 0.0, 0, 0, False))
+        self.assertEqual(grads, [q, kv, kv])
+        gather, bwd, scatter = ("mkernel.all_gather.default", "mkernel.attention_backward.default",
+                                "mkernel.reduce_scatter.default")
+        for layout, causal, positions in (("contiguous", True, [64]), ("contiguous", False, [0]),
+                                          ("zigzag", True, [32, 192]), ("zigzag", False, [0])):
+            with self.subTest(layout=layout, causal=causal):
+                calls, grads = self._attention_backward_graph(
+                    lambda a, b, c: mkt.ring_attention(a, b, c, causal=causal, layout=layout), (q, kv, kv))
+                names = [c[0] for c in calls]
+                self.assertEqual(names, ["mkernel.ring_attention.default", gather, gather]
+                                 + [bwd] * len(positions) + [scatter, scatter])
+                for c in calls[1:3]:
+                    self.assertEqual(c[1][1:], (self.name, W))
+                    self.assertEqual(tuple(c[1][0].meta["val"].shape), (64, 2, 2, 128))  # this rank's K, sequence first
+                for c, pos in zip(calls[3:3 + len(positions)], positions):
+                    self.assertEqual(c[1][6], causal)
+                    self.assertEqual((c[1][8], c[1][9]), (pos, 0))
+                    self.assertEqual(tuple(c[1][1].meta["val"].shape), (2, 64 * W, 2, 128))  # the whole K
+                    rows = 64 // len(positions)
+                    self.assertEqual(tuple(c[1][0].meta["val"].shape), (2, rows, 8, 128))
+                for c in calls[-2:]:
+                    self.assertEqual(c[1][0].meta["val"].dtype, torch.float32)
+                    self.assertEqual(tuple(c[1][0].meta["val"].shape), (64 * W, 2, 2, 128))
+                self.assertEqual(grads, [q, kv, kv])
 
     def test_collective_backwards_are_their_adjoints(self):
         """Traced forward + backward: all_gather's backward is one reduce_scatter of the gradient,
