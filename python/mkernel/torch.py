@@ -702,11 +702,77 @@ def _ar_backward(ctx, grad_out):
 _matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
-# ring_attention's backward: K and V gathered from the group (mkernel's all_gather, along the
-# sequence), this rank's query rows' gradients against the whole sequence by the attention
-# backward kernel (one call per query chunk at its global position: one for "contiguous" or
-# non-causal, two for causal "zigzag"), and the dK / dV partial sums of every rank's queries
-# reduced back to the key rows' owners (reduce_scatter in fp32). LSE is not differentiable.
+# ring_attention's backward, one op (mkernel::ring_attention_backward): K and V gathered from the
+# group (mkernel's all_gather, along the sequence), this rank's query rows' gradients against the
+# whole sequence by the attention backward kernel (one call per query chunk at its global
+# position: one for "contiguous" or non-causal, two for causal "zigzag"), and the dK / dV partial
+# sums of every rank's queries reduced back to the key rows' owners (reduce_scatter in fp32). The
+# rank is read when the op runs, not when a graph is traced: a compiled backward graph is the
+# same on every rank (torch.compile's caches may share it between them). LSE is not
+# differentiable.
+
+def _seq_collective(op, x, name, W):
+    """mkernel's all_gather / reduce_scatter of x [B, S, ...] along the sequence (dimension 1)."""
+    y = op(x.movedim(1, 0).contiguous(), name, W)
+    return y.movedim(0, 1)
+
+
+@torch.library.custom_op("mkernel::ring_attention_backward", mutates_args=(), device_types="cuda")
+def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                             dout: torch.Tensor, causal: bool, layout: str, scale: float, group_name: str,
+                             world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention import attention_backward
+    name = group_name
+    c_ = _op_comm("ring_attention_backward", name, world_size, q)
+    W, r = c_.world, c_.rank
+    B, s, H, D = q.shape
+    Hkv = k.shape[2]
+    dout = dout.to(torch.bfloat16).contiguous()
+    kf = _seq_collective(torch.ops.mkernel.all_gather, k, name, W)  # [B, W s, Hkv, D], rank-major
+    vf = _seq_collective(torch.ops.mkernel.all_gather, v, name, W)
+    if layout == "zigzag" and causal:
+        # Rank j holds global chunks j and 2W-1-j (c rows each): gathered chunk 2j + part is global
+        # chunk j (part 0) or 2W-1-j (part 1). The kernel reads K in global order (its positions).
+        c = s // 2
+        glob = [j // 2 if j % 2 == 0 else 2 * W - 1 - j // 2 for j in range(2 * W)]
+        inv = [0] * (2 * W)
+        for j, g in enumerate(glob):
+            inv[g] = j
+
+        def reorder(x, order):  # chunk i of the result is chunk order[i] of x
+            xc = x.reshape(B, 2 * W, c, Hkv, D)
+            return torch.stack([xc[:, j] for j in order], dim=1).reshape(B, 2 * W * c, Hkv, D)
+
+        kg, vg = reorder(kf, inv), reorder(vf, inv)
+        dqs, dk, dv = [], None, None
+        for part, g in ((0, r), (1, 2 * W - 1 - r)):
+            rows = slice(part * c, (part + 1) * c)
+            dq_p, dk_p, dv_p = attention_backward(q[:, rows], kg, vg, o[:, rows], lse[:, :, rows], dout[:, rows],
+                                                  causal=True, scale=scale, q_pos0=g * c)
+            dqs.append(dq_p)
+            dk = dk_p.float() if dk is None else dk + dk_p.float()
+            dv = dv_p.float() if dv is None else dv + dv_p.float()
+        dq = torch.cat(dqs, dim=1)
+        dk, dv = reorder(dk, glob), reorder(dv, glob)
+    else:
+        # Contiguous: rank j's rows are global rows j s ... (positions); non-causal needs none.
+        dq, dk, dv = attention_backward(q, kf, vf, o, lse, dout, causal=causal, scale=scale,
+                                        q_pos0=r * s if causal else 0)
+        dk, dv = dk.float(), dv.float()
+    dk = _seq_collective(torch.ops.mkernel.reduce_scatter, dk, name, W).to(torch.bfloat16)
+    dv = _seq_collective(torch.ops.mkernel.reduce_scatter, dv, name, W).to(torch.bfloat16)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_ring_attention_backward.register_fake
+def _(q, k, v, o, lse, dout, causal, layout, scale, group_name, world_size):
+    _check_attn(q, k, v)
+    if layout not in _LAYOUTS:
+        raise MkError(1, f"mkernel.ring_attention_backward: layout '{layout}' is not 'contiguous' or 'zigzag'")
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
 
 def _ring_setup(ctx, inputs, output):
     q, k, v, causal, layout, scale, group_name = inputs
@@ -716,51 +782,10 @@ def _ring_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _seq_collective(op, x, name, W):
-    """mkernel's all_gather / reduce_scatter of x [B, S, ...] along the sequence (dimension 1)."""
-    y = op(x.movedim(1, 0).contiguous(), name, W)
-    return y.movedim(0, 1)
-
-
 def _ring_backward(ctx, grad_o, _grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
-    name, causal, scale = ctx.group_name, ctx.causal, ctx.scale
-    W, r = _world(name), _rank(name)
-    B, s, H, D = q.shape
-    Hkv = k.shape[2]
-    grad_o = grad_o.to(torch.bfloat16).contiguous()
-    kf = _seq_collective(torch.ops.mkernel.all_gather, k, name, W)  # [B, W s, Hkv, D], rank-major
-    vf = _seq_collective(torch.ops.mkernel.all_gather, v, name, W)
-    bwd = torch.ops.mkernel.attention_backward
-    if ctx.layout == "zigzag" and causal:
-        # Rank j holds global chunks j and 2W-1-j (c rows each): gathered chunk 2j + part is global
-        # chunk j (part 0) or 2W-1-j (part 1). The kernel reads K in global order (its positions).
-        c = s // 2
-        glob = [j // 2 if j % 2 == 0 else 2 * W - 1 - j // 2 for j in range(2 * W)]
-        inv = [0] * (2 * W)
-        for j, g in enumerate(glob):
-            inv[g] = j
-        def reorder(x, order):  # chunk i of the result is chunk order[i] of x
-            xc = x.reshape(B, 2 * W, c, Hkv, D)
-            return torch.stack([xc[:, j] for j in order], dim=1).reshape(B, 2 * W * c, Hkv, D)
-
-        kg, vg = reorder(kf, inv), reorder(vf, inv)
-        dqs, dk, dv = [], None, None
-        for part, g in ((0, r), (1, 2 * W - 1 - r)):
-            rows = slice(part * c, (part + 1) * c)
-            dq_p, dk_p, dv_p = bwd(q[:, rows], kg, vg, o[:, rows], lse[:, :, rows].contiguous(), grad_o[:, rows],
-                                   True, scale, g * c, 0, False)
-            dqs.append(dq_p)
-            dk = dk_p.float() if dk is None else dk + dk_p.float()
-            dv = dv_p.float() if dv is None else dv + dv_p.float()
-        dq = torch.cat(dqs, dim=1)
-        dk, dv = reorder(dk, glob), reorder(dv, glob)
-    else:
-        # Contiguous: rank j's rows are global rows j s ... (positions); non-causal needs none.
-        dq, dk, dv = bwd(q, kf, vf, o, lse, grad_o, causal, scale, r * s if causal else 0, 0, False)
-        dk, dv = dk.float(), dv.float()
-    dk = _seq_collective(torch.ops.mkernel.reduce_scatter, dk, name, W).to(torch.bfloat16)
-    dv = _seq_collective(torch.ops.mkernel.reduce_scatter, dv, name, W).to(torch.bfloat16)
+    dq, dk, dv = torch.ops.mkernel.ring_attention_backward(q, k, v, o, lse, grad_o, ctx.causal, ctx.layout, ctx.scale,
+                                                           ctx.group_name, _world(ctx.group_name))
     return dq, dk, dv, None, None, None, None
 
 

@@ -154,7 +154,11 @@ def main():
     case(1, 4, 4, 256, 128, True, "bshd", Skv=512, q_pos0=0, kv_pos0=128)  # rows with no visible key
     case(1, 2, 2, 4096, 128, True, "bhsd")
     case(1, 2, 2, 4096, 64, False, "bshd")
-    n += 10
+    # A ring chunk's call: few query rows far into a long key sequence (and at its start).
+    for q_pos0 in (0, 768, 1792):
+        case(1, 8, 2, 256, 128, True, "bshd", Skv=2048, q_pos0=q_pos0)
+    case(1, 8, 2, 256, 64, True, "bshd", Skv=2048, q_pos0=1792)
+    n += 14
     for D in (64, 128):
         case(1, 8, 2, 2048, D, True, "bshd", deterministic=True)
         case(2, 4, 4, 700, D, False, "bhsd", deterministic=True)
