@@ -329,6 +329,15 @@ def main():
         return f"vs fp64 max rel err {err:.2e}"
 
     # ---- ring attention ----------------------------------------------------------------------------
+    def ring_rows(layout, s):
+        """This rank's rows of the whole sequence (s per rank): chunk `rank` of W, or chunks rank and
+        2W-1-rank of 2W (zigzag)."""
+        if layout == "contiguous":
+            return torch.arange(rank * s, (rank + 1) * s).cuda()
+        c = s // 2
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((2 * W - 1 - rank) * c, (2 * W - rank) * c)]).cuda()
+
     @check("ring_attention: contiguous and zigzag, causal and not, GQA, against a full-sequence fp32 reference")
     def _():
         B, H, Hkv, D, s = 1, 4, 2, 128, 128  # s tokens per rank
@@ -336,13 +345,7 @@ def main():
         q, k, v = (gen(1400 + i, B, S, h, D) for i, h in ((0, H), (1, Hkv), (2, Hkv)))
         worst = 0.0
         for layout in ("contiguous", "zigzag"):
-            if layout == "contiguous":
-                idx = torch.arange(rank * s, (rank + 1) * s)
-            else:
-                c = S // (2 * W)
-                idx = torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                                 torch.arange((2 * W - 1 - rank) * c, (2 * W - rank) * c)])
-            idx = idx.cuda()
+            idx = ring_rows(layout, s)
             for causal in (False, True):
                 o, lse = mkt.ring_attention(q[:, idx], k[:, idx], v[:, idx], causal=causal, layout=layout)
                 qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
@@ -409,13 +412,7 @@ def main():
         refs = {causal: attn_grads_ref(q, k, v, do, causal) for causal in (False, True)}
         worst = 0.0
         for layout in ("contiguous", "zigzag"):
-            if layout == "contiguous":
-                idx = torch.arange(rank * s, (rank + 1) * s)
-            else:
-                c = S // (2 * W)
-                idx = torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                                 torch.arange((2 * W - 1 - rank) * c, (2 * W - rank) * c)])
-            idx = idx.cuda()
+            idx = ring_rows(layout, s)
             for causal in (False, True):
                 leaves = [t[:, idx].detach().clone().requires_grad_() for t in (q, k, v)]
                 o, _ = mkt.ring_attention(*leaves, causal=causal, layout=layout)

@@ -192,15 +192,16 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual(node.args[2:], (self.name, W, False))
         self.assertEqual(tuple(node.meta["val"][1].shape), (8 * W, 32))
 
-    def _backward_graph(self, op, *shapes):
-        """The graph of forward + backward of op(inputs).sum() traced with fake tensors: the
-        calls of the mkernel ops in it, as (target, args) pairs, and the gradients' shapes."""
+    def _backward_graph(self, op, *shapes, first=False):
+        """The graph of forward + backward of op(inputs).sum() (first: of op(inputs)[0].sum(), for
+        the attention ops' (O, LSE)) traced with fake tensors: the calls of the mkernel ops in it,
+        as (target, args) pairs, and the gradients' shapes."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
         def fwd_bwd(*xs):
             leaves = [x.detach().requires_grad_() for x in xs]
             out = op(*leaves)
-            return torch.autograd.grad(out.float().sum(), leaves)
+            return torch.autograd.grad((out[0] if first else out).float().sum(), leaves)
 
         gm = make_fx(fwd_bwd, tracing_mode="fake")(*[meta(*s) for s in shapes])
         calls = [(str(n.target), n.args) for n in gm.graph.nodes
@@ -252,35 +253,20 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual([c[0] for c in calls], ["mkernel.matmul_all_reduce.default"])
         self.assertEqual(grads, [(16, 32), (32, 8)])
 
-    def _attention_backward_graph(self, op, shapes):
-        """Like _backward_graph for ops returning (O, LSE): the gradient of O.sum()."""
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        def fwd_bwd(*xs):
-            leaves = [x.detach().requires_grad_() for x in xs]
-            o, _ = op(*leaves)
-            return torch.autograd.grad(o.float().sum(), leaves)
-
-        gm = make_fx(fwd_bwd, tracing_mode="fake")(*[meta(*sh) for sh in shapes])
-        calls = [(str(n.target), n.args) for n in gm.graph.nodes
-                 if n.op == "call_function" and str(n.target).startswith("mkernel.")]
-        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-        return calls, [tuple(g.meta["val"].shape) for g in out]
-
     def test_attention_backward_wiring(self):
         """attention's backward is one attention_backward call on the saved O and LSE; ring_attention's
         one ring_attention_backward call on the saved tensors with the group and its size — the same
         graph on every rank (the op reads the rank when it runs: torch.compile's caches may hand one
         rank's compiled graph to another)."""
         q, kv = (2, 64, 8, 128), (2, 64, 2, 128)
-        calls, grads = self._attention_backward_graph(lambda a, b, c: mkt.attention(a, b, c, causal=True), (q, kv, kv))
+        calls, grads = self._backward_graph(lambda a, b, c: mkt.attention(a, b, c, causal=True), q, kv, kv, first=True)
         self.assertEqual([c[0] for c in calls], ["mkernel.attention.default", "mkernel.attention_backward.default"])
         self.assertEqual(calls[1][1][6:], (True, 0.0, 0, 0, False))
         self.assertEqual(grads, [q, kv, kv])
         for layout, causal in (("contiguous", True), ("zigzag", True), ("zigzag", False)):
             with self.subTest(layout=layout, causal=causal):
-                calls, grads = self._attention_backward_graph(
-                    lambda a, b, c: mkt.ring_attention(a, b, c, causal=causal, layout=layout), (q, kv, kv))
+                calls, grads = self._backward_graph(
+                    lambda a, b, c: mkt.ring_attention(a, b, c, causal=causal, layout=layout), q, kv, kv, first=True)
                 self.assertEqual([c[0] for c in calls], ["mkernel.ring_attention.default",
                                                          "mkernel.ring_attention_backward.default"])
                 self.assertEqual(calls[1][1][6:], (causal, layout, 0.0, self.name, W))

@@ -10,7 +10,8 @@
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (WGMMA from shared memory; 128 keys x 128 or 64 queries)
 //   Pᵀ = exp2(Sᵀ·scale·log2 e − LSE₂), masked;  dSᵀ = Pᵀ ∘ (dPᵀ − Dsum)
 //   dV += Pᵀ·dO,  dK += dSᵀ·Q          (Pᵀ and dSᵀ straight from registers, fp32 accumulators)
-//   dQ_acc += dS·K · scale             (dS through shared memory; fp32 reductions into L2)
+//   dQ_acc += dS·K · scale             (dS through shared memory; the fp32 tile bulk-added to the
+//                                       workspace by a reducing warp, in fragment order)
 //
 // so dK and dV of a block never leave registers until the end (GQA: summed over the group's
 // query heads in the same accumulators), and only dQ is reduced across CTAs. Deterministic mode
@@ -18,7 +19,8 @@
 // bounded waits); otherwise they land in any order. A finishing kernel rounds dQ to bf16.
 //
 // CTA: 3 warpgroups. Warpgroup 0's first thread issues the TMA loads (K and V once; Q, dO and
-// the rows' LSE₂ and Dsum per step, 2 stages). Warpgroups 1 and 2 each own 64 of the block's
+// the rows' LSE₂ and Dsum per step, 2 stages); its second warp is the reducing warp (each step's
+// dQ tile from shared memory into the workspace, one bulk add). Warpgroups 1 and 2 each own 64 of the block's
 // 128 key rows for Sᵀ, dPᵀ, dK and dV, and half of the step's query rows (D = 64, 128-row steps)
 // or half of the head dimension (D = 128, 64-row steps) for dQ.
 #pragma once
@@ -51,7 +53,6 @@ namespace attention {
 namespace sm90 {
 
 constexpr int kBwdBlockN = 128;  // key rows per CTA
-constexpr int kBwdRowPad = 128;  // the workspace's rows per (batch, head) are a multiple of this
 constexpr uint32_t kBwdDsBarrier = 1;       // named barrier: dS of a step is in shared memory (256 threads)
 constexpr uint32_t kBwdDqFullBarrier = 2;   // dQ of a step is in shared memory (256 consumers + the reducing warp)
 constexpr uint32_t kBwdDqEmptyBarrier = 3;  // the reducing warp has read it
