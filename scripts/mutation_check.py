@@ -189,6 +189,24 @@ MUTATIONS = [
              ["test_gpu_moe_np1", "test_gpu_moe_np2", "test_gpu_moe_layer_np1"],
              "combine sums the experts' rows without the routing weights (skip the combine weight)",
              gpu=True, targets=["test_gpu_moe", "test_gpu_moe_layer"]),
+    Mutation("attention-bwd-diagonal-masked", "src/attention/kernel/bwd.cuh",
+             "if (key >= p.Skv || (p.causal && p.kv_pos0 + key > q_pos_m + q)) pv = 0.f;",
+             "if (key >= p.Skv || (p.causal && p.kv_pos0 + key >= q_pos_m + q)) pv = 0.f;",
+             ["test_attention_bwd_py"],
+             "the causal backward masks each query's own key (the diagonal) as well",
+             gpu=True, targets=["mkernel_capi"]),
+    Mutation("attention-bwd-dsum-ignored", "src/attention/kernel/bwd.cuh",
+             "dP_rc(r, c) = S_rc(r, c) * (dP_rc(r, c) - ds);",
+             "dP_rc(r, c) = S_rc(r, c) * dP_rc(r, c);",
+             ["test_attention_bwd_py"],
+             "dS = P * dP without the row term rowsum(dO * O)",
+             gpu=True, targets=["mkernel_capi"]),
+    Mutation("attention-bwd-gqa-first-head-only", "src/attention/kernel/bwd.cuh",
+             "  const int steps = m_count * group;",
+             "  const int steps = m_count;",
+             ["test_attention_bwd_py"],
+             "a key block's CTA walks only the first query head of its GQA group",
+             gpu=True, targets=["mkernel_capi"]),
     Mutation("fused-final-sum-drops-a-term", "src/gemm/kernel/epilogue.cuh",
              "for (int t = 0; t <= h.fin_nsrc; ++t) {",
              "for (int t = 0; t < h.fin_nsrc; ++t) {",
@@ -469,6 +487,10 @@ def main():
     return summarize(report, bad, logs)
 
 
+# Targets whose file is not tests/gpu/<target> (paths in the build folder).
+BUILD_FILES = {"mkernel_capi": "libmkernel_capi.so", "mkernel": "mkernel"}
+
+
 def build_mutants(out, chosen, tree, build, logs, env, targets_of):
     """--build-only: each GPU mutation's test binaries, built in the scratch copy, into
     out/mutants/<name>/<path in the build>, and out/mutants/mutations.json listing them."""
@@ -483,7 +505,8 @@ def build_mutants(out, chosen, tree, build, logs, env, targets_of):
             files = []
             if rc == 0:
                 for t in sorted(set(targets_of(m))):
-                    rel = os.path.join("tests", "gpu", t)
+                    # a GPU test binary, or the C ABI library the Python GPU tests load (MK_CAPI)
+                    rel = BUILD_FILES.get(t, os.path.join("tests", "gpu", t))
                     if not os.path.isfile(os.path.join(build, rel)):
                         sys.exit(f"mutation_check: {m.name}: no {rel} in the scratch build")
                     os.makedirs(os.path.dirname(os.path.join(root, m.name, rel)), exist_ok=True)
