@@ -2,14 +2,16 @@
 # Attention call on the GPU machine: build the library and the C ABI, the kernel's accuracy
 # test against an fp32 reference and torch SDPA, the benchmark against SDPA (flash), and (when
 # built) the ring operator's tests and benchmark under MPS.
-# MK_ATTN_STEPS limits the steps: build sass test bench ring ringbench. Logs, traces and timeline
+# The backward: its test against float64 and SDPA's backward (bwdtest) and its benchmark against
+# SDPA's backward (bwdbench; MK_ATTN_BWD_ARGS, e.g. --seqs 1024,4096,8192 --ds 64,128).
+# MK_ATTN_STEPS limits the steps: build sass test bench bwdtest bwdbench ring ringbench. Logs, traces and timeline
 # PNGs: $OUT/attn_logs.tgz. MK_ATTN_BENCH_ARGS goes to bench_attention.py (e.g. --reps 30 --seqs 4096).
 set -uo pipefail
 RESULT=${OUT:-/tmp/mk-out}
 OUT=/tmp/mk-attn
 rm -rf "$OUT" && mkdir -p "$OUT" "$RESULT"
 trap 'tar -C "$OUT" --exclude="*.sass" -czf "$RESULT/attn_logs.tgz" .' EXIT
-steps=${MK_ATTN_STEPS:-"build sass test bench ring ringbench"}
+steps=${MK_ATTN_STEPS:-"build sass test bench bwdtest bwdbench ring ringbench"}
 has() { [[ " $steps " == *" $1 "* ]]; }
 source .devcarry/env.sh
 source .devcarry/extra-env.sh
@@ -21,7 +23,8 @@ if has build; then
 fi
 if has sass && command -v cuobjdump >/dev/null; then
   # Local-memory traffic (spills) and tensor-core instructions per attention kernel variant.
-  for o in build/CMakeFiles/mkernel.dir/src/attention/sm90_fmha_d*.cu.o; do
+  for o in build/CMakeFiles/mk_kernels.dir/src/attention/sm90_fmha_d*.cu.o build/CMakeFiles/mk_kernels.dir/src/attention/sm90_fmha_bwd_d*.cu.o; do
+    [[ -f $o ]] || continue
     cuobjdump -sass "$o" > "$OUT/$(basename "$o").sass" 2>/dev/null
     awk '/Function :/ {f=$3} /HGMMA/ {g[f]++} /STL/ {st[f]++} /LDL/ {ld[f]++} END {for (k in g) printf "sass %s HGMMA %d STL %d LDL %d\n", k, g[k], st[k], ld[k]}' "$OUT/$(basename "$o").sass"
   done
@@ -41,6 +44,16 @@ fi
 if has bench; then
   timeout 200 python3 bench/bench_attention.py --json "$RESULT/bench_attention.json" ${MK_ATTN_BENCH_ARGS:-} > "$OUT/bench_attention.log" 2>&1
   echo "bench_attention rc=$? ($(( $(date +%s) - t0 )) s)"; cat "$OUT/bench_attention.log" | tail -40
+fi
+if has bwdtest; then
+  timeout 200 python3 tests/gpu/test_attention_bwd.py > "$OUT/test_attention_bwd.log" 2>&1
+  echo "test_attention_bwd rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "FAIL|cases|Error|error" "$OUT/test_attention_bwd.log" | head -30
+  cp "$OUT/test_attention_bwd.log" "$RESULT/"
+fi
+if has bwdbench; then
+  timeout 240 python3 bench/bench_attention_bwd.py --json "$RESULT/bench_attention_bwd.json" ${MK_ATTN_BWD_ARGS:-} \
+    > "$OUT/bench_attention_bwd.log" 2>&1
+  echo "bench_attention_bwd rc=$? ($(( $(date +%s) - t0 )) s)"; tail -30 "$OUT/bench_attention_bwd.log"
 fi
 # Deadline (s since the start): a ring step starts only if its usual length fits before it, so
 # the logs are packed before the device call's limit.

@@ -14,8 +14,9 @@
 #      presets; the EP8 targets: throughput dispatch >= 150 GB/s per GPU, low-latency
 #      dispatch <= 80 us and combine <= 120 us at 128 tokens), one node and 2 emulated nodes
 #      (hierarchical over tcp_rxm);
-#   6. mkernel.torch: tests/gpu/test_torch_ops.py under torchrun at every W, and
-#      bench/bench_torch.py (against symm_mem's fused ops and NCCL + matmul, one GPU per rank);
+#   6. mkernel.torch: tests/gpu/test_torch_ops.py under torchrun at every W (ring attention's
+#      gradients among them), bench/bench_torch.py (against symm_mem's fused ops and NCCL +
+#      matmul, one GPU per rank) and examples/decoder_layer.py at 8192 tokens;
 #   7. the SM-partition controller: the matrix again with MK_FUSED_SPLIT=auto, and `mkernel bench
 #      all --splits` (static splits 1..32 against the controller) at every W and 2 nodes x W/2;
 #      uneven shards (`mkernel bench all --m 8191` and `--rows`, against the padded even case);
@@ -173,6 +174,9 @@ for w in "${ws[@]}"; do
   (( w >= 4 )) && trun "torch_2x$((w / 2))_tcp" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm \
     MK_NET_STAGING=always -- tests/gpu/test_torch_ops.py
   trun "bench_torch_w$w" "$w" -- bench/bench_torch.py --out "$RESULT/torch_w$w.json"
+  # The decoder block trained sequence parallel (ring attention forward and backward, TP MLP),
+  # checked against plain torch on one GPU; its tokens/s (in the log).
+  trun "decoder_w$w" "$w" -- examples/decoder_layer.py --tokens 8192 --reps 10
 done
 (( shared )) && echo quit | nvidia-cuda-mps-control
 grep -hE "^(ag_gemm|gemm_rs|gemm_ar|ring|deepep_ht|deepep_ll|qwen3|mixtral|allgather|reduce_scatter|allreduce)" \
