@@ -711,12 +711,6 @@ _matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 # same on every rank (torch.compile's caches may share it between them). LSE is not
 # differentiable.
 
-def _seq_collective(op, x, name, W):
-    """mkernel's all_gather / reduce_scatter of x [B, S, ...] along the sequence (dimension 1)."""
-    y = op(x.movedim(1, 0).contiguous(), name, W)
-    return y.movedim(0, 1)
-
-
 @torch.library.custom_op("mkernel::ring_attention_backward", mutates_args=(), device_types="cuda")
 def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                              dout: torch.Tensor, causal: bool, layout: str, scale: float, group_name: str,
@@ -728,8 +722,11 @@ def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     B, s, H, D = q.shape
     Hkv = k.shape[2]
     dout = dout.to(torch.bfloat16).contiguous()
-    kf = _seq_collective(torch.ops.mkernel.all_gather, k, name, W)  # [B, W s, Hkv, D], rank-major
-    vf = _seq_collective(torch.ops.mkernel.all_gather, v, name, W)
+    def along_seq(op, x):  # mkernel's all_gather / reduce_scatter along the sequence (dimension 1)
+        return _along(x, 1, lambda t: op(t.contiguous(), name, W))
+
+    kf = along_seq(torch.ops.mkernel.all_gather, k)  # [B, W s, Hkv, D], rank-major
+    vf = along_seq(torch.ops.mkernel.all_gather, v)
     if layout == "zigzag" and causal:
         # Rank j holds global chunks j and 2W-1-j (c rows each): gathered chunk 2j + part is global
         # chunk j (part 0) or 2W-1-j (part 1). The kernel reads K in global order (its positions).
@@ -759,8 +756,8 @@ def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         dq, dk, dv = attention_backward(q, kf, vf, o, lse, dout, causal=causal, scale=scale,
                                         q_pos0=r * s if causal else 0)
         dk, dv = dk.float(), dv.float()
-    dk = _seq_collective(torch.ops.mkernel.reduce_scatter, dk, name, W).to(torch.bfloat16)
-    dv = _seq_collective(torch.ops.mkernel.reduce_scatter, dv, name, W).to(torch.bfloat16)
+    dk = along_seq(torch.ops.mkernel.reduce_scatter, dk).to(torch.bfloat16)
+    dv = along_seq(torch.ops.mkernel.reduce_scatter, dv).to(torch.bfloat16)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

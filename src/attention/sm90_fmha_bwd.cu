@@ -1,18 +1,19 @@
 // The attention backward's API: argument checks, the workspace, the preprocessing kernel (Dsum,
 // LSE₂, zeroed dQ accumulator), then the main kernel and the kernel that rounds dQ to bf16
 // (src/attention/kernel/bwd.cuh, instantiated by sm90_fmha_bwd_d{64,128}.cu).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <algorithm>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "mkernel/attention/attention.h"
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/tunables.h"
+#include "mkernel/runtime/communicator.h"
 #include "src/attention/bwd_launch.h"
 
 #if MK_WITH_CUTLASS
@@ -221,18 +222,13 @@ Status backward(const BackwardArgs& a, cudaStream_t stream) {
     MK_CHECK(wait_record(dev, &r));
     if (*reinterpret_cast<volatile uint64_t*>(r.abort) != 0) {
       // An earlier call's wait gave up: report it once, then clear the record for the next call.
-      const DiagRecord d = *r.diag;
-      char msg[256];
-      snprintf(msg, sizeof(msg),
-               "attention backward: an earlier deterministic call's ordering wait (block %d thread %d, dQ counter %d) "
-               "gave up after %.1f ms: expected >= %llu, seen %llu; its dQ was set to NaN",
-               d.block, d.thread, d.flag_index, d.waited_ns / 1e6, (unsigned long long)d.expected,
-               (unsigned long long)d.seen);
+      const std::string msg = "attention backward: an earlier deterministic call's ordering wait gave up (its dQ "
+                              "was set to NaN): " + describe_diag(*r.diag);
       MK_CUDA_CHECK(cudaMemsetAsync(r.claim, 0, sizeof(uint32_t), stream));
       MK_CUDA_CHECK(cudaStreamSynchronize(stream));
       r.diag->state = 0;
       *r.abort = 0;
-      return make_status(Code::kInternal, "%s", msg);
+      return make_status(Code::kInternal, "%s", msg.c_str());
     }
     memset(&w.wait, 0, sizeof(w.wait));
     w.wait.diag = r.diag;
