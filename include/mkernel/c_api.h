@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 6
+#define MK_C_API_VERSION 7
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -90,6 +90,18 @@ MK_C_EXPORT int mk_attention_backward(const void* q, const void* k, const void* 
                           int Hkv, int Sq, int Skv, int D, float scale, int causal, int64_t q_pos0,
                           int64_t kv_pos0, int deterministic, void* workspace, size_t workspace_bytes,
                           void* stream);
+/* Packed variable-length sequences (attention.h: cu_seqlens): B = 1, S rows holding n_docs
+ * documents as cu_seqlens (device int32 [n_docs + 1]) says; strides and the rest as above; lse
+ * [H, S]. */
+MK_C_EXPORT int mk_attention_varlen_forward(const void* q, const void* k, const void* v, void* o, float* lse,
+                                const int64_t* strides12, const int32_t* cu_seqlens, int n_docs, int H, int Hkv,
+                                int S, int D, float scale, int causal, void* stream);
+MK_C_EXPORT int mk_attention_varlen_backward_workspace(int H, int S, int D, int n_docs, size_t* out);
+MK_C_EXPORT int mk_attention_varlen_backward(const void* q, const void* k, const void* v, const void* o,
+                                 const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                                 const int64_t* strides, const int32_t* cu_seqlens, int n_docs, int H, int Hkv,
+                                 int S, int D, float scale, int causal, int deterministic, void* workspace,
+                                 size_t workspace_bytes, void* stream);
 MK_C_EXPORT int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, void* stream);
 MK_C_EXPORT int mk_attention_merge(float* o_acc, float* lse_acc, const void* o_part, const int64_t* part_strides,
                        const float* lse_part, int B, int H, int S, int D, void* stream);

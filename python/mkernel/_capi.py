@@ -20,7 +20,7 @@ STORE_ERASE = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p)
 STORE_WHY = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t)
 
 # The C ABI this module speaks (c_api.h: MK_C_API_VERSION); the library must say the same.
-API_VERSION = 6
+API_VERSION = 7
 
 
 class CommInfo(ctypes.Structure):
@@ -69,6 +69,12 @@ def signatures():
         "mk_attention_backward": [c_void_p] * 9 + [P(c_int64)] + [c_int] * 6 + [c_float, c_int, c_int64, c_int64,
                                                                                    c_int, c_void_p, c_size_t,
                                                                                    c_void_p],
+        "mk_attention_varlen_forward": [c_void_p] * 5 + [P(c_int64), c_void_p] + [c_int] * 5 + [c_float, c_int,
+                                                                                              c_void_p],
+        "mk_attention_varlen_backward_workspace": [c_int] * 4 + [P(c_size_t)],
+        "mk_attention_varlen_backward": [c_void_p] * 9 + [P(c_int64), c_void_p] + [c_int] * 5 + [c_float, c_int, c_int,
+                                                                                                c_void_p, c_size_t,
+                                                                                                c_void_p],
         "mk_attention_merge_init": [c_void_p, c_void_p] + [c_int] * 4 + [c_void_p],
         "mk_attention_merge": [c_void_p] * 3 + [P(c_int64), c_void_p] + [c_int] * 4 + [c_void_p],
         "mk_attention_merge_finish": [c_void_p, c_void_p, P(c_int64)] + [c_int] * 4 + [c_void_p],

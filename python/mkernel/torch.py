@@ -29,8 +29,8 @@ from . import _capi
 from ._capi import MkError, check
 
 __all__ = ["init", "finalize", "finalize_all", "communicator", "Communicator", "all_gather_matmul",
-           "matmul_reduce_scatter", "matmul_all_reduce", "attention", "ring_attention", "all_gather",
-           "reduce_scatter", "all_reduce", "MkError"]
+           "matmul_reduce_scatter", "matmul_all_reduce", "attention", "attention_varlen", "ring_attention",
+           "all_gather", "reduce_scatter", "all_reduce", "MkError"]
 
 _KIND_AG, _KIND_RS, _KIND_AR = 0, 1, 2
 _COLL_NAMES = ("all_gather", "reduce_scatter", "all_reduce")  # collective.h's kinds 0, 1, 2
@@ -570,6 +570,69 @@ def _(q, k, v, o, lse, dout, causal, scale, q_pos0, kv_pos0, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("mkernel::attention_varlen", mutates_args=(), device_types="cuda")
+def _attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .attention import attention_varlen_forward
+    S, H, _ = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, S), dtype=torch.float32, device=q.device)
+    return attention_varlen_forward(q, k, v, cu_seqlens, causal=causal, scale=scale, out=o, lse=lse)
+
+
+def _varlen_fake_check(what, ts, cu_seqlens):
+    for t, n in ts:
+        if t.dim() != 3 or t.dtype != torch.bfloat16:
+            raise MkError(1, f"mkernel.{what}: {n} must be a 3-D [S, heads, D] bfloat16 tensor "
+                             f"(got {tuple(t.shape)} {t.dtype})")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+        raise MkError(1, f"mkernel.{what}: cu_seqlens must be a 1-D int32 tensor (got {tuple(cu_seqlens.shape)} "
+                         f"{cu_seqlens.dtype})")
+
+
+@_attention_varlen.register_fake
+def _(q, k, v, cu_seqlens, causal, scale):
+    _varlen_fake_check("attention_varlen", ((q, "q"), (k, "k"), (v, "v")), cu_seqlens)
+    S, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((H, S), dtype=torch.float32)
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, *output)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attention_varlen_backward_rule(ctx, grad_o, _grad_lse):
+    q, k, v, cu_seqlens, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.mkernel.attention_varlen_backward(q, k, v, o, lse, grad_o.to(torch.bfloat16).contiguous(),
+                                                             cu_seqlens, ctx.causal, ctx.scale, False)
+    return dq, dk, dv, None, None, None
+
+
+_attention_varlen.register_autograd(_attention_varlen_backward_rule, setup_context=_attention_varlen_setup)
+
+
+@torch.library.custom_op("mkernel::attention_varlen_backward", mutates_args=(), device_types="cuda")
+def _attention_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                               lse: torch.Tensor, dout: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                               scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention import attention_varlen_backward
+    return attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens, causal=causal, scale=scale,
+                                     deterministic=deterministic)
+
+
+@_attention_varlen_backward.register_fake
+def _(q, k, v, o, lse, dout, cu_seqlens, causal, scale, deterministic):
+    _varlen_fake_check("attention_varlen_backward", ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout")),
+                       cu_seqlens)
+    S, H, _ = q.shape
+    if tuple(lse.shape) != (H, S) or lse.dtype != torch.float32:
+        raise MkError(1, f"mkernel.attention_varlen_backward: lse must be fp32 of shape {(H, S)}")
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _check_coll(what, x, world_size, scatter):
     if x.dtype not in _COLL_DTYPES:
         raise MkError(1, f"mkernel.{what}: x must be bfloat16 or float32 (got {x.dtype})")
@@ -911,12 +974,21 @@ def attention(q, k, v, causal=False, scale=None):
     return torch.ops.mkernel.attention(q, k, v, bool(causal), 0.0 if scale is None else float(scale))
 
 
+def attention_varlen(q, k, v, cu_seqlens, causal=False, scale=None):
+    """(O, LSE) of attention over packed documents on this GPU: q [S, H, D], k and v [S, Hkv, D] bf16
+    hold documents back to back, document d being rows cu_seqlens[d] .. cu_seqlens[d + 1] - 1
+    (cu_seqlens: int32 on the GPU, n_docs + 1 entries from 0 to S, read by the kernel: no host
+    synchronization); each document attends only within itself, causal from its own first row.
+    LSE is [H, S] fp32. Differentiable in q, k and v."""
+    return torch.ops.mkernel.attention_varlen(q, k, v, cu_seqlens, bool(causal), 0.0 if scale is None else float(scale))
+
+
 def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group=None):
     """(O, LSE) of attention over the whole sequence, sharded over the group's ranks.
 
     q [B, S/W, H, D], k and v [B, S/W, Hkv, D] bf16: this rank's tokens — chunk r of W
     ("contiguous") or chunks r and 2W-1-r ("zigzag", balanced for causal). O is like q, LSE
-    [B, H, S/W] fp32 (natural log). Forward only: there is no backward.
+    [B, H, S/W] fp32 (natural log). Differentiable in q, k and v (mkernel::ring_attention_backward).
     """
     return torch.ops.mkernel.ring_attention(q, k, v, bool(causal), layout, 0.0 if scale is None else float(scale),
                                             _group(group))

@@ -4,14 +4,16 @@
 # built) the ring operator's tests and benchmark under MPS.
 # The backward: its test against float64 and SDPA's backward (bwdtest) and its benchmark against
 # SDPA's backward (bwdbench; MK_ATTN_BWD_ARGS, e.g. --seqs 1024,4096,8192 --ds 64,128).
-# MK_ATTN_STEPS limits the steps: build sass test bench bwdtest bwdbench ring ringbench. Logs, traces and timeline
+# Packed variable-length sequences: their test against float64 (varlentest) and the benchmark
+# against the dense kernel at equal tokens (varlenbench; MK_ATTN_VARLEN_ARGS).
+# MK_ATTN_STEPS limits the steps: build sass test bench bwdtest bwdbench varlentest varlenbench ring ringbench. Logs, traces and timeline
 # PNGs: $OUT/attn_logs.tgz. MK_ATTN_BENCH_ARGS goes to bench_attention.py (e.g. --reps 30 --seqs 4096).
 set -uo pipefail
 RESULT=${OUT:-/tmp/mk-out}
 OUT=/tmp/mk-attn
 rm -rf "$OUT" && mkdir -p "$OUT" "$RESULT"
 trap 'tar -C "$OUT" --exclude="*.sass" -czf "$RESULT/attn_logs.tgz" .' EXIT
-steps=${MK_ATTN_STEPS:-"build sass test bench bwdtest bwdbench ring ringbench"}
+steps=${MK_ATTN_STEPS:-"build sass test bench bwdtest bwdbench varlentest varlenbench ring ringbench"}
 has() { [[ " $steps " == *" $1 "* ]]; }
 source .devcarry/env.sh
 source .devcarry/extra-env.sh
@@ -54,6 +56,16 @@ if has bwdbench; then
   timeout 240 python3 bench/bench_attention_bwd.py --json "$RESULT/bench_attention_bwd.json" ${MK_ATTN_BWD_ARGS:-} \
     > "$OUT/bench_attention_bwd.log" 2>&1
   echo "bench_attention_bwd rc=$? ($(( $(date +%s) - t0 )) s)"; tail -30 "$OUT/bench_attention_bwd.log"
+fi
+if has varlentest; then
+  timeout 300 python3 tests/gpu/test_attention_varlen.py > "$OUT/test_attention_varlen.log" 2>&1
+  echo "test_attention_varlen rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "FAIL|cases|Error|error" "$OUT/test_attention_varlen.log" | head -30
+  cp "$OUT/test_attention_varlen.log" "$RESULT/"
+fi
+if has varlenbench; then
+  timeout 240 python3 bench/bench_attention_varlen.py --json "$RESULT/bench_attention_varlen.json" ${MK_ATTN_VARLEN_ARGS:-} \
+    > "$OUT/bench_attention_varlen.log" 2>&1
+  echo "bench_attention_varlen rc=$? ($(( $(date +%s) - t0 )) s)"; tail -30 "$OUT/bench_attention_varlen.log"
 fi
 # Deadline (s since the start): a ring step starts only if its usual length fits before it, so
 # the logs are packed before the device call's limit.

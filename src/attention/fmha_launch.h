@@ -49,6 +49,9 @@ struct FmhaLaunch {
   int n_pairs = 0;
   FmhaPair single;
   int n_items = 0;
+  // Packed variable-length sequences (single launches): items are (head, virtual tile), B = 1.
+  const int32_t* cu_seqlens = nullptr;
+  int n_docs = 0;
   FmhaSlots slots;
   // Merging (pairs with total > 1): fp32 [B][H][Sq][D] and [B][H][Sq]; sequence counters
   // (2 per item of a query segment) zeroed by the launch.
@@ -72,6 +75,17 @@ struct FmhaLaunch {
 // Items of one pair: B * H * ceil(q_len / 128).
 int pair_items(const FmhaPair& p, int B, int H);
 constexpr int kTileM = 128;
+
+// Packed variable-length sequences (ForwardArgs::cu_seqlens): the virtual tiles of `tile` rows
+// over S rows in n_docs documents (src/attention/kernel/varlen.cuh numbers them).
+inline int varlen_tiles(int S, int n_docs, int tile) { return S / tile + n_docs + 1; }
+// Documents whose cu_seqlens the forward keeps in shared memory (more are searched in global memory).
+constexpr int kVarlenSmemEntries = 8192;
+
+// The checks of a packed variable-length call (cu_seqlens, n_docs) shared by the forward and the
+// backward; OK without cu_seqlens (and n_docs 0).
+Status check_varlen(const char* what, const int32_t* cu, int n_docs, int B, int Sq, int Skv, int64_t q_pos0,
+                    int64_t kv_pos0);
 
 // Launches the kernel (checks what can_implement checks for the tensors it is given).
 Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, const RunConfig& cfg);

@@ -81,6 +81,30 @@ namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 }  // namespace
 
+Status check_varlen(const char* what, const int32_t* cu, int n_docs, int B, int Sq, int Skv, int64_t q_pos0,
+                    int64_t kv_pos0) {
+  if (!cu) {
+    MK_REQUIRE(n_docs == 0, Code::kInvalidArgument, "%s: n_docs %d without cu_seqlens", what, n_docs);
+    return OkStatus();
+  }
+  MK_REQUIRE(n_docs >= 1, Code::kInvalidArgument, "%s: cu_seqlens with n_docs %d (at least 1)", what, n_docs);
+  MK_REQUIRE((reinterpret_cast<uintptr_t>(cu) & 3u) == 0, Code::kInvalidArgument,
+             "%s: cu_seqlens must be 4-byte aligned int32", what);
+  MK_REQUIRE(B == 1, Code::kInvalidArgument, "%s: packed sequences (cu_seqlens) need B = 1, not %d", what, B);
+  MK_REQUIRE(Sq == Skv, Code::kInvalidArgument,
+             "%s: packed sequences (cu_seqlens) need Sq = Skv (one packing for queries and keys), not %d and %d", what,
+             Sq, Skv);
+  MK_REQUIRE(q_pos0 == 0 && kv_pos0 == 0, Code::kInvalidArgument,
+             "%s: packed sequences (cu_seqlens) restart positions at 0 in every document: q_pos0 %lld and kv_pos0 "
+             "%lld must be 0",
+             what, (long long)q_pos0, (long long)kv_pos0);
+  // Items are (head, virtual tile): H * varlen_tiles() must fit an int (checked by the callers
+  // that know H).
+  MK_REQUIRE(int64_t(Sq) + int64_t(n_docs) * kTileM < (int64_t(1) << 30), Code::kInvalidArgument,
+             "%s: %d documents over %d rows are too many for one call", what, n_docs, Sq);
+  return OkStatus();
+}
+
 Status fmha_ctas(int* out) {
   int dev = 0;
   MK_CUDA_CHECK(cudaGetDevice(&dev));
@@ -118,6 +142,7 @@ Status can_implement(const ForwardArgs& a) {
   const uint64_t vb = uint64_t((a.B - 1) * a.v_stride.b + (a.Skv - 1) * a.v_stride.s + (a.Hkv - 1) * a.v_stride.h + a.D) * 2;
   MK_REQUIRE(!overlaps(a.q, qb) && !overlaps(a.k, kb) && !overlaps(a.v, vb), Code::kInvalidArgument,
              "attention: O overlaps Q, K or V");
+  MK_CHECK(check_varlen("attention", a.cu_seqlens, a.n_docs, a.B, a.Sq, a.Skv, a.q_pos0, a.kv_pos0));
 #if !MK_WITH_CUTLASS
   return make_status(Code::kNotSupported, "attention: built without the CUTLASS headers (no sm_90a kernel)");
 #else
@@ -145,6 +170,20 @@ Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, 
 
 Status forward(const ForwardArgs& a, cudaStream_t stream, const RunConfig& cfg) {
   FmhaLaunch l;
+  if (a.cu_seqlens) {
+    MK_CHECK(can_implement(a));
+    l.cu_seqlens = a.cu_seqlens;
+    l.n_docs = a.n_docs;
+    l.single.q_len = l.single.kv_len = a.Sq;  // the documents' rows come from cu_seqlens
+    l.single.causal = a.causal ? 1 : 0;
+    l.n_pairs = 1;
+    const int64_t items = int64_t(a.H) * varlen_tiles(a.Sq, a.n_docs, kTileM);
+    MK_REQUIRE(items < (int64_t(1) << 31), Code::kInvalidArgument,
+               "attention: %d heads x %d documents over %d rows are too many work items for one call", a.H, a.n_docs,
+               a.Sq);
+    l.n_items = int(items);
+    return run_fmha(a, l, stream, cfg);
+  }
   l.single.q_row0 = 0;
   l.single.q_len = a.Sq;
   l.single.q_pos0 = a.q_pos0;

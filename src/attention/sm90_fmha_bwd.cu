@@ -15,9 +15,12 @@
 #include "mkernel/common/tunables.h"
 #include "mkernel/runtime/communicator.h"
 #include "src/attention/bwd_launch.h"
+#include "src/attention/fmha_launch.h"
 
 #if MK_WITH_CUTLASS
 #include <cuda_bf16.h>
+
+#include "src/attention/kernel/varlen.cuh"
 #endif
 
 namespace mk {
@@ -34,9 +37,12 @@ struct Parts {
   size_t dq = 0, lse2 = 0, dsum = 0, order = 0, total = 0;
   int sq_pad = 0;
 };
-Parts parts_of(int B, int H, int Sq, int D) {
+// Packed calls (n_docs > 0): the rows of the virtual query blocks (varlen.cuh).
+Parts parts_of(int B, int H, int Sq, int D, int n_docs) {
   Parts p;
-  p.sq_pad = int(round_up(size_t(Sq), kRowPad));
+  const int block_m = D == 64 ? 128 : 64;  // BwdCfg<D>::kBlockM
+  const int64_t rows_needed = n_docs > 0 ? int64_t(varlen_tiles(Sq, n_docs, block_m)) * block_m : int64_t(Sq);
+  p.sq_pad = int(round_up(size_t(rows_needed), kRowPad));
   const size_t rows = size_t(B) * H * p.sq_pad;
   p.dq = 0;
   p.lse2 = round_up(rows * D * sizeof(float), kAlign);
@@ -58,9 +64,10 @@ bool overlap(const void* a, uint64_t an, const void* b, uint64_t bn) {
 }
 }  // namespace
 
-size_t backward_workspace_bytes(int B, int H, int Sq, int D) {
-  if (B <= 0 || H <= 0 || Sq <= 0 || D <= 0) return 0;
-  return parts_of(B, H, Sq, D).total;
+size_t backward_workspace_bytes(int B, int H, int Sq, int D, int n_docs) {
+  if (B <= 0 || H <= 0 || Sq <= 0 || D <= 0 || n_docs < 0) return 0;
+  if (int64_t(Sq) + int64_t(n_docs) * kRowPad >= (int64_t(1) << 30)) return 0;
+  return parts_of(B, H, Sq, D, n_docs).total;
 }
 
 double backward_flops(int B, int H, int Sq, int Skv, int D, bool causal) {
@@ -97,14 +104,15 @@ Status can_implement_backward(const BackwardArgs& a) {
       if (i != o)
         MK_REQUIRE(!overlap(ptr[o], bytes[o], ptr[i], bytes[i]), Code::kInvalidArgument,
                    "attention backward: %s overlaps %s", nm[o], nm[i]);
+  MK_CHECK(check_varlen("attention backward", a.cu_seqlens, a.n_docs, a.B, a.Sq, a.Skv, a.q_pos0, a.kv_pos0));
   const uint64_t lse_bytes = uint64_t(a.B) * a.H * a.Sq * 4;
   for (int o = 5; o < 8; ++o)
     MK_REQUIRE(!overlap(ptr[o], bytes[o], a.lse, lse_bytes), Code::kInvalidArgument,
                "attention backward: %s overlaps the LSE", nm[o]);
-  const size_t need = backward_workspace_bytes(a.B, a.H, a.Sq, a.D);
+  const size_t need = backward_workspace_bytes(a.B, a.H, a.Sq, a.D, a.n_docs);
   MK_REQUIRE(a.workspace && a.workspace_bytes >= need, Code::kInvalidArgument,
-             "attention backward: the workspace has %zu bytes, %zu needed (backward_workspace_bytes)",
-             a.workspace ? a.workspace_bytes : size_t(0), need);
+             "attention backward: the workspace has %zu bytes, %zu needed (backward_workspace_bytes%s)",
+             a.workspace ? a.workspace_bytes : size_t(0), need, a.n_docs ? " with n_docs" : "");
   MK_REQUIRE((reinterpret_cast<uintptr_t>(a.workspace) % kAlign) == 0, Code::kInvalidArgument,
              "attention backward: the workspace must be 256-byte aligned");
   for (int i = 0; i < 8; ++i)
@@ -130,6 +138,8 @@ struct PreArgs {
   float* lse2;
   float* dsum;
   uint64_t* order;  // null: not deterministic
+  const int32_t* cu;  // packed documents (workspace rows are virtual query blocks'), or null
+  int n_docs, block_m;
 };
 
 // One warp per workspace row (b, h, row < sq_pad).
@@ -141,10 +151,17 @@ __global__ void bwd_pre_kernel(PreArgs a) {
     const int row = int(w % a.sq_pad);
     const int64_t bh = w / a.sq_pad;
     const int h = int(bh % a.H), b = int(bh / a.H);
+    // The sequence row of this workspace row, or -1 (padding).
+    int srow = row < a.Sq ? row : -1;
+    if (a.cu) {
+      const DocTile t = varlen_tile(a.cu, a.n_docs, a.Sq, a.block_m, row / a.block_m);
+      const int local = t.local * a.block_m + row % a.block_m;
+      srow = varlen_valid(t, a.block_m) && local < t.len ? t.row0 + local : -1;
+    }
     float acc = 0.f;
-    if (row < a.Sq) {
-      const __nv_bfloat16* o = a.o + b * a.o_st.b + int64_t(row) * a.o_st.s + int64_t(h) * a.o_st.h;
-      const __nv_bfloat16* g = a.dout + b * a.do_st.b + int64_t(row) * a.do_st.s + int64_t(h) * a.do_st.h;
+    if (srow >= 0) {
+      const __nv_bfloat16* o = a.o + b * a.o_st.b + int64_t(srow) * a.o_st.s + int64_t(h) * a.o_st.h;
+      const __nv_bfloat16* g = a.dout + b * a.do_st.b + int64_t(srow) * a.do_st.s + int64_t(h) * a.do_st.h;
       for (int d = lane * 2; d < a.D; d += 64) {
         const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + d));
         const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(g + d));
@@ -156,7 +173,7 @@ __global__ void bwd_pre_kernel(PreArgs a) {
     for (int i = lane; i < a.D / 4; i += 32) dq[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (lane == 0) {
       a.dsum[w] = acc;
-      const float l = row < a.Sq ? a.lse[bh * a.Sq + row] : -INFINITY;
+      const float l = srow >= 0 ? a.lse[bh * a.Sq + srow] : -INFINITY;
       // A row that saw no key (LSE -inf) and the padding get P = exp2(s - inf) = 0.
       a.lse2[w] = l > -INFINITY ? l * 1.44269504088896340736f : INFINITY;
       if (a.order && row % kOrderRows == 0) a.order[w / kOrderRows] = 0;
@@ -206,7 +223,7 @@ uint32_t bwd_op_tag() {
 Status backward(const BackwardArgs& a, cudaStream_t stream) {
   MK_CHECK(can_implement_backward(a));
 #if MK_WITH_CUTLASS
-  const Parts parts = parts_of(a.B, a.H, a.Sq, a.D);
+  const Parts parts = parts_of(a.B, a.H, a.Sq, a.D, a.cu_seqlens ? a.n_docs : 0);
   char* ws = static_cast<char*>(a.workspace);
   BwdWorkspace w;
   w.dq_acc = reinterpret_cast<float*>(ws + parts.dq);
@@ -242,7 +259,7 @@ Status backward(const BackwardArgs& a, cudaStream_t stream) {
   }
   sm90::PreArgs pa{static_cast<const __nv_bfloat16*>(a.o), static_cast<const __nv_bfloat16*>(a.dout), a.lse,
                    a.o_stride, a.do_stride, a.B, a.H, a.Sq, parts.sq_pad, a.D, w.dq_acc, w.lse2, w.dsum,
-                   a.deterministic ? w.order : nullptr};
+                   a.deterministic ? w.order : nullptr, a.cu_seqlens, a.n_docs, a.D == 64 ? 128 : 64};
   const int64_t rows = int64_t(a.B) * a.H * parts.sq_pad;
   const int pre_blocks = int(std::min<int64_t>((rows + 7) / 8, 4096));
   sm90::bwd_pre_kernel<<<pre_blocks, 256, 0, stream>>>(pa);

@@ -194,6 +194,73 @@ int mk_attention_backward(const void* q, const void* k, const void* v, const voi
   });
 }
 
+int mk_attention_varlen_forward(const void* q, const void* k, const void* v, void* o, float* lse,
+                                const int64_t* strides12, const int32_t* cu_seqlens, int n_docs, int H, int Hkv, int S,
+                                int D, float scale, int causal, void* stream) {
+  return guard("mk_attention_varlen_forward", [&]() -> int {
+    if (!strides12) return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_forward: null strides"));
+    if (!cu_seqlens)
+      return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_forward: null cu_seqlens"));
+    mk::attention::ForwardArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
+    a.q_stride = strides(strides12);
+    a.k_stride = strides(strides12 + 3);
+    a.v_stride = strides(strides12 + 6);
+    a.o_stride = strides(strides12 + 9);
+    a.B = 1, a.H = H, a.Hkv = Hkv, a.Sq = S, a.Skv = S, a.D = D;
+    a.scale = scale;
+    a.causal = causal != 0;
+    a.cu_seqlens = cu_seqlens, a.n_docs = n_docs;
+    return ret(mk::attention::forward(a, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+int mk_attention_varlen_backward_workspace(int H, int S, int D, int n_docs, size_t* bytes) {
+  return guard("mk_attention_varlen_backward_workspace", [&]() -> int {
+    if (!bytes)
+      return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_backward_workspace: null bytes"));
+    *bytes = 0;
+    if (H <= 0 || S <= 0 || (D != 64 && D != 128) || n_docs < 1)
+      return ret(mk::make_status(mk::Code::kInvalidArgument,
+                                 "mk_attention_varlen_backward_workspace: H %d S %d D %d n_docs %d (positive; D 64 or "
+                                 "128)",
+                                 H, S, D, n_docs));
+    *bytes = mk::attention::backward_workspace_bytes(1, H, S, D, n_docs);
+    if (*bytes == 0)
+      return ret(mk::make_status(mk::Code::kInvalidArgument,
+                                 "mk_attention_varlen_backward_workspace: %d documents over %d rows are too many", n_docs,
+                                 S));
+    return ret(mk::OkStatus());
+  });
+}
+
+int mk_attention_varlen_backward(const void* q, const void* k, const void* v, const void* o, const void* dout,
+                                 const float* lse, void* dq, void* dk, void* dv, const int64_t* strides24,
+                                 const int32_t* cu_seqlens, int n_docs, int H, int Hkv, int S, int D, float scale,
+                                 int causal, int deterministic, void* workspace, size_t workspace_bytes,
+                                 void* stream) {
+  return guard("mk_attention_varlen_backward", [&]() -> int {
+    if (!strides24)
+      return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_backward: null strides"));
+    if (!cu_seqlens)
+      return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_backward: null cu_seqlens"));
+    mk::attention::BackwardArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = o, a.dout = dout, a.lse = lse;
+    a.dq = dq, a.dk = dk, a.dv = dv;
+    mk::attention::Strides* st[8] = {&a.q_stride, &a.k_stride, &a.v_stride, &a.o_stride,
+                                     &a.do_stride, &a.dq_stride, &a.dk_stride, &a.dv_stride};
+    for (int i = 0; i < 8; ++i) *st[i] = strides(strides24 + 3 * i);
+    a.B = 1, a.H = H, a.Hkv = Hkv, a.Sq = S, a.Skv = S, a.D = D;
+    a.scale = scale;
+    a.causal = causal != 0;
+    a.cu_seqlens = cu_seqlens, a.n_docs = n_docs;
+    a.deterministic = deterministic != 0;
+    a.workspace = workspace;
+    a.workspace_bytes = workspace_bytes;
+    return ret(mk::attention::backward(a, static_cast<cudaStream_t>(stream)));
+  });
+}
+
 int mk_attention_merge_init(float* o_acc, float* lse_acc, int B, int H, int S, int D, void* stream) {
   return guard("mk_attention_merge_init", [&]() -> int {
     return ret(mk::attention::merge_init(o_acc, lse_acc, B, H, S, D, static_cast<cudaStream_t>(stream)));

@@ -1,6 +1,8 @@
 // The attention backward's argument rules and workspace size, before any GPU: every rule names
 // what is wrong (attention::can_implement_backward), the workspace covers its parts, and the
-// FLOP count is 2.5x the forward's. Fake, never dereferenced addresses stand in for tensors.
+// FLOP count is 2.5x the forward's; the rules of packed variable-length calls (cu_seqlens) in the
+// forward and the backward, and their workspace. Fake, never dereferenced addresses stand in for
+// tensors.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -96,6 +98,89 @@ TEST(AttentionBackwardArgs, WorkspaceCoversItsParts) {
     }
   EXPECT_EQ(backward_workspace_bytes(0, 5, 100, 64), 0u);
   EXPECT_EQ(backward_workspace_bytes(1, 5, 0, 64), 0u);
+}
+
+// A valid packed call: B 1, 1000 rows in 5 documents, the workspace for them.
+struct VarlenProblem : Problem {
+  VarlenProblem() {
+    a.B = 1, a.Skv = a.Sq;
+    a.cu_seqlens = reinterpret_cast<const int32_t*>(uintptr_t(1) << 40);
+    a.n_docs = 5;
+    a.workspace_bytes = backward_workspace_bytes(a.B, a.H, a.Sq, a.D, a.n_docs);
+    a.workspace = reinterpret_cast<void*>(uintptr_t(1) << 41);
+  }
+};
+
+TEST(AttentionVarlenArgs, ValidProblemPasses) {
+  VarlenProblem p;
+  const Status s = check(p.a);
+  EXPECT_TRUE(s.ok() || s.code() == Code::kNotSupported) << s.message();
+}
+
+TEST(AttentionVarlenArgs, EveryRuleNamesTheProblem) {
+  struct Bad {
+    const char* what;
+    std::function<void(BackwardArgs&)> change;
+    const char* says;
+  };
+  const std::vector<Bad> bad = {
+      {"B 2", [](BackwardArgs& a) { a.B = 2; }, "need B = 1"},
+      {"Skv != Sq", [](BackwardArgs& a) { a.Skv = 999; }, "need Sq = Skv"},
+      {"q_pos0", [](BackwardArgs& a) { a.q_pos0 = 3; }, "restart positions at 0"},
+      {"kv_pos0", [](BackwardArgs& a) { a.kv_pos0 = 128; }, "restart positions at 0"},
+      {"no documents", [](BackwardArgs& a) { a.n_docs = 0; }, "n_docs 0 (at least 1)"},
+      {"documents without cu_seqlens", [](BackwardArgs& a) { a.cu_seqlens = nullptr; }, "n_docs 5 without cu_seqlens"},
+      {"misaligned cu_seqlens", [](BackwardArgs& a) { a.cu_seqlens = reinterpret_cast<const int32_t*>(uintptr_t(1) << 40 | 2); },
+       "4-byte aligned"},
+      {"too many documents", [](BackwardArgs& a) { a.n_docs = 1 << 24; }, "too many"},
+      {"workspace of a dense call", [](BackwardArgs& a) { a.workspace_bytes = backward_workspace_bytes(1, 8, 1000, 128); },
+       "with n_docs"},
+  };
+  for (const Bad& b : bad) {
+    VarlenProblem p;
+    b.change(p.a);
+    const Status s = check(p.a);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << b.what << ": " << s.message();
+    EXPECT_NE(s.message().find(b.says), std::string::npos) << b.what << ": " << s.message();
+  }
+  // The forward's rules are the same ones.
+  VarlenProblem p;
+  ForwardArgs f;
+  f.q = p.a.q, f.k = p.a.k, f.v = p.a.v, f.o = p.a.dq;
+  f.q_stride = f.o_stride = p.a.q_stride;
+  f.k_stride = f.v_stride = p.a.k_stride;
+  f.B = 1, f.H = p.a.H, f.Hkv = p.a.Hkv, f.Sq = f.Skv = p.a.Sq, f.D = p.a.D;
+  f.cu_seqlens = p.a.cu_seqlens, f.n_docs = 5;
+  Status s = can_implement(f);
+  EXPECT_TRUE(s.ok() || s.code() == Code::kNotSupported) << s.message();
+  f.B = 2;
+  s = can_implement(f);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("need B = 1"), std::string::npos) << s.message();
+  f.B = 1, f.n_docs = 0;
+  s = can_implement(f);
+  EXPECT_NE(s.message().find("at least 1"), std::string::npos) << s.message();
+  f.cu_seqlens = nullptr, f.n_docs = 3;
+  s = can_implement(f);
+  EXPECT_NE(s.message().find("without cu_seqlens"), std::string::npos) << s.message();
+}
+
+TEST(AttentionVarlenArgs, WorkspaceCoversTheVirtualBlocks) {
+  // The rows of floor(Sq / BM) + n_docs + 1 query blocks (BM 128 at D 64, 64 at D 128) per head,
+  // padded to 128.
+  for (int D : {64, 128})
+    for (int Sq : {1, 127, 1000, 4096})
+      for (int n : {1, 7, 300}) {
+        const size_t bm = D == 64 ? 128 : 64;
+        const size_t rows = size_t(5) * (((Sq / bm + n + 1) * bm + 127) / 128 * 128);
+        const size_t need = rows * D * 4 + 2 * rows * 4 + rows / 64 * 8;
+        const size_t got = backward_workspace_bytes(1, 5, Sq, D, n);
+        EXPECT_GE(got, need) << "D " << D << " Sq " << Sq << " n_docs " << n;
+        EXPECT_LE(got, need + 4 * 256) << "D " << D << " Sq " << Sq << " n_docs " << n;
+        EXPECT_GE(got, backward_workspace_bytes(1, 5, Sq, D)) << "D " << D << " Sq " << Sq << " n_docs " << n;
+      }
+  EXPECT_EQ(backward_workspace_bytes(1, 5, 100, 64, -1), 0u);
+  EXPECT_EQ(backward_workspace_bytes(1, 5, 100, 64, 1 << 24), 0u);
 }
 
 TEST(AttentionBackwardArgs, FlopsAreTwoAndAHalfForwards) {

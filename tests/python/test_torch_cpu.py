@@ -57,6 +57,11 @@ class Schemas(unittest.TestCase):
             "attention_backward": "mkernel::attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
                                   "Tensor dout, bool causal, float scale, SymInt q_pos0, SymInt kv_pos0, "
                                   "bool deterministic) -> (Tensor, Tensor, Tensor)",
+            "attention_varlen": "mkernel::attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, bool causal, "
+                                "float scale) -> (Tensor, Tensor)",
+            "attention_varlen_backward": "mkernel::attention_varlen_backward(Tensor q, Tensor k, Tensor v, Tensor o, "
+                                         "Tensor lse, Tensor dout, Tensor cu_seqlens, bool causal, float scale, "
+                                         "bool deterministic) -> (Tensor, Tensor, Tensor)",
             "ring_attention_backward": "mkernel::ring_attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, "
                                        "Tensor lse, Tensor dout, bool causal, str layout, float scale, "
                                        "str group_name, SymInt world_size) -> (Tensor, Tensor, Tensor)",
@@ -172,6 +177,13 @@ class FakeShapes(unittest.TestCase):
             lambda: torch.ops.mkernel.ring_attention_backward(*(meta(1, 8, 2, 64) for _ in range(4)),
                                                               meta(1, 2, 8, dtype=torch.float32), meta(1, 8, 2, 64),
                                                               True, "striped", 0.0, self.name, W),
+            lambda: mkt.attention_varlen(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64),
+                                         meta(3, dtype=torch.int32)),                        # 4-D q
+            lambda: mkt.attention_varlen(meta(8, 2, 64), meta(8, 2, 64), meta(8, 2, 64),
+                                         meta(3, dtype=torch.int64)),                        # int64 cu_seqlens
+            lambda: torch.ops.mkernel.attention_varlen_backward(*(meta(8, 2, 64) for _ in range(4)),
+                                                                meta(8, 2, dtype=torch.float32), meta(8, 2, 64),
+                                                                meta(3, dtype=torch.int32), False, 0.0, False),
             lambda: mkt.all_gather(meta(8, 8, dtype=torch.float16)),                         # dtype
             lambda: mkt.all_reduce(meta(3, 5)),                                              # 15 elements
             lambda: mkt.reduce_scatter(meta(6, 8)),                                          # 6 rows over 4
@@ -272,6 +284,28 @@ class FakeShapes(unittest.TestCase):
                 self.assertEqual(calls[1][1][6:], (causal, layout, 0.0, self.name, W))
                 self.assertEqual([tuple(a.meta["val"].shape) for a in calls[1][1][:6]], [q, kv, kv, q, (2, 8, 64), q])
                 self.assertEqual(grads, [q, kv, kv])
+
+    def test_attention_varlen_backward_wiring(self):
+        """attention_varlen's backward is one attention_varlen_backward call on the saved O, LSE and
+        cu_seqlens, with the forward's mask and scale, not deterministic."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def fwd_bwd(q, k, v, cu):
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            o, _ = mkt.attention_varlen(*leaves, cu, causal=True, scale=0.125)
+            return torch.autograd.grad(o.float().sum(), leaves)
+
+        q, kv = (300, 8, 128), (300, 2, 128)
+        gm = make_fx(fwd_bwd, tracing_mode="fake")(meta(*q), meta(*kv), meta(*kv), meta(5, dtype=torch.int32))
+        calls = [(str(n.target), n.args) for n in gm.graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith("mkernel.")]
+        self.assertEqual([c[0] for c in calls], ["mkernel.attention_varlen.default",
+                                                 "mkernel.attention_varlen_backward.default"])
+        self.assertIs(calls[1][1][6], calls[0][1][3])  # the same cu_seqlens
+        self.assertEqual(calls[1][1][7:], (True, 0.125, False))
+        self.assertEqual([tuple(a.meta["val"].shape) for a in calls[1][1][:6]], [q, kv, kv, q, (8, 300), q])
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        self.assertEqual([tuple(g.meta["val"].shape) for g in out], [q, kv, kv])
 
     def test_collective_backwards_are_their_adjoints(self):
         """Traced forward + backward: all_gather's backward is one reduce_scatter of the gradient,

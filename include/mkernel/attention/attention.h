@@ -9,6 +9,15 @@
 // Causal masking compares global positions: key j is visible to query i iff
 // kv_pos0 + j <= q_pos0 + i (top-left aligned when both offsets are 0, like torch's is_causal).
 // A query row that sees no key gets O = 0 and LSE = -inf.
+//
+// Packed variable-length sequences (`cu_seqlens`, forward and backward): B = 1 and the sequence
+// axis holds documents back to back, document d being rows [cu_seqlens[d], cu_seqlens[d + 1]) of
+// Q, K, V and O (and of the gradients); each attends only within itself, causal or not, its
+// positions restarting at 0 (so Sq = Skv and q_pos0 = kv_pos0 = 0). cu_seqlens is device int32
+// [n_docs + 1], non-decreasing from 0 to Sq, read by the kernels (no copy to the host, so the call
+// does not synchronize); entries are clamped to [0, Sq], so a wrong one gives wrong rows but no
+// access outside the tensors. Rows in no document (past cu_seqlens[n_docs]) are not written. LSE is
+// [H, Sq] (B = 1).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,6 +48,8 @@ struct ForwardArgs {
   float scale = 0.f;                                   // 0: 1 / sqrt(D)
   bool causal = false;
   int64_t q_pos0 = 0, kv_pos0 = 0;                     // global positions of row 0 (causal)
+  const int32_t* cu_seqlens = nullptr;                 // packed documents (see above), or null
+  int n_docs = 0;                                      // documents in cu_seqlens (>= 1 with it)
 };
 
 struct RunConfig {
@@ -96,12 +107,15 @@ struct BackwardArgs {
   float scale = 0.f;  // 0: 1 / sqrt(D)
   bool causal = false;
   int64_t q_pos0 = 0, kv_pos0 = 0;
+  const int32_t* cu_seqlens = nullptr;  // packed documents, as the forward's (see above)
+  int n_docs = 0;
   bool deterministic = false;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
 
-size_t backward_workspace_bytes(int B, int H, int Sq, int D);
+// n_docs: the documents of a packed variable-length call (0 for none).
+size_t backward_workspace_bytes(int B, int H, int Sq, int D, int n_docs = 0);
 // kInvalidArgument with the reason; kNotSupported without the sm_90a kernel.
 Status can_implement_backward(const BackwardArgs& a);
 // A deterministic call whose ordering wait gave up (it cannot happen while the GPU runs the

@@ -40,6 +40,7 @@
 #include "mkernel/device/diag.h"
 #include "mkernel/device/signal.cuh"
 #include "src/attention/kernel/config.cuh"
+#include "src/attention/kernel/varlen.cuh"
 
 // Leave-one-stage-out builds, for accounting where a call's time goes (benchmarks only; 0 in the
 // library): bit 0 drops the dQ reductions, bit 1 the dQ MMA with its dS stores (and the
@@ -120,6 +121,8 @@ struct BwdParams {
   typename BwdCfg<kD>::TmaQ tma_q, tma_do;
   typename BwdCfg<kD>::TmaKV tma_k, tma_v;
   int B, H, Hkv, Sq, Skv, Sq_pad, m_blocks;
+  const int32_t* cu_seqlens;  // packed documents (B = 1), or null
+  int n_docs;
   const float* lse2;  // [B][H][Sq_pad]
   const float* dsum;  // [B][H][Sq_pad]
   float* dq_acc;      // [B][H][Sq_pad][D], per query block in fragment order (Shared::dq)
@@ -134,13 +137,28 @@ struct BwdParams {
   WaitCtx wait;
 };
 
-// The first query block that sees a key of key block n (causal), or 0.
+// The first of m_blocks query blocks that sees a key of key block n (causal), or 0.
 template <int kD>
-__device__ __forceinline__ int bwd_first_m(const BwdParams<kD>& p, int n) {
+__device__ __forceinline__ int bwd_first_m(const BwdParams<kD>& p, int n, int m_blocks) {
   if (!p.causal) return 0;
   const int64_t first_q = p.kv_pos0 + int64_t(n) * kBwdBlockN - p.q_pos0;  // the first query row that sees key row n * 128
   if (first_q <= 0) return 0;
-  return int(min<int64_t>(first_q / BwdCfg<kD>::kBlockM, p.m_blocks));
+  return int(min<int64_t>(first_q / BwdCfg<kD>::kBlockM, m_blocks));
+}
+
+// A CTA's key block: its rows [row0 + 128 n, ...) of the segment [row0, row0 + len) of K/V (and of
+// Q: the whole sequence, or a packed call's document), and the segment's first query block in
+// the workspace's rows (qb0, a virtual block for packed calls).
+struct BwdBlock {
+  int n, row0, len, qb0, m_blocks;
+};
+template <int kD>
+__device__ __forceinline__ BwdBlock bwd_block(const BwdParams<kD>& p) {
+  constexpr int kBlockM = BwdCfg<kD>::kBlockM;
+  if (!p.cu_seqlens) return BwdBlock{int(blockIdx.x), 0, p.Skv, 0, (p.Sq + kBlockM - 1) / kBlockM};
+  const DocTile t = varlen_tile(p.cu_seqlens, p.n_docs, p.Skv, kBwdBlockN, int(blockIdx.x));
+  if (!varlen_valid(t, kBwdBlockN)) return BwdBlock{0, t.row0, 0, 0, 0};  // no work
+  return BwdBlock{t.local, t.row0, t.len, t.row0 / kBlockM + t.doc, (t.len + kBlockM - 1) / kBlockM};
 }
 
 // Bulk add of `bytes` of fp32 from shared to global memory (one thread), as one bulk group.
@@ -181,10 +199,12 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
   auto& sh = *reinterpret_cast<typename C::Shared*>(smem_raw);
   const int wg = cutlass::canonical_warp_group_idx();
   const int warp_in_wg = cutlass::canonical_warp_idx_sync() % 4;
-  const int nb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const BwdBlock blk = bwd_block(p);
+  const int nb = blk.n;
   const int group = p.H / p.Hkv;
-  const int m_begin = bwd_first_m(p, nb);
-  const int m_count = p.m_blocks - m_begin;  // query blocks per head
+  const int m_begin = bwd_first_m(p, nb, blk.m_blocks);
+  const int m_count = blk.len > 0 ? blk.m_blocks - m_begin : 0;  // query blocks per head
   const int steps = m_count * group;
 
   typename C::PipeKV::Params pkv;
@@ -219,8 +239,10 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
         {
           Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.Skv, kD, p.Hkv, p.B));
           Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.Skv, kD, p.Hkv, p.B));
-          Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kD>>{}, make_coord(nb, 0));
-          Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kD>>{}, make_coord(nb, 0));
+          Tensor gK = local_tile(domain_offset(make_coord(blk.row0, 0), mK(_, _, hk, b)), Shape<Int<kBlockN>, Int<kD>>{},
+                                 make_coord(nb, 0));
+          Tensor gV = local_tile(domain_offset(make_coord(blk.row0, 0), mV(_, _, hk, b)), Shape<Int<kBlockN>, Int<kD>>{},
+                                 make_coord(nb, 0));
           auto ck = p.tma_k.get_slice(0);
           auto cv = p.tma_v.get_slice(0);
           copy(p.tma_k.with(*pipe_kv.producer_get_barrier(skv)), ck.partition_S(gK), ck.partition_D(sK));
@@ -237,11 +259,13 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
           const int h = hk * group + s / m_count, m = m_begin + s % m_count;
           pipe_q.producer_acquire(sq);
           auto* bar = pipe_q.producer_get_barrier(sq);
-          Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kD>>{}, make_coord(m, 0));
-          Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kD>>{}, make_coord(m, 0));
+          Tensor gQ = local_tile(domain_offset(make_coord(blk.row0, 0), mQ(_, _, h, b)), Shape<Int<kBlockM>, Int<kD>>{},
+                                 make_coord(m, 0));
+          Tensor gdO = local_tile(domain_offset(make_coord(blk.row0, 0), mdO(_, _, h, b)),
+                                  Shape<Int<kBlockM>, Int<kD>>{}, make_coord(m, 0));
           copy(p.tma_q.with(*bar), cq.partition_S(gQ), tQs(_, _, _, sq.index()));
           copy(p.tma_do.with(*bar), cdo.partition_S(gdO), tdOs(_, _, _, sq.index()));
-          const int64_t row = (int64_t(b) * p.H + h) * p.Sq_pad + int64_t(m) * kBlockM;
+          const int64_t row = (int64_t(b) * p.H + h) * p.Sq_pad + int64_t(blk.qb0 + m) * kBlockM;
           SM90_BULK_COPY_G2S::copy(p.lse2 + row, bar, &sh.lse2[sq.index()][0], kBlockM * int(sizeof(float)));
           SM90_BULK_COPY_G2S::copy(p.dsum + row, bar, &sh.dsum[sq.index()][0], kBlockM * int(sizeof(float)));
           ++sq;
@@ -255,8 +279,8 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
         const int h = hk * group + s / m_count, m = m_begin + s % m_count;
         cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqFullBarrier);
         if (elect_one_sync()) {
-          float* tile = p.dq_acc + ((int64_t(b) * p.H + h) * p.Sq_pad + int64_t(m) * kBlockM) * kD;
-          const int idx = (b * p.H + h) * p.m_blocks + m;
+          float* tile = p.dq_acc + ((int64_t(b) * p.H + h) * p.Sq_pad + int64_t(blk.qb0 + m) * kBlockM) * kD;
+          const int idx = (b * p.H + h) * p.m_blocks + blk.qb0 + m;
           if (p.deterministic)
             // A wait that gives up has set the abort word: the finishing kernel then poisons dQ,
             // and the next call reports the wait; later waits see the abort word and stop at once.
@@ -334,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
     Tensor S_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
     Tensor dP_rc = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
     const int64_t q_pos_m = p.q_pos0 + int64_t(m) * kBlockM;
-    const bool need_mask = key0 + kBlockN > p.Skv || (p.causal && p.kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
+    const bool need_mask = key0 + kBlockN > blk.len || (p.causal && p.kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < size<1>(S_rc) && !(MK_BWD_SKIP & 8); ++c) {
       const int q = get<1>(cS_rc(0, c));
@@ -344,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
         float pv = exp2f(fmaf(S_rc(r, c), sl2, -l2));
         if (need_mask) {
           const int key = key0 + get<0>(cS_rc(r, c));
-          if (key >= p.Skv || (p.causal && p.kv_pos0 + key > q_pos_m + q)) pv = 0.f;
+          if (key >= blk.len || (p.causal && p.kv_pos0 + key > q_pos_m + q)) pv = 0.f;
         }
         S_rc(r, c) = pv;
       }
@@ -413,9 +437,10 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(tdKrdK); i += 2) {
     const int key = key0 + get<0>(cKV(i)), d = get<1>(cKV(i));
-    if (key >= p.Skv) continue;
-    Element* dk = p.dk + b * p.dk_sb + key * p.dk_ss + hk * p.dk_sh + d;
-    Element* dv = p.dv + b * p.dv_sb + key * p.dv_ss + hk * p.dv_sh + d;
+    if (key >= blk.len) continue;
+    const int64_t row = blk.row0 + key;
+    Element* dk = p.dk + b * p.dk_sb + row * p.dk_ss + hk * p.dk_sh + d;
+    Element* dv = p.dv + b * p.dv_sb + row * p.dv_ss + hk * p.dv_sh + d;
     *reinterpret_cast<__nv_bfloat162*>(dk) = __floats2bfloat162_rn(tdKrdK(i) * p.scale, tdKrdK(i + 1) * p.scale);
     *reinterpret_cast<__nv_bfloat162*>(dv) = __floats2bfloat162_rn(tdVrdV(i), tdVrdV(i + 1));
   }
@@ -424,11 +449,12 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
 
 // dQ (bf16, strides) from the workspace's accumulator: one CTA of 256 threads per (query block,
 // head, batch), thread t reading its fragment elements i at i * 256 + t; NaN when a
-// deterministic call's wait gave up (abort word set).
+// deterministic call's wait gave up (abort word set). Packed calls: a virtual query block, its
+// rows within its document.
 template <int kD>
 __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dq(const float* acc, Element* dq, int64_t sb, int64_t ss,
                                                              int64_t sh, int H, int Sq, int Sq_pad,
-                                                             const uint64_t* abort) {
+                                                             const uint64_t* abort, const int32_t* cu, int n_docs) {
   using C = BwdCfg<kD>;
   constexpr int kBlockM = C::kBlockM;
   typename C::MmadQ mma;
@@ -437,10 +463,17 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dq(const float* acc, E
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const float* tile = acc + ((int64_t(b) * H + h) * Sq_pad + int64_t(m) * kBlockM) * kD;
   const bool poison = abort && *reinterpret_cast<const volatile uint64_t*>(abort) != 0;
+  int row0 = 0, rows = Sq, first = m * kBlockM;  // the segment's rows, and the block's first within it
+  if (cu) {
+    const DocTile t = varlen_tile(cu, n_docs, Sq, kBlockM, m);
+    if (!varlen_valid(t, kBlockM)) return;
+    row0 = t.row0, rows = t.len, first = t.local * kBlockM;
+  }
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(c); i += 2) {
-    const int row = m * kBlockM + get<0>(c(i)), d = get<1>(c(i));
-    if (row >= Sq) continue;
+    const int local = first + get<0>(c(i)), d = get<1>(c(i));
+    if (local >= rows) continue;
+    const int64_t row = int64_t(row0) + local;
     const float x = tile[i * kMmaThreads + threadIdx.x], y = tile[(i + 1) * kMmaThreads + threadIdx.x];
     *reinterpret_cast<__nv_bfloat162*>(dq + b * sb + row * ss + h * sh + d) =
         poison ? __floats2bfloat162_rn(NAN, NAN) : __floats2bfloat162_rn(x, y);

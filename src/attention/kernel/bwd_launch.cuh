@@ -8,6 +8,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "src/attention/bwd_launch.h"
+#include "src/attention/fmha_launch.h"
 #include "src/attention/kernel/bwd.cuh"
 
 namespace mk {
@@ -31,6 +32,8 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
   p.tma_v = make_tma_bwd<kD>(a.v, a.Skv, a.Hkv, a.B, a.v_stride, typename C::SmemKV{});
   p.B = a.B, p.H = a.H, p.Hkv = a.Hkv, p.Sq = a.Sq, p.Skv = a.Skv;
   p.Sq_pad = w.sq_pad;
+  p.cu_seqlens = a.cu_seqlens;
+  p.n_docs = a.n_docs;
   p.m_blocks = w.sq_pad / C::kBlockM;
   p.lse2 = w.lse2;
   p.dsum = w.dsum;
@@ -49,13 +52,15 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
   const int smem = int(sizeof(typename C::Shared));
   auto kernel = fmha_bwd_kernel<kD>;
   MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid((a.Skv + C::kBlockN - 1) / C::kBlockN, a.Hkv, a.B);
+  const int key_blocks =
+      a.cu_seqlens ? varlen_tiles(a.Skv, a.n_docs, C::kBlockN) : (a.Skv + C::kBlockN - 1) / C::kBlockN;
+  const dim3 grid(key_blocks, a.Hkv, a.B);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   MK_CUDA_CHECK(cudaGetLastError());
   const dim3 grid_dq(p.m_blocks, a.H, a.B);
   bwd_finish_dq<kD><<<grid_dq, kMmaThreads, 0, stream>>>(w.dq_acc, static_cast<Element*>(a.dq), a.dq_stride.b,
                                                           a.dq_stride.s, a.dq_stride.h, a.H, a.Sq, w.sq_pad,
-                                                          w.wait.abort);
+                                                          w.wait.abort, a.cu_seqlens, a.n_docs);
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 }

@@ -28,11 +28,11 @@ __device__ __forceinline__ void store_item(const Params<kD, Comm_>& p, O_& o_rc,
                                            float (&lse)[kRows_], const ItemInfo& it, int wg_c, int mma_tid, int lane) {
   const FmhaPair& pr = *it.pair;
   const bool last = pr.ordinal == pr.total - 1;
-  const int rows_here = min(kTileM, pr.q_len - it.qt * kTileM);
-  const int64_t row_base = int64_t(pr.q_row0) + int64_t(it.qt) * kTileM;  // local row of tile row 0
+  const int rows_here = min(kTileM, it.q_len - it.qt * kTileM);  // <= 0: an empty item
+  const int64_t row_base = int64_t(it.q_row0) + int64_t(it.qt) * kTileM;  // local row of tile row 0
   if (pr.total > 1) {
     // Merge with the previous pairs of this query segment, in ordinal order.
-    const int cnt = pr.seq_base + (((it.b * p.H + it.h) * ((pr.q_len + kTileM - 1) / kTileM) + it.qt) * 2 + wg_c);
+    const int cnt = pr.seq_base + (((it.b * p.H + it.h) * ((it.q_len + kTileM - 1) / kTileM) + it.qt) * 2 + wg_c);
     if (pr.ordinal > 0) {
       if ((mma_tid % 128) == 0) {
         const uint64_t* f = p.seq + cnt;

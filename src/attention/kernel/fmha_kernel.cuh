@@ -31,7 +31,8 @@ namespace sm90 {
 template <bool kTrace_, int kD, class Comm_, class Sched_>
 __device__ __forceinline__ void fmha_consume(const Params<kD, Comm_>& p, typename Cfg<kD>::Shared& sh,
                                              typename Cfg<kD>::PipeQ& pipe_q, typename Cfg<kD>::PipeKV& pipe_k,
-                                             typename Cfg<kD>::PipeKV& pipe_v, const Sched_& sched, int wg, int lane) {
+                                             typename Cfg<kD>::PipeKV& pipe_v, const Sched_& sched, int wg, int lane,
+                                             const int32_t* cu) {
   using C = Cfg<kD>;
   constexpr int kBlockN = C::kBlockN;
   const int mma_tid = threadIdx.x - 128;
@@ -58,9 +59,9 @@ __device__ __forceinline__ void fmha_consume(const Params<kD, Comm_>& p, typenam
   for (int item = sched.consumer_next(-1, cs); item < p.n_items; item = sched.consumer_next(item, cs)) {
     [[maybe_unused]] uint64_t t_item = 0;
     if constexpr (kTrace_) t_item = device::trace_now_ns();
-    const ItemInfo it = item_info(p, item);
+    const ItemInfo it = item_info(p, item, cu);
     const FmhaPair& pr = *it.pair;
-    const int nkv = kv_tiles_of(pr, it.qt, kBlockN);
+    const int nkv = kv_tiles_of(it, kBlockN);
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBlockM>, Int<kD>>{});
     Tensor tOrO_rc = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
     constexpr int kRows = decltype(size<0>(tOrO_rc))::value;  // 2
@@ -69,7 +70,7 @@ __device__ __forceinline__ void fmha_consume(const Params<kD, Comm_>& p, typenam
     clear(tOrO);
     if (nkv > 0)
       fmha_mma<kD>(mma_qk, mma_pv, tSrQ, tSrK, tOrV, cS_rc, pipe_q, cq, pipe_k, ck, pipe_v, cv, tOrO, tOrO_rc, softmax,
-                   pr, it.qt, nkv, wg_c, sl2);
+                   pr, it.kv_len, it.qt, nkv, wg_c, sl2);
     float lse[kRows];
     softmax.finish(tOrO_rc, sl2, lse);
     store_item(p, tOrO_rc, cO_rc, lse, it, wg_c, mma_tid, lane);
@@ -129,14 +130,19 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_kernel(__grid_constant__ con
   const int comm_ctas = Comm_::dedicated_ctas(p.comm);
   const FmhaScheduler<typename C::PipeSched> sched{p.item_counter != nullptr, int(blockIdx.x) - comm_ctas,
                                                    int(gridDim.x) - comm_ctas, p.item_counter, pipe_s, sh.sched};
+  // Packed variable-length launches: cu_seqlens in shared memory (after Shared) when it fits.
+  int32_t* cu_smem = reinterpret_cast<int32_t*>(&sh + 1);
+  if (p.cu_in_smem)
+    for (int i = threadIdx.x; i <= p.n_docs; i += kThreads) cu_smem[i] = p.cu_seqlens[i];
+  const int32_t* cu = p.cu_in_smem ? cu_smem : p.cu_seqlens;
   __syncthreads();
 
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (warp_in_wg == 0 && elect_one_sync()) fmha_produce<kTrace_>(p, sh, pipe_q, pipe_k, pipe_v, sched, epoch);
+    if (warp_in_wg == 0 && elect_one_sync()) fmha_produce<kTrace_>(p, sh, pipe_q, pipe_k, pipe_v, sched, epoch, cu);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    fmha_consume<kTrace_>(p, sh, pipe_q, pipe_k, pipe_v, sched, wg, lane);
+    fmha_consume<kTrace_>(p, sh, pipe_q, pipe_k, pipe_v, sched, wg, lane, cu);
   }
   Comm_::finish(p.comm);
 #endif

@@ -68,6 +68,10 @@ Status launch(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, in
   p.lse_acc = l.lse_acc;
   p.seq = l.seq;
   p.item_counter = l.item_counter;
+  p.cu_seqlens = l.cu_seqlens;
+  p.n_docs = l.n_docs;
+  p.v_tiles = l.cu_seqlens ? varlen_tiles(a.Sq, l.n_docs, kTileM) : 0;
+  p.cu_in_smem = l.cu_seqlens && l.n_docs + 1 <= kVarlenSmemEntries;
   p.wait = l.program.wait;
   if constexpr (Comm_::kEnabled) {
     p.comm.program = l.program;
@@ -77,7 +81,7 @@ Status launch(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, in
   if (l.item_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.item_counter, 0, sizeof(int), stream));
   if (l.seq && l.n_seq && l.reset_seq) MK_CUDA_CHECK(cudaMemsetAsync(l.seq, 0, size_t(l.n_seq) * 8, stream));
   if (l.program.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(l.program.op_counter, 0, sizeof(int), stream));
-  const int smem = int(sizeof(typename C::Shared));
+  const int smem = int(sizeof(typename C::Shared)) + (p.cu_in_smem ? (l.n_docs + 1) * int(sizeof(int32_t)) : 0);
   auto kernel = fmha_kernel<kD, kTrace_, Comm_>;
   MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, kThreads, smem, stream>>>(p);

@@ -40,14 +40,14 @@ struct ArrivalCache {
 // thread's later TMA reads. Plain launches (NoComm) have no ring blocks.
 template <bool kTrace_, int kBlockN_, int kD, class Comm_>
 __device__ __forceinline__ void wait_kv_arrival(const Params<kD, Comm_>& p, ArrivalCache& seen, const FmhaPair& pr,
-                                                int b, int j, int item, uint64_t epoch) {
+                                                const ItemInfo& it, int j, int item, uint64_t epoch) {
   if constexpr (Comm_::kEnabled) {
     if (!pr.wait) return;
     [[maybe_unused]] uint64_t t0 = 0;
     if constexpr (kTrace_) t0 = device::trace_now_ns();
     const int cr = p.slot_info.chunk_rows;
-    const int r0 = pr.kv_row0 + j * kBlockN_, r1 = pr.kv_row0 + min(pr.kv_len, (j + 1) * kBlockN_) - 1;
-    const int key = pr.kv_slot * p.B + b;
+    const int r0 = it.kv_row0 + j * kBlockN_, r1 = it.kv_row0 + min(it.kv_len, (j + 1) * kBlockN_) - 1;
+    const int key = pr.kv_slot * p.B + it.b;
     if (key != seen.key) {
       seen.key = key;
       seen.mask = 0;
@@ -82,9 +82,9 @@ __device__ __forceinline__ void load_kv(const Params<kD, Comm_>& p, const TmaKV_
   Tensor mK = tma_k.get_tma_tensor(make_shape(p.kv_rows[src], kD, p.Hkv, p.B, src ? p.kv_slots : 1));
   Tensor mV = tma_v.get_tma_tensor(make_shape(p.kv_rows[src], kD, p.Hkv, p.B, src ? p.kv_slots : 1));
   const int slot = src ? pr.kv_slot : 0;
-  Tensor gK = local_tile(domain_offset(make_coord(pr.kv_row0, 0), mK(_, _, hk, it.b, slot)),
+  Tensor gK = local_tile(domain_offset(make_coord(it.kv_row0, 0), mK(_, _, hk, it.b, slot)),
                          Shape<Int<kBlockN>, Int<kD>>{}, make_coord(_, 0));  // (BN, D, tiles)
-  Tensor gV = local_tile(domain_offset(make_coord(pr.kv_row0, 0), mV(_, _, hk, it.b, slot)),
+  Tensor gV = local_tile(domain_offset(make_coord(it.kv_row0, 0), mV(_, _, hk, it.b, slot)),
                          Shape<Int<kBlockN>, Int<kD>>{}, make_coord(_, 0));
   auto cta_k = tma_k.get_slice(0);
   auto cta_v = tma_v.get_slice(0);
@@ -103,10 +103,10 @@ __device__ __forceinline__ void load_kv(const Params<kD, Comm_>& p, const TmaKV_
     ++sv;
   };
   // Tiles are visited from the last to the first: the causal diagonal (masked) comes first.
-  wait_kv_arrival<kTrace_, kBlockN>(p, seen, pr, it.b, nkv - 1, item, epoch);
+  wait_kv_arrival<kTrace_, kBlockN>(p, seen, pr, it, nkv - 1, item, epoch);
   load_k(nkv - 1);
   for (int j = nkv - 2; j >= 0; --j) {
-    wait_kv_arrival<kTrace_, kBlockN>(p, seen, pr, it.b, j, item, epoch);
+    wait_kv_arrival<kTrace_, kBlockN>(p, seen, pr, it, j, item, epoch);
     load_k(j);
     load_v(j + 1);
   }
@@ -117,7 +117,8 @@ __device__ __forceinline__ void load_kv(const Params<kD, Comm_>& p, const TmaKV_
 template <bool kTrace_, int kD, class Comm_, class Sched_>
 __device__ __forceinline__ void fmha_produce(const Params<kD, Comm_>& p, typename Cfg<kD>::Shared& sh,
                                              typename Cfg<kD>::PipeQ& pipe_q, typename Cfg<kD>::PipeKV& pipe_k,
-                                             typename Cfg<kD>::PipeKV& pipe_v, const Sched_& sched, uint64_t epoch) {
+                                             typename Cfg<kD>::PipeKV& pipe_v, const Sched_& sched, uint64_t epoch,
+                                             const int32_t* cu) {
   using C = Cfg<kD>;
   auto sq = cutlass::make_producer_start_state<typename C::PipeQ>();
   ArrivalCache seen;
@@ -127,16 +128,16 @@ __device__ __forceinline__ void fmha_produce(const Params<kD, Comm_>& p, typenam
   Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.Sq, kD, p.H, p.B));
   auto ss = cutlass::make_producer_start_state<typename C::PipeSched>();
   for (int item = sched.producer_next(-1, ss); item < p.n_items; item = sched.producer_next(item, ss)) {
-    const ItemInfo it = item_info(p, item);
+    const ItemInfo it = item_info(p, item, cu);
     const FmhaPair& pr = *it.pair;
-    const int nkv = kv_tiles_of(pr, it.qt, C::kBlockN);
+    const int nkv = kv_tiles_of(it, C::kBlockN);
     if (nkv == 0) continue;
     const int src = pr.kv_src;
     const int hk = it.h / (p.H / p.Hkv);
     // Q tile
     pipe_q.producer_acquire(sq);
     {
-      Tensor gQ = local_tile(domain_offset(make_coord(pr.q_row0, 0), mQ(_, _, it.h, it.b)),
+      Tensor gQ = local_tile(domain_offset(make_coord(it.q_row0, 0), mQ(_, _, it.h, it.b)),
                              Shape<Int<C::kBlockM>, Int<kD>>{}, make_coord(it.qt, 0));
       auto cta_q = p.tma_q.get_slice(0);
       copy(p.tma_q.with(*pipe_q.producer_get_barrier(sq)), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
@@ -157,8 +158,8 @@ template <int kD, class MmaQK_, class MmaPV_, class TQ_, class TK_, class TV_, c
 __device__ __forceinline__ void fmha_mma(MmaQK_& mma_qk, MmaPV_& mma_pv, const TQ_& tSrQ, const TK_& tSrK,
                                          const TV_& tOrV, const CS_& cS_rc, PipeQ_& pipe_q, StateQ_& cq,
                                          PipeKV_& pipe_k, StateKV_& ck, PipeKV_& pipe_v, StateKV_& cv, TO_& tOrO,
-                                         TORC_& tOrO_rc, Softmax_& softmax, const FmhaPair& pr, int qt, int nkv,
-                                         int wg_c, float sl2) {
+                                         TORC_& tOrO_rc, Softmax_& softmax, const FmhaPair& pr, int kv_len, int qt,
+                                         int nkv, int wg_c, float sl2) {
   using C = Cfg<kD>;
   constexpr int kBlockN = C::kBlockN;
   constexpr int kRows = decltype(size<0>(tOrO_rc))::value;  // 2
@@ -204,7 +205,7 @@ __device__ __forceinline__ void fmha_mma(MmaQK_& mma_qk, MmaPV_& mma_pv, const T
   warpgroup_wait<0>();
   pipe_k.consumer_release(ck);
   ++ck;
-  mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, j, q_pos_base, wg_c);
+  mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, kv_len, j, q_pos_base, wg_c);
   {
     float rs[kRows];
     softmax.update(tSrS_rc, sl2, rs);
@@ -218,7 +219,7 @@ __device__ __forceinline__ void fmha_mma(MmaQK_& mma_qk, MmaPV_& mma_pv, const T
     warpgroup_wait<1>();  // S ready; P·V still running
     pipe_k.consumer_release(ck);
     ++ck;
-    mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, j, q_pos_base, wg_c);
+    mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, kv_len, j, q_pos_base, wg_c);
     float rs[kRows];
     softmax.update(tSrS_rc, sl2, rs);
     warpgroup_wait<0>();

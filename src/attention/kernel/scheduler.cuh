@@ -1,7 +1,9 @@
 // mkernel — the attention forward's work items and their schedule.
 //
 // A work item is (pair, batch, head, 128-row query tile); items are numbered pair by pair
-// (FmhaPair::item0) and, within a pair, head by head. Two schedules over the compute CTAs (the
+// (FmhaPair::item0) and, within a pair, head by head. Packed variable-length launches (one
+// pair, B = 1) number items (head, virtual tile of a document) instead (varlen.cuh); a virtual
+// tile that is no tile of its document is an empty item (no key tiles, no rows). Two schedules over the compute CTAs (the
 // grid less the communication role's dedicated CTAs):
 //   static   compute CTA c takes items c, c + n, ... (n compute CTAs); producer and consumers
 //            walk them alike. Single calls: measured 2-4 % faster than the dynamic one at
@@ -14,18 +16,31 @@
 #include <cstdint>
 
 #include "src/attention/kernel/config.cuh"
+#include "src/attention/kernel/varlen.cuh"
 
 namespace mk {
 namespace attention {
 namespace sm90 {
 
 struct ItemInfo {
-  const FmhaPair* pair;
-  int b, h, qt;  // batch, head, query tile within the pair's segment
+  const FmhaPair* pair;  // the mask, positions, source and merge order
+  int b, h, qt;          // batch, head, query tile within the segment
+  // The segment: query rows [q_row0, q_row0 + q_len) and key rows [kv_row0, kv_row0 + kv_len)
+  // (the pair's, or a document's).
+  int q_row0, q_len, kv_row0, kv_len;
 };
 
+// cu: the launch's cu_seqlens (a copy in shared memory when it fits), null for pair launches.
 template <int kD, class Comm_>
-__device__ __forceinline__ ItemInfo item_info(const Params<kD, Comm_>& p, int item) {
+__device__ __forceinline__ ItemInfo item_info(const Params<kD, Comm_>& p, int item, const int32_t* cu) {
+  if (p.cu_seqlens) {
+    const int h = item / p.v_tiles;
+    const DocTile t = varlen_tile(cu, p.n_docs, p.Sq, kTileM, item % p.v_tiles);
+    if (!varlen_valid(t, kTileM)) return ItemInfo{&p.single, 0, h, 0, t.row0, 0, t.row0, 0};
+    const int qtiles = (t.len + kTileM - 1) / kTileM;
+    const int qt = p.single.causal ? qtiles - 1 - t.local : t.local;  // causal: longest tiles first
+    return ItemInfo{&p.single, 0, h, qt, t.row0, t.len, t.row0, t.len};
+  }
   const FmhaPair* pr = &p.single;
   if (p.pairs) {
     int lo = 0;
@@ -38,14 +53,18 @@ __device__ __forceinline__ ItemInfo item_info(const Params<kD, Comm_>& p, int it
   int qt = w % qtiles;
   // Causal: a head's longest tiles first (they see the most keys).
   if (pr->causal) qt = qtiles - 1 - qt;
-  return ItemInfo{pr, bh / p.H, bh % p.H, qt};
+  return ItemInfo{pr, bh / p.H, bh % p.H, qt, pr->q_row0, pr->q_len, pr->kv_row0, pr->kv_len};
 }
 
-// Key tiles an item visits: all of the segment, or up to the last visible key when causal.
-__device__ __forceinline__ int kv_tiles_of(const FmhaPair& pr, int qt, int block_n) {
-  int n = (pr.kv_len + block_n - 1) / block_n;
+// Key tiles an item visits: all of the segment, or up to the last visible key when causal; none
+// for an empty item.
+__device__ __forceinline__ int kv_tiles_of(const ItemInfo& it, int block_n) {
+  const FmhaPair& pr = *it.pair;
+  const int qt = it.qt;
+  if (qt * kTileM >= it.q_len) return 0;
+  int n = (it.kv_len + block_n - 1) / block_n;
   if (pr.causal) {
-    const int q_last = min(pr.q_len, (qt + 1) * kTileM) - 1;
+    const int q_last = min(it.q_len, (qt + 1) * kTileM) - 1;
     const int64_t last_key = pr.q_pos0 + q_last - pr.kv_pos0;  // last visible key row
     if (last_key < 0) return 0;
     n = min<int64_t>(n, last_key / block_n + 1);

@@ -23,13 +23,14 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // Masks key tile j of S in place (-inf): keys past the segment and, causal, keys after the
-// query. s_rc / c_rc: the scores and their (row, col) coordinates in the tile; q_pos_base: the
-// global position of tile row 0; wg_c: the warpgroup's half of the tile (rows 64 wg_c ...).
+// query. s_rc / c_rc: the scores and their (row, col) coordinates in the tile; kv_len: the
+// segment's key rows; q_pos_base: the global position of tile row 0; wg_c: the warpgroup's half
+// of the tile (rows 64 wg_c ...).
 template <int kBlockN_, class S_, class Coords_>
-__device__ __forceinline__ void mask_tile(S_& s_rc, const Coords_& c_rc, const FmhaPair& pr, int j, int64_t q_pos_base,
-                                          int wg_c) {
+__device__ __forceinline__ void mask_tile(S_& s_rc, const Coords_& c_rc, const FmhaPair& pr, int kv_len, int j,
+                                          int64_t q_pos_base, int wg_c) {
   const int col0 = j * kBlockN_;
-  const bool tail = col0 + kBlockN_ > pr.kv_len;
+  const bool tail = col0 + kBlockN_ > kv_len;
   const bool diag = pr.causal && pr.kv_pos0 + col0 + kBlockN_ - 1 > q_pos_base + wg_c * 64;
   if (!tail && !diag) return;
   CUTLASS_PRAGMA_UNROLL
@@ -38,7 +39,7 @@ __device__ __forceinline__ void mask_tile(S_& s_rc, const Coords_& c_rc, const F
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < size<1>(s_rc); ++c) {
       const int col = col0 + get<1>(c_rc(r, c));
-      if (col >= pr.kv_len || (pr.causal && pr.kv_pos0 + col > qpos)) s_rc(r, c) = -INFINITY;
+      if (col >= kv_len || (pr.causal && pr.kv_pos0 + col > qpos)) s_rc(r, c) = -INFINITY;
     }
   }
 }
