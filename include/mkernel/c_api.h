@@ -83,8 +83,10 @@ MK_C_EXPORT int mk_attention_forward(const void* q, const void* k, const void* v
                          float scale, int causal, int64_t q_pos0, int64_t kv_pos0, void* stream);
 /* The backward (attention.h: BackwardArgs). Strides: 3 per tensor, q, k, v, o, dout, dq, dk, dv (24).
  * lse: the forward's [B, H, Sq] fp32. workspace: device memory of at least the bytes that
- * mk_attention_backward_workspace writes to *out, 256-byte aligned. deterministic: 0 or 1. */
-MK_C_EXPORT int mk_attention_backward_workspace(int B, int H, int Sq, int D, size_t* out);
+ * mk_attention_backward_workspace writes to *out (for the call's fastest schedule; attention.h:
+ * backward_workspace_bytes(args)), 256-byte aligned. deterministic: 0 or 1. */
+MK_C_EXPORT int mk_attention_backward_workspace(int B, int H, int Hkv, int Sq, int Skv, int D, int deterministic,
+                                                size_t* out);
 MK_C_EXPORT int mk_attention_backward(const void* q, const void* k, const void* v, const void* o, const void* dout,
                           const float* lse, void* dq, void* dk, void* dv, const int64_t* strides, int B, int H,
                           int Hkv, int Sq, int Skv, int D, float scale, int causal, int64_t q_pos0,
@@ -96,7 +98,8 @@ MK_C_EXPORT int mk_attention_backward(const void* q, const void* k, const void* 
 MK_C_EXPORT int mk_attention_varlen_forward(const void* q, const void* k, const void* v, void* o, float* lse,
                                 const int64_t* strides12, const int32_t* cu_seqlens, int n_docs, int H, int Hkv,
                                 int S, int D, float scale, int causal, void* stream);
-MK_C_EXPORT int mk_attention_varlen_backward_workspace(int H, int S, int D, int n_docs, size_t* out);
+MK_C_EXPORT int mk_attention_varlen_backward_workspace(int H, int Hkv, int S, int D, int n_docs, int deterministic,
+                                                       size_t* out);
 MK_C_EXPORT int mk_attention_varlen_backward(const void* q, const void* k, const void* v, const void* o,
                                  const void* dout, const float* lse, void* dq, void* dk, void* dv,
                                  const int64_t* strides, const int32_t* cu_seqlens, int n_docs, int H, int Hkv,

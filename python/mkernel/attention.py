@@ -73,7 +73,7 @@ def attention_backward(q, k, v, out, lse, dout, causal=False, scale=0.0, q_pos0=
         raise MkError(1, f"attention_backward: lse must be fp32 of shape {(B, H, Sq)}, not {lse.dtype} {tuple(lse.shape)}")
     lse = lse.contiguous()
     nbytes = ctypes.c_size_t(0)
-    _check(lib().mk_attention_backward_workspace(B, H, Sq, D, ctypes.byref(nbytes)))
+    _check(lib().mk_attention_backward_workspace(B, H, Hkv, Sq, Skv, D, int(deterministic), ctypes.byref(nbytes)))
     ws = torch.empty(nbytes.value + 256, dtype=torch.uint8, device=q.device)
     ws_ptr = (ws.data_ptr() + 255) // 256 * 256
     st = (ctypes.c_int64 * 24)(*sum((_strides(t) for t in ts), []))
@@ -152,7 +152,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, causal=False,
                          f"{tuple(lse.shape)}")
     lse = lse.contiguous()
     nbytes = ctypes.c_size_t(0)
-    _check(lib().mk_attention_varlen_backward_workspace(H, S, D, cu.numel() - 1, ctypes.byref(nbytes)))
+    _check(lib().mk_attention_varlen_backward_workspace(H, Hkv, S, D, cu.numel() - 1, int(deterministic),
+                                                        ctypes.byref(nbytes)))
     ws = torch.empty(nbytes.value + 256, dtype=torch.uint8, device=q.device)
     ws_ptr = (ws.data_ptr() + 255) // 256 * 256
     st = (ctypes.c_int64 * 24)(*sum((_strides(t) for t in ts), []))

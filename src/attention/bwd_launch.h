@@ -18,6 +18,10 @@ struct BwdWorkspace {
   uint64_t* order = nullptr;  // [B][H][sq_pad / 64]: deterministic mode's per-query-block counters
   int sq_pad = 0;
   float scale = 0.f;
+  // Split schedule: each key block's GQA group over head_split CTAs (1: one CTA), dK and dV summed
+  // in dkv_acc (fp32 [2][B][Hkv][key blocks][128 * D] in fragment order, zeroed by the launch).
+  int head_split = 1;
+  float* dkv_acc = nullptr;
   WaitCtx wait{};
 };
 

@@ -70,6 +70,25 @@ size_t backward_workspace_bytes(int B, int H, int Sq, int D, int n_docs) {
   return parts_of(B, H, Sq, D, n_docs).total;
 }
 
+namespace {
+// The split schedule's fp32 dK and dV accumulators: one 128-row key block per (batch, key/value
+// head, CTA column), in fragment order.
+size_t dkv_bytes(const BackwardArgs& a) {
+  const int n_docs = a.cu_seqlens ? a.n_docs : 0;
+  const int64_t blocks = n_docs > 0 ? varlen_tiles(a.Skv, n_docs, 128) : (int64_t(a.Skv) + 127) / 128;
+  return round_up(2 * size_t(a.B) * a.Hkv * size_t(blocks) * 128 * a.D * sizeof(float), kAlign);
+}
+// Whether a call may split a GQA group over several CTAs (dK / dV then summed in fp32 atomics, in
+// any order: never in deterministic mode).
+bool may_split(const BackwardArgs& a) { return !a.deterministic && a.Hkv > 0 && a.H / a.Hkv > 1; }
+}  // namespace
+
+size_t backward_workspace_bytes(const BackwardArgs& a) {
+  const size_t base = backward_workspace_bytes(a.B, a.H, a.Sq, a.D, a.cu_seqlens ? a.n_docs : 0);
+  if (base == 0 || a.Hkv <= 0 || a.Skv <= 0) return base;
+  return may_split(a) ? base + dkv_bytes(a) : base;
+}
+
 double backward_flops(int B, int H, int Sq, int Skv, int D, bool causal) {
   const double f = 10.0 * B * H * double(Sq) * double(Skv) * D;
   return causal ? f / 2 : f;
@@ -115,8 +134,11 @@ Status can_implement_backward(const BackwardArgs& a) {
              a.workspace ? a.workspace_bytes : size_t(0), need, a.n_docs ? " with n_docs" : "");
   MK_REQUIRE((reinterpret_cast<uintptr_t>(a.workspace) % kAlign) == 0, Code::kInvalidArgument,
              "attention backward: the workspace must be 256-byte aligned");
+  // The bytes the call uses: the split schedule's accumulators too when they fit.
+  const size_t full = backward_workspace_bytes(a);
+  const size_t used = a.workspace_bytes >= full ? full : need;
   for (int i = 0; i < 8; ++i)
-    MK_REQUIRE(!overlap(a.workspace, need, ptr[i], bytes[i]), Code::kInvalidArgument,
+    MK_REQUIRE(!overlap(a.workspace, used, ptr[i], bytes[i]), Code::kInvalidArgument,
                "attention backward: the workspace overlaps %s", nm[i]);
 #if !MK_WITH_CUTLASS
   return make_status(Code::kNotSupported, "attention backward: built without the CUTLASS headers (no sm_90a kernel)");
@@ -232,6 +254,21 @@ Status backward(const BackwardArgs& a, cudaStream_t stream) {
   w.order = reinterpret_cast<uint64_t*>(ws + parts.order);
   w.sq_pad = parts.sq_pad;
   w.scale = a.scale > 0.f ? a.scale : 1.f / std::sqrt(float(a.D));
+  // Few key blocks (short sequences, few key/value heads): the group's query heads split over up
+  // to `group` CTAs per key block, so the grid fills the SMs, when the workspace has room for the
+  // fp32 dK / dV accumulators (backward_workspace_bytes(a)).
+  if (may_split(a) && a.workspace_bytes >= parts.total + dkv_bytes(a)) {
+    int sms = 0;
+    MK_CHECK(fmha_ctas(&sms));
+    const int group = a.H / a.Hkv;
+    const int64_t blocks = int64_t(a.B) * a.Hkv *
+                           (a.cu_seqlens ? varlen_tiles(a.Skv, a.n_docs, 128) : (int64_t(a.Skv) + 127) / 128);
+    while (group % (w.head_split * 2) == 0 && blocks * w.head_split * 2 <= sms) w.head_split *= 2;
+    if (w.head_split > 1) {
+      w.dkv_acc = reinterpret_cast<float*>(ws + parts.total);
+      MK_CUDA_CHECK(cudaMemsetAsync(w.dkv_acc, 0, dkv_bytes(a), stream));
+    }
+  }
   if (a.deterministic) {
     int dev = 0;
     MK_CUDA_CHECK(cudaGetDevice(&dev));

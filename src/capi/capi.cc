@@ -158,14 +158,19 @@ int mk_attention_forward(const void* q, const void* k, const void* v, void* o, f
   });
 }
 
-int mk_attention_backward_workspace(int B, int H, int Sq, int D, size_t* bytes) {
+int mk_attention_backward_workspace(int B, int H, int Hkv, int Sq, int Skv, int D, int deterministic, size_t* bytes) {
   return guard("mk_attention_backward_workspace", [&]() -> int {
     if (!bytes) return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_backward_workspace: null bytes"));
-    if (B <= 0 || H <= 0 || Sq <= 0 || (D != 64 && D != 128))
+    *bytes = 0;
+    if (B <= 0 || H <= 0 || Hkv <= 0 || Sq <= 0 || Skv <= 0 || (D != 64 && D != 128))
       return ret(mk::make_status(mk::Code::kInvalidArgument,
-                                 "mk_attention_backward_workspace: B %d H %d Sq %d D %d (positive; D 64 or 128)", B, H,
-                                 Sq, D));
-    *bytes = mk::attention::backward_workspace_bytes(B, H, Sq, D);
+                                 "mk_attention_backward_workspace: B %d H %d Hkv %d Sq %d Skv %d D %d (positive; D 64 "
+                                 "or 128)",
+                                 B, H, Hkv, Sq, Skv, D));
+    mk::attention::BackwardArgs a;
+    a.B = B, a.H = H, a.Hkv = Hkv, a.Sq = Sq, a.Skv = Skv, a.D = D;
+    a.deterministic = deterministic != 0;
+    *bytes = mk::attention::backward_workspace_bytes(a);
     return ret(mk::OkStatus());
   });
 }
@@ -215,17 +220,23 @@ int mk_attention_varlen_forward(const void* q, const void* k, const void* v, voi
   });
 }
 
-int mk_attention_varlen_backward_workspace(int H, int S, int D, int n_docs, size_t* bytes) {
+int mk_attention_varlen_backward_workspace(int H, int Hkv, int S, int D, int n_docs, int deterministic,
+                                           size_t* bytes) {
   return guard("mk_attention_varlen_backward_workspace", [&]() -> int {
     if (!bytes)
       return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_backward_workspace: null bytes"));
     *bytes = 0;
-    if (H <= 0 || S <= 0 || (D != 64 && D != 128) || n_docs < 1)
+    if (H <= 0 || Hkv <= 0 || S <= 0 || (D != 64 && D != 128) || n_docs < 1)
       return ret(mk::make_status(mk::Code::kInvalidArgument,
-                                 "mk_attention_varlen_backward_workspace: H %d S %d D %d n_docs %d (positive; D 64 or "
-                                 "128)",
-                                 H, S, D, n_docs));
-    *bytes = mk::attention::backward_workspace_bytes(1, H, S, D, n_docs);
+                                 "mk_attention_varlen_backward_workspace: H %d Hkv %d S %d D %d n_docs %d (positive; "
+                                 "D 64 or 128)",
+                                 H, Hkv, S, D, n_docs));
+    mk::attention::BackwardArgs a;
+    a.B = 1, a.H = H, a.Hkv = Hkv, a.Sq = S, a.Skv = S, a.D = D;
+    a.cu_seqlens = reinterpret_cast<const int32_t*>(uintptr_t(16));  // only its presence counts here
+    a.n_docs = n_docs;
+    a.deterministic = deterministic != 0;
+    *bytes = mk::attention::backward_workspace_bytes(a);
     if (*bytes == 0)
       return ret(mk::make_status(mk::Code::kInvalidArgument,
                                  "mk_attention_varlen_backward_workspace: %d documents over %d rows are too many", n_docs,

@@ -183,6 +183,27 @@ TEST(AttentionVarlenArgs, WorkspaceCoversTheVirtualBlocks) {
   EXPECT_EQ(backward_workspace_bytes(1, 5, 100, 64, 1 << 24), 0u);
 }
 
+TEST(AttentionBackwardArgs, SplitWorkspaceAddsTheDkDvAccumulators) {
+  // GQA and not deterministic: room for fp32 dK and dV of every 128-row key block; otherwise the
+  // least workspace.
+  Problem p;  // B 2, H 8, Hkv 2, Sq 1000, Skv 1500, D 128
+  const size_t least = backward_workspace_bytes(2, 8, 1000, 128);
+  const size_t acc = size_t(2) * 2 * 2 * ((1500 + 127) / 128) * 128 * 128 * 4;
+  EXPECT_EQ(backward_workspace_bytes(p.a), least + acc);
+  p.a.deterministic = true;
+  EXPECT_EQ(backward_workspace_bytes(p.a), least);
+  p.a.deterministic = false, p.a.Hkv = 8;
+  EXPECT_EQ(backward_workspace_bytes(p.a), least);
+  // Packed documents: the virtual key blocks.
+  VarlenProblem v;  // H 8, Hkv 2, 1000 rows in 5 documents
+  EXPECT_EQ(backward_workspace_bytes(v.a), backward_workspace_bytes(1, 8, 1000, 128, 5) +
+                                               size_t(2) * 2 * (1000 / 128 + 5 + 1) * 128 * 128 * 4);
+  // A call given the least runs unsplit: still valid.
+  p.a.Hkv = 2, p.a.workspace_bytes = least;
+  const Status s = check(p.a);
+  EXPECT_TRUE(s.ok() || s.code() == Code::kNotSupported) << s.message();
+}
+
 TEST(AttentionBackwardArgs, FlopsAreTwoAndAHalfForwards) {
   EXPECT_DOUBLE_EQ(backward_flops(1, 32, 4096, 4096, 128, false), 2.5 * forward_flops(1, 32, 4096, 4096, 128, false));
   EXPECT_DOUBLE_EQ(backward_flops(2, 8, 1000, 3000, 64, true), 2.5 * forward_flops(2, 8, 1000, 3000, 64, true));

@@ -114,8 +114,13 @@ struct BackwardArgs {
   size_t workspace_bytes = 0;
 };
 
-// n_docs: the documents of a packed variable-length call (0 for none).
+// The least workspace a call needs; n_docs: the documents of a packed variable-length call (0 for
+// none).
 size_t backward_workspace_bytes(int B, int H, int Sq, int D, int n_docs = 0);
+// The workspace for a's fastest schedule: the least, plus room to split a GQA group's query heads
+// over several CTAs when a call has fewer key blocks than SMs (dK and dV then summed in fp32, so
+// not in deterministic mode). A call given the least workspace runs unsplit.
+size_t backward_workspace_bytes(const BackwardArgs& a);
 // kInvalidArgument with the reason; kNotSupported without the sm_90a kernel.
 Status can_implement_backward(const BackwardArgs& a);
 // A deterministic call whose ordering wait gave up (it cannot happen while the GPU runs the

@@ -134,6 +134,11 @@ struct BwdParams {
   int causal;
   int deterministic;
   int64_t q_pos0, kv_pos0;
+  // Split schedule (head_split > 1): blockIdx.y = key/value head * head_split + part; the part's
+  // group / head_split query heads, dK and dV added in fp32 to dkv_acc (fragment order, one
+  // 128 x D tile per (batch, key/value head, blockIdx.x); dV after all of dK).
+  int head_split;
+  float* dkv_acc;
   WaitCtx wait;
 };
 
@@ -199,10 +204,11 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
   auto& sh = *reinterpret_cast<typename C::Shared*>(smem_raw);
   const int wg = cutlass::canonical_warp_group_idx();
   const int warp_in_wg = cutlass::canonical_warp_idx_sync() % 4;
-  const int hk = blockIdx.y, b = blockIdx.z;
+  const int hk = blockIdx.y / p.head_split, b = blockIdx.z;
   const BwdBlock blk = bwd_block(p);
   const int nb = blk.n;
-  const int group = p.H / p.Hkv;
+  const int group = p.H / p.Hkv / p.head_split;                  // query heads of this CTA
+  const int h0 = hk * (p.H / p.Hkv) + (blockIdx.y % p.head_split) * group;  // the first of them
   const int m_begin = bwd_first_m(p, nb, blk.m_blocks);
   const int m_count = blk.len > 0 ? blk.m_blocks - m_begin : 0;  // query blocks per head
   const int steps = m_count * group;
@@ -256,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
         Tensor tdOs = cdo.partition_D(sdO);
         auto sq = cutlass::make_producer_start_state<typename C::PipeQ>();
         for (int s = 0; s < steps; ++s) {
-          const int h = hk * group + s / m_count, m = m_begin + s % m_count;
+          const int h = h0 + s / m_count, m = m_begin + s % m_count;
           pipe_q.producer_acquire(sq);
           auto* bar = pipe_q.producer_get_barrier(sq);
           Tensor gQ = local_tile(domain_offset(make_coord(blk.row0, 0), mQ(_, _, h, b)), Shape<Int<kBlockM>, Int<kD>>{},
@@ -276,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
       // after key blocks 0 .. n - 1 added theirs, and complete before it lets key block n + 1 on).
       if (steps > 0) cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqEmptyBarrier);
       for (int s = 0; s < steps; ++s) {
-        const int h = hk * group + s / m_count, m = m_begin + s % m_count;
+        const int h = h0 + s / m_count, m = m_begin + s % m_count;
         cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqFullBarrier);
         if (elect_one_sync()) {
           float* tile = p.dq_acc + ((int64_t(b) * p.H + h) * p.Sq_pad + int64_t(blk.qb0 + m) * kBlockM) * kD;
@@ -432,6 +438,19 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
   // The reducing warp's last arrival (it has read the last tile).
   if (steps > 0) cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
 
+  if (p.head_split > 1) {
+    // Split schedule: this CTA's share of dK (scaled) and dV, added in fp32 (bwd_finish_dkv).
+    if (steps == 0) return;
+    const int64_t tiles = int64_t(gridDim.x) * p.Hkv * p.B;
+    float* dk_t = p.dkv_acc + ((int64_t(b) * p.Hkv + hk) * gridDim.x + blockIdx.x) * (kBlockN * kD);
+    float* dv_t = dk_t + tiles * (kBlockN * kD);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) {
+      atomicAdd(dk_t + i * kMmaThreads + tid, tdKrdK(i) * p.scale);
+      atomicAdd(dv_t + i * kMmaThreads + tid, tdVrdV(i));
+    }
+    return;
+  }
   // dK (scaled) and dV of the block, bf16.
   Tensor cKV = t_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kD>>{}));  // (key, d)
   CUTLASS_PRAGMA_UNROLL
@@ -477,6 +496,33 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dq(const float* acc, E
     const float x = tile[i * kMmaThreads + threadIdx.x], y = tile[(i + 1) * kMmaThreads + threadIdx.x];
     *reinterpret_cast<__nv_bfloat162*>(dq + b * sb + row * ss + h * sh + d) =
         poison ? __floats2bfloat162_rn(NAN, NAN) : __floats2bfloat162_rn(x, y);
+  }
+}
+
+// dK and dV (bf16, strides) from the split schedule's fp32 accumulators: one CTA of 256 threads
+// per key block (blockIdx.x as the main kernel's), key/value head and batch, thread t reading its
+// fragment elements i at i * 256 + t.
+template <int kD>
+__global__ void __launch_bounds__(kMmaThreads) bwd_finish_dkv(const BwdParams<kD> p) {
+  using C = BwdCfg<kD>;
+  typename C::MmadKV mma;
+  auto thr = mma.get_thread_slice(threadIdx.x);
+  Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kBwdBlockN>, Int<kD>>{}));  // (key, d)
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const BwdBlock blk = bwd_block(p);
+  const int64_t tiles = int64_t(gridDim.x) * p.Hkv * p.B;
+  const float* dk_t = p.dkv_acc + ((int64_t(b) * p.Hkv + hk) * gridDim.x + blockIdx.x) * (kBwdBlockN * kD);
+  const float* dv_t = dk_t + tiles * (kBwdBlockN * kD);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(c); i += 2) {
+    const int key = blk.n * kBwdBlockN + get<0>(c(i)), d = get<1>(c(i));
+    if (key >= blk.len) continue;
+    const int64_t row = blk.row0 + key;
+    const int j = i * kMmaThreads + threadIdx.x, j1 = (i + 1) * kMmaThreads + threadIdx.x;
+    *reinterpret_cast<__nv_bfloat162*>(p.dk + b * p.dk_sb + row * p.dk_ss + hk * p.dk_sh + d) =
+        __floats2bfloat162_rn(dk_t[j], dk_t[j1]);
+    *reinterpret_cast<__nv_bfloat162*>(p.dv + b * p.dv_sb + row * p.dv_ss + hk * p.dv_sh + d) =
+        __floats2bfloat162_rn(dv_t[j], dv_t[j1]);
   }
 }
 

@@ -49,14 +49,20 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
   p.deterministic = a.deterministic ? 1 : 0;
   p.q_pos0 = a.q_pos0, p.kv_pos0 = a.kv_pos0;
   p.wait = w.wait;
+  p.head_split = w.head_split;
+  p.dkv_acc = w.dkv_acc;
   const int smem = int(sizeof(typename C::Shared));
   auto kernel = fmha_bwd_kernel<kD>;
   MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int key_blocks =
       a.cu_seqlens ? varlen_tiles(a.Skv, a.n_docs, C::kBlockN) : (a.Skv + C::kBlockN - 1) / C::kBlockN;
-  const dim3 grid(key_blocks, a.Hkv, a.B);
+  const dim3 grid(key_blocks, a.Hkv * w.head_split, a.B);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   MK_CUDA_CHECK(cudaGetLastError());
+  if (w.head_split > 1) {
+    bwd_finish_dkv<kD><<<dim3(key_blocks, a.Hkv, a.B), kMmaThreads, 0, stream>>>(p);
+    MK_CUDA_CHECK(cudaGetLastError());
+  }
   const dim3 grid_dq(p.m_blocks, a.H, a.B);
   bwd_finish_dq<kD><<<grid_dq, kMmaThreads, 0, stream>>>(w.dq_acc, static_cast<Element*>(a.dq), a.dq_stride.b,
                                                           a.dq_stride.s, a.dq_stride.h, a.H, a.Sq, w.sq_pad,
