@@ -4,9 +4,11 @@ Per point (D, causal, document length L): T tokens as T / L documents of L rows,
 varlen forward and backward (one packed (T, H, D) sequence) and by its dense ones (B = T / L,
 S = L): the same FLOPs. A "mixed" point packs documents of random lengths (uniform in
 [--mixed-min, --mixed-max], a printed seed) and reports its TFLOP/s next to the dense kernel's at
-the mean length. Each call timed with CUDA events after ~1 s of warm-up; median of --reps.
+the mean length. CUDA events around --inner calls back to back (the host's Python and launch
+work then overlaps the GPU's, which a single short call's events would count), after ~1 s of
+warm-up; the median of --reps, per call.
 ratio = dense time / varlen time (1.0: no cost for the packing).
-  python3 bench/bench_attention_varlen.py [--reps 20] [--json out.json] [--tokens 32768] [--heads 16]
+  python3 bench/bench_attention_varlen.py [--reps 20] [--inner 10] [--json out.json] [--tokens 32768] [--heads 16]
                                           [--lens 512,2048,8192] [--ds 64,128]
 """
 import argparse
@@ -24,16 +26,17 @@ from mkernel.attention import (attention_backward, attention_forward, attention_
                                attention_varlen_forward)
 
 
-def timed(fn):
+def timed(fn, inner):
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    fn()
+    for _ in range(inner):
+        fn()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b)
+    return a.elapsed_time(b) / inner
 
 
-def medians(fns, reps):
+def medians(fns, reps, inner):
     t_end = time.time() + 1.0
     while time.time() < t_end:
         for f in fns:
@@ -42,7 +45,7 @@ def medians(fns, reps):
     ts = [[] for _ in fns]
     for _ in range(reps):
         for i, f in enumerate(fns):
-            ts[i].append(timed(f))
+            ts[i].append(timed(f, inner))
     return [statistics.median(t) for t in ts]
 
 
@@ -54,6 +57,7 @@ def fwd_flops(lens, H, D, causal):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--inner", type=int, default=10)
     ap.add_argument("--json")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
@@ -71,7 +75,7 @@ def main():
     T, H = args.tokens, args.heads
     rows = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; bf16; T {T} tokens, H {H}; median of "
-          f"{args.reps}; ratio = dense time / varlen time; mixed seed {seed}")
+          f"{args.reps} x {args.inner} calls; ratio = dense time / varlen time; mixed seed {seed}")
     print(f"{'D':>4} {'causal':>6} {'docs':>14} {'pass':>4} {'varlen ms':>9} {'TFLOP/s':>8} {'dense ms':>9} "
           f"{'TFLOP/s':>8} {'ratio':>6}")
     for D in [int(d) for d in args.ds.split(",")]:
@@ -102,7 +106,7 @@ def main():
                                                        dv=dvd)),
                 }
                 for what, (fv, fd) in fns.items():
-                    mv, md = medians([fv, fd], args.reps)
+                    mv, md = medians([fv, fd], args.reps, args.inner)
                     mul = 2.5 if what == "bwd" else 1.0
                     fl_v = fwd_flops(lens, H, D, causal) * mul
                     fl_d = fwd_flops([Ld] * Bd, H, D, causal) * mul
@@ -119,6 +123,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps,
+                       "inner": args.inner,
                        "seed": seed, "rows": rows}, f, indent=1)
 
 

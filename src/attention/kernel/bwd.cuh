@@ -206,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
   const int warp_in_wg = cutlass::canonical_warp_idx_sync() % 4;
   const int hk = blockIdx.y / p.head_split, b = blockIdx.z;
   const BwdBlock blk = bwd_block(p);
+  if (p.cu_seqlens && blk.len == 0) return;  // a virtual key tile that is no tile of its document
   const int nb = blk.n;
   const int group = p.H / p.Hkv / p.head_split;                  // query heads of this CTA
   const int h0 = hk * (p.H / p.Hkv) + (blockIdx.y % p.head_split) * group;  // the first of them

@@ -2,7 +2,7 @@
 //
 // A work item is (pair, batch, head, 128-row query tile); items are numbered pair by pair
 // (FmhaPair::item0) and, within a pair, head by head. Packed variable-length launches (one
-// pair, B = 1) number items (head, virtual tile of a document) instead (varlen.cuh); a virtual
+// pair, B = 1) number items (virtual tile of a document, head) instead (varlen.cuh); a virtual
 // tile that is no tile of its document is an empty item (no key tiles, no rows). Two schedules over the compute CTAs (the
 // grid less the communication role's dedicated CTAs):
 //   static   compute CTA c takes items c, c + n, ... (n compute CTAs); producer and consumers
@@ -34,8 +34,11 @@ struct ItemInfo {
 template <int kD, class Comm_>
 __device__ __forceinline__ ItemInfo item_info(const Params<kD, Comm_>& p, int item, const int32_t* cu) {
   if (p.cu_seqlens) {
-    const int h = item / p.v_tiles;
-    const DocTile t = varlen_tile(cu, p.n_docs, p.Sq, kTileM, item % p.v_tiles);
+    // Heads innermost: a static schedule's CTAs then see every document's tiles alike (the
+    // static schedule modelled 0.78 of the mean load per CTA with heads outermost, 0.93 with
+    // them innermost, for 4 causal documents of 8192 rows, H 16).
+    const int h = item % p.H;
+    const DocTile t = varlen_tile(cu, p.n_docs, p.Sq, kTileM, item / p.H);
     if (!varlen_valid(t, kTileM)) return ItemInfo{&p.single, 0, h, 0, t.row0, 0, t.row0, 0};
     const int qtiles = (t.len + kTileM - 1) / kTileM;
     const int qt = p.single.causal ? qtiles - 1 - t.local : t.local;  // causal: longest tiles first
