@@ -29,6 +29,26 @@ int ret(const mk::Status& s) {
   return static_cast<int>(s.code());
 }
 mk::attention::Strides strides(const int64_t* s) { return mk::attention::Strides{s[0], s[1], s[2]}; }
+// The backward's arguments of mk_attention_backward and mk_attention_varlen_backward (strides: 3 per
+// tensor, q, k, v, o, dout, dq, dk, dv).
+mk::attention::BackwardArgs backward_args(const void* q, const void* k, const void* v, const void* o, const void* dout,
+                                          const float* lse, void* dq, void* dk, void* dv, const int64_t* strides24,
+                                          int B, int H, int Hkv, int Sq, int Skv, int D, float scale, int causal,
+                                          int deterministic, void* workspace, size_t workspace_bytes) {
+  mk::attention::BackwardArgs a;
+  a.q = q, a.k = k, a.v = v, a.o = o, a.dout = dout, a.lse = lse;
+  a.dq = dq, a.dk = dk, a.dv = dv;
+  mk::attention::Strides* st[8] = {&a.q_stride, &a.k_stride, &a.v_stride, &a.o_stride,
+                                   &a.do_stride, &a.dq_stride, &a.dk_stride, &a.dv_stride};
+  for (int i = 0; i < 8; ++i) *st[i] = strides(strides24 + 3 * i);
+  a.B = B, a.H = H, a.Hkv = Hkv, a.Sq = Sq, a.Skv = Skv, a.D = D;
+  a.scale = scale;
+  a.causal = causal != 0;
+  a.deterministic = deterministic != 0;
+  a.workspace = workspace;
+  a.workspace_bytes = workspace_bytes;
+  return a;
+}
 // A fused operator with the shape it was created for.
 struct FusedHandle {
   std::unique_ptr<mk::ops::FusedGemm> op;
@@ -182,19 +202,9 @@ int mk_attention_backward(const void* q, const void* k, const void* v, const voi
                           int deterministic, void* workspace, size_t workspace_bytes, void* stream) {
   return guard("mk_attention_backward", [&]() -> int {
     if (!strides24) return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_backward: null strides"));
-    mk::attention::BackwardArgs a;
-    a.q = q, a.k = k, a.v = v, a.o = o, a.dout = dout, a.lse = lse;
-    a.dq = dq, a.dk = dk, a.dv = dv;
-    mk::attention::Strides* st[8] = {&a.q_stride, &a.k_stride, &a.v_stride, &a.o_stride,
-                                     &a.do_stride, &a.dq_stride, &a.dk_stride, &a.dv_stride};
-    for (int i = 0; i < 8; ++i) *st[i] = strides(strides24 + 3 * i);
-    a.B = B, a.H = H, a.Hkv = Hkv, a.Sq = Sq, a.Skv = Skv, a.D = D;
-    a.scale = scale;
-    a.causal = causal != 0;
+    mk::attention::BackwardArgs a = backward_args(q, k, v, o, dout, lse, dq, dk, dv, strides24, B, H, Hkv, Sq, Skv, D,
+                                                  scale, causal, deterministic, workspace, workspace_bytes);
     a.q_pos0 = q_pos0, a.kv_pos0 = kv_pos0;
-    a.deterministic = deterministic != 0;
-    a.workspace = workspace;
-    a.workspace_bytes = workspace_bytes;
     return ret(mk::attention::backward(a, static_cast<cudaStream_t>(stream)));
   });
 }
@@ -255,19 +265,9 @@ int mk_attention_varlen_backward(const void* q, const void* k, const void* v, co
       return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_backward: null strides"));
     if (!cu_seqlens)
       return ret(mk::make_status(mk::Code::kInvalidArgument, "mk_attention_varlen_backward: null cu_seqlens"));
-    mk::attention::BackwardArgs a;
-    a.q = q, a.k = k, a.v = v, a.o = o, a.dout = dout, a.lse = lse;
-    a.dq = dq, a.dk = dk, a.dv = dv;
-    mk::attention::Strides* st[8] = {&a.q_stride, &a.k_stride, &a.v_stride, &a.o_stride,
-                                     &a.do_stride, &a.dq_stride, &a.dk_stride, &a.dv_stride};
-    for (int i = 0; i < 8; ++i) *st[i] = strides(strides24 + 3 * i);
-    a.B = 1, a.H = H, a.Hkv = Hkv, a.Sq = S, a.Skv = S, a.D = D;
-    a.scale = scale;
-    a.causal = causal != 0;
+    mk::attention::BackwardArgs a = backward_args(q, k, v, o, dout, lse, dq, dk, dv, strides24, 1, H, Hkv, S, S, D, scale,
+                                                  causal, deterministic, workspace, workspace_bytes);
     a.cu_seqlens = cu_seqlens, a.n_docs = n_docs;
-    a.deterministic = deterministic != 0;
-    a.workspace = workspace;
-    a.workspace_bytes = workspace_bytes;
     return ret(mk::attention::backward(a, static_cast<cudaStream_t>(stream)));
   });
 }
