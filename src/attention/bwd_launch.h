@@ -6,6 +6,7 @@
 
 #include "mkernel/attention/attention.h"
 #include "mkernel/device/diag.h"
+#include "src/attention/fmha_launch.h"
 
 namespace mk {
 namespace attention {
@@ -24,6 +25,12 @@ struct BwdWorkspace {
   float* dkv_acc = nullptr;
   WaitCtx wait{};
 };
+
+// The backward grid's 128-row key blocks per (batch, key/value head): the sequence's, or a
+// packed call's virtual key tiles (kernel/varlen.cuh).
+inline int bwd_key_blocks(const BackwardArgs& a) {
+  return a.cu_seqlens ? varlen_tiles(a.Skv, a.n_docs, 128) : (a.Skv + 127) / 128;
+}
 
 namespace sm90 {
 Status launch_bwd_d64(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream);

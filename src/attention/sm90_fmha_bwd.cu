@@ -74,9 +74,7 @@ namespace {
 // The split schedule's fp32 dK and dV accumulators: one 128-row key block per (batch, key/value
 // head, CTA column), in fragment order.
 size_t dkv_bytes(const BackwardArgs& a) {
-  const int n_docs = a.cu_seqlens ? a.n_docs : 0;
-  const int64_t blocks = n_docs > 0 ? varlen_tiles(a.Skv, n_docs, 128) : (int64_t(a.Skv) + 127) / 128;
-  return round_up(2 * size_t(a.B) * a.Hkv * size_t(blocks) * 128 * a.D * sizeof(float), kAlign);
+  return round_up(2 * size_t(a.B) * a.Hkv * size_t(bwd_key_blocks(a)) * 128 * a.D * sizeof(float), kAlign);
 }
 // Whether a call may split a GQA group over several CTAs (dK / dV then summed in fp32 atomics, in
 // any order: never in deterministic mode).
@@ -261,8 +259,7 @@ Status backward(const BackwardArgs& a, cudaStream_t stream) {
     int sms = 0;
     MK_CHECK(fmha_ctas(&sms));
     const int group = a.H / a.Hkv;
-    const int64_t blocks = int64_t(a.B) * a.Hkv *
-                           (a.cu_seqlens ? varlen_tiles(a.Skv, a.n_docs, 128) : (int64_t(a.Skv) + 127) / 128);
+    const int64_t blocks = int64_t(a.B) * a.Hkv * bwd_key_blocks(a);
     while (group % (w.head_split * 2) == 0 && blocks * w.head_split * 2 <= sms) w.head_split *= 2;
     if (w.head_split > 1) {
       w.dkv_acc = reinterpret_cast<float*>(ws + parts.total);

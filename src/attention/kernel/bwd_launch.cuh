@@ -8,7 +8,6 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "src/attention/bwd_launch.h"
-#include "src/attention/fmha_launch.h"
 #include "src/attention/kernel/bwd.cuh"
 
 namespace mk {
@@ -54,8 +53,8 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
   const int smem = int(sizeof(typename C::Shared));
   auto kernel = fmha_bwd_kernel<kD>;
   MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const int key_blocks =
-      a.cu_seqlens ? varlen_tiles(a.Skv, a.n_docs, C::kBlockN) : (a.Skv + C::kBlockN - 1) / C::kBlockN;
+  static_assert(C::kBlockN == 128, "bwd_key_blocks counts 128-row key blocks");
+  const int key_blocks = bwd_key_blocks(a);
   const dim3 grid(key_blocks, a.Hkv * w.head_split, a.B);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   MK_CUDA_CHECK(cudaGetLastError());

@@ -91,10 +91,10 @@ struct Params {
   float* lse_acc;
   uint64_t* seq;
   int* item_counter;  // non-null: dynamic schedule (zeroed by the launch)
-  // Packed variable-length sequences (varlen.cuh): n_items = v_tiles * H; cu_in_smem: the CTA
-  // copies the n_docs + 1 entries into shared memory after Shared.
+  // Packed variable-length sequences (varlen.cuh): n_items = virtual tiles * H; cu_in_smem: the
+  // CTA copies the n_docs + 1 entries into shared memory after Shared.
   const int32_t* cu_seqlens;
-  int n_docs, v_tiles, cu_in_smem;
+  int n_docs, cu_in_smem;
   WaitCtx wait;       // arrival waits and the merge order (the program's wait context)
   TraceBuffer trace;  // traced variant only
   typename Comm_::Params comm;

@@ -70,7 +70,6 @@ Status launch(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, in
   p.item_counter = l.item_counter;
   p.cu_seqlens = l.cu_seqlens;
   p.n_docs = l.n_docs;
-  p.v_tiles = l.cu_seqlens ? varlen_tiles(a.Sq, l.n_docs, kTileM) : 0;
   p.cu_in_smem = l.cu_seqlens && l.n_docs + 1 <= kVarlenSmemEntries;
   p.wait = l.program.wait;
   if constexpr (Comm_::kEnabled) {
