@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "src/comm/program_builder.h"
 #include "src/comm/replay.h"
 #include "src/ops/ring_attention/ring_attention_program.h"
 #include "tests/common/mutant_replay.h"
@@ -34,13 +35,13 @@ struct RingConfig {
   int64_t S_l = 64;
   int chunk_tokens = 64;
   int comm_slots = 1, unit_slots = 1;
-  uint64_t seed = 0;
+  bool backward = false;  // with the backward's dK/dV sums (3 key blocks per chunk, pieces of 2)
 };
 std::string name_of(const RingConfig& c) {
   return "W" + std::to_string(c.W) + (c.strided ? "s" : "n") + std::to_string(c.nodes) + (c.staged ? "_staged" : "") +
          (c.zigzag ? "_zigzag" : "_contig") + (c.causal ? "_causal" : "") + "_B" + std::to_string(c.B) + "_S" +
          std::to_string(c.S_l) + "_ct" + std::to_string(c.chunk_tokens) + "_c" + std::to_string(c.comm_slots) + "_u" +
-         std::to_string(c.unit_slots);
+         std::to_string(c.unit_slots) + (c.backward ? "_bwd" : "");
 }
 void PrintTo(const RingConfig& c, std::ostream* os) { *os << name_of(c); }
 
@@ -62,6 +63,14 @@ void build(const RingConfig& c, Built* b) {
   g.row_bytes = 2 * 64 * 2;  // Hkv 2, D 64
   g.chunk_tokens = c.chunk_tokens;
   g.pieces = int((c.S_l + c.chunk_tokens - 1) / c.chunk_tokens);
+  if (c.backward) {
+    g.backward = true;
+    g.hkv = 2;
+    g.tile_bytes = 48;  // the program does not look inside a tile
+    g.chunks = c.zigzag ? 2 : 1;
+    g.kb_per_chunk = 3;
+    g.kb_per_piece = 2;
+  }
   ASSERT_TRUE(build_ring_program(b->plan, l, g, c.staged, &b->prog).ok());
 }
 
@@ -76,27 +85,46 @@ uint32_t tag(int r, int e, int kv, uint64_t i) {
   return uint32_t(test::mix(test::mix(uint64_t(r) * 977 + uint64_t(e), uint64_t(kv)), i));
 }
 
+// The contribution of rank r's kernel in call e to float i of block blk's dK/dV (backward):
+// small integers, so that any order of fp32 sums is exact.
+float part_value(int r, int e, int blk, uint64_t i) {
+  return float(1 + test::mix(test::mix(uint64_t(r) * 131 + uint64_t(e), uint64_t(blk) + 7), i) % 61);
+}
+
 // The kernel's side: per call, the steps that compute something (each reads one block after its
-// arrival waits; step 0 reads the caller's own K/V).
+// arrival waits; step 0 reads the caller's own K/V). Backward: one unit per (step, batch, dK/dV
+// piece) that the rank computes, which checks the block it reads, writes its tiles of the piece
+// into part and raises the piece's ready flag by the count the program waits for.
 class RingCompute : public comm::ReplayCompute {
  public:
   RingCompute(const RingPlan& plan, const RingProgram& p) : plan_(plan), p_(p) {
-    steps_.resize(plan.world);
+    units_.resize(plan.world);
+    const RingGeometry& g = p.geo;
     for (int r = 0; r < plan.world; ++r)
-      for (int t = 0; t < plan.world; ++t)
-        if (!plan.steps[r][t].pairs.empty()) steps_[r].push_back(t);
+      for (int t = 0; t < plan.world; ++t) {
+        if (plan.steps[r][t].pairs.empty()) continue;
+        if (!g.backward) {
+          units_[r].push_back({t, 0, -1});
+          continue;
+        }
+        for (int b = 0; b < g.B; ++b)
+          for (int dp = 0; dp < g.dpieces(); ++dp)
+            if (p.ranks[r].ready_count[p.dkv_index(plan.steps[r][t].kv_rank, b, dp)]) units_[r].push_back({t, b, dp});
+      }
   }
-  size_t units(int rank) const override { return steps_[rank].size(); }
+  size_t units(int rank) const override { return units_[rank].size(); }
   int phases(int, size_t) const override { return 1; }
   const comm::Wait* waits(int rank, size_t unit, int, size_t* n) const override {
     const RingRank& rp = p_.ranks[rank];
-    const int t = steps_[rank][unit];
+    const int t = units_[rank][unit].t;
     *n = rp.step_waits[t];
     return rp.waits.data() + rp.step_wait0[t];
   }
   std::string unit_name(int rank, size_t unit) const override {
-    const int t = steps_[rank][unit];
-    return "step " + std::to_string(t) + " (block of rank " + std::to_string(plan_.steps[rank][t].kv_rank) + ")";
+    const Unit& u = units_[rank][unit];
+    std::string s = "step " + std::to_string(u.t) + " (block of rank " + std::to_string(plan_.steps[rank][u.t].kv_rank) + ")";
+    if (u.dp >= 0) s += " batch " + std::to_string(u.b) + " dK/dV piece " + std::to_string(u.dp);
+    return s;
   }
   void start_call(comm::Replay& r, int me, int e) override {
     for (int kv = 0; kv < 2; ++kv) {
@@ -109,16 +137,45 @@ class RingCompute : public comm::ReplayCompute {
     }
   }
   bool run(comm::Replay& r, int me, size_t unit, int) override {
-    const int t = steps_[me][unit];
-    return check_block(r, me, plan_.steps[me][t].kv_rank, t == 0);
+    const Unit& u = units_[me][unit];
+    const int blk = plan_.steps[me][u.t].kv_rank;
+    if (!check_block(r, me, blk, u.t == 0)) return false;
+    if (u.dp < 0) return true;
+    const RingGeometry& g = p_.geo;
+    const uint64_t off = g.tile_offset(blk, u.b, g.dpiece_kb0(u.dp), 0);
+    const uint64_t bytes = uint64_t(g.dpiece_kbs(u.dp)) * g.hkv * g.tile_bytes;
+    uint8_t* m = r.mem(me, comm::BufRef{RingBuf::kPart, me, off}, bytes);
+    if (!m) return false;
+    for (uint64_t i = 0; i < bytes / 4; ++i) {
+      const float v = part_value(me, r.epoch(me), blk, (off - uint64_t(blk) * g.dkv_block_bytes()) / 4 + i);
+      memcpy(m + 4 * i, &v, 4);
+    }
+    const uint32_t idx = p_.dkv_index(blk, u.b, u.dp);
+    r.raise(me, comm::add_to(RingRegion::kReady, me, idx, p_.ranks[me].ready_count[idx]));
+    return true;
   }
-  bool finish_call(comm::Replay& r, int me, int) override {
+  bool finish_call(comm::Replay& r, int me, int e) override {
     for (int t = 1; t < plan_.world; ++t)
       if (!check_block(r, me, plan_.steps[me][t].kv_rank, false)) return false;
-    return true;
+    return !p_.geo.backward || check_dkv(r, me, e);
+  }
+  // The raises of the units, for the static check.
+  std::vector<comm::ComputeRaise> raises() const {
+    std::vector<comm::ComputeRaise> out;
+    for (int r = 0; r < plan_.world; ++r)
+      for (const Unit& u : units_[r])
+        if (u.dp >= 0) {
+          const uint32_t idx = p_.dkv_index(plan_.steps[r][u.t].kv_rank, u.b, u.dp);
+          out.push_back({r, comm::add_to(RingRegion::kReady, r, idx, p_.ranks[r].ready_count[idx]), 1,
+                         unit_name(r, size_t(&u - units_[r].data()))});
+        }
+    return out;
   }
 
  private:
+  struct Unit {
+    int t, b, dp;  // dp -1: forward (the whole step)
+  };
   uint64_t block() const { return uint64_t(p_.geo.B) * p_.geo.S_l * p_.geo.row_bytes; }
   bool check_block(comm::Replay& r, int me, int owner, bool own) {
     const int e = r.epoch(me);
@@ -142,12 +199,44 @@ class RingCompute : public comm::ReplayCompute {
     }
     return true;
   }
+  // The own block's dK/dV at the end of the call: every rank's part of it that its kernel
+  // computed, summed (acc; part itself with one rank).
+  bool check_dkv(comm::Replay& r, int me, int e) {
+    const RingGeometry& g = p_.geo;
+    const int W = plan_.world;
+    const uint64_t bytes = g.dkv_block_bytes();
+    const comm::BufId at = W == 1 ? comm::BufId(RingBuf::kPart) : comm::BufId(RingBuf::kAcc);
+    const uint8_t* m = r.mem(me, comm::BufRef{at, me, uint64_t(me) * bytes}, bytes);
+    if (!m) return false;
+    const uint64_t per_b = uint64_t(g.kb()) * g.hkv * g.tile_bytes;
+    for (uint64_t i = 0; i < bytes / 4; ++i) {
+      const int b = int(i * 4 / per_b);
+      const int kbi = int((i * 4 % per_b) / (uint64_t(g.hkv) * g.tile_bytes));
+      const int chunk = kbi / g.kb_per_chunk;
+      float want = 0.f;
+      for (int q = 0; q < W; ++q)
+        for (int t = 0; t < W; ++t)
+          if (plan_.steps[q][t].kv_rank == me)
+            for (const auto& pr : plan_.steps[q][t].pairs)
+              if (pr.kv_chunk == chunk) {
+                // the rank's call e: ranks run their calls in the same order
+                want += part_value(q, e, me, i);
+                break;
+              }
+      float got;
+      memcpy(&got, m + 4 * i, 4);
+      if (got != want)
+        return r.fail("dK/dV of the own block, batch " + std::to_string(b) + " key block " + std::to_string(kbi) +
+                      " float " + std::to_string(i) + ": " + std::to_string(got) + ", want " + std::to_string(want));
+    }
+    return true;
+  }
   const RingPlan& plan_;
   const RingProgram& p_;
-  std::vector<std::vector<int>> steps_;
+  std::vector<std::vector<Unit>> units_;
 };
 
-std::string static_check(const RingProgram& p) {
+std::string static_check(const RingPlan& plan, const RingProgram& p) {
   std::vector<comm::ComputeWait> waits;
   for (int r = 0; r < p.layout.world; ++r) {
     const RingRank& rp = p.ranks[r];
@@ -155,7 +244,7 @@ std::string static_check(const RingProgram& p) {
       for (uint32_t i = 0; i < rp.step_waits[t]; ++i)
         waits.push_back({r, rp.waits[rp.step_wait0[t] + i], "kernel step " + std::to_string(t)});
   }
-  return comm::check_static(p, programs(p), {}, waits);
+  return comm::check_static(p, programs(p), RingCompute(plan, p).raises(), waits);
 }
 
 std::string replay(const RingPlan& plan, const RingProgram& p, const comm::ReplayOptions& o) {
@@ -189,6 +278,12 @@ std::vector<RingConfig> sweep() {
   for (bool staged : {false, true})  // the GPU matrix's smallest case: 2 tokens per rank
     add(RingConfig{6, 3, false, staged, true, true, 1, 2, 2, 4, 2});
   add(RingConfig{5, 1, false, false, false, true, 1, 40, 24, 2, 1});  // a last piece shorter than the rest
+  // The backward's dK/dV sums beside K/V: every layout kind, both sequence layouts, causal or not.
+  for (RingConfig c : std::vector<RingConfig>(out)) {
+    if (c.W > 4 && c.nodes == 1) continue;
+    c.backward = true;
+    out.push_back(c);
+  }
   return out;
 }
 
@@ -198,7 +293,7 @@ TEST_P(RingReplay, ThreeCallsDeliverEveryBlock) {
   const RingConfig c = GetParam();
   Built b;
   ASSERT_NO_FATAL_FAILURE(build(c, &b));
-  ASSERT_EQ(static_check(b.prog), "") << name_of(c);
+  ASSERT_EQ(static_check(b.plan, b.prog), "") << name_of(c);
   for (uint64_t k = 0; k < 4; ++k) {
     const uint64_t seed = seed_of(c, k);
     ASSERT_EQ(replay(b.plan, b.prog, comm::ReplayOptions{seed, c.comm_slots, c.unit_slots, 3}), "")
@@ -217,20 +312,55 @@ struct Mutant {
   size_t op = 0, wait = 0;
 };
 
+bool dkv_region(comm::RegionId g) {
+  return g == RingRegion::kReady || g == RingRegion::kDkvArrived || g == RingRegion::kDkvArrivedNet ||
+         g == RingRegion::kSummed;
+}
+bool dkv_buf(comm::BufId b) {
+  return b == RingBuf::kPart || b == RingBuf::kAcc || b == RingBuf::kPartNet || b == RingBuf::kAccNet;
+}
+// An op of the backward's dK/dV sums (it moves or waits for dK/dV).
+bool dkv_op(const comm::Op& op) {
+  for (const auto& b : op.srcs) if (dkv_buf(b.buf)) return true;
+  for (const auto& b : op.dsts) if (dkv_buf(b.buf)) return true;
+  for (const auto& w : op.waits) if (dkv_region(w.flag.region)) return true;
+  return false;
+}
+
+// Backward programs: the mutants of the dK/dV sums only (the ops that move or wait for dK/dV,
+// and the end of the call's waits for them). Their K/V ops are the forward program's, mutated in
+// the forward configurations; beside the sums some of their waits become redundant (the sums go
+// round the ring behind the blocks: a rank's call ends only after its block's sum came back, by
+// then the ring read its K/V), so that dropping them shows in no replay.
 std::vector<Mutant> mutants(const RingPlan& plan, const RingProgram& p) {
   std::vector<Mutant> out;
+  const bool bwd = p.geo.backward;
   for (int r = 0; r < p.layout.world; ++r) {
     const auto& ops = p.ranks[r].ops;
     for (size_t i = 0; i < ops.size(); ++i) {
       const comm::Op& op = ops[i];
+      if (bwd && !dkv_op(op)) continue;
+      const bool whole = !bwd || op.kind != comm::OpKind::kSignal || op.signals.size();  // not the call's end
       const std::string site = "rank " + std::to_string(r) + " op " + std::to_string(i) + " (" + op.what + ")";
       for (size_t j = 0; j < op.waits.size(); ++j)
+        if (whole || dkv_region(op.waits[j].flag.region))
         out.push_back({site + ": drop wait " + std::to_string(j),
                        [=](RingProgram& m) { auto& v = m.ranks[r].ops[i].waits; v.erase(v.begin() + j); }, r, i, j});
       for (size_t j = 0; j < op.signals.size(); ++j)
         out.push_back({site + ": drop signal " + std::to_string(j),
                        [=](RingProgram& m) { auto& v = m.ranks[r].ops[i].signals; v.erase(v.begin() + j); }});
       const bool token = op.kind == comm::OpKind::kNetPut && op.bytes == 8;  // payload nobody reads
+      if (op.kind == comm::OpKind::kReduce) {
+        out.push_back({site + ": 4 values short", [=](RingProgram& m) { m.ranks[r].ops[i].elems -= 4; }});
+        out.push_back({site + ": destination 16 bytes on", [=](RingProgram& m) {
+                         auto& d = m.ranks[r].ops[i].dsts[0];
+                         d.offset = d.offset >= 16 ? d.offset - 16 : d.offset + 16;
+                       }});
+        out.push_back({site + ": second source dropped", [=](RingProgram& m) {
+                         auto& v = m.ranks[r].ops[i].srcs;
+                         v.pop_back();
+                       }});
+      }
       if ((op.kind == comm::OpKind::kCopy || op.kind == comm::OpKind::kNetPut) && !token) {
         out.push_back({site + ": 16 bytes short", [=](RingProgram& m) { m.ranks[r].ops[i].bytes -= 16; }});
         out.push_back({site + ": destination 16 bytes on", [=](RingProgram& m) {
@@ -265,7 +395,8 @@ std::vector<Mutant> mutants(const RingPlan& plan, const RingProgram& p) {
 //  - the final "every block arrived" wait on a block some step of the kernel reads, or another
 //    op of the list waits for, or an op of the list raises (the relay from the host mirror): a
 //    call ends only when every op and every kernel step is done, and each of those waited for the
-//    same count or made it;
+//    same count or made it; likewise the backward's wait for the own block's dK/dV when an op of
+//    the list raises it (the relay from the network);
 //  - the wait for the proxy to finish reading this call's sources, when the only network put is
 //    the entry token (its payload is the same every call), or when the sources are host mirrors
 //    (staged): a mirror is rewritten only by this rank's next call, by a put that waits until the
@@ -281,13 +412,15 @@ bool implied(const RingPlan& plan, const RingProgram& p, int r, size_t i, size_t
     if (!data_puts) return true;
   }
   const comm::Op& op = ops[i];
-  if (op.kind != comm::OpKind::kSignal || w.flag.region != RingRegion::kArrived || !op.signals.empty()) return false;
+  const bool arrival = w.flag.region == RingRegion::kArrived || w.flag.region == RingRegion::kDkvArrived;
+  if (op.kind != comm::OpKind::kSignal || !arrival || !op.signals.empty()) return false;
   for (size_t k = 0; k < ops.size(); ++k) {
     for (const auto& x : ops[k].waits)
       if (k != i && x.flag.region == w.flag.region && x.flag.index == w.flag.index && x.mul >= w.mul) return true;
     for (const auto& x : ops[k].signals)
       if (x.flag.region == w.flag.region && x.flag.rank == r && x.flag.index == w.flag.index) return true;
   }
+  if (w.flag.region != RingRegion::kArrived) return false;
   const int slot = int(w.flag.index / uint32_t(p.geo.B * p.geo.pieces));
   for (int t = 1; t < plan.world; ++t)
     if (plan.steps[r][t].kv_rank == slot && !plan.steps[r][t].pairs.empty()) return true;
@@ -310,7 +443,7 @@ TEST_P(RingMutation, EveryMutantIsRejected) {
     }
     RingProgram m = b.prog;
     mu.apply(m);
-    std::string why = static_check(m);
+    std::string why = static_check(b.plan, m);
     uint64_t k = 0;
     for (; why.empty() && k < test::kMutantReplays; ++k)
       why = replay(b.plan, m, test::mutant_replay(seed_of(c, 100 + k), c.comm_slots, c.unit_slots, k));
@@ -336,7 +469,7 @@ TEST_P(RingMutation, ImpliedWaitsChangeNothing) {
     if (mu.rank < 0 || !implied(b.plan, b.prog, mu.rank, mu.op, mu.wait)) continue;
     RingProgram m = b.prog;
     mu.apply(m);
-    ASSERT_EQ(static_check(m), "") << name_of(c) << ": " << mu.what;
+    ASSERT_EQ(static_check(b.plan, m), "") << name_of(c) << ": " << mu.what;
     for (uint64_t k = 0; k < n; ++k)
       ASSERT_EQ(replay(b.plan, m, test::mutant_replay(seed_of(c, 5000 + k), c.comm_slots, c.unit_slots, k)), "")
           << name_of(c) << ": an implied wait dropped, yet caught: " << mu.what;
@@ -351,7 +484,11 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RingMutation,
                                            RingConfig{2, 2, false, false, false, false, 1, 64, 32, 3, 2},
                                            RingConfig{2, 2, false, true, false, false, 1, 64, 32, 3, 2},
                                            RingConfig{4, 2, false, true, true, true, 1, 32, 16, 3, 2},
-                                           RingConfig{4, 2, true, false, false, true, 1, 32, 16, 3, 2}),
+                                           RingConfig{4, 2, true, false, false, true, 1, 32, 16, 3, 2},
+                                           RingConfig{3, 1, false, false, true, true, 1, 64, 32, 3, 2, true},
+                                           RingConfig{2, 2, false, false, false, false, 1, 64, 32, 3, 2, true},
+                                           RingConfig{4, 2, false, true, true, true, 1, 32, 16, 3, 2, true},
+                                           RingConfig{4, 2, true, false, false, true, 2, 32, 16, 3, 2, true}),
                          [](const ::testing::TestParamInfo<RingConfig>& i) { return name_of(i.param); });
 
 // The resolver's view: the same program checks out for every rank of a 2-node layout, staged

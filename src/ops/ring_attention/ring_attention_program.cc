@@ -128,7 +128,11 @@ struct Builder {
     Op op;
     op.kind = OpKind::kSignal;
     for (int t = 1; t < plan.world; ++t) wait_block(&op.waits, me, prev, t);
-    op.what = "every block of the call arrived";
+    if (g.backward)  // the sums of the own block, back from the ring
+      for (int b = 0; b < g.B; ++b)
+        for (int dp = 0; dp < g.dpieces(); ++dp)
+          op.waits.push_back(wait_on(RingRegion::kDkvArrived, me, p.dkv_index(me, b, dp), 1, prev));
+    op.what = g.backward ? "every block and the own dK/dV of the call arrived" : "every block of the call arrived";
     rp.ops.push_back(op);
     if (const uint64_t net_puts = pb.completions_at(flag_at(RingRegion::kSrcFree, me, 0))) {
       Op done;
@@ -139,27 +143,169 @@ struct Builder {
     }
   }
 
+
+  // ---- the backward's dK/dV (see RingProgram) ----
+  bool bad = false;  // a piece that nobody computes at step 0 (the plan has no such step)
+  uint64_t dpiece_bytes(int dp) const { return uint64_t(g.dpiece_kbs(dp)) * uint64_t(g.hkv) * g.tile_bytes; }
+  uint64_t dpiece_off(int blk, int b, int dp) const { return g.tile_offset(blk, b, g.dpiece_kb0(dp), 0); }
+  // Whether this rank's kernel computes key chunk `chunk` of the block it holds at step t.
+  bool computes(int me, int t, int chunk) const {
+    for (const auto& pr : plan.steps[me][t].pairs)
+      if (pr.kv_chunk == chunk) return true;
+    return false;
+  }
+  std::string dpiece_name(int blk, int b, int dp) const {
+    return "dK/dV of block " + std::to_string(blk) + " batch " + std::to_string(b) + " piece " + std::to_string(dp);
+  }
+
+  // The sum of a piece arrived over the network from `prev` (dkv_arrived_net): into acc (staged:
+  // from its host mirror) and counted in dkv_arrived.
+  void relay_dkv(RingRank& rp, int me, int prev, int blk, int b, int dp) {
+    const uint32_t idx = p.dkv_index(blk, b, dp);
+    Op op;
+    op.waits = {wait_on(RingRegion::kDkvArrivedNet, me, idx, 1, prev)};
+    op.signals = {add_to(RingRegion::kDkvArrived, me, idx)};
+    if (!p.net_staged) {
+      op.kind = OpKind::kSignal;
+      op.what = "relay " + dpiece_name(blk, b, dp) + " (landed in acc)";
+    } else {
+      op.kind = OpKind::kCopy;
+      op.srcs = {BufRef{RingBuf::kAccNet, me, dpiece_off(blk, b, dp)}};
+      op.dsts = {BufRef{RingBuf::kAcc, me, dpiece_off(blk, b, dp)}};
+      op.bytes = dpiece_bytes(dp);
+      op.what = "relay " + dpiece_name(blk, b, dp) + " from the host mirror into acc";
+    }
+    rp.ops.push_back(op);
+  }
+
+  // Step t's piece (b, dp) of block blk on to `next`: the sum received from prev (t >= 1) plus
+  // this rank's part (when its kernel computes the piece), into next's acc — one reduce (or copy)
+  // on the node; over the network a reduce into the own part first, then a put.
+  void send_dkv(RingRank& rp, int me, int next, int prev, bool next_remote, int t, int blk, int b, int dp) {
+    const uint32_t idx = p.dkv_index(blk, b, dp);
+    const uint64_t off = dpiece_off(blk, b, dp), bytes = dpiece_bytes(dp);
+    const bool mine = computes(me, t, g.dpiece_chunk(dp)), recv = t > 0;
+    if (!mine && !recv) {
+      bad = true;
+      return;
+    }
+    std::vector<comm::Wait> in;
+    std::vector<BufRef> srcs;
+    if (mine) {
+      in.push_back(wait_on(RingRegion::kReady, me, idx, rp.ready_count[idx], me));
+      srcs.push_back(BufRef{RingBuf::kPart, me, off});
+    }
+    if (recv) {
+      in.push_back(wait_on(RingRegion::kDkvArrived, me, idx, 1, prev));
+      srcs.push_back(BufRef{RingBuf::kAcc, me, off});
+    }
+    // No wait for next's entry: next's acc of block blk is free once the call's ring passed it
+    // in the previous call, and this op runs only after that. At t = 0 it follows this rank's
+    // previous call, which ended when its own block's sum came back round the ring (through
+    // next); at t >= 1 it follows the block's K/V of this call, which left the owner only after
+    // the owner's previous call ended the same way (and its finishing kernel read acc[owner]).
+    // The replay test checks the argument (ImpliedWaitsChangeNothing would catch a counterexample
+    // only with the wait; without it the replays must still deliver every sum).
+    const std::string to = " to rank " + std::to_string(next);
+    if (!next_remote) {
+      Op op;
+      op.kind = srcs.size() == 2 ? OpKind::kReduce : OpKind::kCopy;
+      op.waits = in;
+      op.srcs = srcs;
+      op.dsts = {BufRef{RingBuf::kAcc, next, off}};
+      if (op.kind == OpKind::kReduce) {
+        op.elems = bytes / 4;
+        op.dst_f32 = true;
+      } else {
+        op.bytes = bytes;
+      }
+      op.signals = {add_to(RingRegion::kDkvArrived, next, idx)};
+      op.what = (srcs.size() == 2 ? "sum of " : "") + dpiece_name(blk, b, dp) + to;
+      rp.ops.push_back(op);
+      return;
+    }
+    std::vector<comm::Wait> put_waits = in;
+    BufRef send = srcs[0];
+    if (srcs.size() == 2) {
+      Op sum;
+      sum.kind = OpKind::kReduce;
+      sum.waits = in;
+      sum.srcs = srcs;
+      sum.dsts = {BufRef{RingBuf::kPart, me, off}};
+      sum.elems = bytes / 4;
+      sum.dst_f32 = true;
+      sum.signals = {add_to(RingRegion::kSummed, me, idx)};
+      sum.what = "sum of " + dpiece_name(blk, b, dp) + " into the own part";
+      rp.ops.push_back(sum);
+      put_waits = {wait_on(RingRegion::kSummed, me, idx, 1, me)};
+      send = BufRef{RingBuf::kPart, me, off};
+    }
+    Op put = pb.put(next, send, BufRef{RingBuf::kAcc, next, off}, bytes, flag_at(RingRegion::kDkvArrivedNet, next, idx),
+                    flag_at(RingRegion::kSrcFree, me, 0), dpiece_name(blk, b, dp) + to + " (network)");
+    put.waits = put_waits;
+    rp.ops.push_back(put);
+  }
+
+  // The items that write each piece of each block at this rank (RingRank::ready_count).
+  void count_ready(RingRank& rp, int me) const {
+    rp.ready_count.assign(size_t(plan.world) * g.B * g.dpieces(), 0);
+    for (int t = 0; t < plan.world; ++t)
+      for (int b = 0; b < g.B; ++b)
+        for (int dp = 0; dp < g.dpieces(); ++dp)
+          if (computes(me, t, g.dpiece_chunk(dp)))
+            rp.ready_count[p.dkv_index(plan.steps[me][t].kv_rank, b, dp)] = uint32_t(g.dpiece_kbs(dp) * g.hkv);
+  }
+
   void build(int me) {
     RingRank& rp = p.ranks[me];
     rp.rank = me;
     const int W = plan.world;
     rp.step_wait0.assign(W, 0);
     rp.step_waits.assign(W, 0);
+    if (g.backward) count_ready(rp, me);
     if (W == 1) return;
     const auto& steps = plan.steps[me];
     const int next = steps[0].send_to, prev = steps[0].recv_from;
     const bool next_remote = !p.layout.same_node(next, me);
     const bool prev_remote = !p.layout.same_node(prev, me);
     rp.ops.push_back(entry_signal(me, prev, prev_remote));
-    for (int t = 0; t + 1 < W; ++t)
+    // K/V forwarded at step t (t < W - 1), and the backward's sums of step t.
+    auto kv = [&](int t) {
       for (int b = 0; b < g.B; ++b)
         for (int pc = 0; pc < g.pieces; ++pc) {
           if (t >= 1 && prev_remote) relay(rp, me, prev, steps[t].kv_rank, b, pc);
           forward(rp, me, next, prev, next_remote, t, steps[t].kv_rank, b, pc);
         }
-    if (prev_remote)
+    };
+    auto dkv = [&](int t) {
       for (int b = 0; b < g.B; ++b)
-        for (int pc = 0; pc < g.pieces; ++pc) relay(rp, me, prev, steps[W - 1].kv_rank, b, pc);
+        for (int dp = 0; dp < g.dpieces(); ++dp) {
+          if (t >= 1 && prev_remote) relay_dkv(rp, me, prev, steps[t].kv_rank, b, dp);
+          send_dkv(rp, me, next, prev, next_remote, t, steps[t].kv_rank, b, dp);
+        }
+    };
+    // The last block K/V arrives (not forwarded): relayed from the network.
+    auto last_kv = [&]() {
+      if (prev_remote)
+        for (int b = 0; b < g.B; ++b)
+          for (int pc = 0; pc < g.pieces; ++pc) relay(rp, me, prev, steps[W - 1].kv_rank, b, pc);
+    };
+    if (!g.backward) {
+      for (int t = 0; t + 1 < W; ++t) kv(t);
+      last_kv();
+    } else {
+      // K/V one step ahead of the sums: a sum waits for this rank's kernel to finish its step
+      // (which waits for its block), and the communication CTAs take ops in list order.
+      kv(0);
+      for (int t = 0; t < W; ++t) {
+        if (t + 1 < W - 1) kv(t + 1);
+        if (t + 1 == W - 1) last_kv();
+        dkv(t);
+      }
+    }
+    if (g.backward && prev_remote)
+      for (int b = 0; b < g.B; ++b)
+        for (int dp = 0; dp < g.dpieces(); ++dp) relay_dkv(rp, me, prev, me, b, dp);
     call_end(rp, me, prev);
     // The kernel's waits: step t reads block steps[t].kv_rank once every piece of it arrived.
     for (int t = 1; t < W; ++t) {
@@ -178,6 +324,9 @@ Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, cons
   MK_REQUIRE(layout.world == W && g.B >= 1 && g.S_l >= 1 && g.row_bytes > 0 && g.row_bytes % 16 == 0 &&
                  g.chunk_tokens >= 1 && g.pieces == int((g.S_l + g.chunk_tokens - 1) / g.chunk_tokens),
              Code::kInvalidArgument, "ring_attention: bad ring geometry");
+  MK_REQUIRE(!g.backward || (g.hkv >= 1 && g.tile_bytes > 0 && g.tile_bytes % 16 == 0 && (g.chunks == 1 || g.chunks == 2) &&
+                             g.kb_per_chunk >= 1 && g.kb_per_piece >= 1),
+             Code::kInvalidArgument, "ring_attention: bad backward geometry");
   RingProgram& p = *out;
   p = RingProgram{};
   p.layout = layout;
@@ -196,15 +345,26 @@ Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, cons
   pb.buf("slots_k_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsK);
   pb.buf("slots_v_net", p.net_staged ? uint64_t(W) * block : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kSlotsV);
   pb.buf("token_net", p.net_staged ? 8ull * W : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kToken, true);
+  const uint64_t dkv = g.backward ? uint64_t(W) * g.dkv_block_bytes() : 0;
+  pb.buf("dkv_part", dkv, comm::Space::kSymmetric, direct);
+  pb.buf("dkv_acc", dkv, comm::Space::kSymmetric, direct);
+  pb.buf("dkv_part_net", p.net_staged ? dkv : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kPart);
+  pb.buf("dkv_acc_net", p.net_staged ? dkv : 0, comm::Space::kHost, p.net_staged, -1, RingBuf::kAcc);
   const uint32_t arrivals = uint32_t(W * g.B * g.pieces);
+  const uint32_t dflags = g.backward ? uint32_t(W * g.B * g.dpieces()) : 0;
   p.add_region("arrived", arrivals, false);
   p.add_region("arrived_net", arrivals, true);
   p.add_region("entry", 1, false);
   p.add_region("entry_net", 1, true);
   p.add_region("src_free", 1, true);
+  p.add_region("ready", dflags, false);
+  p.add_region("dkv_arrived", dflags, false);
+  p.add_region("dkv_arrived_net", dflags, true);
+  p.add_region("summed", dflags, false);
   p.place_regions();
   p.ranks.resize(W);
   for (int me = 0; me < W; ++me) bld.build(me);
+  MK_REQUIRE(!bld.bad, Code::kInternal, "ring_attention backward: a dK/dV piece that no rank computes first");
   return OkStatus();
 }
 

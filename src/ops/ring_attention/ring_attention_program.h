@@ -15,6 +15,7 @@
 // waits in RingRank::waits[step_wait0[t], step_wait0[t] + step_waits[t]).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -31,6 +32,33 @@ struct RingGeometry {
   int64_t row_bytes = 0;     // Hkv * D * 2
   int chunk_tokens = 0;      // tokens per forwarded piece
   int pieces = 0;            // ceil(S_l / chunk_tokens)
+  // The backward's dK/dV traffic (backward = true). Its unit is a *tile*: fp32 dK then dV of 128
+  // keys x D of one (batch, key block, key/value head), tile_bytes = 2 * 128 * D * 4, in the
+  // kernel's fragment order. A rank's block has B x kb x hkv tiles, key blocks numbered chunk by
+  // chunk (kb_per_chunk each, the last one of a chunk partial); dK/dV pieces of up to
+  // kb_per_piece key blocks (all heads) never straddle a chunk, so that a piece is either
+  // computed at a step or not at all.
+  bool backward = false;
+  int hkv = 0;
+  uint64_t tile_bytes = 0;
+  int chunks = 1;            // sequence chunks per rank: 1 (contiguous) or 2 (zigzag)
+  int kb_per_chunk = 0;      // ceil(chunk tokens / 128)
+  int kb_per_piece = 0;
+  int dpieces_per_chunk() const { return (kb_per_chunk + kb_per_piece - 1) / kb_per_piece; }
+  int dpieces() const { return chunks * dpieces_per_chunk(); }  // per (block, batch)
+  int kb() const { return chunks * kb_per_chunk; }              // key blocks per (block, batch)
+  uint64_t dkv_block_bytes() const { return uint64_t(B) * uint64_t(kb()) * uint64_t(hkv) * tile_bytes; }
+  // Piece dp of a (block, batch): its key blocks [kb0, kb0 + n) and its chunk.
+  int dpiece_chunk(int dp) const { return dp / dpieces_per_chunk(); }
+  int dpiece_kb0(int dp) const { return dpiece_chunk(dp) * kb_per_chunk + (dp % dpieces_per_chunk()) * kb_per_piece; }
+  int dpiece_kbs(int dp) const {
+    const int first = (dp % dpieces_per_chunk()) * kb_per_piece;
+    return std::min(kb_per_piece, kb_per_chunk - first);
+  }
+  // Byte offset of tile (block, b, key block, head) in the part / acc buffers.
+  uint64_t tile_offset(int blk, int b, int kbi, int h) const {
+    return uint64_t(blk) * dkv_block_bytes() + ((uint64_t(b) * kb() + kbi) * hkv + h) * tile_bytes;
+  }
 };
 
 // The caller's K and V as the program names them (BufDecl::user_slot; DeviceProgram::user).
@@ -38,20 +66,39 @@ constexpr int kUserSlotK = 0, kUserSlotV = 1;
 
 namespace RingBuf {
 enum : comm::BufId { kUserK = 0, kUserV = 1, kSlotsK = 2, kSlotsV = 3, kToken = 4, kSlotsKNet = 5, kSlotsVNet = 6,
-                     kTokenNet = 7, kCount = 8 };
+                     kTokenNet = 7,
+                     // the backward's (0 bytes in a forward program)
+                     kPart = 8, kAcc = 9, kPartNet = 10, kAccNet = 11, kCount = 12 };
 }  // namespace RingBuf
 namespace RingRegion {
-enum : comm::RegionId { kArrived = 0, kArrivedNet = 1, kEntry = 2, kEntryNet = 3, kSrcFree = 4, kCount = 5 };
+enum : comm::RegionId { kArrived = 0, kArrivedNet = 1, kEntry = 2, kEntryNet = 3, kSrcFree = 4,
+                        // the backward's (empty in a forward program)
+                        kReady = 5, kDkvArrived = 6, kDkvArrivedNet = 7, kSummed = 8, kCount = 9 };
 }  // namespace RingRegion
 
 struct RingRank : comm::RankProgram {
   std::vector<uint32_t> step_wait0, step_waits;  // [W] ranges in `waits` (step 0: none)
+  // Backward: the items that add 1 to ready[dkv_index(blk, b, dp)] per call (the kernel's
+  // items of that piece: key blocks x heads), 0 where no item computes it.
+  std::vector<uint32_t> ready_count;
 };
+
+// The backward's dK/dV, with the buffers and regions above:
+//  - part [W][dkv block] (symmetric): the kernel's items write their fp32 tiles of block o at the
+//    step that computes it, then add 1 to ready[(o, b, piece)] (device, local);
+//  - acc [W][dkv block] (symmetric): the sum of the earlier ranks' tiles of block o, as it
+//    travels the ring with K/V: a rank adds its part to the acc it received (dkv_arrived, one
+//    per piece) and sends the sum on (reduce into the next rank's acc on the node; over the
+//    network a reduce into its own part, then a put). The owner's own tiles start the sum at
+//    step 0; after W hops acc[owner] holds the block's whole dK/dV on its owner.
+//  - summed (device, local): a network send's reduce into the own part is done (its put waits).
+//  With W = 1 there is no program: part[0] is the result.
 
 struct RingProgram : comm::ProgramDecl {
   RingGeometry geo;
   std::vector<RingRank> ranks;  // [world]
   uint32_t arrived_index(int slot, int b, int piece) const { return uint32_t((slot * geo.B + b) * geo.pieces + piece); }
+  uint32_t dkv_index(int blk, int b, int dp) const { return uint32_t((blk * geo.B + b) * geo.dpieces() + dp); }
 };
 
 // Every rank's program for `plan` (its layout decides which sends cross nodes). staged: network
