@@ -174,7 +174,7 @@ __global__ void bwd_pre_kernel(PreArgs a) {
     // The sequence row of this workspace row, or -1 (padding).
     int srow = row < a.Sq ? row : -1;
     if (a.cu) {
-      const DocTile t = varlen_tile(a.cu, a.n_docs, a.Sq, a.block_m, row / a.block_m);
+      const DocTile t = varlen_tile_warp(a.cu, a.n_docs, a.Sq, a.block_m, row / a.block_m);
       const int local = t.local * a.block_m + row % a.block_m;
       srow = varlen_valid(t, a.block_m) && local < t.len ? t.row0 + local : -1;
     }

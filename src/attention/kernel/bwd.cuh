@@ -157,11 +157,12 @@ __device__ __forceinline__ int bwd_first_m(const BwdParams<kD>& p, int n, int m_
 struct BwdBlock {
   int n, row0, len, qb0, m_blocks;
 };
+// Called by whole warps (varlen_tile_warp).
 template <int kD>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams<kD>& p) {
   constexpr int kBlockM = BwdCfg<kD>::kBlockM;
   if (!p.cu_seqlens) return BwdBlock{int(blockIdx.x), 0, p.Skv, 0, (p.Sq + kBlockM - 1) / kBlockM};
-  const DocTile t = varlen_tile(p.cu_seqlens, p.n_docs, p.Skv, kBwdBlockN, int(blockIdx.x));
+  const DocTile t = varlen_tile_warp(p.cu_seqlens, p.n_docs, p.Skv, kBwdBlockN, int(blockIdx.x));
   if (!varlen_valid(t, kBwdBlockN)) return BwdBlock{0, t.row0, 0, 0, 0};  // no work
   return BwdBlock{t.local, t.row0, t.len, t.row0 / kBlockM + t.doc, (t.len + kBlockM - 1) / kBlockM};
 }
@@ -485,7 +486,7 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dq(const float* acc, E
   const bool poison = abort && *reinterpret_cast<const volatile uint64_t*>(abort) != 0;
   int row0 = 0, rows = Sq, first = m * kBlockM;  // the segment's rows, and the block's first within it
   if (cu) {
-    const DocTile t = varlen_tile(cu, n_docs, Sq, kBlockM, m);
+    const DocTile t = varlen_tile_warp(cu, n_docs, Sq, kBlockM, m);
     if (!varlen_valid(t, kBlockM)) return;
     row0 = t.row0, rows = t.len, first = t.local * kBlockM;
   }

@@ -41,6 +41,26 @@ __device__ __forceinline__ DocTile varlen_tile(const int32_t* cu, int n_docs, in
   return DocTile{lo, r0, r1 - r0, v - (r0 / tile + lo)};
 }
 
+// The same, by a whole warp (all 32 lanes call it with the same arguments and get the same
+// result): each round the lanes probe 32 documents of the remaining range at once, so a search
+// over n documents takes ceil(log32 n) dependent loads instead of ceil(log2 n) (global memory:
+// about 0.5 us each, before a CTA of the backward can start).
+__device__ __forceinline__ DocTile varlen_tile_warp(const int32_t* cu, int n_docs, int S, int tile, int v) {
+  const int lane = threadIdx.x % 32;
+  int lo = 0, hi = n_docs - 1;  // the answer is in [lo, hi]
+  while (lo < hi) {
+    const int step = (hi - lo + 32) / 32;  // lanes probe lo + step * lane (lane 0: lo, always <= v)
+    const int d = lo + step * lane;
+    const bool ok = d <= hi && varlen_clamp(cu[d], S) / tile + d <= v;
+    const int last = 31 - __clz(__ballot_sync(0xffffffffu, ok) | 1u);  // the last probe <= v
+    lo = lo + step * last;
+    hi = min(hi, lo + step - 1);
+  }
+  const int r0 = varlen_clamp(cu[lo], S);
+  const int r1 = max(r0, varlen_clamp(cu[lo + 1], S));
+  return DocTile{lo, r0, r1 - r0, v - (r0 / tile + lo)};
+}
+
 __device__ __forceinline__ bool varlen_valid(const DocTile& t, int tile) {
   return t.local >= 0 && t.local * tile < t.len;
 }
