@@ -32,9 +32,62 @@ inline int bwd_key_blocks(const BackwardArgs& a) {
   return a.cu_seqlens ? varlen_tiles(a.Skv, a.n_docs, 128) : (a.Skv + 127) / 128;
 }
 
+// ---- ring attention's backward (src/ops/ring_attention): one persistent launch ----
+//
+// Work is a list of *pairs*: (a step's key chunk, the query segments of this rank that see it).
+// A pair's items are (batch, 128-row key block of the chunk, key/value head), heads innermost;
+// an item computes its key block's dK/dV over every query segment of the pair (fp32, into its
+// part tile), its share of dQ into the workspace, and adds 1 to its dK/dV piece's ready flag.
+
+// A query segment: rows [q_row0, q_row0 + 128-or-64 * m_blocks) of Q at global position q_pos0;
+// its first query block among the workspace's (virtual) blocks is qb0.
+struct BwdSeg {
+  int32_t q_row0 = 0, m_blocks = 0, qb0 = 0, causal = 0;
+  int64_t q_pos0 = 0;
+};
+struct BwdRingPair {
+  int32_t kv_src = 0;              // 0: the caller's K/V; 1: the slots
+  int32_t slot = 0;                // kv_src 1: which slot (the block's owner)
+  int32_t kv_row0 = 0, kv_len = 0; // key rows of the chunk
+  int64_t kv_pos0 = 0;
+  int32_t nseg = 0, wait = 0;      // wait: for the chunk's arrival flags (steps >= 1)
+  int32_t item0 = 0;               // first item (prefix sum over pairs)
+  int32_t ready0 = 0;              // ready flag of (block, batch 0, the chunk's first piece)
+  int64_t tile0 = 0;               // part tile of (block, batch 0, the chunk's first key block, head 0)
+  BwdSeg seg[2];
+};
+static_assert(sizeof(BwdRingPair) == 96, "BwdRingPair layout");
+
+struct BwdRing {
+  const BwdRingPair* pairs = nullptr;  // device
+  int n_pairs = 0, n_items = 0;
+  // K/V slots [slots][B][rows][Hkv][D] bf16 and their arrival flags (FmhaSlots' meaning).
+  FmhaSlots slots;
+  // dK/dV: fp32 tiles [blocks][B][kb][Hkv][2][128 * D] (dK scaled, then dV; fragment order);
+  // ready flags (ready0 + b * dpieces + key block / kb_per_piece).
+  float* part = nullptr;
+  uint64_t* ready = nullptr;
+  int kb = 0, dpieces = 0, kb_per_piece = 0;
+  // The rank's own block's final tiles (acc[me], or part[0] alone), rounded into dK / dV by the
+  // finishing kernel: key block kb of chunk kb / kb_per_chunk, rows of chunk_len each.
+  const float* own = nullptr;
+  int kb_per_chunk = 0, chunk_len = 0;
+  comm::DeviceProgram program{};
+  int comm_ctas = 0, grid = 0;
+};
+
+// The ring's call: `a` as launch_bwd_d* takes it, a.workspace of
+// backward_workspace_bytes(B, H, S/W, D, chunks) bytes (256-byte aligned), a.cu_seqlens the
+// chunks' bounds {0, chunk_len, ...} on the device (n_docs = chunks), so that each chunk's query
+// blocks are the workspace's virtual blocks; the caller checked the tensors.
+Status run_ring_backward(const BackwardArgs& a, const BwdRing& ring, cudaStream_t stream);
+
 namespace sm90 {
-Status launch_bwd_d64(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream);
-Status launch_bwd_d128(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream);
+// ring: null for the plain backward (grid launch); else the ring's persistent launch (the
+// caller's BackwardArgs: the rank's Q/K/V/O/dO/LSE/dQ/dK/dV, cu_seqlens = the chunks' bounds).
+Status launch_bwd_d64(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream, const BwdRing* ring = nullptr);
+Status launch_bwd_d128(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream,
+                       const BwdRing* ring = nullptr);
 }  // namespace sm90
 
 }  // namespace attention

@@ -240,10 +240,9 @@ uint32_t bwd_op_tag() {
 }  // namespace
 #endif  // MK_WITH_CUTLASS
 
-Status backward(const BackwardArgs& a, cudaStream_t stream) {
-  MK_CHECK(can_implement_backward(a));
 #if MK_WITH_CUTLASS
-  const Parts parts = parts_of(a.B, a.H, a.Sq, a.D, a.cu_seqlens ? a.n_docs : 0);
+namespace {
+BwdWorkspace carve(const BackwardArgs& a, const Parts& parts) {
   char* ws = static_cast<char*>(a.workspace);
   BwdWorkspace w;
   w.dq_acc = reinterpret_cast<float*>(ws + parts.dq);
@@ -252,6 +251,41 @@ Status backward(const BackwardArgs& a, cudaStream_t stream) {
   w.order = reinterpret_cast<uint64_t*>(ws + parts.order);
   w.sq_pad = parts.sq_pad;
   w.scale = a.scale > 0.f ? a.scale : 1.f / std::sqrt(float(a.D));
+  return w;
+}
+// The preprocessing kernel (Dsum, LSE₂, zeroed dQ accumulator; deterministic: the counters).
+Status preprocess(const BackwardArgs& a, const Parts& parts, const BwdWorkspace& w, cudaStream_t stream) {
+  sm90::PreArgs pa{static_cast<const __nv_bfloat16*>(a.o), static_cast<const __nv_bfloat16*>(a.dout), a.lse,
+                   a.o_stride, a.do_stride, a.B, a.H, a.Sq, parts.sq_pad, a.D, w.dq_acc, w.lse2, w.dsum,
+                   a.deterministic ? w.order : nullptr, a.cu_seqlens, a.n_docs, a.D == 64 ? 128 : 64};
+  const int64_t rows = int64_t(a.B) * a.H * parts.sq_pad;
+  const int pre_blocks = int(std::min<int64_t>((rows + 7) / 8, 4096));
+  sm90::bwd_pre_kernel<<<pre_blocks, 256, 0, stream>>>(pa);
+  MK_CUDA_CHECK(cudaGetLastError());
+  return OkStatus();
+}
+}  // namespace
+#endif
+
+Status run_ring_backward(const BackwardArgs& a, const BwdRing& ring, cudaStream_t stream) {
+#if MK_WITH_CUTLASS
+  const Parts parts = parts_of(a.B, a.H, a.Sq, a.D, a.n_docs);
+  MK_REQUIRE(a.workspace && a.workspace_bytes >= parts.total && !a.deterministic, Code::kInternal,
+             "ring attention backward: workspace of %zu bytes (%zu needed)", a.workspace_bytes, parts.total);
+  const BwdWorkspace w = carve(a, parts);
+  MK_CHECK(preprocess(a, parts, w, stream));
+  return a.D == 64 ? sm90::launch_bwd_d64(a, w, stream, &ring) : sm90::launch_bwd_d128(a, w, stream, &ring);
+#else
+  (void)a, (void)ring, (void)stream;
+  return make_status(Code::kNotSupported, "ring attention backward: built without the CUTLASS headers");
+#endif
+}
+
+Status backward(const BackwardArgs& a, cudaStream_t stream) {
+  MK_CHECK(can_implement_backward(a));
+#if MK_WITH_CUTLASS
+  const Parts parts = parts_of(a.B, a.H, a.Sq, a.D, a.cu_seqlens ? a.n_docs : 0);
+  BwdWorkspace w = carve(a, parts);
   // Few key blocks (short sequences, few key/value heads): the group's query heads split over up
   // to `group` CTAs per key block, so the grid fills the SMs, when the workspace has room for the
   // fp32 dK / dV accumulators (backward_workspace_bytes(a)).
@@ -262,7 +296,7 @@ Status backward(const BackwardArgs& a, cudaStream_t stream) {
     const int64_t blocks = int64_t(a.B) * a.Hkv * bwd_key_blocks(a);
     while (group % (w.head_split * 2) == 0 && blocks * w.head_split * 2 <= sms) w.head_split *= 2;
     if (w.head_split > 1) {
-      w.dkv_acc = reinterpret_cast<float*>(ws + parts.total);
+      w.dkv_acc = reinterpret_cast<float*>(static_cast<char*>(a.workspace) + parts.total);
       MK_CUDA_CHECK(cudaMemsetAsync(w.dkv_acc, 0, dkv_bytes(a), stream));
     }
   }
@@ -291,13 +325,7 @@ Status backward(const BackwardArgs& a, cudaStream_t stream) {
     w.wait.op_tag = bwd_op_tag();
     w.wait.role = static_cast<uint32_t>(Role::kCompute);
   }
-  sm90::PreArgs pa{static_cast<const __nv_bfloat16*>(a.o), static_cast<const __nv_bfloat16*>(a.dout), a.lse,
-                   a.o_stride, a.do_stride, a.B, a.H, a.Sq, parts.sq_pad, a.D, w.dq_acc, w.lse2, w.dsum,
-                   a.deterministic ? w.order : nullptr, a.cu_seqlens, a.n_docs, a.D == 64 ? 128 : 64};
-  const int64_t rows = int64_t(a.B) * a.H * parts.sq_pad;
-  const int pre_blocks = int(std::min<int64_t>((rows + 7) / 8, 4096));
-  sm90::bwd_pre_kernel<<<pre_blocks, 256, 0, stream>>>(pa);
-  MK_CUDA_CHECK(cudaGetLastError());
+  MK_CHECK(preprocess(a, parts, w, stream));
   MK_CHECK(a.D == 64 ? sm90::launch_bwd_d64(a, w, stream) : sm90::launch_bwd_d128(a, w, stream));
   return OkStatus();
 #else

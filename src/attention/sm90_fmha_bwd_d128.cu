@@ -5,8 +5,8 @@ namespace mk {
 namespace attention {
 namespace sm90 {
 
-Status launch_bwd_d128(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream) {
-  return launch_bwd<128>(a, w, stream);
+Status launch_bwd_d128(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream, const BwdRing* ring) {
+  return launch_bwd<128>(a, w, stream, ring);
 }
 
 }  // namespace sm90

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "mkernel/attention/attention.h"
@@ -24,6 +25,7 @@
 #include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
 #include "mkernel/ops/ring_attention.h"
+#include "src/comm/session.h"
 #include "src/ops/ring_attention/ring_attention_testing.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
 #include "tests/common/test_util.h"
@@ -290,6 +292,163 @@ TEST(Ring, TracedZigzagCausal) {
   check_ring(RingAttentionShape{1, 16, 16, 128, int64_t(shared_comm()->world()) * toks(4096), SeqLayout::kZigzag, true}, 2,
              false, "ring_zigzag_causal");
 }
+// ---- the backward (RingAttentionBackward) ----
+//
+// Per call: fresh Q, K, V and dO over the whole sequence; the reference is the single-GPU
+// forward and backward over it (the backward kernel tested against float64 in
+// tests/gpu/test_attention_bwd.py); the ring's backward gets this rank's shards of Q, K, V, dO
+// and of the reference O and LSE, its dQ, dK, dV poisoned with NaN before each call, and must
+// match the reference rows of this rank element by element: |got - want| <= 2^-6 max|want| +
+// 2^-6 |want| (bf16 rounding of both plus fp32 sums in another order). Graph: calls after the
+// first replay one captured enqueue on new data.
+__global__ void abs_max(const __nv_bfloat16* x, int64_t n, unsigned int* out) {
+  float m = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    m = fmaxf(m, fabsf(__bfloat162float(x[i])));
+  atomicMax(out, __float_as_uint(m));  // non-negative floats order as their bits
+}
+
+void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = false) {
+  Communicator* comm = shared_comm();
+  ASSERT_NE(comm, nullptr);
+  const int W = comm->world(), me = comm->rank();
+  std::unique_ptr<ops::RingAttentionBackward> op;
+  Status st = ops::RingAttentionBackward::create(comm, s, ops::RingAttentionOptions{}, &op);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ops::RingPlan plan;
+  ASSERT_TRUE(ops::build_ring_plan(comm::layout_of(comm->topology()), s.S, s.layout, s.causal, &plan).ok());
+  const int64_t S = s.S, S_l = S / W;
+  const int64_t qrow = int64_t(s.H) * s.D, krow = int64_t(s.Hkv) * s.D;
+  const size_t qn = size_t(s.B) * S * qrow, kn = size_t(s.B) * S * krow;
+  const size_t qln = size_t(s.B) * S_l * qrow, kln = size_t(s.B) * S_l * krow;
+  Dev d;
+  auto* q = d.get<__nv_bfloat16>(qn);
+  auto* k = d.get<__nv_bfloat16>(kn);
+  auto* v = d.get<__nv_bfloat16>(kn);
+  auto* dout = d.get<__nv_bfloat16>(qn);
+  auto* o = d.get<__nv_bfloat16>(qn);
+  auto* lse = d.get<float>(size_t(s.B) * s.H * S);
+  auto* dq = d.get<__nv_bfloat16>(qn);
+  auto* dk = d.get<__nv_bfloat16>(kn);
+  auto* dv = d.get<__nv_bfloat16>(kn);
+  attention::BackwardArgs ref;
+  const attention::ForwardArgs f = whole_sequence(s, S, q, k, v, o, lse);
+  ref.q = q, ref.k = k, ref.v = v, ref.o = o, ref.dout = dout, ref.lse = lse, ref.dq = dq, ref.dk = dk, ref.dv = dv;
+  ref.B = s.B, ref.H = s.H, ref.Hkv = s.Hkv, ref.D = s.D, ref.Sq = ref.Skv = int(S), ref.causal = s.causal;
+  ref.q_stride = ref.o_stride = ref.do_stride = ref.dq_stride = f.q_stride;
+  ref.k_stride = ref.v_stride = ref.dk_stride = ref.dv_stride = f.k_stride;
+  ref.workspace_bytes = attention::backward_workspace_bytes(ref);
+  ref.workspace = d.get<uint8_t>(ref.workspace_bytes);
+  // This rank's shards: inputs (l), outputs (r) and the reference's rows (w).
+  auto* ql = d.get<__nv_bfloat16>(qln);
+  auto* kl = d.get<__nv_bfloat16>(kln);
+  auto* vl = d.get<__nv_bfloat16>(kln);
+  auto* dol = d.get<__nv_bfloat16>(qln);
+  auto* ol = d.get<__nv_bfloat16>(qln);
+  auto* lsel = d.get<float>(size_t(s.B) * s.H * S_l);
+  auto* dqr = d.get<__nv_bfloat16>(qln);
+  auto* dkr = d.get<__nv_bfloat16>(kln);
+  auto* dvr = d.get<__nv_bfloat16>(kln);
+  auto* dqw = d.get<__nv_bfloat16>(qln);
+  auto* dkw = d.get<__nv_bfloat16>(kln);
+  auto* dvw = d.get<__nv_bfloat16>(kln);
+  auto* bad = d.get<unsigned long long>(3);
+  auto* mx = d.get<unsigned int>(3);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const uint64_t seed = test_seed();
+  cudaGraphExec_t exec = nullptr;
+  for (int call = 0; call < calls; ++call) {
+    const uint64_t tag = uint64_t(call) + 1001 + (s.causal ? 100 : 0) + (s.layout == SeqLayout::kZigzag ? 200 : 0);
+    fill_full<<<1024, 256, 0, stream>>>(q, int64_t(qn), seed, tag, 0, 2.f);
+    fill_full<<<1024, 256, 0, stream>>>(k, int64_t(kn), seed, tag, 1, 1.f);
+    fill_full<<<1024, 256, 0, stream>>>(v, int64_t(kn), seed, tag, 2, 1.f);
+    fill_full<<<1024, 256, 0, stream>>>(dout, int64_t(qn), seed, tag, 3, 1.f);
+    MK_ASSERT_OK(attention::forward(f, stream));
+    MK_ASSERT_OK(attention::backward(ref, stream));
+    int64_t row0 = 0;
+    for (const auto& c : plan.chunks[me]) {
+      take_rows<<<256, 256, 0, stream>>>(q, ql, s.B, S, S_l, c.token0, row0, c.tokens, qrow);
+      take_rows<<<256, 256, 0, stream>>>(k, kl, s.B, S, S_l, c.token0, row0, c.tokens, krow);
+      take_rows<<<256, 256, 0, stream>>>(v, vl, s.B, S, S_l, c.token0, row0, c.tokens, krow);
+      take_rows<<<256, 256, 0, stream>>>(dout, dol, s.B, S, S_l, c.token0, row0, c.tokens, qrow);
+      take_rows<<<256, 256, 0, stream>>>(o, ol, s.B, S, S_l, c.token0, row0, c.tokens, qrow);
+      take_lse<<<256, 256, 0, stream>>>(lse, lsel, s.B * s.H, S, S_l, c.token0, row0, c.tokens);
+      take_rows<<<256, 256, 0, stream>>>(dq, dqw, s.B, S, S_l, c.token0, row0, c.tokens, qrow);
+      take_rows<<<256, 256, 0, stream>>>(dk, dkw, s.B, S, S_l, c.token0, row0, c.tokens, krow);
+      take_rows<<<256, 256, 0, stream>>>(dv, dvw, s.B, S, S_l, c.token0, row0, c.tokens, krow);
+      row0 += c.tokens;
+    }
+    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dqr), int64_t(qln));
+    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dkr), int64_t(kln));
+    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dvr), int64_t(kln));
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ops::RingAttentionBackwardArgs a{ql, kl, vl, ol, dol, lsel, dqr, dkr, dvr};
+    if (graph && call > 0) {
+      if (!exec) {
+        cudaGraph_t g;
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        st = op->enqueue(a, stream);
+        ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+        cudaGraphDestroy(g);
+      }
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    } else {
+      st = op->run(a, stream);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+    }
+    st = comm->sync(stream);
+    ASSERT_TRUE(st.ok()) << "rank " << me << " call " << call << ": " << st.to_string();
+    cudaMemset(bad, 0, 3 * sizeof(unsigned long long));
+    cudaMemset(mx, 0, 3 * sizeof(unsigned int));
+    abs_max<<<256, 256>>>(dqw, int64_t(qln), mx);
+    abs_max<<<256, 256>>>(dkw, int64_t(kln), mx + 1);
+    abs_max<<<256, 256>>>(dvw, int64_t(kln), mx + 2);
+    unsigned int hm[3];
+    ASSERT_EQ(cudaMemcpy(hm, mx, sizeof(hm), cudaMemcpyDeviceToHost), cudaSuccess);
+    float m[3];
+    memcpy(m, hm, sizeof(m));
+    const float tol = 1.f / 64;
+    close_bf16<<<1024, 256>>>(dqr, dqw, int64_t(qln), tol * m[0], tol, bad);
+    close_bf16<<<1024, 256>>>(dkr, dkw, int64_t(kln), tol * m[1], tol, bad + 1);
+    close_bf16<<<1024, 256>>>(dvr, dvw, int64_t(kln), tol * m[2], tol, bad + 2);
+    unsigned long long h[3] = {};
+    ASSERT_EQ(cudaMemcpy(h, bad, sizeof(h), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_GT(m[0] * m[1] * m[2], 0.f) << "rank " << me << " call " << call << ": a zero reference gradient";
+    EXPECT_EQ(h[0], 0ull) << "rank " << me << " call " << call << ": dQ elements off (max |dQ| " << m[0] << ")";
+    EXPECT_EQ(h[1], 0ull) << "rank " << me << " call " << call << ": dK elements off (max |dK| " << m[1] << ")";
+    EXPECT_EQ(h[2], 0ull) << "rank " << me << " call " << call << ": dV elements off (max |dV| " << m[2] << ")";
+    ASSERT_TRUE(comm->bootstrap().barrier().ok());
+  }
+  if (me == 0) printf("ring backward: %d items, %d ops, %d communication CTAs\n", op->work_items(), op->comm_ops(),
+                      op->comm_ctas());
+  if (exec) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+  st = op->destroy();
+  EXPECT_TRUE(st.ok()) << st.to_string();
+}
+
+TEST(RingBackward, ContiguousFullTails) {
+  // 1000 tokens per rank: neither the 128-key blocks nor the 64-row query blocks divide them.
+  check_ring_backward(RingAttentionShape{2, 8, 2, 128, int64_t(shared_comm()->world()) * toks(1000),
+                                         SeqLayout::kContiguous, false}, 3);
+}
+TEST(RingBackward, ZigzagCausalGqa) {
+  check_ring_backward(RingAttentionShape{1, 8, 2, 128, int64_t(shared_comm()->world()) * toks(2048),
+                                         SeqLayout::kZigzag, true}, 3);
+}
+TEST(RingBackward, ContiguousCausalD64) {
+  check_ring_backward(RingAttentionShape{1, 16, 4, 64, int64_t(shared_comm()->world()) * toks(1536),
+                                         SeqLayout::kContiguous, true}, 2);
+}
+TEST(RingBackward, ZigzagFullD64GraphReplays) {
+  // 1000 tokens per rank: chunks of 500 rows (no block divides them).
+  check_ring_backward(RingAttentionShape{2, 8, 8, 64, int64_t(shared_comm()->world()) * toks(1000),
+                                         SeqLayout::kZigzag, false}, 4, true);
+}
+
 // The ring captured once in a CUDA graph — a kernel advancing the call counter, the fills of
 // this call's Q, K, V and of this rank's shard, the poisoned O and LSE, the ring call, a copy
 // of O and LSE into a history and the K/V slot checks — replayed kGraphReplays times back to

@@ -98,5 +98,58 @@ class RingAttention {
   std::unique_ptr<RingState> st_;
 };
 
+// ---- the backward ----
+//
+// dQ, dK and dV of ring attention in one persistent kernel per call (plus a preprocessing and a
+// finishing kernel): K/V travel the ring as in the forward, and each block's dK/dV partial sums
+// travel with them — at every step a rank computes the key blocks of the block it holds against
+// its own queries (dK/dV fp32 per 128-key tile, dQ accumulated locally), and its communication
+// CTAs add its tiles to the sum that arrived from the previous rank and send it on, so that after
+// W hops each block's dK/dV is back on its owner, having crossed each node boundary once per
+// hop like K/V. Not deterministic (dQ accumulates in any order). Memory per rank: the forward's
+// K/V slots, and two fp32 dK/dV buffers of W blocks each (8 * W * B * S/W * Hkv * D bytes each,
+// rounded to 128-key tiles).
+//
+// Usage (collective: every rank, same shape; o and lse from RingAttention::run of that shape):
+//   std::unique_ptr<RingAttentionBackward> bwd;
+//   MK_CHECK(RingAttentionBackward::create(comm, shape, {}, &bwd));
+//   MK_CHECK(bwd->run({q, k, v, o, dout, lse, dq, dk, dv}, stream));   // CUDA-graph capturable
+struct RingAttentionBackwardArgs {
+  const void* q = nullptr;     // [B, S/W, H, D] bf16, this rank's tokens (as the forward's)
+  const void* k = nullptr;     // [B, S/W, Hkv, D]
+  const void* v = nullptr;
+  const void* o = nullptr;     // [B, S/W, H, D]: the forward's output
+  const void* dout = nullptr;  // [B, S/W, H, D]: the gradient of o
+  const float* lse = nullptr;  // [B, H, S/W] fp32 (natural log): the forward's
+  void* dq = nullptr;          // [B, S/W, H, D] bf16
+  void* dk = nullptr;          // [B, S/W, Hkv, D]
+  void* dv = nullptr;
+};
+
+struct RingBwdState;
+
+class RingAttentionBackward {
+ public:
+  // Collective, as RingAttention::create (the same shape rules; its own slots and program).
+  static Status create(Communicator* comm, const RingAttentionShape& shape, const RingAttentionOptions& opt,
+                       std::unique_ptr<RingAttentionBackward>* out);
+  ~RingAttentionBackward();
+  RingAttentionBackward(const RingAttentionBackward&) = delete;
+  RingAttentionBackward& operator=(const RingAttentionBackward&) = delete;
+  Status destroy();  // collective, idempotent
+
+  Status can_implement(const RingAttentionBackwardArgs& a) const;  // local checks
+  Status run(const RingAttentionBackwardArgs& a, cudaStream_t stream);
+  Status enqueue(const RingAttentionBackwardArgs& a, cudaStream_t stream);  // no agreement
+
+  int comm_ctas() const;
+  int work_items() const;  // items of a call's launch (key blocks x key/value heads x batch, per step)
+  int comm_ops() const;
+
+ private:
+  RingAttentionBackward() = default;
+  std::unique_ptr<RingBwdState> st_;
+};
+
 }  // namespace ops
 }  // namespace mk

@@ -39,8 +39,10 @@
 #include "cutlass/pipeline/pipeline.hpp"
 #include "mkernel/device/diag.h"
 #include "mkernel/device/signal.cuh"
+#include "src/attention/bwd_launch.h"
 #include "src/attention/kernel/config.cuh"
 #include "src/attention/kernel/varlen.cuh"
+#include "src/comm/comm_role.cuh"
 
 // Leave-one-stage-out builds, for accounting where a call's time goes (benchmarks only; 0 in the
 // library): bit 0 drops the dQ reductions, bit 1 the dQ MMA with its dS stores (and the
@@ -58,6 +60,31 @@ constexpr uint32_t kBwdDsBarrier = 1;       // named barrier: dS of a step is in
 constexpr uint32_t kBwdDqFullBarrier = 2;   // dQ of a step is in shared memory (256 consumers + the reducing warp)
 constexpr uint32_t kBwdDqEmptyBarrier = 3;  // the reducing warp has read it
 constexpr int kBwdDqThreads = kMmaThreads + 32;
+
+// One item of the kernel: a key block (its K/V source, rows and position) against up to two
+// query segments, for the query heads [h0, h0 + group) of key/value head hk. Its steps are
+// (segment, head, query block), segments outermost.
+struct BwdWork {
+  int b, hk, h0, group;
+  int src, slot;     // K/V: 0 the tensors (tma_k / tma_v), 1 the ring's slots (tma_ks / tma_vs)
+  int row0, n, len;  // key rows [row0 + 128 n, ...) of the segment [row0, row0 + len)
+  int64_t kv_pos0;
+  int nseg;
+  BwdSeg seg[2];
+  int m_begin[2], m_count[2];
+  int steps;
+  int wait;          // ring: wait for the block's arrival flags first
+  int64_t tile;      // ring: the part tile it writes (-1: none)
+  int ready;         // ring: the ready flag it adds 1 to
+  // Step s: its segment, head and query block.
+  __device__ __forceinline__ int seg_of(int s) const { return s < m_count[0] * group ? 0 : 1; }
+  __device__ __forceinline__ int head_of(int s, int sg) const {
+    return h0 + (s - sg * m_count[0] * group) / m_count[sg];
+  }
+  __device__ __forceinline__ int m_of(int s, int sg) const {
+    return m_begin[sg] + (s - sg * m_count[0] * group) % m_count[sg];
+  }
+};
 
 template <int kD>
 struct BwdCfg {
@@ -106,6 +133,8 @@ struct BwdCfg {
     alignas(16) float dsum[kStages][kBlockM];
     alignas(16) typename PipeKV::SharedStorage pipe_kv;
     alignas(16) typename PipeQ::SharedStorage pipe_q;
+    // The ring kernel's current item of the producer, the reducing warp and the consumers.
+    alignas(16) BwdWork work[3];
   };
   // (seq, d, head, batch)
   using Gmem = Layout<Shape<int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
@@ -114,12 +143,18 @@ struct BwdCfg {
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
                                        make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), Gmem{}),
                                        SmemKV{}));
+  // The ring's K/V slots: (seq, d, head, batch, slot)
+  using GmemS = Layout<Shape<int, int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t, int64_t>>;
+  using TmaKVs = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                        make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemS{}),
+                                        SmemKV{}));
 };
 
-template <int kD>
+template <int kD, class Comm_ = comm::NoComm>
 struct BwdParams {
   typename BwdCfg<kD>::TmaQ tma_q, tma_do;
   typename BwdCfg<kD>::TmaKV tma_k, tma_v;
+  typename BwdCfg<kD>::TmaKVs tma_ks, tma_vs;  // ring: the K/V slots
   int B, H, Hkv, Sq, Skv, Sq_pad, m_blocks;
   const int32_t* cu_seqlens;  // packed documents (B = 1), or null
   int n_docs;
@@ -140,15 +175,25 @@ struct BwdParams {
   int head_split;
   float* dkv_acc;
   WaitCtx wait;
+  // Ring (pairs non-null): a persistent launch over the pairs' items (bwd_launch.h), compute CTA
+  // c taking items c, c + n, ... (n compute CTAs, after the communication role's dedicated ones).
+  const BwdRingPair* pairs;
+  int n_pairs, n_items;
+  FmhaSlots slots;
+  float* part;
+  uint64_t* ready;
+  int ring_kb, ring_dpieces, ring_kb_per_piece;
+  typename Comm_::Params comm;
 };
 
-// The first of m_blocks query blocks that sees a key of key block n (causal), or 0.
-template <int kD>
-__device__ __forceinline__ int bwd_first_m(const BwdParams<kD>& p, int n, int m_blocks) {
-  if (!p.causal) return 0;
-  const int64_t first_q = p.kv_pos0 + int64_t(n) * kBwdBlockN - p.q_pos0;  // the first query row that sees key row n * 128
+// The first of m_blocks query blocks that sees key row `key` (causal: the query row at
+// key_pos - q_pos0 is the first), or 0.
+template <int kBlockM_>
+__device__ __forceinline__ int bwd_first_m(int causal, int64_t key_pos, int64_t q_pos0, int m_blocks) {
+  if (!causal) return 0;
+  const int64_t first_q = key_pos - q_pos0;
   if (first_q <= 0) return 0;
-  return int(min<int64_t>(first_q / BwdCfg<kD>::kBlockM, m_blocks));
+  return int(min<int64_t>(first_q / kBlockM_, m_blocks));
 }
 
 // A CTA's key block: its rows [row0 + 128 n, ...) of the segment [row0, row0 + len) of K/V (and of
@@ -158,13 +203,53 @@ struct BwdBlock {
   int n, row0, len, qb0, m_blocks;
 };
 // Called by whole warps (varlen_tile_warp).
-template <int kD>
-__device__ __forceinline__ BwdBlock bwd_block(const BwdParams<kD>& p) {
-  constexpr int kBlockM = BwdCfg<kD>::kBlockM;
+template <class P_>
+__device__ __forceinline__ BwdBlock bwd_block(const P_& p, int kBlockM) {
   if (!p.cu_seqlens) return BwdBlock{int(blockIdx.x), 0, p.Skv, 0, (p.Sq + kBlockM - 1) / kBlockM};
   const DocTile t = varlen_tile_warp(p.cu_seqlens, p.n_docs, p.Skv, kBwdBlockN, int(blockIdx.x));
   if (!varlen_valid(t, kBwdBlockN)) return BwdBlock{0, t.row0, 0, 0, 0};  // no work
   return BwdBlock{t.local, t.row0, t.len, t.row0 / kBlockM + t.doc, (t.len + kBlockM - 1) / kBlockM};
+}
+
+template <int kD, class P_>
+__device__ __forceinline__ void bwd_steps(BwdWork& w) {
+  constexpr int kBlockM = BwdCfg<kD>::kBlockM;
+  w.steps = 0;
+  w.m_count[1] = 0;
+  w.m_begin[1] = 0;
+  for (int i = 0; i < w.nseg; ++i) {
+    const BwdSeg& g = w.seg[i];
+    w.m_begin[i] = bwd_first_m<kBlockM>(g.causal, w.kv_pos0 + int64_t(w.n) * kBwdBlockN, g.q_pos0, g.m_blocks);
+    w.m_count[i] = w.len > 0 ? g.m_blocks - w.m_begin[i] : 0;
+    w.steps += w.m_count[i] * w.group;
+  }
+}
+
+// The ring's item `item` (bwd_launch.h: pairs, items heads innermost).
+template <int kD, class P_>
+__device__ __forceinline__ BwdWork bwd_ring_work(const P_& p, int item) {
+  int lo = 0;
+  while (lo + 1 < p.n_pairs && p.pairs[lo + 1].item0 <= item) ++lo;
+  const BwdRingPair& pr = p.pairs[lo];
+  const int wi = item - pr.item0;
+  const int nbc = (pr.kv_len + kBwdBlockN - 1) / kBwdBlockN;
+  BwdWork w;
+  w.hk = wi % p.Hkv;
+  w.n = (wi / p.Hkv) % nbc;
+  w.b = wi / (p.Hkv * nbc);
+  w.group = p.H / p.Hkv;
+  w.h0 = w.hk * w.group;
+  w.src = pr.kv_src, w.slot = pr.slot;
+  w.row0 = pr.kv_row0, w.len = pr.kv_len;
+  w.kv_pos0 = pr.kv_pos0;
+  w.nseg = pr.nseg;
+  w.seg[0] = pr.seg[0];
+  w.seg[1] = pr.seg[1];
+  bwd_steps<kD, P_>(w);
+  w.wait = pr.wait;
+  w.tile = pr.tile0 + (int64_t(w.b) * p.ring_kb + w.n) * p.Hkv + w.hk;
+  w.ready = pr.ready0 + w.b * p.ring_dpieces + w.n / p.ring_kb_per_piece;
+  return w;
 }
 
 // Bulk add of `bytes` of fp32 from shared to global memory (one thread), as one bulk group.
@@ -206,12 +291,12 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
   const int wg = cutlass::canonical_warp_group_idx();
   const int warp_in_wg = cutlass::canonical_warp_idx_sync() % 4;
   const int hk = blockIdx.y / p.head_split, b = blockIdx.z;
-  const BwdBlock blk = bwd_block(p);
+  const BwdBlock blk = bwd_block(p, kBlockM);
   if (p.cu_seqlens && blk.len == 0) return;  // a virtual key tile that is no tile of its document
   const int nb = blk.n;
   const int group = p.H / p.Hkv / p.head_split;                  // query heads of this CTA
   const int h0 = hk * (p.H / p.Hkv) + (blockIdx.y % p.head_split) * group;  // the first of them
-  const int m_begin = bwd_first_m(p, nb, blk.m_blocks);
+  const int m_begin = bwd_first_m<kBlockM>(p.causal, p.kv_pos0 + int64_t(nb) * kBwdBlockN, p.q_pos0, blk.m_blocks);
   const int m_count = blk.len > 0 ? blk.m_blocks - m_begin : 0;  // query blocks per head
   const int steps = m_count * group;
 
@@ -468,6 +553,321 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
 #endif
 }
 
+template <int kD, class Comm_>
+__global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_constant__ const BwdParams<kD, Comm_> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = BwdCfg<kD>;
+  using P = BwdParams<kD, Comm_>;
+  constexpr int kBlockM = C::kBlockM, kBlockN = C::kBlockN;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& sh = *reinterpret_cast<typename C::Shared*>(smem_raw);
+  const int wg = cutlass::canonical_warp_group_idx();
+  const int warp_in_wg = cutlass::canonical_warp_idx_sync() % 4;
+  [[maybe_unused]] const uint64_t epoch = Comm_::call_epoch(p.comm);
+
+  // The ring's dedicated communication CTAs: the consumer threads run the program's ops in
+  // order (the same register budgets as the compute CTAs).
+  if (Comm_::dedicated_cta(p.comm)) {
+    if (wg == 0) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (wg >= 1) {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+      const TraceBuffer no_trace{};
+      Comm_::template run_dedicated<false, kMmaThreads, kCommBarrier, sizeof(typename C::Shared)>(
+          p.comm, smem_raw, threadIdx.x - 128, epoch, no_trace);
+    }
+    Comm_::finish(p.comm);
+    return;
+  }
+  // Items c, c + n, ... of n compute CTAs. Each role keeps its current item in shared memory
+  // (sh.work[role], written by the role's first thread): registers are short (the producer
+  // thread runs on 24).
+  const int comm_ctas = Comm_::dedicated_ctas(p.comm);
+  const int first_item = int(blockIdx.x) - comm_ctas;
+  const int item_step = int(gridDim.x) - comm_ctas;
+  const int n_items = p.n_items;
+
+  typename C::PipeKV::Params pkv;
+  typename C::PipeQ::Params pq;
+  if (wg == 0 && warp_in_wg == 0) {
+    pkv.role = C::PipeKV::ThreadCategory::Producer;
+    pq.role = C::PipeQ::ThreadCategory::Producer;
+  }
+  if (wg >= 1) {
+    pkv.role = C::PipeKV::ThreadCategory::Consumer;
+    pq.role = C::PipeQ::ThreadCategory::Consumer;
+  }
+  pkv.is_leader = pq.is_leader = (threadIdx.x % 128) == 0;
+  pkv.num_consumers = pq.num_consumers = kMmaThreads;
+  pkv.transaction_bytes = 2 * kBlockN * kD * sizeof(Element);
+  pq.transaction_bytes = 2 * kBlockM * kD * sizeof(Element) + 2 * kBlockM * sizeof(float);
+  typename C::PipeKV pipe_kv(sh.pipe_kv, pkv, Shape<_1, _1, _1>{});
+  typename C::PipeQ pipe_q(sh.pipe_q, pq, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(sh.k.data()), typename C::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(sh.v.data()), typename C::SmemKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(sh.q.data()), typename C::SmemQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(sh.dout.data()), typename C::SmemQ{});
+
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (warp_in_wg == 0 && elect_one_sync()) {
+      auto skv = cutlass::make_producer_start_state<typename C::PipeKV>();
+      auto sq = cutlass::make_producer_start_state<typename C::PipeQ>();
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.Sq, kD, p.H, p.B));
+      Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.Sq, kD, p.H, p.B));
+      auto cq = p.tma_q.get_slice(0);
+      auto cdo = p.tma_do.get_slice(0);
+      Tensor tQs = cq.partition_D(sQ);
+      Tensor tdOs = cdo.partition_D(sdO);
+      for (int item = first_item; item < n_items; item += item_step) {
+        BwdWork& w = sh.work[0];
+        w = bwd_ring_work<kD, P>(p, item);
+        if (w.steps == 0) continue;
+        if constexpr (Comm_::kEnabled) {
+          if (w.wait) {
+            // The key block's rows arrived in the slot (every piece they touch, K and V).
+            const FmhaSlots& sl = p.slots;
+            const int r0 = w.row0 + w.n * kBlockN, r1 = w.row0 + min(w.len, (w.n + 1) * kBlockN) - 1;
+            for (int c = r0 / sl.chunk_rows; c <= r1 / sl.chunk_rows; ++c) {
+              const int idx = (w.slot * p.B + w.b) * sl.chunks + c;
+              Comm_::wait_arrival(p.wait, sl.flags + idx, sl.wait_mul * epoch, w.slot, idx);
+            }
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+          }
+        }
+        pipe_kv.producer_acquire(skv);
+        if (w.src == 0) {
+          Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.Skv, kD, p.Hkv, p.B));
+          Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.Skv, kD, p.Hkv, p.B));
+          Tensor gK = local_tile(domain_offset(make_coord(w.row0, 0), mK(_, _, w.hk, w.b)),
+                                 Shape<Int<kBlockN>, Int<kD>>{}, make_coord(w.n, 0));
+          Tensor gV = local_tile(domain_offset(make_coord(w.row0, 0), mV(_, _, w.hk, w.b)),
+                                 Shape<Int<kBlockN>, Int<kD>>{}, make_coord(w.n, 0));
+          auto ck = p.tma_k.get_slice(0);
+          auto cv = p.tma_v.get_slice(0);
+          copy(p.tma_k.with(*pipe_kv.producer_get_barrier(skv)), ck.partition_S(gK), ck.partition_D(sK));
+          copy(p.tma_v.with(*pipe_kv.producer_get_barrier(skv)), cv.partition_S(gV), cv.partition_D(sV));
+        } else {
+          Tensor mK = p.tma_ks.get_tma_tensor(make_shape(p.slots.rows, kD, p.Hkv, p.B, p.slots.slots));
+          Tensor mV = p.tma_vs.get_tma_tensor(make_shape(p.slots.rows, kD, p.Hkv, p.B, p.slots.slots));
+          Tensor gK = local_tile(domain_offset(make_coord(w.row0, 0), mK(_, _, w.hk, w.b, w.slot)),
+                                 Shape<Int<kBlockN>, Int<kD>>{}, make_coord(w.n, 0));
+          Tensor gV = local_tile(domain_offset(make_coord(w.row0, 0), mV(_, _, w.hk, w.b, w.slot)),
+                                 Shape<Int<kBlockN>, Int<kD>>{}, make_coord(w.n, 0));
+          auto ck = p.tma_ks.get_slice(0);
+          auto cv = p.tma_vs.get_slice(0);
+          copy(p.tma_ks.with(*pipe_kv.producer_get_barrier(skv)), ck.partition_S(gK), ck.partition_D(sK));
+          copy(p.tma_vs.with(*pipe_kv.producer_get_barrier(skv)), cv.partition_S(gV), cv.partition_D(sV));
+        }
+        ++skv;
+        for (int s = 0; s < w.steps; ++s) {
+          const int sg = w.seg_of(s);
+          const int h = w.head_of(s, sg), m = w.m_of(s, sg);
+          const BwdSeg& g = w.seg[sg];
+          pipe_q.producer_acquire(sq);
+          auto* bar = pipe_q.producer_get_barrier(sq);
+          Tensor gQ = local_tile(domain_offset(make_coord(g.q_row0, 0), mQ(_, _, h, w.b)),
+                                 Shape<Int<kBlockM>, Int<kD>>{}, make_coord(m, 0));
+          Tensor gdO = local_tile(domain_offset(make_coord(g.q_row0, 0), mdO(_, _, h, w.b)),
+                                  Shape<Int<kBlockM>, Int<kD>>{}, make_coord(m, 0));
+          copy(p.tma_q.with(*bar), cq.partition_S(gQ), tQs(_, _, _, sq.index()));
+          copy(p.tma_do.with(*bar), cdo.partition_S(gdO), tdOs(_, _, _, sq.index()));
+          const int64_t row = (int64_t(w.b) * p.H + h) * p.Sq_pad + int64_t(g.qb0 + m) * kBlockM;
+          SM90_BULK_COPY_G2S::copy(p.lse2 + row, bar, &sh.lse2[sq.index()][0], kBlockM * int(sizeof(float)));
+          SM90_BULK_COPY_G2S::copy(p.dsum + row, bar, &sh.dsum[sq.index()][0], kBlockM * int(sizeof(float)));
+          ++sq;
+        }
+      }
+    } else if (warp_in_wg == 1) {
+      // The reducing warp: each step's dQ tile, bulk-added into the workspace.
+      for (int item = first_item; item < n_items; item += item_step) {
+        BwdWork& w = sh.work[1];
+        __syncwarp();
+        if (elect_one_sync()) w = bwd_ring_work<kD, P>(p, item);
+        __syncwarp();
+        if (w.steps == 0) continue;
+        cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqEmptyBarrier);
+        for (int s = 0; s < w.steps; ++s) {
+          const int sg = w.seg_of(s);
+          const int h = w.head_of(s, sg), m = w.m_of(s, sg);
+          const int qb = w.seg[sg].qb0 + m;
+          cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqFullBarrier);
+          if (elect_one_sync()) {
+            float* tile = p.dq_acc + ((int64_t(w.b) * p.H + h) * p.Sq_pad + int64_t(qb) * kBlockM) * kD;
+            bulk_reduce_add_f32(tile, sh.dq, kBlockM * kD * int(sizeof(float)));
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+          }
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqEmptyBarrier);
+        }
+      }
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    const int tid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
+    Tensor sKt = make_tensor(make_smem_ptr(sh.k.data()), typename C::SmemKt{});
+    Tensor sQt = make_tensor(make_smem_ptr(sh.q.data()), typename C::SmemQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(sh.dout.data()), typename C::SmemQt{});
+    Tensor sdS = make_tensor(make_smem_ptr(sh.ds.data()), typename C::SmemdS{});
+    typename C::MmaSdP mma_sdp;
+    typename C::MmadKV mma_dkv;
+    typename C::MmadQ mma_dq;
+    auto t_sdp = mma_sdp.get_thread_slice(tid);
+    auto t_dkv = mma_dkv.get_thread_slice(tid);
+    auto t_dq = mma_dq.get_thread_slice(tid);
+    Tensor tSrK = t_sdp.partition_fragment_A(sK);     // (MMA, MMA_M, MMA_K)
+    Tensor tSrV = t_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = t_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
+    Tensor tSrdO = t_sdp.partition_fragment_B(sdO);
+    Tensor tdKrQt = t_dkv.partition_fragment_B(sQt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tdVrdOt = t_dkv.partition_fragment_B(sdOt);
+    Tensor tdQrdS = t_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, buffer)
+    Tensor tdQrKt = t_dq.partition_fragment_B(sKt);
+    Tensor cS = t_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));  // (key, query)
+    Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
+    const float sl2 = p.scale_log2;
+    auto ckv = cutlass::PipelineState<1>();
+    auto cq = cutlass::PipelineState<C::kStages>();
+    int buf_count = 0;  // steps so far over every item: the dS buffer alternates across items too
+    for (int item = first_item; item < n_items; item += item_step) {
+      BwdWork& w = sh.work[2];
+      cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);  // every consumer is done with the last item's
+      if (tid == 0) w = bwd_ring_work<kD, P>(p, item);
+      cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
+      const int key0 = w.n * kBlockN;
+      Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
+      Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
+      clear(tdKrdK);
+      clear(tdVrdV);
+      if (w.steps > 0) pipe_kv.consumer_wait(ckv);
+      for (int s = 0; s < w.steps; ++s, ++buf_count) {
+        const int sg = w.seg_of(s);
+        const int m = w.m_of(s, sg);
+        const int st = cq.index();
+        const int buf = buf_count & 1;
+        pipe_q.consumer_wait(cq);
+        Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as two groups: Pᵀ is computed while dPᵀ runs.
+        warpgroup_fence_operand(tSrS);
+        warpgroup_arrive();
+        bwd_gemm(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS, true);
+        warpgroup_commit_batch();
+        warpgroup_fence_operand(tSrdP);
+        warpgroup_arrive();
+        bwd_gemm(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP, true);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+
+        // Pᵀ in place of Sᵀ.
+        Tensor S_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+        Tensor dP_rc = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
+        const int causal = w.seg[sg].causal;
+        const int64_t q_pos_m = w.seg[sg].q_pos0 + int64_t(m) * kBlockM;
+        const int64_t kv_pos0 = w.kv_pos0;
+        const bool need_mask = key0 + kBlockN > w.len || (causal && kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S_rc) && !(MK_BWD_SKIP & 8); ++c) {
+          const int q = get<1>(cS_rc(0, c));
+          const float l2 = sh.lse2[st][q];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S_rc); ++r) {
+            float pv = exp2f(fmaf(S_rc(r, c), sl2, -l2));
+            if (need_mask) {
+              const int key = key0 + get<0>(cS_rc(r, c));
+              if (key >= w.len || (causal && kv_pos0 + key > q_pos_m + q)) pv = 0.f;
+            }
+            S_rc(r, c) = pv;
+          }
+        }
+        // dV += Pᵀ·dO (Pᵀ in bf16 as the A operand) while dPᵀ finishes.
+        Tensor tdVrP = make_tensor<Element>(acc_to_a(tSrS.layout()));
+        bwd_to_bf16(tSrS, tdVrP);
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_arrive();
+        if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdVrP, tdVrdOt(_, _, _, st), tdVrdV, false);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrdP);
+        // dSᵀ = Pᵀ ∘ (dPᵀ − Dsum) in place of dPᵀ.
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S_rc); ++c) {
+          const float ds = sh.dsum[st][get<1>(cS_rc(0, c))];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S_rc); ++r) dP_rc(r, c) = S_rc(r, c) * (dP_rc(r, c) - ds);
+        }
+        Tensor tdKrdS = make_tensor<Element>(acc_to_a(tSrdP.layout()));
+        bwd_to_bf16(tSrdP, tdKrdS);
+        // dK += dSᵀ·Q
+        warpgroup_fence_operand(tdKrdK);
+        warpgroup_arrive();
+        if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
+        warpgroup_commit_batch();
+        // dS (query-major) into this step's buffer, for dQ: the buffer's previous reader (the dQ
+        // MMA two steps back) finished before both warpgroups passed the last step's barrier. The
+        // A fragment holds the accumulator's elements in the same order (acc_to_a only regroups
+        // modes), so cS names their coordinates; a pair is two adjacent queries, adjacent in
+        // shared memory.
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
+          const int key = get<0>(cS(i)), q = get<1>(cS(i));
+          Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
+          *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
+        }
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
+        // dQ = dS·K (this warpgroup's half)
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kD>>{});
+        warpgroup_fence_operand(tdQrdQ);
+        warpgroup_arrive();
+        if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdQrdQ);
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        pipe_q.consumer_release(cq);
+        ++cq;
+        // dQ (scaled) to shared memory in fragment order, for the reducing warp.
+        cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
+        if (!(MK_BWD_SKIP & 3)) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * p.scale;
+        }
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
+      }
+      if (w.steps > 0) {
+        // The reducing warp's last arrival (it has read the last tile); K and V free for the next
+        // item (the last dQ MMA, their last reader, completed).
+        cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
+        pipe_kv.consumer_release(ckv);
+        ++ckv;
+      }
+
+      // The item's fp32 tile of dK (scaled) then dV, in fragment order, into part; then its
+      // piece's ready flag (the communication CTAs' sum waits for every item of the piece).
+      float* t = p.part + w.tile * (2 * kBlockN * kD);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tdKrdK); ++i) {
+        t[i * kMmaThreads + tid] = tdKrdK(i) * p.scale;
+        t[kBlockN * kD + i * kMmaThreads + tid] = tdVrdV(i);
+      }
+      cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
+      if (tid == 0) {
+        __threadfence();
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        device::red_add_release_sys(p.ready + w.ready, 1);
+      }
+    }
+  }
+  Comm_::finish(p.comm);
+#endif
+}
+
 // dQ (bf16, strides) from the workspace's accumulator: one CTA of 256 threads per (query block,
 // head, batch), thread t reading its fragment elements i at i * 256 + t; NaN when a
 // deterministic call's wait gave up (abort word set). Packed calls: a virtual query block, its
@@ -504,14 +904,14 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dq(const float* acc, E
 // dK and dV (bf16, strides) from the split schedule's fp32 accumulators: one CTA of 256 threads
 // per key block (blockIdx.x as the main kernel's), key/value head and batch, thread t reading its
 // fragment elements i at i * 256 + t.
-template <int kD>
-__global__ void __launch_bounds__(kMmaThreads) bwd_finish_dkv(const BwdParams<kD> p) {
+template <int kD, class Comm_>
+__global__ void __launch_bounds__(kMmaThreads) bwd_finish_dkv(const BwdParams<kD, Comm_> p) {
   using C = BwdCfg<kD>;
   typename C::MmadKV mma;
   auto thr = mma.get_thread_slice(threadIdx.x);
   Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kBwdBlockN>, Int<kD>>{}));  // (key, d)
   const int hk = blockIdx.y, b = blockIdx.z;
-  const BwdBlock blk = bwd_block(p);
+  const BwdBlock blk = bwd_block(p, C::kBlockM);
   const int64_t tiles = int64_t(gridDim.x) * p.Hkv * p.B;
   const float* dk_t = p.dkv_acc + ((int64_t(b) * p.Hkv + hk) * gridDim.x + blockIdx.x) * (kBwdBlockN * kD);
   const float* dv_t = dk_t + tiles * (kBwdBlockN * kD);
@@ -525,6 +925,33 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dkv(const BwdParams<kD
         __floats2bfloat162_rn(dk_t[j], dk_t[j1]);
     *reinterpret_cast<__nv_bfloat162*>(p.dv + b * p.dv_sb + row * p.dv_ss + hk * p.dv_sh + d) =
         __floats2bfloat162_rn(dv_t[j], dv_t[j1]);
+  }
+}
+
+// dK and dV (bf16) of the ring's own block from its final fp32 tiles (bwd_launch.h BwdRing::own):
+// one CTA of 256 threads per (key block, key/value head, batch); key block kb is block
+// kb % kb_per_chunk of chunk kb / kb_per_chunk (rows chunk * chunk_len + ...).
+template <int kD>
+__global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* own, Element* dk, Element* dv,
+                                                                   Strides dk_st, Strides dv_st, int Hkv, int kb,
+                                                                   int kb_per_chunk, int chunk_len) {
+  using C = BwdCfg<kD>;
+  typename C::MmadKV mma;
+  auto thr = mma.get_thread_slice(threadIdx.x);
+  Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kBwdBlockN>, Int<kD>>{}));  // (key, d)
+  const int kbi = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int chunk = kbi / kb_per_chunk, n = kbi % kb_per_chunk;
+  const float* t = own + ((int64_t(b) * kb + kbi) * Hkv + hk) * (2 * kBwdBlockN * kD);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(c); i += 2) {
+    const int key = n * kBwdBlockN + get<0>(c(i)), d = get<1>(c(i));
+    if (key >= chunk_len) continue;
+    const int64_t row = int64_t(chunk) * chunk_len + key;
+    const int j = i * kMmaThreads + threadIdx.x, j1 = (i + 1) * kMmaThreads + threadIdx.x;
+    *reinterpret_cast<__nv_bfloat162*>(dk + b * dk_st.b + row * dk_st.s + hk * dk_st.h + d) =
+        __floats2bfloat162_rn(t[j], t[j1]);
+    *reinterpret_cast<__nv_bfloat162*>(dv + b * dv_st.b + row * dv_st.s + hk * dv_st.h + d) =
+        __floats2bfloat162_rn(t[kBwdBlockN * kD + j], t[kBwdBlockN * kD + j1]);
   }
 }
 

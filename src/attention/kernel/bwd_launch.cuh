@@ -22,17 +22,33 @@ auto make_tma_bwd(const void* ptr, int S, int H, int B, const Strides& st, Smem_
 }
 
 template <int kD>
-Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream) {
+auto make_tma_bwd_slots(const void* ptr, int rows, int Hkv, int B, int slots) {
+  const int64_t row = int64_t(Hkv) * kD;
+  auto t = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       make_layout(make_shape(rows, kD, Hkv, B, slots),
+                                   make_stride(row, _1{}, int64_t(kD), int64_t(rows) * row, int64_t(B) * rows * row)));
+  return make_tma_copy(SM90_TMA_LOAD{}, t, typename BwdCfg<kD>::SmemKV{});
+}
+
+template <int kD, class Comm_>
+Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream, const BwdRing* ring) {
   using C = BwdCfg<kD>;
-  BwdParams<kD> p{};
+  BwdParams<kD, Comm_> p{};
   p.tma_q = make_tma_bwd<kD>(a.q, a.Sq, a.H, a.B, a.q_stride, take<0, 2>(typename C::SmemQ{}));
   p.tma_do = make_tma_bwd<kD>(a.dout, a.Sq, a.H, a.B, a.do_stride, take<0, 2>(typename C::SmemQ{}));
   p.tma_k = make_tma_bwd<kD>(a.k, a.Skv, a.Hkv, a.B, a.k_stride, typename C::SmemKV{});
   p.tma_v = make_tma_bwd<kD>(a.v, a.Skv, a.Hkv, a.B, a.v_stride, typename C::SmemKV{});
+  if (ring) {
+    p.tma_ks = make_tma_bwd_slots<kD>(ring->slots.k, ring->slots.rows, a.Hkv, a.B, ring->slots.slots);
+    p.tma_vs = make_tma_bwd_slots<kD>(ring->slots.v, ring->slots.rows, a.Hkv, a.B, ring->slots.slots);
+  } else {  // unused: any valid descriptor
+    p.tma_ks = make_tma_bwd_slots<kD>(a.k, 1, 1, 1, 1);
+    p.tma_vs = p.tma_ks;
+  }
   p.B = a.B, p.H = a.H, p.Hkv = a.Hkv, p.Sq = a.Sq, p.Skv = a.Skv;
   p.Sq_pad = w.sq_pad;
-  p.cu_seqlens = a.cu_seqlens;
-  p.n_docs = a.n_docs;
+  p.cu_seqlens = ring ? nullptr : a.cu_seqlens;  // the ring's query chunks: its pairs' segments
+  p.n_docs = ring ? 0 : a.n_docs;
   p.m_blocks = w.sq_pad / C::kBlockM;
   p.lse2 = w.lse2;
   p.dsum = w.dsum;
@@ -50,16 +66,44 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
   p.wait = w.wait;
   p.head_split = w.head_split;
   p.dkv_acc = w.dkv_acc;
+  if (ring) {
+    p.pairs = ring->pairs;
+    p.n_pairs = ring->n_pairs;
+    p.n_items = ring->n_items;
+    p.slots = ring->slots;
+    p.part = ring->part;
+    p.ready = ring->ready;
+    p.ring_kb = ring->kb;
+    p.ring_dpieces = ring->dpieces;
+    p.ring_kb_per_piece = ring->kb_per_piece;
+    p.wait = ring->program.wait;
+    p.head_split = 1;
+    p.deterministic = 0;
+  }
+  if constexpr (Comm_::kEnabled) {
+    p.comm.program = ring->program;
+    p.comm.dedicated_ctas = ring->comm_ctas;
+    if (ring->program.op_counter) MK_CUDA_CHECK(cudaMemsetAsync(ring->program.op_counter, 0, sizeof(int), stream));
+  }
   const int smem = int(sizeof(typename C::Shared));
-  auto kernel = fmha_bwd_kernel<kD>;
-  MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   static_assert(C::kBlockN == 128, "bwd_key_blocks counts 128-row key blocks");
   const int key_blocks = bwd_key_blocks(a);
-  const dim3 grid(key_blocks, a.Hkv * w.head_split, a.B);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  if constexpr (Comm_::kEnabled) {  // the ring's persistent launch
+    auto kernel = fmha_bwd_ring_kernel<kD, Comm_>;
+    MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<ring->grid, kThreads, smem, stream>>>(p);
+  } else {
+    auto kernel = fmha_bwd_kernel<kD>;
+    MK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<dim3(key_blocks, a.Hkv * w.head_split, a.B), kThreads, smem, stream>>>(p);
+  }
   MK_CUDA_CHECK(cudaGetLastError());
-  if (w.head_split > 1) {
-    bwd_finish_dkv<kD><<<dim3(key_blocks, a.Hkv, a.B), kMmaThreads, 0, stream>>>(p);
+  if (ring) {
+    bwd_ring_finish_dkv<kD><<<dim3(ring->kb, a.Hkv, a.B), kMmaThreads, 0, stream>>>(
+        ring->own, p.dk, p.dv, a.dk_stride, a.dv_stride, a.Hkv, ring->kb, ring->kb_per_chunk, ring->chunk_len);
+    MK_CUDA_CHECK(cudaGetLastError());
+  } else if (w.head_split > 1) {
+    bwd_finish_dkv<kD, Comm_><<<dim3(key_blocks, a.Hkv, a.B), kMmaThreads, 0, stream>>>(p);
     MK_CUDA_CHECK(cudaGetLastError());
   }
   const dim3 grid_dq(p.m_blocks, a.H, a.B);
@@ -68,6 +112,11 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
                                                           w.wait.abort, a.cu_seqlens, a.n_docs);
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
+}
+
+template <int kD>
+Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t stream, const BwdRing* ring) {
+  return ring ? launch_bwd<kD, comm::CommRole>(a, w, stream, ring) : launch_bwd<kD, comm::NoComm>(a, w, stream, ring);
 }
 
 }  // namespace sm90

@@ -1,0 +1,274 @@
+// Ring attention's backward: the ring plan turned into the persistent backward kernel's pairs
+// (src/attention/bwd_launch.h) and a communication program whose dK/dV sums travel the ring
+// behind K/V (src/ops/ring_attention/ring_attention_program.h).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "mkernel/attention/attention.h"
+#include "mkernel/common/check.h"
+#include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
+#include "mkernel/ops/ring_attention.h"
+#include "mkernel/runtime/communicator.h"
+#include "src/attention/bwd_launch.h"
+#include "src/attention/fmha_launch.h"
+#include "src/comm/device_program.h"
+#include "src/comm/session.h"
+#include "src/ops/ring_attention/ring_attention_plan.h"
+#include "src/ops/ring_attention/ring_attention_program.h"
+
+namespace mk {
+namespace ops {
+
+struct RingBwdState {
+  std::unique_ptr<comm::OpSession> session;
+  RingAttentionShape shape;
+  RingAttentionOptions opt;
+  RingPlan plan;
+  RingProgram program;
+  int64_t S_l = 0, chunk_len = 0;
+  int chunks = 1, comm_ctas = 0;
+  attention::BwdRing ring;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  int32_t* cu = nullptr;  // the chunks' bounds {0, chunk_len[, 2 chunk_len]} (device)
+};
+
+namespace {
+
+struct Request {
+  int32_t B, H, Hkv, D, layout, causal;
+  int64_t S;
+};
+
+constexpr int kKeyBlock = 128;  // the backward's key rows per item (kernel/bwd.cuh kBwdBlockN)
+
+// The kernel's pairs: per step, per key chunk of the block this rank holds that some query chunk
+// of this rank sees, that chunk against those query chunks.
+Status build_pairs(RingBwdState* st, std::vector<attention::BwdRingPair>* out) {
+  const RingPlan& p = st->plan;
+  const RingAttentionShape& s = st->shape;
+  const RingGeometry& g = st->program.geo;
+  const int W = p.world, me = st->session->comm()->rank();
+  const int block_m = s.D == 64 ? 128 : 64;  // BwdCfg<D>::kBlockM
+  const int len = int(st->chunk_len);
+  int items = 0;
+  for (int t = 0; t < W; ++t) {
+    const RingStep& stp = p.steps[me][t];
+    for (int c = 0; c < st->chunks; ++c) {
+      attention::BwdRingPair pr;
+      for (const auto& q : stp.pairs) {
+        if (q.kv_chunk != c || q.mask == BlockMask::kSkip) continue;
+        MK_REQUIRE(pr.nseg < 2, Code::kInternal, "ring_attention backward: more than 2 query chunks see a key chunk");
+        attention::BwdSeg& sg = pr.seg[pr.nseg++];
+        sg.q_row0 = q.q_chunk * len;
+        sg.m_blocks = (len + block_m - 1) / block_m;
+        sg.qb0 = sg.q_row0 / block_m + q.q_chunk;  // the workspace's virtual blocks (chunks as documents)
+        sg.causal = q.mask == BlockMask::kCausal ? 1 : 0;
+        sg.q_pos0 = p.chunks[me][q.q_chunk].token0;
+      }
+      if (pr.nseg == 0) continue;
+      const int blk = stp.kv_rank;
+      pr.kv_src = t == 0 ? 0 : 1;
+      pr.slot = blk;
+      pr.kv_row0 = c * len;
+      pr.kv_len = len;
+      pr.kv_pos0 = p.chunks[blk][c].token0;
+      pr.wait = t == 0 ? 0 : 1;
+      pr.item0 = items;
+      pr.ready0 = int32_t(st->program.dkv_index(blk, 0, c * g.dpieces_per_chunk()));
+      pr.tile0 = (int64_t(blk) * s.B * g.kb() + int64_t(c) * g.kb_per_chunk) * s.Hkv;
+      items += s.B * g.kb_per_chunk * s.Hkv;
+      out->push_back(pr);
+    }
+  }
+  st->ring.n_items = items;
+  return OkStatus();
+}
+
+Status setup(RingBwdState* st) {
+  comm::OpSession& ses = *st->session;
+  Communicator* c = ses.comm();
+  const int W = c->world(), me = c->rank();
+  const RingAttentionShape& s = st->shape;
+  const RingGeometry& g = st->program.geo;
+  attention::BwdRing& r = st->ring;
+  std::vector<attention::BwdRingPair> pairs;
+  MK_CHECK(build_pairs(st, &pairs));
+  MK_CHECK(ses.upload(pairs, const_cast<attention::BwdRingPair**>(&r.pairs)));
+  r.n_pairs = int(pairs.size());
+  r.slots.k = ses.local(RingBuf::kSlotsK);
+  r.slots.v = ses.local(RingBuf::kSlotsV);
+  r.slots.slots = W;
+  r.slots.rows = int(st->S_l);
+  uint64_t* flags = nullptr;
+  MK_CHECK(ses.region_addr(st->program, RingRegion::kArrived, me, &flags));
+  r.slots.flags = flags;
+  r.slots.chunks = g.pieces;
+  r.slots.chunk_rows = g.chunk_tokens;
+  r.slots.wait_mul = 2;  // K and V of a piece
+  r.part = static_cast<float*>(ses.local(RingBuf::kPart));
+  MK_CHECK(ses.region_addr(st->program, RingRegion::kReady, me, &r.ready));
+  r.kb = g.kb();
+  r.dpieces = g.dpieces();
+  r.kb_per_piece = g.kb_per_piece;
+  r.kb_per_chunk = g.kb_per_chunk;
+  r.chunk_len = int(st->chunk_len);
+  r.own = W == 1 ? r.part
+                 : reinterpret_cast<const float*>(static_cast<const char*>(ses.local(RingBuf::kAcc)) +
+                                                  uint64_t(me) * g.dkv_block_bytes());
+  comm::Resolved res;
+  MK_CHECK(ses.resolve(st->program, st->program.ranks[me], &res));
+  r.program = res.program;
+  if (W == 1) r.program.epoch = nullptr;  // nothing to communicate: no epoch to keep
+  r.comm_ctas = r.program.n_ops == 0 ? 0 : st->comm_ctas;
+  // The workspace (dQ accumulator, LSE₂, Dsum over the chunks' virtual query blocks) and the
+  // chunks' bounds that map those blocks back to rows.
+  st->workspace_bytes = attention::backward_workspace_bytes(s.B, s.H, int(st->S_l), s.D, st->chunks);
+  MK_REQUIRE(st->workspace_bytes > 0, Code::kInvalidArgument, "ring_attention backward: %lld tokens per rank",
+             (long long)st->S_l);
+  MK_CHECK(ses.alloc_zeroed(st->workspace_bytes, &st->workspace));
+  std::vector<int32_t> cu;
+  for (int k = 0; k <= st->chunks; ++k) cu.push_back(int32_t(k * st->chunk_len));
+  MK_CHECK(ses.upload(cu, &st->cu));
+  return OkStatus();
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+Status RingAttentionBackward::create(Communicator* comm, const RingAttentionShape& shape,
+                                     const RingAttentionOptions& opt, std::unique_ptr<RingAttentionBackward>* out) {
+  MK_REQUIRE(comm && out, Code::kInvalidArgument, "ring_attention backward: null communicator or output");
+  const int W = comm->world();
+  Request mine{shape.B, shape.H, shape.Hkv, shape.D, int32_t(shape.layout), shape.causal ? 1 : 0, shape.S};
+  MK_CHECK(comm::agree_on_request(comm->bootstrap(), mine, "ring_attention_backward", [](const Request& r) {
+    char b[160];
+    snprintf(b, sizeof b, "B %d H %d Hkv %d D %d S %lld layout %d causal %d", r.B, r.H, r.Hkv, r.D, (long long)r.S,
+             r.layout, r.causal);
+    return std::string(b);
+  }));
+  MK_CHECK(RingAttention::can_implement(shape, W));
+  std::unique_ptr<RingAttentionBackward> op(new RingAttentionBackward());
+  op->st_ = std::make_unique<RingBwdState>();
+  RingBwdState* st = op->st_.get();
+  st->shape = shape;
+  st->opt = opt;
+  MK_CHECK(build_ring_plan(comm::layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan));
+  MK_CHECK(comm::OpSession::create(comm, "ring_attention_backward", opt.staging, &st->session));
+  st->S_l = shape.S / W;
+  st->chunks = shape.layout == SeqLayout::kZigzag ? 2 : 1;
+  st->chunk_len = st->S_l / st->chunks;
+  RingGeometry geo;
+  geo.B = shape.B;
+  geo.S_l = st->S_l;
+  geo.row_bytes = int64_t(shape.Hkv) * shape.D * 2;
+  int64_t ct = opt.chunk_tokens > 0 ? opt.chunk_tokens : std::max<int64_t>(64, (int64_t(2) << 20) / geo.row_bytes);
+  ct = std::min<int64_t>(ct, st->S_l);
+  geo.chunk_tokens = int(ct);
+  geo.pieces = int((st->S_l + ct - 1) / ct);
+  geo.backward = true;
+  geo.hkv = shape.Hkv;
+  geo.tile_bytes = uint64_t(2) * kKeyBlock * shape.D * 4;
+  geo.chunks = st->chunks;
+  geo.kb_per_chunk = int((st->chunk_len + kKeyBlock - 1) / kKeyBlock);
+  geo.kb_per_piece = int(std::max<uint64_t>(1, (uint64_t(2) << 20) / (geo.tile_bytes * uint64_t(shape.Hkv))));
+  int64_t cc = opt.comm_ctas;
+  if (cc < 0) cc = tunables::ring_comm_ctas();
+  st->comm_ctas = int(std::max<int64_t>(cc, 1));
+  int grid = 0;
+  Status rs = attention::fmha_ctas(&grid);
+  if (rs.ok() && opt.max_ctas > 0) grid = std::min(grid, opt.max_ctas);
+  if (rs.ok() && W > 1 && st->comm_ctas >= grid)
+    rs = make_status(Code::kInvalidArgument,
+                     "ring_attention backward: %d communication CTAs leave none of %d CTAs to compute", st->comm_ctas,
+                     grid);
+  MK_CHECK(agree(comm->bootstrap(), rs, "ring_attention_backward create"));
+  st->ring.grid = grid;
+  MK_CHECK(build_ring_program(st->plan, comm::layout_of(comm->topology()), geo, st->session->staged(), &st->program));
+  MK_CHECK(st->session->setup(st->program));
+  MK_CHECK(agree(comm->bootstrap(), setup(st), "ring_attention_backward plan"));
+  MK_CHECK(comm->bootstrap().barrier());
+  *out = std::move(op);
+  return OkStatus();
+}
+
+RingAttentionBackward::~RingAttentionBackward() {
+  Status s = destroy();
+  if (!s.ok()) MK_WARN(kSubsysInit, "ring_attention backward: destroy: %s", s.to_string().c_str());
+}
+
+Status RingAttentionBackward::destroy() {
+  RingBwdState* st = st_.get();
+  if (!st || !st->session) return OkStatus();
+  return st->session->destroy();
+}
+
+int RingAttentionBackward::comm_ctas() const { return st_->ring.comm_ctas; }
+int RingAttentionBackward::work_items() const { return st_->ring.n_items; }
+int RingAttentionBackward::comm_ops() const { return st_->ring.program.n_ops; }
+
+Status RingAttentionBackward::can_implement(const RingAttentionBackwardArgs& a) const {
+  const RingBwdState* st = st_.get();
+  MK_REQUIRE(st && st->session && st->session->alive(), Code::kInvalidArgument,
+             "ring_attention backward: the operator was destroyed (or its communicator was destroyed first)");
+  MK_REQUIRE(a.q && a.k && a.v && a.o && a.dout && a.lse && a.dq && a.dk && a.dv, Code::kInvalidArgument,
+             "ring_attention backward: null Q, K, V, O, dO, LSE, dQ, dK or dV");
+  const void* ptr[8] = {a.q, a.k, a.v, a.o, a.dout, a.dq, a.dk, a.dv};
+  const char* nm[8] = {"Q", "K", "V", "O", "dO", "dQ", "dK", "dV"};
+  const RingAttentionShape& s = st->shape;
+  const uint64_t qb = uint64_t(s.B) * st->S_l * s.H * s.D * 2, kb = uint64_t(s.B) * st->S_l * s.Hkv * s.D * 2;
+  const uint64_t bytes[8] = {qb, kb, kb, qb, qb, qb, kb, kb};
+  for (int i = 0; i < 8; ++i)
+    MK_REQUIRE(aligned16(ptr[i]), Code::kInvalidArgument, "ring_attention backward: %s must be 16-byte aligned",
+               nm[i]);
+  auto overlaps = [](const void* p, uint64_t pb, const void* q, uint64_t qb2) {
+    auto x = reinterpret_cast<uintptr_t>(p), y = reinterpret_cast<uintptr_t>(q);
+    return x < y + qb2 && y < x + pb;
+  };
+  const uint64_t lse_bytes = uint64_t(s.B) * s.H * st->S_l * 4;
+  for (int o = 5; o < 8; ++o) {
+    for (int i = 0; i < 8; ++i)
+      MK_REQUIRE(i == o || !overlaps(ptr[o], bytes[o], ptr[i], bytes[i]), Code::kInvalidArgument,
+                 "ring_attention backward: %s overlaps %s", nm[o], nm[i]);
+    MK_REQUIRE(!overlaps(ptr[o], bytes[o], a.lse, lse_bytes), Code::kInvalidArgument,
+               "ring_attention backward: %s overlaps the LSE", nm[o]);
+  }
+  return OkStatus();
+}
+
+Status RingAttentionBackward::run(const RingAttentionBackwardArgs& a, cudaStream_t stream) {
+  if (st_->session) MK_CHECK(st_->session->agree_on_call(can_implement(a), "ring_attention backward arguments"));
+  return enqueue(a, stream);
+}
+
+Status RingAttentionBackward::enqueue(const RingAttentionBackwardArgs& a, cudaStream_t stream) {
+  RingBwdState* st = st_.get();
+  MK_CHECK(can_implement(a));
+  MK_CHECK(st->session->check_call());  // a failed communicator runs nothing more
+  const RingAttentionShape& s = st->shape;
+  attention::BackwardArgs b;
+  b.q = a.q, b.k = a.k, b.v = a.v, b.o = a.o, b.dout = a.dout, b.lse = a.lse;
+  b.dq = a.dq, b.dk = a.dk, b.dv = a.dv;
+  b.B = s.B, b.H = s.H, b.Hkv = s.Hkv, b.D = s.D;
+  b.Sq = b.Skv = int(st->S_l);
+  b.q_stride = b.o_stride = b.do_stride = b.dq_stride = attention::Strides::bshd(st->S_l, s.H, s.D);
+  b.k_stride = b.v_stride = b.dk_stride = b.dv_stride = attention::Strides::bshd(st->S_l, s.Hkv, s.D);
+  b.causal = s.causal;
+  b.scale = st->opt.scale;
+  b.cu_seqlens = st->cu;
+  b.n_docs = st->chunks;
+  b.workspace = st->workspace;
+  b.workspace_bytes = st->workspace_bytes;
+  attention::BwdRing r = st->ring;
+  r.program.user[kUserSlotK] = const_cast<void*>(a.k);
+  r.program.user[kUserSlotV] = const_cast<void*>(a.v);
+  return attention::run_ring_backward(b, r, stream);
+}
+
+}  // namespace ops
+}  // namespace mk
