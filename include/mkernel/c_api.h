@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 7
+#define MK_C_API_VERSION 8
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -44,6 +44,7 @@ typedef enum mk_code {
 typedef struct mk_comm_s* mk_comm_t;    /* a communicator */
 typedef struct mk_fused_s* mk_fused_t;  /* a fused GEMM collective */
 typedef struct mk_ring_s* mk_ring_t;    /* ring attention */
+typedef struct mk_ring_bwd_s* mk_ring_bwd_t;  /* ring attention's backward */
 typedef struct mk_moe_s* mk_moe_t;      /* MoE expert-parallel dispatch and combine */
 typedef struct mk_coll_s* mk_coll_t;    /* a standalone collective */
 
@@ -177,6 +178,14 @@ MK_C_EXPORT int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int
 MK_C_EXPORT int mk_ring_run(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse,
                 void* stream);
 MK_C_EXPORT int mk_ring_destroy(mk_ring_t op);
+/* The backward (RingAttentionBackward): same arguments as mk_ring_create. Collective. */
+MK_C_EXPORT int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
+                                        float scale, int comm_ctas, const char* staging, mk_ring_bwd_t* out);
+/* q, o, dout, dq [B, S/W, H, D], k, v, dk, dv [B, S/W, Hkv, D] bf16 contiguous; lse [B, H, S/W] fp32 (the
+ * forward's). */
+MK_C_EXPORT int mk_ring_backward_run(mk_ring_bwd_t op, const void* q, const void* k, const void* v, const void* o,
+                                     const void* dout, const float* lse, void* dq, void* dk, void* dv, void* stream);
+MK_C_EXPORT int mk_ring_backward_destroy(mk_ring_bwd_t op);
 
 /* ---- MoE dispatch and combine (include/mkernel/ops/moe.h) ---- */
 

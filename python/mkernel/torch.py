@@ -116,6 +116,7 @@ class Communicator:
          self.device) = (info.rank, info.world, info.node, info.nodes, info.local_rank, info.local_size, info.device)
         self._fused = {}  # (kind, M, N, K) -> handle, in creation order
         self._ring = {}   # (B, H, Hkv, D, S, layout, causal, scale) -> handle
+        self._ring_bwd = {}  # the same key -> the backward's handle
         self._coll = {}   # (kind, dtype, count) -> handle
 
     def __repr__(self):
@@ -170,6 +171,17 @@ class Communicator:
             h = self._ring[key] = out.value
         return h
 
+    def ring_backward(self, B, H, Hkv, D, S, layout, causal, scale):
+        key = (B, H, Hkv, D, S, layout, causal, scale)
+        h = self._ring_bwd.get(key)
+        if h is None:
+            self._creating(f"ring_attention's backward with B={B} H={H} Hkv={Hkv} D={D} S={S}")
+            out = ctypes.c_void_p()
+            check(_capi.lib().mk_ring_backward_create(self._handle, B, H, Hkv, D, S, layout, int(causal), float(scale),
+                                                      -1, b"", ctypes.byref(out)))
+            h = self._ring_bwd[key] = out.value
+        return h
+
     def collective(self, kind, dtype, count):
         key = (kind, dtype, count)
         h = self._coll.get(key)
@@ -184,8 +196,8 @@ class Communicator:
         """Collective: destroys the operators created so far (their memory), newest first."""
         errors = []
         lib = _capi.lib()
-        for table, destroy in ((self._coll, lib.mk_coll_destroy), (self._ring, lib.mk_ring_destroy),
-                               (self._fused, lib.mk_fused_destroy)):
+        for table, destroy in ((self._coll, lib.mk_coll_destroy), (self._ring_bwd, lib.mk_ring_backward_destroy),
+                               (self._ring, lib.mk_ring_destroy), (self._fused, lib.mk_fused_destroy)):
             for h in reversed(list(table.values())):
                 if destroy(h) != 0:
                     errors.append(lib.mk_last_error().decode(errors="replace"))
@@ -765,63 +777,34 @@ def _ar_backward(ctx, grad_out):
 _matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
-# ring_attention's backward, one op (mkernel::ring_attention_backward): K and V gathered from the
-# group (mkernel's all_gather, along the sequence), this rank's query rows' gradients against the
-# whole sequence by the attention backward kernel (one call per query chunk at its global
-# position: one for "contiguous" or non-causal, two for causal "zigzag"), and the dK / dV partial
-# sums of every rank's queries reduced back to the key rows' owners (reduce_scatter in fp32). The
-# rank is read when the op runs, not when a graph is traced: a compiled backward graph is the
-# same on every rank (torch.compile's caches may share it between them). LSE is not
-# differentiable.
+# ring_attention's backward, one op (mkernel::ring_attention_backward): the library's fused ring
+# backward (RingAttentionBackward: one persistent kernel per call; K/V travel the ring again and
+# each block's dK/dV sums travel with them back to its owner). The rank is read when the op runs
+# (in the library), not when a graph is traced: a compiled backward graph is the same on every
+# rank (torch.compile's caches may share it between them). LSE is not differentiable.
 
 @torch.library.custom_op("mkernel::ring_attention_backward", mutates_args=(), device_types="cuda")
 def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                              dout: torch.Tensor, causal: bool, layout: str, scale: float, group_name: str,
                              world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .attention import attention_backward
-    name = group_name
-    c_ = _op_comm("ring_attention_backward", name, world_size, q)
-    W, r = c_.world, c_.rank
+    c_ = _op_comm("ring_attention_backward", group_name, world_size, q)
+    _check_attn(q, k, v)
+    if layout not in _LAYOUTS:
+        raise MkError(1, f"mkernel.ring_attention_backward: layout '{layout}' is not 'contiguous' or 'zigzag'")
     B, s, H, D = q.shape
     Hkv = k.shape[2]
+    if o.shape != q.shape or dout.shape != q.shape or lse.shape != (B, H, s):
+        raise MkError(1, f"mkernel.ring_attention_backward: o {tuple(o.shape)}, dout {tuple(dout.shape)} must be "
+                         f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be {(B, H, s)}")
+    q, k, v, o = q.contiguous(), k.contiguous(), v.contiguous(), o.to(torch.bfloat16).contiguous()
     dout = dout.to(torch.bfloat16).contiguous()
-    def along_seq(op, x):  # mkernel's all_gather / reduce_scatter along the sequence (dimension 1)
-        return _along(x, 1, lambda t: op(t.contiguous(), name, W))
-
-    kf = along_seq(torch.ops.mkernel.all_gather, k)  # [B, W s, Hkv, D], rank-major
-    vf = along_seq(torch.ops.mkernel.all_gather, v)
-    if layout == "zigzag" and causal:
-        # Rank j holds global chunks j and 2W-1-j (c rows each): gathered chunk 2j + part is global
-        # chunk j (part 0) or 2W-1-j (part 1). The kernel reads K in global order (its positions).
-        c = s // 2
-        glob = [j // 2 if j % 2 == 0 else 2 * W - 1 - j // 2 for j in range(2 * W)]
-        inv = [0] * (2 * W)
-        for j, g in enumerate(glob):
-            inv[g] = j
-
-        def reorder(x, order):  # chunk i of the result is chunk order[i] of x
-            xc = x.reshape(B, 2 * W, c, Hkv, D)
-            return torch.stack([xc[:, j] for j in order], dim=1).reshape(B, 2 * W * c, Hkv, D)
-
-        kg, vg = reorder(kf, inv), reorder(vf, inv)
-        dqs, dk, dv = [], None, None
-        for part, g in ((0, r), (1, 2 * W - 1 - r)):
-            rows = slice(part * c, (part + 1) * c)
-            dq_p, dk_p, dv_p = attention_backward(q[:, rows], kg, vg, o[:, rows], lse[:, :, rows], dout[:, rows],
-                                                  causal=True, scale=scale, q_pos0=g * c)
-            dqs.append(dq_p)
-            dk = dk_p.float() if dk is None else dk + dk_p.float()
-            dv = dv_p.float() if dv is None else dv + dv_p.float()
-        dq = torch.cat(dqs, dim=1)
-        dk, dv = reorder(dk, glob), reorder(dv, glob)
-    else:
-        # Contiguous: rank j's rows are global rows j s ... (positions); non-causal needs none.
-        dq, dk, dv = attention_backward(q, kf, vf, o, lse, dout, causal=causal, scale=scale,
-                                        q_pos0=r * s if causal else 0)
-        dk, dv = dk.float(), dv.float()
-    dk = along_seq(torch.ops.mkernel.reduce_scatter, dk).to(torch.bfloat16)
-    dv = along_seq(torch.ops.mkernel.reduce_scatter, dv).to(torch.bfloat16)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    h = c_.ring_backward(B, H, Hkv, D, s * c_.world, _LAYOUTS[layout], causal, scale)
+    check(_capi.lib().mk_ring_backward_run(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                           dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                                           dv.data_ptr(), _stream()))
+    return dq, dk, dv
 
 
 @_ring_attention_backward.register_fake

@@ -59,6 +59,9 @@ FusedHandle* handle(mk_fused_t h) { return reinterpret_cast<FusedHandle*>(h); }
 mk::ops::FusedGemm* fused(mk_fused_t h) { return handle(h)->op.get(); }
 mk::Communicator* comm_of(mk_comm_t c) { return reinterpret_cast<mk::Communicator*>(c); }
 mk::ops::RingAttention* ring_of(mk_ring_t r) { return reinterpret_cast<mk::ops::RingAttention*>(r); }
+mk::ops::RingAttentionBackward* ring_bwd_of(mk_ring_bwd_t r) {
+  return reinterpret_cast<mk::ops::RingAttentionBackward*>(r);
+}
 mk::ops::MoeEp* moe_of(mk_moe_t m) { return reinterpret_cast<mk::ops::MoeEp*>(m); }
 mk::ops::Collective* coll_of(mk_coll_t c) { return reinterpret_cast<mk::ops::Collective*>(c); }
 
@@ -522,25 +525,72 @@ int mk_coll_destroy(mk_coll_t op) {
 // ---- ring attention (include/mkernel/ops/ring_attention.h) ----
 
 // layout: 0 contiguous, 1 zigzag. Collective. scale 0: 1/sqrt(D).
+namespace {
+int ring_shape(const char* what, int B, int H, int Hkv, int D, int64_t S, int layout, int causal, float scale,
+               int comm_ctas, const char* staging, mk::ops::RingAttentionShape* shape, mk::ops::RingAttentionOptions* opt) {
+  if (layout != 0 && layout != 1)
+    return invalid(std::string(what) + ": layout " + std::to_string(layout) + " is not 0 or 1");
+  shape->B = B, shape->H = H, shape->Hkv = Hkv, shape->D = D, shape->S = S;
+  shape->layout = static_cast<mk::ops::SeqLayout>(layout);
+  shape->causal = causal != 0;
+  opt->comm_ctas = comm_ctas;
+  opt->scale = scale;
+  opt->staging = staging ? staging : "";
+  return 0;
+}
+}  // namespace
+
 int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal, float scale,
                    int comm_ctas, const char* staging, mk_ring_t* out) {
   return guard("mk_ring_create", [&]() -> int {
     if (!comm || !out) return invalid("mk_ring_create: null argument");
-    if (layout != 0 && layout != 1) return invalid("mk_ring_create: layout " + std::to_string(layout) + " is not 0 or 1");
     *out = nullptr;
     mk::ops::RingAttentionShape shape;
-    shape.B = B, shape.H = H, shape.Hkv = Hkv, shape.D = D, shape.S = S;
-    shape.layout = static_cast<mk::ops::SeqLayout>(layout);
-    shape.causal = causal != 0;
     mk::ops::RingAttentionOptions opt;
-    opt.comm_ctas = comm_ctas;
-    opt.scale = scale;
-    opt.staging = staging ? staging : "";
+    if (int e = ring_shape("mk_ring_create", B, H, Hkv, D, S, layout, causal, scale, comm_ctas, staging, &shape, &opt))
+      return e;
     std::unique_ptr<mk::ops::RingAttention> op;
     mk::Status s = mk::ops::RingAttention::create(comm_of(comm), shape, opt, &op);
     if (!s.ok()) return ret(s);
     *out = reinterpret_cast<mk_ring_t>(op.release());
     return 0;
+  });
+}
+
+int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
+                            float scale, int comm_ctas, const char* staging, mk_ring_bwd_t* out) {
+  return guard("mk_ring_backward_create", [&]() -> int {
+    if (!comm || !out) return invalid("mk_ring_backward_create: null argument");
+    *out = nullptr;
+    mk::ops::RingAttentionShape shape;
+    mk::ops::RingAttentionOptions opt;
+    if (int e = ring_shape("mk_ring_backward_create", B, H, Hkv, D, S, layout, causal, scale, comm_ctas, staging,
+                           &shape, &opt))
+      return e;
+    std::unique_ptr<mk::ops::RingAttentionBackward> op;
+    mk::Status s = mk::ops::RingAttentionBackward::create(comm_of(comm), shape, opt, &op);
+    if (!s.ok()) return ret(s);
+    *out = reinterpret_cast<mk_ring_bwd_t>(op.release());
+    return 0;
+  });
+}
+
+int mk_ring_backward_run(mk_ring_bwd_t op, const void* q, const void* k, const void* v, const void* o,
+                         const void* dout, const float* lse, void* dq, void* dk, void* dv, void* stream) {
+  return guard("mk_ring_backward_run", [&]() -> int {
+    if (!op) return invalid("mk_ring_backward_run: null operator");
+    mk::ops::RingAttentionBackwardArgs a{q, k, v, o, dout, lse, dq, dk, dv};
+    return ret(ring_bwd_of(op)->run(a, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+int mk_ring_backward_destroy(mk_ring_bwd_t op) {
+  return guard("mk_ring_backward_destroy", [&]() -> int {
+    if (!op) return 0;
+    mk::ops::RingAttentionBackward* o = ring_bwd_of(op);
+    mk::Status s = o->destroy();
+    delete o;
+    return ret(s);
   });
 }
 

@@ -54,6 +54,7 @@ int main(void) {
   mk_comm_t comm = NULL;
   mk_fused_t fused = NULL;
   mk_ring_t ring = NULL;
+  mk_ring_bwd_t ring_bwd = NULL;
   mk_moe_t moe = NULL;
   mk_coll_t coll = NULL;
   int64_t rows = 0;
@@ -76,6 +77,11 @@ int main(void) {
   }
   expect_error(mk_ring_create(NULL, 1, 8, 8, 128, 1024, 1, 1, 0.f, -1, NULL, &ring), MK_INVALID_ARGUMENT,
                "mk_ring_create", "mk_ring_create(NULL)");
+  expect_error(mk_ring_backward_create(NULL, 1, 8, 8, 128, 1024, 1, 1, 0.f, -1, NULL, &ring_bwd), MK_INVALID_ARGUMENT,
+               "mk_ring_backward_create", "mk_ring_backward_create(NULL)");
+  EXPECT(ring_bwd == NULL, "a failed create left a handle");
+  expect_error(mk_ring_backward_run(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL),
+               MK_INVALID_ARGUMENT, "mk_ring_backward_run", "mk_ring_backward_run(NULL)");
   expect_error(mk_moe_create(NULL, 1024, 8, 2, 128, 1, 0, 0, 0, NULL, &moe), MK_INVALID_ARGUMENT, "mk_moe_create",
                "mk_moe_create(NULL)");
   expect_error(mk_moe_recv_rows(NULL, &rows), MK_INVALID_ARGUMENT, "mk_moe_recv_rows", "mk_moe_recv_rows(NULL)");
@@ -99,7 +105,7 @@ int main(void) {
   EXPECT(comm == NULL, "a failed create left a handle");
   /* Destroying nothing is a no-op. */
   EXPECT(mk_comm_destroy(NULL) == MK_OK && mk_fused_destroy(NULL) == MK_OK && mk_ring_destroy(NULL) == MK_OK &&
-             mk_moe_destroy(NULL) == MK_OK && mk_coll_destroy(NULL) == MK_OK,
+             mk_ring_backward_destroy(NULL) == MK_OK && mk_moe_destroy(NULL) == MK_OK && mk_coll_destroy(NULL) == MK_OK,
          "destroy(NULL) failed");
   if (failures == 0) printf("capi_c: ok (C ABI version %d)\n", mk_api_version());
   return failures == 0 ? 0 : 1;

@@ -1,5 +1,5 @@
 // `mkernel bench ring_attention`: ring attention against an NCCL all-gather + attention and a
-// per-step NCCL send/recv ring.
+// per-step NCCL send/recv ring, and its backward against the same kernel with no communication.
 //
 // Per sequence length: a correctness check of the fused ring against the same attention kernel
 // over the K/V blocks gathered on each rank (bf16 tolerance), then timings — median of --reps
@@ -53,10 +53,61 @@ struct RingRow {
   bool causal = true, zigzag = true, checked = false, correct = false, comparable = false;
   unsigned long long bad = 0;
   double fused = 0, compute = 0, allgather = 0, sendrecv = 0, coll = 0, flops = 0;
+  // The backward (RingAttentionBackward): fused and compute-only times, dQ checked against the
+  // compute-only kernel.
+  bool bwd_correct = false;
+  unsigned long long bwd_bad = 0;
+  double bwd_fused = 0, bwd_compute = 0;
 };
 
-Status bench_ring_body(Communicator* comm, ops::RingAttention* op, RingRow* r, const RunCfg& rc,
-                       const std::string& trace) {
+// The backward of the same shape: one checked call (dQ against the same kernel with no
+// communication over the gathered K/V; the GPU tests check dK and dV), then the fused call and
+// the compute-only kernel timed.
+Status bench_ring_backward(Communicator* comm, ops::RingAttention* op, ops::RingAttentionBackward* bwd, RingRow* r,
+                           const RunCfg& rc, const ops::RingAttentionArgs& fa, const void* k_all, const void* v_all) {
+  const int me = comm->rank();
+  cudaStream_t st = comm->stream();
+  const size_t qe = size_t(r->B) * r->S_l * r->H * r->D, ke = op->block_elems();
+  Buf lse, dout, dq, dq_ref, dk, dv, bad;
+  Status s = [&]() -> Status {
+    for (Buf* b : {&dout, &dq, &dq_ref}) MK_CHECK(CLI_CUDA(comm, b->alloc(qe * 2)));
+    for (Buf* b : {&dk, &dv}) MK_CHECK(CLI_CUDA(comm, b->alloc(ke * 2)));
+    MK_CHECK(CLI_CUDA(comm, lse.alloc(size_t(r->B) * r->H * r->S_l * 4)));
+    MK_CHECK(CLI_CUDA(comm, bad.alloc(sizeof(unsigned long long))));
+    fill_block<<<264, 256, 0, st>>>(dout.bf(), int64_t(qe), 0x3000 + me);
+    MK_CHECK(CLI_CUDA(comm, cudaGetLastError()));
+    MK_CHECK(CLI_CUDA(comm, cudaMemsetAsync(dq.p, 0xff, qe * 2, st)));  // poison
+    return synced(comm, st);
+  }();
+  MK_CHECK(agreed(comm, s, "preparing the backward's inputs"));
+  ops::RingAttentionArgs f = fa;
+  f.lse = static_cast<float*>(lse.p);
+  s = decoded(comm, op->run(f, st));  // O and LSE of these inputs
+  if (s.ok()) s = synced(comm, st);
+  ops::RingAttentionBackwardArgs b{f.q, f.k, f.v, f.o, dout.p, f.lse, dq.p, dk.p, dv.p};
+  if (s.ok()) s = decoded(comm, bwd->run(b, st));
+  if (s.ok()) s = synced(comm, st);
+  ops::RingAttentionBackwardArgs br = b;
+  br.dq = dq_ref.p;
+  if (s.ok()) s = decoded(comm, ops::RingAttentionTesting::enqueue_backward_compute(*bwd, br, k_all, v_all, st));
+  if (s.ok()) s = synced(comm, st);
+  unsigned long long* d_bad = static_cast<unsigned long long*>(bad.p);
+  MK_CHECK(count_world(
+      comm, st, s, d_bad, [&] { count_far<<<264, 256, 0, st>>>(dq.bf(), dq_ref.bf(), int64_t(qe), d_bad); },
+      "the checked backward call", &r->bwd_bad));
+  r->bwd_correct = r->bwd_bad == 0;
+  if (!r->bwd_correct) return OkStatus();
+  Timing t;
+  MK_CHECK(time_it(comm, st, rc, "timing the fused backward", [&] { return bwd->enqueue(b, st); }, &t));
+  r->bwd_fused = t.median_ms;
+  MK_CHECK(time_it(comm, st, rc, "timing the backward alone", [&] {
+    return ops::RingAttentionTesting::enqueue_backward_compute(*bwd, b, k_all, v_all, st); }, &t));
+  r->bwd_compute = t.median_ms;
+  return OkStatus();
+}
+
+Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAttentionBackward* bwd, RingRow* r,
+                       const RunCfg& rc, const std::string& trace) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
   const size_t qe = size_t(r->B) * r->S_l * r->H * r->D, ke = op->block_elems();
@@ -119,6 +170,7 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, RingRow* r, c
     if (me == 0)
       printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
   }
+  MK_CHECK(bench_ring_backward(comm, op, bwd, r, rc, a, k_all.p, v_all.p));
 #if MK_HAVE_NCCL
   if (r->comparable) {
     std::unique_ptr<ops::baseline::Baselines> bl;
@@ -149,25 +201,31 @@ Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const st
                              r->zigzag ? ops::SeqLayout::kZigzag : ops::SeqLayout::kContiguous, r->causal};
   std::unique_ptr<ops::RingAttention> op;
   MK_CHECK(ops::RingAttention::create(comm, sh, {}, &op));  // collective: a bad shape fails every rank
-  const Status s = bench_ring_body(comm, op.get(), r, rc, trace);
+  std::unique_ptr<ops::RingAttentionBackward> bwd;
+  Status s = ops::RingAttentionBackward::create(comm, sh, {}, &bwd);
+  if (s.ok()) s = bench_ring_body(comm, op.get(), bwd.get(), r, rc, trace);
   const Status d = op->destroy();
-  return s.ok() ? d : s;
+  const Status db = bwd ? bwd->destroy() : OkStatus();
+  return !s.ok() ? s : !d.ok() ? d : db;
 }
 
 std::string ring_json(const RingRow& r) {
-  char b[1024];
+  char b[1536];
   snprintf(b, sizeof b,
            "{\"op\": \"ring_attention\", \"B\": %d, \"H\": %d, \"Hkv\": %d, \"D\": %d, \"seq_per_rank\": %lld, "
            "\"world\": %d, \"causal\": %s, \"layout\": \"%s\", \"correct\": %s, \"mismatches\": %llu, "
            "\"comparable\": %s, \"fused_ms\": %s, \"compute_only_ms\": %s, \"allgather_then_attention_ms\": %s, "
            "\"sendrecv_ring_ms\": %s, \"nccl_allgather_kv_ms\": %s, \"fused_tflops_per_rank\": %s, "
-           "\"speedup_vs_allgather\": %s, \"speedup_vs_sendrecv\": %s, \"overlap_efficiency\": %s}",
+           "\"speedup_vs_allgather\": %s, \"speedup_vs_sendrecv\": %s, \"overlap_efficiency\": %s, "
+           "\"backward_dq_mismatches\": %llu, \"backward_fused_ms\": %s, \"backward_compute_only_ms\": %s, "
+           "\"fwd_bwd_fused_over_compute\": %s}",
            r.B, r.H, r.Hkv, r.D, (long long)r.S_l, r.W, r.causal ? "true" : "false", r.zigzag ? "zigzag" : "contiguous",
            r.correct ? "true" : "false", r.bad, r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(),
            jnum(r.compute, 4).c_str(), jnum(r.allgather, 4).c_str(), jnum(r.sendrecv, 4).c_str(),
            jnum(r.coll, 4).c_str(), jnum(r.fused > 0 ? r.flops / (r.fused * 1e-3) / 1e12 : 0, 1).c_str(),
            jnum(ratio(r.allgather, r.fused), 3).c_str(), jnum(ratio(r.sendrecv, r.fused), 3).c_str(),
-           eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str());
+           eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str(), r.bwd_bad, jnum(r.bwd_fused, 4).c_str(),
+           jnum(r.bwd_compute, 4).c_str(), jnum(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str());
   return b;
 }
 
@@ -198,14 +256,14 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
     CheckLine c;
     c.label = "ring_attention S/rank " + std::to_string(S_l) + " W " + std::to_string(W);
     Status s = bench_ring_one(comm, &r, rc, trace);
-    c.done = r.checked, c.ok = r.correct, c.bad = r.bad;
+    c.done = r.checked, c.ok = r.correct && (r.bwd_correct || !s.ok()), c.bad = r.bad + r.bwd_bad;
     if (!s.ok()) {
       c.error = s.to_string();
       note_failure(s);
       if (me == 0) fprintf(stderr, "bench ring_attention S/rank %lld: %s\n", (long long)S_l, c.error.c_str());
     }
     checks.push_back(c);
-    if (s.ok() && r.correct) {
+    if (s.ok() && r.correct && r.bwd_correct) {
       rows.push_back(ring_json(r));
       if (me == 0) {
         printf("%8lld %3d  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s%s\n", (long long)S_l, W, "ok",
@@ -215,10 +273,14 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
                cell(ratio(r.sendrecv, r.fused), 2).c_str(),
                eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                comparable ? "" : "  (not comparable)");
+        printf("%8s %3s  backward: fused %s ms, compute-only %s ms; forward+backward fused / compute-only %s\n", "",
+               "", cell(r.bwd_fused, 3).c_str(), cell(r.bwd_compute, 3).c_str(),
+               cell(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str());
         fflush(stdout);
       }
-    } else if (me == 0 && r.checked && !r.correct) {
-      printf("%8lld %3d  %-6s (%llu mismatches)\n", (long long)S_l, W, "WRONG", r.bad);
+    } else if (me == 0 && r.checked && (!r.correct || !r.bwd_correct)) {
+      printf("%8lld %3d  %-6s (%llu forward, %llu backward dQ mismatches)\n", (long long)S_l, W, "WRONG", r.bad,
+             r.bwd_bad);
     }
     if (!s.ok() && communicator_failed(comm)) break;
   }

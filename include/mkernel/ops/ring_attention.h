@@ -147,6 +147,7 @@ class RingAttentionBackward {
   int comm_ops() const;
 
  private:
+  friend struct RingAttentionTesting;  // src/ops/ring_attention/ring_attention_testing.h
   RingAttentionBackward() = default;
   std::unique_ptr<RingBwdState> st_;
 };

@@ -19,6 +19,7 @@
 #include "src/comm/session.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
 #include "src/ops/ring_attention/ring_attention_program.h"
+#include "src/ops/ring_attention/ring_attention_testing.h"
 
 namespace mk {
 namespace ops {
@@ -32,6 +33,7 @@ struct RingBwdState {
   int64_t S_l = 0, chunk_len = 0;
   int chunks = 1, comm_ctas = 0;
   attention::BwdRing ring;
+  const attention::BwdRingPair* compute_pairs = nullptr;  // the pairs with no waits, K/V from slots
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   int32_t* cu = nullptr;  // the chunks' bounds {0, chunk_len[, 2 chunk_len]} (device)
@@ -100,6 +102,8 @@ Status setup(RingBwdState* st) {
   MK_CHECK(build_pairs(st, &pairs));
   MK_CHECK(ses.upload(pairs, const_cast<attention::BwdRingPair**>(&r.pairs)));
   r.n_pairs = int(pairs.size());
+  for (auto& pr : pairs) pr.kv_src = 1, pr.wait = 0;
+  MK_CHECK(ses.upload(pairs, const_cast<attention::BwdRingPair**>(&st->compute_pairs)));
   r.slots.k = ses.local(RingBuf::kSlotsK);
   r.slots.v = ses.local(RingBuf::kSlotsV);
   r.slots.slots = W;
@@ -246,10 +250,8 @@ Status RingAttentionBackward::run(const RingAttentionBackwardArgs& a, cudaStream
   return enqueue(a, stream);
 }
 
-Status RingAttentionBackward::enqueue(const RingAttentionBackwardArgs& a, cudaStream_t stream) {
-  RingBwdState* st = st_.get();
-  MK_CHECK(can_implement(a));
-  MK_CHECK(st->session->check_call());  // a failed communicator runs nothing more
+namespace {
+attention::BackwardArgs backward_args(const RingBwdState* st, const RingAttentionBackwardArgs& a) {
   const RingAttentionShape& s = st->shape;
   attention::BackwardArgs b;
   b.q = a.q, b.k = a.k, b.v = a.v, b.o = a.o, b.dout = a.dout, b.lse = a.lse;
@@ -264,10 +266,33 @@ Status RingAttentionBackward::enqueue(const RingAttentionBackwardArgs& a, cudaSt
   b.n_docs = st->chunks;
   b.workspace = st->workspace;
   b.workspace_bytes = st->workspace_bytes;
+  return b;
+}
+}  // namespace
+
+Status RingAttentionBackward::enqueue(const RingAttentionBackwardArgs& a, cudaStream_t stream) {
+  RingBwdState* st = st_.get();
+  MK_CHECK(can_implement(a));
+  MK_CHECK(st->session->check_call());  // a failed communicator runs nothing more
   attention::BwdRing r = st->ring;
   r.program.user[kUserSlotK] = const_cast<void*>(a.k);
   r.program.user[kUserSlotV] = const_cast<void*>(a.v);
-  return attention::run_ring_backward(b, r, stream);
+  return attention::run_ring_backward(backward_args(st, a), r, stream);
+}
+
+Status RingAttentionTesting::enqueue_backward_compute(RingAttentionBackward& op, const RingAttentionBackwardArgs& a,
+                                                      const void* k_all, const void* v_all, cudaStream_t stream) {
+  RingBwdState* st = op.st_.get();
+  MK_CHECK(op.can_implement(a));
+  MK_REQUIRE(k_all && v_all, Code::kInvalidArgument, "ring_attention backward: null K/V source");
+  attention::BwdRing r = st->ring;
+  r.pairs = st->compute_pairs;
+  r.slots.k = k_all;
+  r.slots.v = v_all;
+  r.slots.flags = nullptr;
+  r.program = comm::DeviceProgram{};
+  r.comm_ctas = 0;
+  return attention::run_ring_backward(backward_args(st, a), r, stream);
 }
 
 }  // namespace ops

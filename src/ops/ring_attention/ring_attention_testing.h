@@ -26,6 +26,11 @@ struct RingAttentionTesting {
   // into the operator's fp32 accumulator and the last writes O.
   static Status enqueue_compute(RingAttention& op, const RingAttentionArgs& a, int step, const void* k_src,
                                 const void* v_src, cudaStream_t stream);
+  // The backward's kernel with no communication (the compute-only time of the backward): every
+  // pair of the call against K/V laid out as the slots (k_all / v_all: [W][B][S/W][Hkv][D]), no
+  // waits, no communication CTAs. dQ is the call's; dK and dV are not (no sums travel).
+  static Status enqueue_backward_compute(RingAttentionBackward& op, const RingAttentionBackwardArgs& a,
+                                         const void* k_all, const void* v_all, cudaStream_t stream);
 };
 
 }  // namespace ops
