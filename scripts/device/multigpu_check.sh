@@ -7,7 +7,8 @@
 #   2. the fused operators against cuBLAS + NCCL (mkernel bench: speedups, overlap efficiency)
 #      on the Llama-70B TP8 shapes (AG+GEMM of the gate/up projection, GEMM+RS of the down
 #      projection, GEMM+AR of the attention output) at 4096 and 16384 tokens;
-#   3. ring attention against NCCL all-gather + attention and a send/recv ring, S/rank 4096-16384;
+#   3. ring attention against NCCL all-gather + attention and a send/recv ring, and its fused backward
+#      against the same kernel without communication, S/rank 4096-16384;
 #   4. the same benchmarks with 2 emulated nodes (the network path between them);
 #   5. MoE dispatch/combine and the MoE layer: test_gpu_moe and test_gpu_moe_layer at every W, mkernel bench
 #      moe_layer, and mkernel bench moe_dispatch (the DeepEP
