@@ -281,6 +281,112 @@ __device__ __forceinline__ void bwd_to_bf16(const Acc_& acc, Frag_& frag) {
   }
 }
 
+// One step of a key block's consumer warpgroups, in both kernels: Sᵀ and dPᵀ for the step's
+// query block (stage st of the Q pipeline), Pᵀ and dSᵀ (masked: keys at or past `len`, and causal
+// keys past the query's position), dV and dK accumulated, dS through shared memory buffer `buf`
+// into the step's dQ, which goes to shared memory for the reducing warp. q_pos_m: the global
+// position of the block's first query row; kv_pos0 that of the segment's first key row.
+template <int kD, class PipeQ_, class StateQ_, class MmaSdP_, class MmadKV_, class MmadQ_, class FragK_, class FragQ_,
+          class FragQt_, class FragdS_, class FragKt_, class SmemdS_, class CoordS_, class CoordSrc_, class AccKV_>
+__device__ __forceinline__ void bwd_consume_step(typename BwdCfg<kD>::Shared& sh, PipeQ_& pipe_q, StateQ_& cq,
+                                                 MmaSdP_& mma_sdp, MmadKV_& mma_dkv, MmadQ_& mma_dq,
+                                                 const FragK_& tSrK, const FragK_& tSrV, const FragQ_& tSrQ,
+                                                 const FragQ_& tSrdO, const FragQt_& tdKrQt, const FragQt_& tdVrdOt,
+                                                 const FragdS_& tdQrdS, const FragKt_& tdQrKt, SmemdS_& sdS,
+                                                 const CoordS_& cS, const CoordSrc_& cS_rc, AccKV_& tdKrdK,
+                                                 AccKV_& tdVrdV, int st, int buf, int key0, int len, int causal,
+                                                 int64_t kv_pos0, int64_t q_pos_m, float sl2, float scale, int tid) {
+  using C = BwdCfg<kD>;
+  constexpr int kBlockM = C::kBlockM, kBlockN = C::kBlockN;
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+  Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+  // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as two groups: Pᵀ is computed while dPᵀ runs.
+  warpgroup_fence_operand(tSrS);
+  warpgroup_arrive();
+  bwd_gemm(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS, true);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tSrdP);
+  warpgroup_arrive();
+  bwd_gemm(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP, true);
+  warpgroup_commit_batch();
+  warpgroup_wait<1>();
+  warpgroup_fence_operand(tSrS);
+
+  // Pᵀ in place of Sᵀ.
+  Tensor S_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+  Tensor dP_rc = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
+  const bool need_mask = key0 + kBlockN > len || (causal && kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < size<1>(S_rc) && !(MK_BWD_SKIP & 8); ++c) {
+    const int q = get<1>(cS_rc(0, c));
+    const float l2 = sh.lse2[st][q];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(S_rc); ++r) {
+      float pv = exp2f(fmaf(S_rc(r, c), sl2, -l2));
+      if (need_mask) {
+        const int key = key0 + get<0>(cS_rc(r, c));
+        if (key >= len || (causal && kv_pos0 + key > q_pos_m + q)) pv = 0.f;
+      }
+      S_rc(r, c) = pv;
+    }
+  }
+  // dV += Pᵀ·dO (Pᵀ in bf16 as the A operand) while dPᵀ finishes.
+  Tensor tdVrP = make_tensor<Element>(acc_to_a(tSrS.layout()));
+  bwd_to_bf16(tSrS, tdVrP);
+  warpgroup_fence_operand(tdVrdV);
+  warpgroup_arrive();
+  if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdVrP, tdVrdOt(_, _, _, st), tdVrdV, false);
+  warpgroup_commit_batch();
+  warpgroup_wait<1>();
+  warpgroup_fence_operand(tSrdP);
+  // dSᵀ = Pᵀ ∘ (dPᵀ − Dsum) in place of dPᵀ.
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < size<1>(S_rc); ++c) {
+    const float ds = sh.dsum[st][get<1>(cS_rc(0, c))];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(S_rc); ++r) dP_rc(r, c) = S_rc(r, c) * (dP_rc(r, c) - ds);
+  }
+  Tensor tdKrdS = make_tensor<Element>(acc_to_a(tSrdP.layout()));
+  bwd_to_bf16(tSrdP, tdKrdS);
+  // dK += dSᵀ·Q
+  warpgroup_fence_operand(tdKrdK);
+  warpgroup_arrive();
+  if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
+  warpgroup_commit_batch();
+  // dS (query-major) into this step's buffer, for dQ: the buffer's previous reader (the dQ MMA
+  // two steps back) finished before both warpgroups passed the last step's barrier. The A
+  // fragment holds the accumulator's elements in the same order (acc_to_a only regroups modes),
+  // so cS names their coordinates; a pair is two adjacent queries, adjacent in shared memory.
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
+    const int key = get<0>(cS(i)), q = get<1>(cS(i));
+    Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
+    *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
+  }
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
+  // dQ = dS·K (this warpgroup's half)
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kD>>{});
+  warpgroup_fence_operand(tdQrdQ);
+  warpgroup_arrive();
+  if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tdQrdQ);
+  warpgroup_fence_operand(tdVrdV);
+  warpgroup_fence_operand(tdKrdK);
+  pipe_q.consumer_release(cq);
+  ++cq;
+  // dQ (scaled) to shared memory in fragment order, for the reducing warp.
+  cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
+  if (!(MK_BWD_SKIP & 3)) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * scale;
+  }
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
+}
+
 template <int kD>
 __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__ const BwdParams<kD> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -433,94 +539,9 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__
     const int st = cq.index();
     const int buf = s & 1;
     pipe_q.consumer_wait(cq);
-    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as two groups: Pᵀ is computed while dPᵀ runs.
-    warpgroup_fence_operand(tSrS);
-    warpgroup_arrive();
-    bwd_gemm(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS, true);
-    warpgroup_commit_batch();
-    warpgroup_fence_operand(tSrdP);
-    warpgroup_arrive();
-    bwd_gemm(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP, true);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(tSrS);
-
-    // Pᵀ in place of Sᵀ.
-    Tensor S_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
-    Tensor dP_rc = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
-    const int64_t q_pos_m = p.q_pos0 + int64_t(m) * kBlockM;
-    const bool need_mask = key0 + kBlockN > blk.len || (p.causal && p.kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < size<1>(S_rc) && !(MK_BWD_SKIP & 8); ++c) {
-      const int q = get<1>(cS_rc(0, c));
-      const float l2 = sh.lse2[st][q];
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(S_rc); ++r) {
-        float pv = exp2f(fmaf(S_rc(r, c), sl2, -l2));
-        if (need_mask) {
-          const int key = key0 + get<0>(cS_rc(r, c));
-          if (key >= blk.len || (p.causal && p.kv_pos0 + key > q_pos_m + q)) pv = 0.f;
-        }
-        S_rc(r, c) = pv;
-      }
-    }
-    // dV += Pᵀ·dO (Pᵀ in bf16 as the A operand) while dPᵀ finishes.
-    Tensor tdVrP = make_tensor<Element>(acc_to_a(tSrS.layout()));
-    bwd_to_bf16(tSrS, tdVrP);
-    warpgroup_fence_operand(tdVrdV);
-    warpgroup_arrive();
-    if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdVrP, tdVrdOt(_, _, _, st), tdVrdV, false);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(tSrdP);
-    // dSᵀ = Pᵀ ∘ (dPᵀ − Dsum) in place of dPᵀ.
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < size<1>(S_rc); ++c) {
-      const float ds = sh.dsum[st][get<1>(cS_rc(0, c))];
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(S_rc); ++r) dP_rc(r, c) = S_rc(r, c) * (dP_rc(r, c) - ds);
-    }
-    Tensor tdKrdS = make_tensor<Element>(acc_to_a(tSrdP.layout()));
-    bwd_to_bf16(tSrdP, tdKrdS);
-    // dK += dSᵀ·Q
-    warpgroup_fence_operand(tdKrdK);
-    warpgroup_arrive();
-    if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
-    warpgroup_commit_batch();
-    // dS (query-major) into this step's buffer, for dQ: the buffer's previous reader (the dQ MMA
-    // two steps back) finished before both warpgroups passed the last step's barrier. The A
-    // fragment holds the accumulator's elements in the same order (acc_to_a only regroups modes),
-    // so cS names their coordinates; a pair is two adjacent queries, adjacent in shared memory.
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
-      const int key = get<0>(cS(i)), q = get<1>(cS(i));
-      Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
-      *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
-    }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
-    // dQ = dS·K (this warpgroup's half)
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kD>>{});
-    warpgroup_fence_operand(tdQrdQ);
-    warpgroup_arrive();
-    if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tdQrdQ);
-    warpgroup_fence_operand(tdVrdV);
-    warpgroup_fence_operand(tdKrdK);
-    pipe_q.consumer_release(cq);
-    ++cq;
-    // dQ (scaled) to shared memory in fragment order, for the reducing warp.
-    cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
-    if (!(MK_BWD_SKIP & 3)) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * p.scale;
-    }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
+    bwd_consume_step<kD>(sh, pipe_q, cq, mma_sdp, mma_dkv, mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdKrQt, tdVrdOt, tdQrdS,
+                         tdQrKt, sdS, cS, cS_rc, tdKrdK, tdVrdV, st, buf, key0, blk.len, p.causal, p.kv_pos0,
+                         p.q_pos0 + int64_t(m) * kBlockM, sl2, p.scale, tid);
   }
   // The reducing warp's last arrival (it has read the last tile).
   if (steps > 0) cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
@@ -748,97 +769,10 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
         const int st = cq.index();
         const int buf = buf_count & 1;
         pipe_q.consumer_wait(cq);
-        Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as two groups: Pᵀ is computed while dPᵀ runs.
-        warpgroup_fence_operand(tSrS);
-        warpgroup_arrive();
-        bwd_gemm(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS, true);
-        warpgroup_commit_batch();
-        warpgroup_fence_operand(tSrdP);
-        warpgroup_arrive();
-        bwd_gemm(mma_sdp, tSrV, tSrdO(_, _, _, st), tSrdP, true);
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-
-        // Pᵀ in place of Sᵀ.
-        Tensor S_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
-        Tensor dP_rc = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
-        const int causal = w.seg[sg].causal;
-        const int64_t q_pos_m = w.seg[sg].q_pos0 + int64_t(m) * kBlockM;
-        const int64_t kv_pos0 = w.kv_pos0;
-        const bool need_mask = key0 + kBlockN > w.len || (causal && kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S_rc) && !(MK_BWD_SKIP & 8); ++c) {
-          const int q = get<1>(cS_rc(0, c));
-          const float l2 = sh.lse2[st][q];
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S_rc); ++r) {
-            float pv = exp2f(fmaf(S_rc(r, c), sl2, -l2));
-            if (need_mask) {
-              const int key = key0 + get<0>(cS_rc(r, c));
-              if (key >= w.len || (causal && kv_pos0 + key > q_pos_m + q)) pv = 0.f;
-            }
-            S_rc(r, c) = pv;
-          }
-        }
-        // dV += Pᵀ·dO (Pᵀ in bf16 as the A operand) while dPᵀ finishes.
-        Tensor tdVrP = make_tensor<Element>(acc_to_a(tSrS.layout()));
-        bwd_to_bf16(tSrS, tdVrP);
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_arrive();
-        if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdVrP, tdVrdOt(_, _, _, st), tdVrdV, false);
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrdP);
-        // dSᵀ = Pᵀ ∘ (dPᵀ − Dsum) in place of dPᵀ.
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S_rc); ++c) {
-          const float ds = sh.dsum[st][get<1>(cS_rc(0, c))];
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S_rc); ++r) dP_rc(r, c) = S_rc(r, c) * (dP_rc(r, c) - ds);
-        }
-        Tensor tdKrdS = make_tensor<Element>(acc_to_a(tSrdP.layout()));
-        bwd_to_bf16(tSrdP, tdKrdS);
-        // dK += dSᵀ·Q
-        warpgroup_fence_operand(tdKrdK);
-        warpgroup_arrive();
-        if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
-        warpgroup_commit_batch();
-        // dS (query-major) into this step's buffer, for dQ: the buffer's previous reader (the dQ
-        // MMA two steps back) finished before both warpgroups passed the last step's barrier. The
-        // A fragment holds the accumulator's elements in the same order (acc_to_a only regroups
-        // modes), so cS names their coordinates; a pair is two adjacent queries, adjacent in
-        // shared memory.
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
-          const int key = get<0>(cS(i)), q = get<1>(cS(i));
-          Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
-          *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
-        }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
-        // dQ = dS·K (this warpgroup's half)
-        Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kD>>{});
-        warpgroup_fence_operand(tdQrdQ);
-        warpgroup_arrive();
-        if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdQrdQ);
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        pipe_q.consumer_release(cq);
-        ++cq;
-        // dQ (scaled) to shared memory in fragment order, for the reducing warp.
-        cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
-        if (!(MK_BWD_SKIP & 3)) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * p.scale;
-        }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
+        const BwdSeg& g = w.seg[sg];
+        bwd_consume_step<kD>(sh, pipe_q, cq, mma_sdp, mma_dkv, mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdKrQt, tdVrdOt,
+                             tdQrdS, tdQrKt, sdS, cS, cS_rc, tdKrdK, tdVrdV, st, buf, key0, w.len, g.causal, w.kv_pos0,
+                             g.q_pos0 + int64_t(m) * kBlockM, sl2, p.scale, tid);
       }
       if (w.steps > 0) {
         // The reducing warp's last arrival (it has read the last tile); K and V free for the next
