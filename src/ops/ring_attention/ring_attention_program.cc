@@ -290,19 +290,16 @@ struct Builder {
         for (int b = 0; b < g.B; ++b)
           for (int pc = 0; pc < g.pieces; ++pc) relay(rp, me, prev, steps[W - 1].kv_rank, b, pc);
     };
-    if (!g.backward) {
-      for (int t = 0; t + 1 < W; ++t) kv(t);
-      last_kv();
-    } else {
-      // K/V one step ahead of the sums: a sum waits for this rank's kernel to finish its step
-      // (which waits for its block), and the communication CTAs take ops in list order.
-      kv(0);
-      for (int t = 0; t < W; ++t) {
-        if (t + 1 < W - 1) kv(t + 1);
-        if (t + 1 == W - 1) last_kv();
-        dkv(t);
-      }
-    }
+    // Backward: every K/V op before the first sum. A sum waits for this rank's kernel to finish
+    // a step, and the communication CTAs take ops in list order; were a K/V op listed behind a
+    // sum, the CTAs could all wait on sums whose items belong to compute CTAs that are not
+    // resident yet (a persistent grid need not be: under MPS, or beside other kernels), while
+    // the resident ones wait for that K/V op — a deadlock (seen at W = 4 under MPS with K/V one
+    // step ahead of the sums). K/V forwarding waits for nothing the kernel computes.
+    for (int t = 0; t + 1 < W; ++t) kv(t);
+    last_kv();
+    if (g.backward)
+      for (int t = 0; t < W; ++t) dkv(t);
     if (g.backward && prev_remote)
       for (int b = 0; b < g.B; ++b)
         for (int dp = 0; dp < g.dpieces(); ++dp) relay_dkv(rp, me, prev, me, b, dp);
