@@ -61,6 +61,9 @@ static_assert(sizeof(BwdRingPair) == 96, "BwdRingPair layout");
 struct BwdRing {
   const BwdRingPair* pairs = nullptr;  // device
   int n_pairs = 0, n_items = 0;
+  // The dynamic schedule's item counter (device, zeroed by each launch; one per concurrently
+  // running launch), or null: the static schedule (compute CTA c takes items c, c + n, ...).
+  int* item_counter = nullptr;
   // K/V slots [slots][B][rows][Hkv][D] bf16 and their arrival flags (FmhaSlots' meaning).
   FmhaSlots slots;
   // dK/dV: fp32 tiles [blocks][B][kb][Hkv][2][128 * D] (dK scaled, then dV; fragment order);

@@ -22,6 +22,7 @@
 #include "mkernel/attention/attention.h"
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "mkernel/common/tunables.h"
 #include "mkernel/device/diag.h"
 #include "mkernel/device/trace.h"
 #include "mkernel/ops/ring_attention.h"
@@ -399,7 +400,15 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
       st = op->run(a, stream);
       ASSERT_TRUE(st.ok()) << st.to_string();
     }
-    st = comm->sync(stream);
+    // Bounded: a call that outlives every device wait's bound hangs in a place that has none;
+    // then this rank says where the call stands (its items' ready counts, its next op).
+    st = sync_stream_bounded(stream, 2 * tunables::signal_timeout_ms() + 5000, "the ring backward call");
+    if (st.code() == Code::kTimeout) {
+      std::string where;
+      Status ps = ops::RingAttentionTesting::backward_progress(*op, &where);
+      fprintf(stderr, "rank %d call %d did not finish: %s\n%s", me, call, ps.ok() ? "" : ps.to_string().c_str(),
+              where.c_str());
+    }
     ASSERT_TRUE(st.ok()) << "rank " << me << " call " << call << ": " << st.to_string();
     cudaMemset(bad, 0, 3 * sizeof(unsigned long long));
     cudaMemset(mx, 0, 3 * sizeof(unsigned int));

@@ -41,6 +41,7 @@
 #include "mkernel/device/signal.cuh"
 #include "src/attention/bwd_launch.h"
 #include "src/attention/kernel/config.cuh"
+#include "src/attention/kernel/scheduler.cuh"
 #include "src/attention/kernel/varlen.cuh"
 #include "src/comm/comm_role.cuh"
 
@@ -120,6 +121,7 @@ struct BwdCfg {
   using SmemdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<BM, BN, _2>{}));
   using PipeKV = cutlass::PipelineTmaAsync<1>;
   using PipeQ = cutlass::PipelineTmaAsync<kStages>;  // Q, dO, LSE₂ and Dsum of a step
+  using PipeSched = cutlass::PipelineAsync<2>;          // the ring kernel's items, producer to the others
   struct Shared {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
@@ -133,8 +135,11 @@ struct BwdCfg {
     alignas(16) float dsum[kStages][kBlockM];
     alignas(16) typename PipeKV::SharedStorage pipe_kv;
     alignas(16) typename PipeQ::SharedStorage pipe_q;
-    // The ring kernel's current item of the producer, the reducing warp and the consumers.
+    // The ring kernel's current item of the producer, the reducing warp and the consumers, and
+    // its dynamic schedule's two item slots.
     alignas(16) BwdWork work[3];
+    alignas(16) typename PipeSched::SharedStorage pipe_s;
+    int sched[2];
   };
   // (seq, d, head, batch)
   using Gmem = Layout<Shape<int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
@@ -175,10 +180,12 @@ struct BwdParams {
   int head_split;
   float* dkv_acc;
   WaitCtx wait;
-  // Ring (pairs non-null): a persistent launch over the pairs' items (bwd_launch.h), compute CTA
-  // c taking items c, c + n, ... (n compute CTAs, after the communication role's dedicated ones).
+  // Ring (pairs non-null): a persistent launch over the pairs' items (bwd_launch.h). The compute
+  // CTAs (after the communication role's dedicated ones) take items in list order from
+  // item_counter (zeroed by the launch), or — null — CTA c takes c, c + n, ... of n.
   const BwdRingPair* pairs;
   int n_pairs, n_items;
+  int* item_counter;
   FmhaSlots slots;
   float* part;
   uint64_t* ready;
@@ -599,12 +606,12 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
     Comm_::finish(p.comm);
     return;
   }
-  // Items c, c + n, ... of n compute CTAs. Each role keeps its current item in shared memory
-  // (sh.work[role], written by the role's first thread): registers are short (the producer
-  // thread runs on 24).
+  // Items in list order: the producer thread takes each from the counter and hands it to the
+  // reducing warp and the consumers (sched); with no counter, items c, c + n, ... of n compute
+  // CTAs. List order is step order, so a CTA waiting for a step's K/V holds no item of an earlier
+  // step back. Each role keeps its current item in shared memory (sh.work[role], written by the
+  // role's first thread): registers are short (the producer thread runs on 24).
   const int comm_ctas = Comm_::dedicated_ctas(p.comm);
-  const int first_item = int(blockIdx.x) - comm_ctas;
-  const int item_step = int(gridDim.x) - comm_ctas;
   const int n_items = p.n_items;
 
   typename C::PipeKV::Params pkv;
@@ -623,6 +630,14 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   pq.transaction_bytes = 2 * kBlockM * kD * sizeof(Element) + 2 * kBlockM * sizeof(float);
   typename C::PipeKV pipe_kv(sh.pipe_kv, pkv, Shape<_1, _1, _1>{});
   typename C::PipeQ pipe_q(sh.pipe_q, pq, Shape<_1, _1, _1>{});
+  typename C::PipeSched::Params ps;
+  if (wg == 0 && warp_in_wg == 0) ps.role = C::PipeSched::ThreadCategory::Producer;
+  if ((wg == 0 && warp_in_wg == 1) || wg >= 1) ps.role = C::PipeSched::ThreadCategory::Consumer;
+  ps.producer_arv_count = 1;
+  ps.consumer_arv_count = kBwdDqThreads;  // the consumers and the reducing warp
+  typename C::PipeSched pipe_s(sh.pipe_s, ps);
+  const FmhaScheduler<typename C::PipeSched> sched{p.item_counter != nullptr, int(blockIdx.x) - comm_ctas,
+                                                   int(gridDim.x) - comm_ctas, p.item_counter, pipe_s, sh.sched};
   __syncthreads();
 
   Tensor sK = make_tensor(make_smem_ptr(sh.k.data()), typename C::SmemKV{});
@@ -633,6 +648,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (warp_in_wg == 0 && elect_one_sync()) {
+      auto ss = cutlass::make_producer_start_state<typename C::PipeSched>();
       auto skv = cutlass::make_producer_start_state<typename C::PipeKV>();
       auto sq = cutlass::make_producer_start_state<typename C::PipeQ>();
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.Sq, kD, p.H, p.B));
@@ -641,7 +657,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
       auto cdo = p.tma_do.get_slice(0);
       Tensor tQs = cq.partition_D(sQ);
       Tensor tdOs = cdo.partition_D(sdO);
-      for (int item = first_item; item < n_items; item += item_step) {
+      for (int item = sched.producer_next(-1, ss); item < n_items; item = sched.producer_next(item, ss)) {
         BwdWork& w = sh.work[0];
         w = bwd_ring_work<kD, P>(p, item);
         if (w.steps == 0) continue;
@@ -701,14 +717,19 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
         }
       }
     } else if (warp_in_wg == 1) {
-      // The reducing warp: each step's dQ tile, bulk-added into the workspace.
-      for (int item = first_item; item < n_items; item += item_step) {
+      // The reducing warp: each step's dQ tile, bulk-added into the workspace. The dQ tile's
+      // barriers run on across items, one arrival of each side per phase: this warp frees the
+      // tile once before the first step and after reading each step's (its arrivals are then
+      // never two ahead of the consumers'; an arrival per item as well could complete a phase
+      // of the empty barrier without a consumer warp that had not yet arrived — and hang it).
+      cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqEmptyBarrier);
+      cutlass::PipelineState<2> cs;
+      for (int item = sched.consumer_next(-1, cs); item < n_items; item = sched.consumer_next(item, cs)) {
         BwdWork& w = sh.work[1];
         __syncwarp();
         if (elect_one_sync()) w = bwd_ring_work<kD, P>(p, item);
         __syncwarp();
         if (w.steps == 0) continue;
-        cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqEmptyBarrier);
         for (int s = 0; s < w.steps; ++s) {
           const int sg = w.seg_of(s);
           const int h = w.head_of(s, sg), m = w.m_of(s, sg);
@@ -752,7 +773,8 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
     auto ckv = cutlass::PipelineState<1>();
     auto cq = cutlass::PipelineState<C::kStages>();
     int buf_count = 0;  // steps so far over every item: the dS buffer alternates across items too
-    for (int item = first_item; item < n_items; item += item_step) {
+    cutlass::PipelineState<2> cs;
+    for (int item = sched.consumer_next(-1, cs); item < n_items; item = sched.consumer_next(item, cs)) {
       BwdWork& w = sh.work[2];
       cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);  // every consumer is done with the last item's
       if (tid == 0) w = bwd_ring_work<kD, P>(p, item);
@@ -775,9 +797,9 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
                              g.q_pos0 + int64_t(m) * kBlockM, sl2, p.scale, tid);
       }
       if (w.steps > 0) {
-        // The reducing warp's last arrival (it has read the last tile); K and V free for the next
-        // item (the last dQ MMA, their last reader, completed).
-        cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
+        // K and V free for the next item: their last reader, the last step's dQ MMA, completed
+        // (warpgroup_wait<0> in the step, in every consumer thread before it arrives here). The
+        // last dQ tile is the reducing warp's until its next arrival (the next step's wait).
         pipe_kv.consumer_release(ckv);
         ++ckv;
       }

@@ -4,11 +4,13 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
 #include "mkernel/attention/attention.h"
 #include "mkernel/common/check.h"
+#include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
 #include "mkernel/common/tunables.h"
 #include "mkernel/ops/ring_attention.h"
@@ -129,6 +131,9 @@ Status setup(RingBwdState* st) {
   r.program = res.program;
   if (W == 1) r.program.epoch = nullptr;  // nothing to communicate: no epoch to keep
   r.comm_ctas = r.program.n_ops == 0 ? 0 : st->comm_ctas;
+  void* counter = nullptr;  // the dynamic schedule's (calls of an operator run in stream order)
+  MK_CHECK(ses.alloc_zeroed(sizeof(int), &counter));
+  r.item_counter = static_cast<int*>(counter);
   // The workspace (dQ accumulator, LSE₂, Dsum over the chunks' virtual query blocks) and the
   // chunks' bounds that map those blocks back to rows.
   st->workspace_bytes = attention::backward_workspace_bytes(s.B, s.H, int(st->S_l), s.D, st->chunks);
@@ -293,6 +298,44 @@ Status RingAttentionTesting::enqueue_backward_compute(RingAttentionBackward& op,
   r.program = comm::DeviceProgram{};
   r.comm_ctas = 0;
   return attention::run_ring_backward(backward_args(st, a), r, stream);
+}
+
+Status RingAttentionTesting::backward_progress(const RingAttentionBackward& op, std::string* out) {
+  const RingBwdState* st = op.st_.get();
+  MK_REQUIRE(st && st->session && out, Code::kInvalidArgument, "ring_attention backward: no operator");
+  const int me = st->session->comm()->rank();
+  const RingProgram& p = st->program;
+  EpochState ep{};
+  if (st->session->epoch()) MK_CHECK(copy_bounded(&ep, st->session->epoch(), sizeof(ep), 2000, "reading the epoch"));
+  int next_op = -1;
+  if (st->ring.program.op_counter)
+    MK_CHECK(copy_bounded(&next_op, st->ring.program.op_counter, sizeof(int), 2000, "reading the op counter"));
+  const uint64_t e = ep.value + 1;  // the call in flight (or the next one)
+  char line[256];
+  snprintf(line, sizeof(line), "rank %d: epoch %llu (%u of %d CTAs finished the call in flight), next op %d of %d\n", me,
+           (unsigned long long)ep.value, ep.arrived, st->ring.grid, next_op, st->ring.program.n_ops);
+  *out = line;
+  if (p.ranks.empty()) return OkStatus();
+  const RingRank& rr = p.ranks[size_t(me)];
+  const uint32_t n = uint32_t(rr.ready_count.size());
+  for (auto [region, name] : {std::pair<comm::RegionId, const char*>{RingRegion::kReady, "ready"},
+                              {RingRegion::kDkvArrived, "dkv_arrived"}}) {
+    uint64_t* addr = nullptr;
+    MK_CHECK(st->session->region_addr(p, region, me, &addr));
+    std::vector<uint64_t> v(n);
+    if (n) MK_CHECK(copy_bounded(v.data(), addr, n * sizeof(uint64_t), 2000, "reading the flags"));
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint64_t want = region == RingRegion::kReady ? rr.ready_count[i] * e : e;
+      if (region == RingRegion::kReady && rr.ready_count[i] == 0) continue;
+      if (v[i] >= want) continue;
+      const int per = p.geo.B * p.geo.dpieces();
+      snprintf(line, sizeof(line), "  %s[%u] (block %d batch %d piece %d) = %llu, this call's target %llu\n", name, i,
+               int(i) / per, (int(i) % per) / p.geo.dpieces(), int(i) % p.geo.dpieces(), (unsigned long long)v[i],
+               (unsigned long long)want);
+      *out += line;
+    }
+  }
+  return OkStatus();
 }
 
 }  // namespace ops

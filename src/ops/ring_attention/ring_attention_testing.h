@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "mkernel/common/status.h"
 #include "mkernel/ops/ring_attention.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
@@ -31,6 +33,11 @@ struct RingAttentionTesting {
   // waits, no communication CTAs. dQ is the call's; dK and dV are not (no sums travel).
   static Status enqueue_backward_compute(RingAttentionBackward& op, const RingAttentionBackwardArgs& a,
                                          const void* k_all, const void* v_all, cudaStream_t stream);
+  // Where a backward call stands, read while it may still run (bounded copies on their own
+  // stream): the call's epoch and finished CTAs, the communication CTAs' next op, and every
+  // dK/dV piece's ready count and arrival short of this call's target. For a call that did not
+  // finish: which items and ops it is stuck on.
+  static Status backward_progress(const RingAttentionBackward& op, std::string* out);
 };
 
 }  // namespace ops
