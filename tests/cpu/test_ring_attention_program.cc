@@ -493,6 +493,48 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RingMutation,
 
 // The resolver's view: the same program checks out for every rank of a 2-node layout, staged
 // or not, and the pad does not depend on staging (the proxy's pad is sized before the program).
+// Ops [0, kv_ops) of every rank move K/V and never dK/dV; the ops after them move dK/dV or end
+// the call, never K/V (the backward's leave-one-out timing runs the first kv_ops alone).
+bool kv_buf(comm::BufId b) {
+  return b == RingBuf::kUserK || b == RingBuf::kUserV || b == RingBuf::kSlotsK || b == RingBuf::kSlotsV ||
+         b == RingBuf::kSlotsKNet || b == RingBuf::kSlotsVNet;
+}
+bool moves_kv(const comm::Op& op) {
+  for (const auto& b : op.srcs) if (kv_buf(b.buf)) return true;
+  for (const auto& b : op.dsts) if (kv_buf(b.buf)) return true;
+  return false;
+}
+TEST_P(RingReplay, KvOpsComeFirst) {
+  const RingConfig c = GetParam();
+  Built b;
+  ASSERT_NO_FATAL_FAILURE(build(c, &b));
+  for (int r = 0; r < c.W; ++r) {
+    const auto& rp = b.prog.ranks[r];
+    ASSERT_LE(rp.kv_ops, rp.ops.size()) << name_of(c) << " rank " << r;
+    if (c.W == 1) {
+      EXPECT_EQ(rp.kv_ops, 0u);
+      continue;
+    }
+    int kv = 0;
+    for (uint32_t i = 0; i < rp.kv_ops; ++i) {
+      EXPECT_FALSE(dkv_op(rp.ops[i])) << name_of(c) << " rank " << r << " op " << i << ": " << rp.ops[i].what;
+      kv += moves_kv(rp.ops[i]);
+    }
+    EXPECT_GT(kv, 0) << name_of(c) << " rank " << r;
+    // After them: the sums (backward), then the call's end — signal ops that move nothing.
+    size_t dkv = 0;
+    for (size_t i = rp.kv_ops; i < rp.ops.size(); ++i) {
+      const comm::Op& op = rp.ops[i];
+      EXPECT_FALSE(moves_kv(op)) << name_of(c) << " rank " << r << " op " << i << ": " << op.what;
+      if (dkv_op(op) && (op.kind != comm::OpKind::kSignal || !op.srcs.empty())) ++dkv;
+      else EXPECT_TRUE(op.kind == comm::OpKind::kSignal && op.srcs.empty() && op.dsts.empty())
+          << name_of(c) << " rank " << r << " op " << i << ": " << op.what;
+    }
+    if (c.backward) EXPECT_GT(dkv, 0u) << name_of(c) << " rank " << r;
+    else EXPECT_EQ(dkv, 0u) << name_of(c) << " rank " << r;
+  }
+}
+
 TEST(RingProgram, PadSizeDoesNotDependOnStaging) {
   RingConfig c{4, 2, false, false, true, true, 2, 64, 16, 1, 1};
   Built direct, staged;

@@ -300,6 +300,19 @@ Status RingAttentionTesting::enqueue_backward_compute(RingAttentionBackward& op,
   return attention::run_ring_backward(backward_args(st, a), r, stream);
 }
 
+Status RingAttentionTesting::enqueue_backward_without_sums(RingAttentionBackward& op,
+                                                           const RingAttentionBackwardArgs& a, cudaStream_t stream) {
+  RingBwdState* st = op.st_.get();
+  MK_CHECK(op.can_implement(a));
+  MK_CHECK(st->session->check_call());
+  attention::BwdRing r = st->ring;
+  r.program.user[kUserSlotK] = const_cast<void*>(a.k);
+  r.program.user[kUserSlotV] = const_cast<void*>(a.v);
+  if (!st->program.ranks.empty()) r.program.n_ops = int(st->program.ranks[size_t(st->session->comm()->rank())].kv_ops);
+  if (r.program.n_ops == 0) r.comm_ctas = 0;
+  return attention::run_ring_backward(backward_args(st, a), r, stream);
+}
+
 Status RingAttentionTesting::backward_progress(const RingAttentionBackward& op, std::string* out) {
   const RingBwdState* st = op.st_.get();
   MK_REQUIRE(st && st->session && out, Code::kInvalidArgument, "ring_attention backward: no operator");

@@ -298,6 +298,7 @@ struct Builder {
     // step ahead of the sums). K/V forwarding waits for nothing the kernel computes.
     for (int t = 0; t + 1 < W; ++t) kv(t);
     last_kv();
+    rp.kv_ops = uint32_t(rp.ops.size());
     if (g.backward)
       for (int t = 0; t < W; ++t) dkv(t);
     if (g.backward && prev_remote)

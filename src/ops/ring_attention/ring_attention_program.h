@@ -81,6 +81,10 @@ struct RingRank : comm::RankProgram {
   // Backward: the items that add 1 to ready[dkv_index(blk, b, dp)] per call (the kernel's
   // items of that piece: key blocks x heads), 0 where no item computes it.
   std::vector<uint32_t> ready_count;
+  // Ops [0, kv_ops): the entry handshake and every K/V op; the backward's sums and the call's
+  // end follow. A launch that runs only these (RingAttentionTesting's leave-one-out timing)
+  // moves K/V as a full call does and no sum.
+  uint32_t kv_ops = 0;
 };
 
 // The backward's dK/dV, with the buffers and regions above:

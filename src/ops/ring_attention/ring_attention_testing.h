@@ -33,6 +33,12 @@ struct RingAttentionTesting {
   // waits, no communication CTAs. dQ is the call's; dK and dV are not (no sums travel).
   static Status enqueue_backward_compute(RingAttentionBackward& op, const RingAttentionBackwardArgs& a,
                                          const void* k_all, const void* v_all, cudaStream_t stream);
+  // Leave-one-out timing: the fused backward call with the communication CTAs running only the
+  // program's K/V ops (RingRank::kv_ops), no dK/dV sum. dQ is the call's; dK and dV are not. The
+  // sums' flags fall behind the calls: the operator's later full calls would wait for sums that
+  // never come (until their bound), so run it after them.
+  static Status enqueue_backward_without_sums(RingAttentionBackward& op, const RingAttentionBackwardArgs& a,
+                                              cudaStream_t stream);
   // Where a backward call stands, read while it may still run (bounded copies on their own
   // stream): the call's epoch and finished CTAs, the communication CTAs' next op, and every
   // dK/dV piece's ready count and arrival short of this call's target. For a call that did not
