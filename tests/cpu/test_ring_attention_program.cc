@@ -535,6 +535,29 @@ TEST_P(RingReplay, KvOpsComeFirst) {
   }
 }
 
+// The K/V pieces of a shape: about 2 MiB (at least 64 tokens), no more than a block, or the
+// caller's size; the last piece may be short.
+TEST(RingProgram, KvGeometryPieces) {
+  struct Case { int B; int64_t S_l; int Hkv, D; int64_t ct; int want_ct, want_pieces; };
+  const Case cases[] = {
+      {1, 8192, 32, 128, 0, 256, 32},   // 8 KiB rows: 256 tokens of 2 MiB
+      {2, 1000, 8, 64, 0, 1000, 1},     // 1 KiB rows: 2048 tokens, capped at the block
+      {1, 1000, 8, 64, 300, 300, 4},    // the caller's: 300, 300, 300, 100
+      {1, 100000, 1, 64, 0, 16384, 7},  // 128-byte rows
+      {1, 4096, 128, 128, 0, 64, 64},   // 32 KiB rows: the 64-token floor
+      {1, 1, 4, 64, 0, 1, 1},
+  };
+  for (const Case& c : cases) {
+    const RingGeometry g = ring_kv_geometry(c.B, c.S_l, c.Hkv, c.D, c.ct);
+    EXPECT_EQ(g.chunk_tokens, c.want_ct) << c.S_l << " " << c.Hkv << " " << c.D << " " << c.ct;
+    EXPECT_EQ(g.pieces, c.want_pieces) << c.S_l << " " << c.Hkv << " " << c.D << " " << c.ct;
+    EXPECT_EQ(g.B, c.B);
+    EXPECT_EQ(g.S_l, c.S_l);
+    EXPECT_EQ(g.row_bytes, int64_t(c.Hkv) * c.D * 2);
+    EXPECT_FALSE(g.backward);
+  }
+}
+
 TEST(RingProgram, PadSizeDoesNotDependOnStaging) {
   RingConfig c{4, 2, false, false, true, true, 2, 64, 16, 1, 1};
   Built direct, staged;

@@ -154,6 +154,27 @@ void check_slots(const RingAttention& op, const RingAttentionShape& s, const __n
 // trace_name non-null: every call runs the traced kernel, and its timeline must show every work
 // item computed once and every communication op run once (MK_TRACE_OUT=prefix writes the last
 // call's as prefix.<trace_name>.<rank>.json).
+// One call of a ring operator (forward or backward): checked (run), or — graph — its enqueue
+// captured once into exec and replayed.
+template <class Op_, class Args_>
+void run_call(Op_& op, const Args_& a, cudaStream_t stream, bool graph, cudaGraphExec_t* exec) {
+  if (!graph) {
+    const Status st = op.run(a, stream);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    return;
+  }
+  if (!*exec) {
+    cudaGraph_t g;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const Status st = op.enqueue(a, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_EQ(cudaGraphInstantiate(exec, g, 0), cudaSuccess);
+    cudaGraphDestroy(g);
+  }
+  ASSERT_EQ(cudaGraphLaunch(*exec, stream), cudaSuccess);
+}
+
 void check_ring(const RingAttentionShape& s, int calls, bool graph = false, const char* trace_name = nullptr) {
   Communicator* comm = shared_comm();
   ASSERT_NE(comm, nullptr);
@@ -212,21 +233,7 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
       MK_ASSERT_OK(TraceRecorder::create(uint32_t(64 * (n_items + n_ops) + 4096), &rec));
       a.trace = rec.device();
     }
-    if (graph && call > 0) {
-      if (!exec) {
-        cudaGraph_t g;
-        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-        st = op->enqueue(a, stream);
-        ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
-        ASSERT_TRUE(st.ok()) << st.to_string();
-        ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
-        cudaGraphDestroy(g);
-      }
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    } else {
-      st = op->run(a, stream);
-      ASSERT_TRUE(st.ok()) << st.to_string();
-    }
+    ASSERT_NO_FATAL_FAILURE(run_call(*op, a, stream, graph && call > 0, &exec));
     st = comm->sync(stream);
     ASSERT_TRUE(st.ok()) << "rank " << me << " call " << call << ": " << st.to_string();
     cudaMemset(bad, 0, 4 * sizeof(unsigned long long));
@@ -385,21 +392,7 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
     poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dvr), int64_t(kln));
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     ops::RingAttentionBackwardArgs a{ql, kl, vl, ol, dol, lsel, dqr, dkr, dvr};
-    if (graph && call > 0) {
-      if (!exec) {
-        cudaGraph_t g;
-        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-        st = op->enqueue(a, stream);
-        ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
-        ASSERT_TRUE(st.ok()) << st.to_string();
-        ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
-        cudaGraphDestroy(g);
-      }
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    } else {
-      st = op->run(a, stream);
-      ASSERT_TRUE(st.ok()) << st.to_string();
-    }
+    ASSERT_NO_FATAL_FAILURE(run_call(*op, a, stream, graph && call > 0, &exec));
     // Bounded: a call that outlives every device wait's bound hangs in a place that has none;
     // then this rank says where the call stands (its items' ready counts, its next op).
     st = sync_stream_bounded(stream, 2 * tunables::signal_timeout_ms() + 5000, "the ring backward call");

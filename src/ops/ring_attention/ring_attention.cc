@@ -191,6 +191,17 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 Status RingAttention::can_implement(const RingAttentionShape& shape, int world) { return check_shape(shape, world); }
 
+Status ring_launch_ctas(const RingAttentionOptions& opt, int W, const char* what, int* comm_ctas, int* grid) {
+  int64_t cc = opt.comm_ctas;
+  if (cc < 0) cc = tunables::ring_comm_ctas();
+  *comm_ctas = int(std::max<int64_t>(cc, 1));
+  MK_CHECK(attention::fmha_ctas(grid));
+  if (opt.max_ctas > 0) *grid = std::min(*grid, opt.max_ctas);
+  MK_REQUIRE(W <= 1 || *comm_ctas < *grid, Code::kInvalidArgument,
+             "%s: %d communication CTAs leave none of %d CTAs to compute", what, *comm_ctas, *grid);
+  return OkStatus();
+}
+
 Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape, const RingAttentionOptions& opt,
                              std::unique_ptr<RingAttention>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "ring_attention: null communicator or output");
@@ -212,24 +223,10 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
   MK_CHECK(comm::OpSession::create(comm, "ring_attention", opt.staging, &st->session));
   st->S_l = shape.S / W;
   st->chunk_len = shape.layout == SeqLayout::kZigzag ? st->S_l / 2 : st->S_l;
-  RingGeometry geo;
-  geo.B = shape.B;
-  geo.S_l = st->S_l;
-  geo.row_bytes = int64_t(shape.Hkv) * shape.D * 2;
-  int64_t ct = opt.chunk_tokens > 0 ? opt.chunk_tokens : std::max<int64_t>(64, (int64_t(2) << 20) / geo.row_bytes);
-  ct = std::min<int64_t>(ct, st->S_l);
-  geo.chunk_tokens = int(ct);
-  geo.pieces = int((st->S_l + ct - 1) / ct);
-  int64_t cc = opt.comm_ctas;
-  if (cc < 0) cc = tunables::ring_comm_ctas();
-  st->comm_ctas = int(std::max<int64_t>(cc, 1));
+  const RingGeometry geo = ring_kv_geometry(shape.B, st->S_l, shape.Hkv, shape.D, opt.chunk_tokens);
   int grid = 0;
-  Status rs = attention::fmha_ctas(&grid);
-  if (rs.ok() && opt.max_ctas > 0) grid = std::min(grid, opt.max_ctas);
-  if (rs.ok() && W > 1 && st->comm_ctas >= grid)
-    rs = make_status(Code::kInvalidArgument, "ring_attention: %d communication CTAs leave none of %d CTAs to compute",
-                     st->comm_ctas, grid);
-  MK_CHECK(agree(comm->bootstrap(), rs, "ring_attention create"));
+  MK_CHECK(agree(comm->bootstrap(), ring_launch_ctas(opt, W, "ring_attention", &st->comm_ctas, &grid),
+                 "ring_attention create"));
   // The program (K/V slots [W][B][S/W][Hkv][D], the entry token, the flags) for the network's
   // staging mode; the session allocates and starts what it declares.
   MK_CHECK(build_ring_program(st->plan, comm::layout_of(comm->topology()), geo, st->session->staged(), &st->program));

@@ -172,31 +172,16 @@ Status RingAttentionBackward::create(Communicator* comm, const RingAttentionShap
   st->S_l = shape.S / W;
   st->chunks = shape.layout == SeqLayout::kZigzag ? 2 : 1;
   st->chunk_len = st->S_l / st->chunks;
-  RingGeometry geo;
-  geo.B = shape.B;
-  geo.S_l = st->S_l;
-  geo.row_bytes = int64_t(shape.Hkv) * shape.D * 2;
-  int64_t ct = opt.chunk_tokens > 0 ? opt.chunk_tokens : std::max<int64_t>(64, (int64_t(2) << 20) / geo.row_bytes);
-  ct = std::min<int64_t>(ct, st->S_l);
-  geo.chunk_tokens = int(ct);
-  geo.pieces = int((st->S_l + ct - 1) / ct);
+  RingGeometry geo = ring_kv_geometry(shape.B, st->S_l, shape.Hkv, shape.D, opt.chunk_tokens);
   geo.backward = true;
   geo.hkv = shape.Hkv;
   geo.tile_bytes = uint64_t(2) * kKeyBlock * shape.D * 4;
   geo.chunks = st->chunks;
   geo.kb_per_chunk = int((st->chunk_len + kKeyBlock - 1) / kKeyBlock);
   geo.kb_per_piece = int(std::max<uint64_t>(1, (uint64_t(2) << 20) / (geo.tile_bytes * uint64_t(shape.Hkv))));
-  int64_t cc = opt.comm_ctas;
-  if (cc < 0) cc = tunables::ring_comm_ctas();
-  st->comm_ctas = int(std::max<int64_t>(cc, 1));
   int grid = 0;
-  Status rs = attention::fmha_ctas(&grid);
-  if (rs.ok() && opt.max_ctas > 0) grid = std::min(grid, opt.max_ctas);
-  if (rs.ok() && W > 1 && st->comm_ctas >= grid)
-    rs = make_status(Code::kInvalidArgument,
-                     "ring_attention backward: %d communication CTAs leave none of %d CTAs to compute", st->comm_ctas,
-                     grid);
-  MK_CHECK(agree(comm->bootstrap(), rs, "ring_attention_backward create"));
+  MK_CHECK(agree(comm->bootstrap(), ring_launch_ctas(opt, W, "ring_attention backward", &st->comm_ctas, &grid),
+                 "ring_attention_backward create"));
   st->ring.grid = grid;
   MK_CHECK(build_ring_program(st->plan, comm::layout_of(comm->topology()), geo, st->session->staged(), &st->program));
   MK_CHECK(st->session->setup(st->program));

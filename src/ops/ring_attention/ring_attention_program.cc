@@ -316,6 +316,18 @@ struct Builder {
 
 }  // namespace
 
+RingGeometry ring_kv_geometry(int B, int64_t S_l, int Hkv, int D, int64_t chunk_tokens) {
+  RingGeometry g;
+  g.B = B;
+  g.S_l = S_l;
+  g.row_bytes = int64_t(Hkv) * D * 2;
+  int64_t ct = chunk_tokens > 0 ? chunk_tokens : std::max<int64_t>(64, (int64_t(2) << 20) / std::max<int64_t>(g.row_bytes, 1));
+  ct = std::max<int64_t>(1, std::min<int64_t>(ct, S_l));
+  g.chunk_tokens = int(ct);
+  g.pieces = int((S_l + ct - 1) / ct);
+  return g;
+}
+
 Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, const RingGeometry& g, bool staged,
                           RingProgram* out) {
   const int W = plan.world;

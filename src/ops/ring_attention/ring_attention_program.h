@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "mkernel/common/status.h"
+#include "mkernel/ops/ring_attention.h"
 #include "src/comm/program.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
 
@@ -60,6 +61,17 @@ struct RingGeometry {
     return uint64_t(blk) * dkv_block_bytes() + ((uint64_t(b) * kb() + kbi) * hkv + h) * tile_bytes;
   }
 };
+
+// The K/V traffic of a shape: each rank's block of S_l tokens ([B][S_l][Hkv][D] bf16) in pieces
+// of chunk_tokens tokens (0: about 2 MiB, at least 64), no more than S_l. The forward's geometry;
+// the backward adds its dK/dV fields.
+RingGeometry ring_kv_geometry(int B, int64_t S_l, int Hkv, int D, int64_t chunk_tokens);
+
+// The persistent launch of a ring call (forward or backward): its dedicated communication CTAs
+// (opt.comm_ctas, or the tunable ring_comm_ctas; at least 1) and its grid (one CTA per SM this
+// context may use, at most opt.max_ctas). A local status naming `what` when W > 1 leaves no CTA
+// to compute: the caller agrees on it. Defined in ring_attention.cc (it asks the device).
+Status ring_launch_ctas(const RingAttentionOptions& opt, int W, const char* what, int* comm_ctas, int* grid);
 
 // The caller's K and V as the program names them (BufDecl::user_slot; DeviceProgram::user).
 constexpr int kUserSlotK = 0, kUserSlotV = 1;
