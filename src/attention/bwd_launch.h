@@ -6,6 +6,7 @@
 
 #include "mkernel/attention/attention.h"
 #include "mkernel/device/diag.h"
+#include "mkernel/device/trace.h"
 #include "src/attention/fmha_launch.h"
 
 namespace mk {
@@ -77,6 +78,7 @@ struct BwdRing {
   int kb_per_chunk = 0, chunk_len = 0;
   comm::DeviceProgram program{};
   int comm_ctas = 0, grid = 0;
+  TraceBuffer trace{};  // events non-null: the kernel records items, long K/V waits and ops
 };
 
 // The ring's call: `a` as launch_bwd_d* takes it, a.workspace of

@@ -162,7 +162,7 @@ struct CommRole {
       if constexpr (kTrace_) t0 = device::trace_now_ns();
       run_comm_op_staged<kThreads_, kBarrier_>(p.program, op, tid, epoch, stages);
       if constexpr (kTrace_)
-        if (tid == 0) device::trace_record(trace, trace_role(p, op), op, t0);
+        if (tid == 0 && trace.events) device::trace_record(trace, trace_role(p, op), op, t0);
     });
   }
 

@@ -154,6 +154,31 @@ void check_slots(const RingAttention& op, const RingAttentionShape& s, const __n
 // trace_name non-null: every call runs the traced kernel, and its timeline must show every work
 // item computed once and every communication op run once (MK_TRACE_OUT=prefix writes the last
 // call's as prefix.<trace_name>.<rank>.json).
+// A traced call's timeline: every work item computed once, every op of the program run once,
+// nothing else but long producer waits (written to $MK_TRACE_OUT.<name>.<rank>.json if set and
+// last).
+void check_trace(TraceRecorder& rec, int n_items, int n_ops, int me, const char* name, bool last) {
+  std::vector<TraceEvent> ev;
+  uint64_t dropped = 0;
+  MK_ASSERT_OK(rec.fetch(&ev, &dropped));
+  EXPECT_EQ(dropped, 0u);
+  std::vector<int> computed(n_items, 0), ran(n_ops, 0);
+  int waits = 0;
+  for (const auto& e : ev) {
+    EXPECT_LE(e.t0_ns, e.t1_ns);
+    if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
+    else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
+    else if (e.role == uint32_t(Role::kWait)) ++waits;
+    else ADD_FAILURE() << "unexpected role " << e.role;
+  }
+  for (size_t i = 0; i < computed.size(); ++i) EXPECT_EQ(computed[i], 1) << "rank " << me << " item " << i;
+  for (size_t i = 0; i < ran.size(); ++i) EXPECT_EQ(ran[i], 1) << "rank " << me << " op " << i;
+  if (me == 0)
+    printf("trace %s: %zu items, %zu ops, %d waits > 5 us on rank 0\n", name, computed.size(), ran.size(), waits);
+  const char* out = getenv("MK_TRACE_OUT");
+  if (out && last) MK_ASSERT_OK(write_chrome_trace(ev, std::string(out) + "." + name + "." + std::to_string(me) + ".json"));
+}
+
 // One call of a ring operator (forward or backward): checked (run), or — graph — its enqueue
 // captured once into exec and replayed.
 template <class Op_, class Args_>
@@ -247,31 +272,8 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
     EXPECT_EQ(h[1], 0ull) << "rank " << me << " call " << call << ": LSE elements off";
     EXPECT_EQ(h[2], 0ull) << "rank " << me << " call " << call << ": K slot elements differ from the owners' K";
     EXPECT_EQ(h[3], 0ull) << "rank " << me << " call " << call << ": V slot elements differ from the owners' V";
-    if (trace_name) {
-      std::vector<TraceEvent> ev;
-      uint64_t dropped = 0;
-      MK_ASSERT_OK(rec.fetch(&ev, &dropped));
-      EXPECT_EQ(dropped, 0u);
-      std::vector<int> computed(op->work_items(), 0), ran(op->comm_ops(), 0);
-      int waits = 0;
-      for (const auto& e : ev) {
-        EXPECT_LE(e.t0_ns, e.t1_ns);
-        if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
-        else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
-        else if (e.role == uint32_t(Role::kWait)) ++waits;
-        else ADD_FAILURE() << "unexpected role " << e.role;
-      }
-      for (size_t i = 0; i < computed.size(); ++i) EXPECT_EQ(computed[i], 1) << "rank " << me << " item " << i;
-      for (size_t i = 0; i < ran.size(); ++i) EXPECT_EQ(ran[i], 1) << "rank " << me << " op " << i;
-      if (me == 0)
-        printf("trace %s: %zu items, %zu ops, %d waits > 5 us on rank 0\n", trace_name, computed.size(), ran.size(),
-               waits);
-      const char* out = getenv("MK_TRACE_OUT");
-      if (out && call + 1 == calls) {
-        const std::string path = std::string(out) + "." + trace_name + "." + std::to_string(me) + ".json";
-        MK_ASSERT_OK(write_chrome_trace(ev, path));
-      }
-    }
+    if (trace_name) ASSERT_NO_FATAL_FAILURE(check_trace(rec, op->work_items(), op->comm_ops(), me, trace_name,
+                                                        call + 1 == calls));
     ASSERT_TRUE(comm->bootstrap().barrier().ok());
   }
   if (exec) cudaGraphExecDestroy(exec);
@@ -316,7 +318,7 @@ __global__ void abs_max(const __nv_bfloat16* x, int64_t n, unsigned int* out) {
   atomicMax(out, __float_as_uint(m));  // non-negative floats order as their bits
 }
 
-void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = false) {
+void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = false, const char* trace_name = nullptr) {
   Communicator* comm = shared_comm();
   ASSERT_NE(comm, nullptr);
   const int W = comm->world(), me = comm->rank();
@@ -392,6 +394,11 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
     poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dvr), int64_t(kln));
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     ops::RingAttentionBackwardArgs a{ql, kl, vl, ol, dol, lsel, dqr, dkr, dvr};
+    TraceRecorder rec;
+    if (trace_name) {
+      MK_ASSERT_OK(TraceRecorder::create(uint32_t(64 * (op->work_items() + op->comm_ops()) + 4096), &rec));
+      a.trace = rec.device();
+    }
     ASSERT_NO_FATAL_FAILURE(run_call(*op, a, stream, graph && call > 0, &exec));
     // Bounded: a call that outlives every device wait's bound hangs in a place that has none;
     // then this rank says where the call stands (its items' ready counts, its next op).
@@ -422,6 +429,8 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
     EXPECT_EQ(h[0], 0ull) << "rank " << me << " call " << call << ": dQ elements off (max |dQ| " << m[0] << ")";
     EXPECT_EQ(h[1], 0ull) << "rank " << me << " call " << call << ": dK elements off (max |dK| " << m[1] << ")";
     EXPECT_EQ(h[2], 0ull) << "rank " << me << " call " << call << ": dV elements off (max |dV| " << m[2] << ")";
+    if (trace_name) ASSERT_NO_FATAL_FAILURE(check_trace(rec, op->work_items(), op->comm_ops(), me, trace_name,
+                                                        call + 1 == calls));
     ASSERT_TRUE(comm->bootstrap().barrier().ok());
   }
   if (me == 0) printf("ring backward: %d items, %d ops, %d communication CTAs\n", op->work_items(), op->comm_ops(),
@@ -444,6 +453,11 @@ TEST(RingBackward, ZigzagCausalGqa) {
 TEST(RingBackward, ContiguousCausalD64) {
   check_ring_backward(RingAttentionShape{1, 16, 4, 64, int64_t(shared_comm()->world()) * toks(1536),
                                          SeqLayout::kContiguous, true}, 2);
+}
+// The traced kernel: the same results, and a timeline with every item and op once.
+TEST(RingBackward, TracedZigzagCausal) {
+  check_ring_backward(RingAttentionShape{1, 8, 4, 128, int64_t(shared_comm()->world()) * toks(1024),
+                                         SeqLayout::kZigzag, true}, 2, false, "ring_bwd_zigzag_causal");
 }
 TEST(RingBackward, ZigzagFullD64GraphReplays) {
   // 1000 tokens per rank: chunks of 500 rows (no block divides them).

@@ -6,7 +6,7 @@
 // calls after --warmup calls, CUDA events around each call on the stream — of the fused ring,
 // the attention alone over the gathered blocks (T_c), and, when every rank has its own GPU, the
 // two NCCL baselines and the K/V all-gather alone (T_x; not at W = 1). --trace writes the
-// per-CTA timeline of one traced fused call per rank.
+// per-CTA timeline of one traced fused call per rank, forward and backward.
 //
 // Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
 #include <cuda_bf16.h>
@@ -66,7 +66,8 @@ struct RingRow {
 // the compute-only kernel timed, and last (it leaves the sums' flags behind) the fused call
 // without its dK/dV sums: fused - without sums is what the sums cost.
 Status bench_ring_backward(Communicator* comm, ops::RingAttention* op, ops::RingAttentionBackward* bwd, RingRow* r,
-                           const RunCfg& rc, const ops::RingAttentionArgs& fa, const void* k_all, const void* v_all) {
+                           const RunCfg& rc, const ops::RingAttentionArgs& fa, const void* k_all, const void* v_all,
+                           const std::string& trace) {
   const int me = comm->rank();
   cudaStream_t st = comm->stream();
   const size_t qe = size_t(r->B) * r->S_l * r->H * r->D, ke = op->block_elems();
@@ -105,6 +106,23 @@ Status bench_ring_backward(Communicator* comm, ops::RingAttention* op, ops::Ring
   MK_CHECK(time_it(comm, st, rc, "timing the backward alone", [&] {
     return ops::RingAttentionTesting::enqueue_backward_compute(*bwd, b, k_all, v_all, st); }, &t));
   r->bwd_compute = t.median_ms;
+  if (!trace.empty()) {
+    // One traced fused backward call per rank (tools/trace_png.py draws it).
+    std::vector<TraceEvent> ev;
+    uint64_t dropped = 0;
+    const std::string path = trace + ".bwd.s" + std::to_string(r->S_l) + ".w" + std::to_string(comm->world()) +
+                             ".rank" + std::to_string(me) + ".json";
+    MK_CHECK(traced_call(
+        comm, st, uint32_t(64 * (bwd->work_items() + bwd->comm_ops()) + 4096), path,
+        [&](const TraceBuffer* tb) {
+          ops::RingAttentionBackwardArgs bt = b;
+          bt.trace = tb;
+          return bwd->enqueue(bt, st);
+        },
+        &ev, &dropped));
+    if (me == 0)
+      printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
+  }
   if (comm->world() > 1) {
     MK_CHECK(time_it(comm, st, rc, "timing the fused backward without its sums", [&] {
       return ops::RingAttentionTesting::enqueue_backward_without_sums(*bwd, b, st); }, &t));
@@ -177,7 +195,7 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
     if (me == 0)
       printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
   }
-  MK_CHECK(bench_ring_backward(comm, op, bwd, r, rc, a, k_all.p, v_all.p));
+  MK_CHECK(bench_ring_backward(comm, op, bwd, r, rc, a, k_all.p, v_all.p, trace));
 #if MK_HAVE_NCCL
   if (r->comparable) {
     std::unique_ptr<ops::baseline::Baselines> bl;

@@ -124,6 +124,11 @@ struct RingAttentionBackwardArgs {
   void* dq = nullptr;          // [B, S/W, H, D] bf16
   void* dk = nullptr;          // [B, S/W, Hkv, D]
   void* dv = nullptr;
+  // Non-null: the kernel records per CTA every work item ("compute", item = index in the
+  // launch's item list, from its start to its ready flag), every wait of the producer for a
+  // ring block that lasted > 5 us ("wait") and every communication op ("comm" / "net-send",
+  // item = op index). Export with write_chrome_trace (device/trace.h).
+  const TraceBuffer* trace = nullptr;
 };
 
 struct RingBwdState;

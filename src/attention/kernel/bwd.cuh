@@ -77,6 +77,7 @@ struct BwdWork {
   int wait;          // ring: wait for the block's arrival flags first
   int64_t tile;      // ring: the part tile it writes (-1: none)
   int ready;         // ring: the ready flag it adds 1 to
+  uint64_t t0;       // ring, traced: when the consumers took it
   // Step s: its segment, head and query block.
   __device__ __forceinline__ int seg_of(int s) const { return s < m_count[0] * group ? 0 : 1; }
   __device__ __forceinline__ int head_of(int s, int sg) const {
@@ -190,6 +191,9 @@ struct BwdParams {
   float* part;
   uint64_t* ready;
   int ring_kb, ring_dpieces, ring_kb_per_piece;
+  // Ring: events non-null records each item ("compute", from its first load to its ready flag),
+  // each producer wait for K/V that lasted > 5 us ("wait") and each communication op.
+  TraceBuffer trace;
   typename Comm_::Params comm;
 };
 
@@ -599,9 +603,8 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
     if (wg == 0) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (wg >= 1) {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-      const TraceBuffer no_trace{};
-      Comm_::template run_dedicated<false, kMmaThreads, kCommBarrier, sizeof(typename C::Shared)>(
-          p.comm, smem_raw, threadIdx.x - 128, epoch, no_trace);
+      Comm_::template run_dedicated<true, kMmaThreads, kCommBarrier, sizeof(typename C::Shared)>(
+          p.comm, smem_raw, threadIdx.x - 128, epoch, p.trace);
     }
     Comm_::finish(p.comm);
     return;
@@ -664,6 +667,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
         if constexpr (Comm_::kEnabled) {
           if (w.wait) {
             // The key block's rows arrived in the slot (every piece they touch, K and V).
+            const uint64_t t0 = p.trace.events ? device::trace_now_ns() : 0;
             const FmhaSlots& sl = p.slots;
             const int r0 = w.row0 + w.n * kBlockN, r1 = w.row0 + min(w.len, (w.n + 1) * kBlockN) - 1;
             for (int c = r0 / sl.chunk_rows; c <= r1 / sl.chunk_rows; ++c) {
@@ -671,6 +675,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
               Comm_::wait_arrival(p.wait, sl.flags + idx, sl.wait_mul * epoch, w.slot, idx);
             }
             asm volatile("fence.proxy.async.global;" ::: "memory");
+            if (p.trace.events && device::trace_now_ns() - t0 > 5000) device::trace_record(p.trace, Role::kWait, item, t0);
           }
         }
         pipe_kv.producer_acquire(skv);
@@ -777,7 +782,10 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
     for (int item = sched.consumer_next(-1, cs); item < n_items; item = sched.consumer_next(item, cs)) {
       BwdWork& w = sh.work[2];
       cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);  // every consumer is done with the last item's
-      if (tid == 0) w = bwd_ring_work<kD, P>(p, item);
+      if (tid == 0) {
+        w = bwd_ring_work<kD, P>(p, item);
+        if (p.trace.events) w.t0 = device::trace_now_ns();
+      }
       cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
       const int key0 = w.n * kBlockN;
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kD>>{});
@@ -817,6 +825,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
         __threadfence();
         asm volatile("fence.proxy.async.global;" ::: "memory");
         device::red_add_release_sys(p.ready + w.ready, 1);
+        if (p.trace.events) device::trace_record(p.trace, Role::kCompute, item, w.t0);
       }
     }
   }

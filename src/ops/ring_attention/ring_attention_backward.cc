@@ -267,6 +267,7 @@ Status RingAttentionBackward::enqueue(const RingAttentionBackwardArgs& a, cudaSt
   attention::BwdRing r = st->ring;
   r.program.user[kUserSlotK] = const_cast<void*>(a.k);
   r.program.user[kUserSlotV] = const_cast<void*>(a.v);
+  if (a.trace) r.trace = *a.trace;
   return attention::run_ring_backward(backward_args(st, a), r, stream);
 }
 
