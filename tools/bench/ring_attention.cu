@@ -61,6 +61,28 @@ struct RingRow {
   double bwd_no_sums = 0;  // leave-one-out: the fused call moving K/V only (W > 1)
 };
 
+// One traced fused call of a ring operator (forward or backward) on every rank: the per-CTA
+// timeline of this rank to <prefix>.s<S/rank>.w<W>.rank<r>.json (tools/trace_png.py draws it),
+// its buffer sized by the call's items and ops.
+template <class Op_, class Args_>
+Status trace_ring_call(Communicator* comm, cudaStream_t st, Op_& op, Args_ args, const std::string& prefix,
+                       int64_t S_l) {
+  std::vector<TraceEvent> ev;
+  uint64_t dropped = 0;
+  const std::string path = prefix + ".s" + std::to_string(S_l) + ".w" + std::to_string(comm->world()) + ".rank" +
+                           std::to_string(comm->rank()) + ".json";
+  MK_CHECK(traced_call(
+      comm, st, uint32_t(64 * (op.work_items() + op.comm_ops()) + 4096), path,
+      [&](const TraceBuffer* tb) {
+        args.trace = tb;
+        return op.enqueue(args, st);
+      },
+      &ev, &dropped));
+  if (comm->rank() == 0)
+    printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
+  return OkStatus();
+}
+
 // The backward of the same shape: one checked call (dQ against the same kernel with no
 // communication over the gathered K/V; the GPU tests check dK and dV), then the fused call and
 // the compute-only kernel timed, and last (it leaves the sums' flags behind) the fused call
@@ -106,23 +128,7 @@ Status bench_ring_backward(Communicator* comm, ops::RingAttention* op, ops::Ring
   MK_CHECK(time_it(comm, st, rc, "timing the backward alone", [&] {
     return ops::RingAttentionTesting::enqueue_backward_compute(*bwd, b, k_all, v_all, st); }, &t));
   r->bwd_compute = t.median_ms;
-  if (!trace.empty()) {
-    // One traced fused backward call per rank (tools/trace_png.py draws it).
-    std::vector<TraceEvent> ev;
-    uint64_t dropped = 0;
-    const std::string path = trace + ".bwd.s" + std::to_string(r->S_l) + ".w" + std::to_string(comm->world()) +
-                             ".rank" + std::to_string(me) + ".json";
-    MK_CHECK(traced_call(
-        comm, st, uint32_t(64 * (bwd->work_items() + bwd->comm_ops()) + 4096), path,
-        [&](const TraceBuffer* tb) {
-          ops::RingAttentionBackwardArgs bt = b;
-          bt.trace = tb;
-          return bwd->enqueue(bt, st);
-        },
-        &ev, &dropped));
-    if (me == 0)
-      printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
-  }
+  if (!trace.empty()) MK_CHECK(trace_ring_call(comm, st, *bwd, b, trace + ".bwd", r->S_l));
   if (comm->world() > 1) {
     MK_CHECK(time_it(comm, st, rc, "timing the fused backward without its sums", [&] {
       return ops::RingAttentionTesting::enqueue_backward_without_sums(*bwd, b, st); }, &t));
@@ -178,23 +184,7 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
   MK_CHECK(time_it(comm, st, rc, "timing the attention alone",
                    [&] { return ops::RingAttentionTesting::enqueue_compute(*op, a, -1, k_all.p, v_all.p, st); }, &t));
   r->compute = t.median_ms;
-  if (!trace.empty()) {
-    // One traced fused call: the per-CTA timeline of this rank (tools/trace_png.py draws it).
-    std::vector<TraceEvent> ev;
-    uint64_t dropped = 0;
-    const std::string path = trace + ".s" + std::to_string(r->S_l) + ".w" + std::to_string(W) + ".rank" +
-                             std::to_string(me) + ".json";
-    MK_CHECK(traced_call(
-        comm, st, uint32_t(64 * (op->work_items() + op->comm_ops()) + 4096), path,
-        [&](const TraceBuffer* tb) {
-          ops::RingAttentionArgs at = a;
-          at.trace = tb;
-          return op->enqueue(at, st);
-        },
-        &ev, &dropped));
-    if (me == 0)
-      printf("trace: %zu events (%llu dropped) -> %s\n", ev.size(), (unsigned long long)dropped, path.c_str());
-  }
+  if (!trace.empty()) MK_CHECK(trace_ring_call(comm, st, *op, a, trace, r->S_l));
   MK_CHECK(bench_ring_backward(comm, op, bwd, r, rc, a, k_all.p, v_all.p, trace));
 #if MK_HAVE_NCCL
   if (r->comparable) {

@@ -258,17 +258,27 @@ attention::BackwardArgs backward_args(const RingBwdState* st, const RingAttentio
   b.workspace_bytes = st->workspace_bytes;
   return b;
 }
-}  // namespace
 
-Status RingAttentionBackward::enqueue(const RingAttentionBackwardArgs& a, cudaStream_t stream) {
-  RingBwdState* st = st_.get();
-  MK_CHECK(can_implement(a));
+// A fused call's launch: the operator's ring with this call's K/V and trace. kv_only: the
+// communication CTAs run the program's K/V ops alone (RingRank::kv_ops; the leave-one-out timing).
+Status enqueue_fused(const RingAttentionBackward& op, const RingBwdState* st, const RingAttentionBackwardArgs& a,
+                     bool kv_only, cudaStream_t stream) {
+  MK_CHECK(op.can_implement(a));
   MK_CHECK(st->session->check_call());  // a failed communicator runs nothing more
   attention::BwdRing r = st->ring;
   r.program.user[kUserSlotK] = const_cast<void*>(a.k);
   r.program.user[kUserSlotV] = const_cast<void*>(a.v);
   if (a.trace) r.trace = *a.trace;
+  if (kv_only && !st->program.ranks.empty()) {
+    r.program.n_ops = int(st->program.ranks[size_t(st->session->comm()->rank())].kv_ops);
+    if (r.program.n_ops == 0) r.comm_ctas = 0;
+  }
   return attention::run_ring_backward(backward_args(st, a), r, stream);
+}
+}  // namespace
+
+Status RingAttentionBackward::enqueue(const RingAttentionBackwardArgs& a, cudaStream_t stream) {
+  return enqueue_fused(*this, st_.get(), a, false, stream);
 }
 
 Status RingAttentionTesting::enqueue_backward_compute(RingAttentionBackward& op, const RingAttentionBackwardArgs& a,
@@ -288,15 +298,7 @@ Status RingAttentionTesting::enqueue_backward_compute(RingAttentionBackward& op,
 
 Status RingAttentionTesting::enqueue_backward_without_sums(RingAttentionBackward& op,
                                                            const RingAttentionBackwardArgs& a, cudaStream_t stream) {
-  RingBwdState* st = op.st_.get();
-  MK_CHECK(op.can_implement(a));
-  MK_CHECK(st->session->check_call());
-  attention::BwdRing r = st->ring;
-  r.program.user[kUserSlotK] = const_cast<void*>(a.k);
-  r.program.user[kUserSlotV] = const_cast<void*>(a.v);
-  if (!st->program.ranks.empty()) r.program.n_ops = int(st->program.ranks[size_t(st->session->comm()->rank())].kv_ops);
-  if (r.program.n_ops == 0) r.comm_ctas = 0;
-  return attention::run_ring_backward(backward_args(st, a), r, stream);
+  return enqueue_fused(op, op.st_.get(), a, true, stream);
 }
 
 Status RingAttentionTesting::backward_progress(const RingAttentionBackward& op, std::string* out) {
