@@ -19,7 +19,7 @@ files=(mkernel libmkernel_capi.so CTestTestfile.cmake tests/CTestTestfile.cmake 
        tests/gpu/CTestTestfile.cmake)
 for f in "$build"/tests/gpu/test_gpu_* "$build"/tests/gpu/fault_rank; do [[ -x $f && ! -d $f ]] && files+=("${f#$build/}"); done
 # The benchmarks that run on the GPU, when built.
-for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy bench/bench_peer_write bench/bench_fused_threads; do [[ -x $build/$f ]] && files+=("$f"); done
+for f in bench/bench_gemm bench/bench_grouped bench/bench_host_call bench/bench_gpu_proxy bench/bench_peer_write bench/bench_fused_threads bench/bench_comm_ops; do [[ -x $build/$f ]] && files+=("$f"); done
 [[ ${MK_PACK_SLIM:-0} == 1 ]] && files=(mkernel libmkernel_capi.so bench/bench_gemm bench/bench_host_call)
 # MK_PACK_ONLY=REGEX: of the test binaries and benchmarks, only those whose path matches (the CLI,
 # the C ABI library and ctest's files always): a pack that fits the 64 MiB a call carries when

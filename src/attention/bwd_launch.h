@@ -72,9 +72,13 @@ struct BwdRing {
   float* part = nullptr;
   uint64_t* ready = nullptr;
   int kb = 0, dpieces = 0, kb_per_piece = 0;
-  // The rank's own block's final tiles (acc[me], or part[0] alone), rounded into dK / dV by the
-  // finishing kernel: key block kb of chunk kb / kb_per_chunk, rows of chunk_len each.
+  // The rank's own block's tiles (part[me]: its step-0 items'), plus, for the key blocks whose
+  // flag in own_sum ([B][kb] bytes, device) is set, the other ranks' sum that came back round the
+  // ring (own_acc: acc[me]); rounded into dK / dV by the finishing kernel: key block kb of chunk
+  // kb / kb_per_chunk, rows of chunk_len each. W = 1: own_acc and own_sum null.
   const float* own = nullptr;
+  const float* own_acc = nullptr;
+  const uint8_t* own_sum = nullptr;
   int kb_per_chunk = 0, chunk_len = 0;
   comm::DeviceProgram program{};
   int comm_ctas = 0, grid = 0;

@@ -60,6 +60,9 @@ constexpr int kBwdBlockN = 128;  // key rows per CTA
 constexpr uint32_t kBwdDsBarrier = 1;       // named barrier: dS of a step is in shared memory (256 threads)
 constexpr uint32_t kBwdDqFullBarrier = 2;   // dQ of a step is in shared memory (256 consumers + the reducing warp)
 constexpr uint32_t kBwdDqEmptyBarrier = 3;  // the reducing warp has read it
+// The consumers of a ring compute CTA running communication ops once no item is left: not
+// kCommBarrier, whose id is kBwdDqEmptyBarrier's, left with the reducing warp's last arrival.
+constexpr uint32_t kBwdHelpBarrier = 4;
 constexpr int kBwdDqThreads = kMmaThreads + 32;
 
 // One item of the kernel: a key block (its K/V source, rows and position) against up to two
@@ -829,6 +832,20 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
       }
     }
   }
+  if constexpr (Comm_::kEnabled) {
+    // No item left: the consumers help the communication CTAs with the program's remaining ops
+    // (the last steps' dK/dV sums, which 4 CTAs alone finished milliseconds after the last
+    // item), taking them from the same counter in list order. Every K/V op comes before the
+    // first sum and every item was taken by a running CTA, so an op a helper waits on needs only
+    // running CTAs and the other ranks. The shared memory becomes bulk stages once every role
+    // is done with it (the reducing warp's last bulk add has read its tile).
+    if (Comm_::dedicated_ctas(p.comm) > 0) {
+      __syncthreads();
+      if (wg >= 1)
+        Comm_::template run_dedicated<true, kMmaThreads, kBwdHelpBarrier, sizeof(typename C::Shared)>(
+            p.comm, smem_raw, threadIdx.x - 128, epoch, p.trace);
+    }
+  }
   Comm_::finish(p.comm);
 #endif
 }
@@ -893,11 +910,12 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dkv(const BwdParams<kD
   }
 }
 
-// dK and dV (bf16) of the ring's own block from its final fp32 tiles (bwd_launch.h BwdRing::own):
-// one CTA of 256 threads per (key block, key/value head, batch); key block kb is block
+// dK and dV (bf16) of the ring's own block from its fp32 tiles: the own items' plus, where
+// own_sum says one came back, the other ranks' sum (bwd_launch.h BwdRing::own, own_acc): one CTA of 256 threads per (key block, key/value head, batch); key block kb is block
 // kb % kb_per_chunk of chunk kb / kb_per_chunk (rows chunk * chunk_len + ...).
 template <int kD>
-__global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* own, Element* dk, Element* dv,
+__global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* own, const float* own_acc,
+                                                                   const uint8_t* own_sum, Element* dk, Element* dv,
                                                                    Strides dk_st, Strides dv_st, int Hkv, int kb,
                                                                    int kb_per_chunk, int chunk_len) {
   using C = BwdCfg<kD>;
@@ -906,7 +924,10 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* 
   Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kBwdBlockN>, Int<kD>>{}));  // (key, d)
   const int kbi = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int chunk = kbi / kb_per_chunk, n = kbi % kb_per_chunk;
-  const float* t = own + ((int64_t(b) * kb + kbi) * Hkv + hk) * (2 * kBwdBlockN * kD);
+  const int64_t tile = ((int64_t(b) * kb + kbi) * Hkv + hk) * (2 * kBwdBlockN * kD);
+  const float* t = own + tile;
+  const float* u = own_sum && own_sum[int64_t(b) * kb + kbi] ? own_acc + tile : nullptr;  // the ring's sum
+  auto at = [&](int j) { return u ? t[j] + u[j] : t[j]; };
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(c); i += 2) {
     const int key = n * kBwdBlockN + get<0>(c(i)), d = get<1>(c(i));
@@ -914,9 +935,9 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* 
     const int64_t row = int64_t(chunk) * chunk_len + key;
     const int j = i * kMmaThreads + threadIdx.x, j1 = (i + 1) * kMmaThreads + threadIdx.x;
     *reinterpret_cast<__nv_bfloat162*>(dk + b * dk_st.b + row * dk_st.s + hk * dk_st.h + d) =
-        __floats2bfloat162_rn(t[j], t[j1]);
+        __floats2bfloat162_rn(at(j), at(j1));
     *reinterpret_cast<__nv_bfloat162*>(dv + b * dv_st.b + row * dv_st.s + hk * dv_st.h + d) =
-        __floats2bfloat162_rn(t[kBwdBlockN * kD + j], t[kBwdBlockN * kD + j1]);
+        __floats2bfloat162_rn(at(kBwdBlockN * kD + j), at(kBwdBlockN * kD + j1));
   }
 }
 

@@ -123,9 +123,19 @@ Status setup(RingBwdState* st) {
   r.kb_per_piece = g.kb_per_piece;
   r.kb_per_chunk = g.kb_per_chunk;
   r.chunk_len = int(st->chunk_len);
-  r.own = W == 1 ? r.part
-                 : reinterpret_cast<const float*>(static_cast<const char*>(ses.local(RingBuf::kAcc)) +
-                                                  uint64_t(me) * g.dkv_block_bytes());
+  r.own = reinterpret_cast<const float*>(reinterpret_cast<const char*>(r.part) + uint64_t(me) * g.dkv_block_bytes());
+  if (W > 1) {
+    // The key blocks of the own block whose sum comes back round the ring (own_sum per piece).
+    const RingRank& rk = st->program.ranks[me];
+    std::vector<uint8_t> blocks(size_t(g.B) * g.kb(), 0);
+    for (int b = 0; b < g.B; ++b)
+      for (int dp = 0; dp < g.dpieces(); ++dp)
+        for (int k = 0; k < g.dpiece_kbs(dp); ++k)
+          blocks[size_t(b) * g.kb() + g.dpiece_kb0(dp) + k] = rk.own_sum[size_t(b) * g.dpieces() + dp];
+    MK_CHECK(ses.upload(blocks, const_cast<uint8_t**>(&r.own_sum)));
+    r.own_acc = reinterpret_cast<const float*>(static_cast<const char*>(ses.local(RingBuf::kAcc)) +
+                                               uint64_t(me) * g.dkv_block_bytes());
+  }
   comm::Resolved res;
   MK_CHECK(ses.resolve(st->program, st->program.ranks[me], &res));
   r.program = res.program;

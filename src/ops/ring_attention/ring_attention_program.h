@@ -93,6 +93,10 @@ struct RingRank : comm::RankProgram {
   // Backward: the items that add 1 to ready[dkv_index(blk, b, dp)] per call (the kernel's
   // items of that piece: key blocks x heads), 0 where no item computes it.
   std::vector<uint32_t> ready_count;
+  // Backward: [B][dpieces], 1 where a sum of the own block's piece comes back round the ring into
+  // acc[rank] (some other rank computes it); the result is part[rank] (the own step-0 tiles,
+  // which never travel) plus, there, acc[rank].
+  std::vector<uint8_t> own_sum;
   // Ops [0, kv_ops): the entry handshake and every K/V op; the backward's sums and the call's
   // end follow. A launch that runs only these (RingAttentionTesting's leave-one-out timing)
   // moves K/V as a full call does and no sum.
@@ -103,10 +107,13 @@ struct RingRank : comm::RankProgram {
 //  - part [W][dkv block] (symmetric): the kernel's items write their fp32 tiles of block o at the
 //    step that computes it, then add 1 to ready[(o, b, piece)] (device, local);
 //  - acc [W][dkv block] (symmetric): the sum of the earlier ranks' tiles of block o, as it
-//    travels the ring with K/V: a rank adds its part to the acc it received (dkv_arrived, one
-//    per piece) and sends the sum on (reduce into the next rank's acc on the node; over the
-//    network a reduce into its own part, then a put). The owner's own tiles start the sum at
-//    step 0; after W hops acc[owner] holds the block's whole dK/dV on its owner.
+//    travels the ring with K/V: a rank adds its part to the acc it received (dkv_arrived: one
+//    arrival per op; on the node a piece goes in parts of at most 1 MiB, an op each, over the
+//    network whole) and sends the sum on (reduce into the next rank's acc on the node; over the
+//    network a reduce into its own part, then a put). The sum begins at step 1 with the first
+//    rank after the owner that computes the piece; the owner's own tiles (step 0) stay in its
+//    part, and after W - 1 hops acc[owner] holds the other ranks' share of the block's dK/dV
+//    (RingRank::own_sum: where there is one); the finishing kernel adds the two.
 //  - summed (device, local): a network send's reduce into the own part is done (its put waits).
 //  With W = 1 there is no program: part[0] is the result.
 
