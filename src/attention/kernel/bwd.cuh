@@ -911,8 +911,9 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dkv(const BwdParams<kD
 }
 
 // dK and dV (bf16) of the ring's own block from its fp32 tiles: the own items' plus, where
-// own_sum says one came back, the other ranks' sum (bwd_launch.h BwdRing::own, own_acc): one CTA of 256 threads per (key block, key/value head, batch); key block kb is block
-// kb % kb_per_chunk of chunk kb / kb_per_chunk (rows chunk * chunk_len + ...).
+// own_sum says one came back, the other ranks' sum (bwd_launch.h BwdRing::own, own_acc). One CTA
+// of 256 threads per (key block, key/value head, batch); key block kb is block kb % kb_per_chunk
+// of chunk kb / kb_per_chunk (rows chunk * chunk_len + ...).
 template <int kD>
 __global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* own, const float* own_acc,
                                                                    const uint8_t* own_sum, Element* dk, Element* dv,

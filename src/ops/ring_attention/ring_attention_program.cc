@@ -165,7 +165,7 @@ struct Builder {
       if (pr.kv_chunk == chunk) return true;
     return false;
   }
-  // The rank holding block blk at step t.
+  // The rank holding block blk at step t (each step of a ring plan hands every rank one block).
   int holder(int blk, int t) const {
     for (int r = 0; r < plan.world; ++r)
       if (plan.steps[r][t].kv_rank == blk) return r;
@@ -175,8 +175,10 @@ struct Builder {
   // (the owner's own tiles, step 0's, never travel: they stay in its part, and its finishing
   // kernel adds the sum that came back round the ring, where one began).
   bool begun(int blk, int dp, int t) const {
-    for (int s = 1; s <= t; ++s)
-      if (computes(holder(blk, s), s, g.dpiece_chunk(dp))) return true;
+    for (int s = 1; s <= t; ++s) {
+      const int h = holder(blk, s);
+      if (h >= 0 && computes(h, s, g.dpiece_chunk(dp))) return true;
+    }
     return false;
   }
   std::string dpiece_name(int blk, int b, int dp) const {
