@@ -70,6 +70,7 @@ void build(const RingConfig& c, Built* b) {
     g.chunks = c.zigzag ? 2 : 1;
     g.kb_per_chunk = 3;
     g.kb_per_piece = 2;
+    g.dkv_part_bytes = 64;  // pieces of 96 and 192 bytes: sums on the node in 2 and 3 parts
   }
   ASSERT_TRUE(build_ring_program(b->plan, l, g, c.staged, &b->prog).ok());
 }

@@ -149,13 +149,12 @@ struct Builder {
   // ---- the backward's dK/dV (see RingProgram) ----
   uint64_t dpiece_bytes(int dp) const { return uint64_t(g.dpiece_kbs(dp)) * uint64_t(g.hkv) * g.tile_bytes; }
   uint64_t dpiece_off(int blk, int b, int dp) const { return g.tile_offset(blk, b, g.dpiece_kb0(dp), 0); }
-  // A sum on the node moves a piece in parts of at most kDkvPartBytes, one op each: a whole
-  // piece (4 MiB at 32 heads, D 128) took one CTA 0.6-0.9 ms, and the last step's pieces were
-  // the call's tail; in parts the communication CTAs, and the compute CTAs that help once their
-  // items are done, share them. Each part adds 1 to the receiver's dkv_arrived; over the network
-  // a piece travels whole (its relay adds 1).
-  static constexpr uint64_t kDkvPartBytes = 1ull << 20;
-  static uint32_t dkv_parts(uint64_t bytes) { return uint32_t((bytes + kDkvPartBytes - 1) / kDkvPartBytes); }
+  // A sum on the node moves a piece in parts of at most g.dkv_part_bytes (1 MiB), one op each: a
+  // whole piece (4 MiB at 32 heads, D 128) took one CTA 0.6-0.9 ms, and the last step's pieces
+  // were the call's tail; in parts the communication CTAs, and the compute CTAs that help once
+  // their items are done, share them. Each part adds 1 to the receiver's dkv_arrived; over the
+  // network a piece travels whole (its relay adds 1).
+  uint32_t dkv_parts(uint64_t bytes) const { return uint32_t((bytes + g.dkv_part_bytes - 1) / g.dkv_part_bytes); }
   // The arrivals in dkv_arrived that make piece dp's sum complete, from a previous rank on this
   // node or across the network.
   uint32_t dkv_arrivals(int dp, bool from_remote) const { return from_remote ? 1 : dkv_parts(dpiece_bytes(dp)); }
@@ -235,7 +234,7 @@ struct Builder {
     if (!next_remote) {
       const uint32_t parts = dkv_parts(bytes);
       for (uint32_t k = 0; k < parts; ++k) {
-        const uint64_t o = k * kDkvPartBytes, n = std::min(kDkvPartBytes, bytes - o);
+        const uint64_t o = k * g.dkv_part_bytes, n = std::min(g.dkv_part_bytes, bytes - o);
         Op op;
         op.kind = srcs.size() == 2 ? OpKind::kReduce : OpKind::kCopy;
         op.waits = in;
@@ -373,7 +372,8 @@ Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, cons
                  g.chunk_tokens >= 1 && g.pieces == int((g.S_l + g.chunk_tokens - 1) / g.chunk_tokens),
              Code::kInvalidArgument, "ring_attention: bad ring geometry");
   MK_REQUIRE(!g.backward || (g.hkv >= 1 && g.tile_bytes > 0 && g.tile_bytes % 16 == 0 && (g.chunks == 1 || g.chunks == 2) &&
-                             g.kb_per_chunk >= 1 && g.kb_per_piece >= 1),
+                             g.kb_per_chunk >= 1 && g.kb_per_piece >= 1 && g.dkv_part_bytes >= 16 &&
+                             g.dkv_part_bytes % 16 == 0),
              Code::kInvalidArgument, "ring_attention: bad backward geometry");
   RingProgram& p = *out;
   p = RingProgram{};

@@ -45,6 +45,9 @@ struct RingGeometry {
   int chunks = 1;            // sequence chunks per rank: 1 (contiguous) or 2 (zigzag)
   int kb_per_chunk = 0;      // ceil(chunk tokens / 128)
   int kb_per_piece = 0;
+  // A sum on the node moves a piece in ops of at most this many bytes (a multiple of 16; the
+  // tests take a few tiles' worth, so that pieces go in several parts).
+  uint64_t dkv_part_bytes = 1ull << 20;
   int dpieces_per_chunk() const { return (kb_per_chunk + kb_per_piece - 1) / kb_per_piece; }
   int dpieces() const { return chunks * dpieces_per_chunk(); }  // per (block, batch)
   int kb() const { return chunks * kb_per_chunk; }              // key blocks per (block, batch)
