@@ -4,8 +4,8 @@
 //                                             [--deterministic] [--path P]
 //                                             [--splits] [--reps R] [--warmup U] [--json FILE]
 //                                             [--trace PREFIX [--trace-calls N]]
-//   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--reps R] [--warmup U] [--json FILE]
-//                                [--trace PREFIX]
+//   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--doc-len L] [--reps R] [--warmup U]
+//                                [--json FILE] [--trace PREFIX]
 //   mkernel bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]
 //                              [--reps R] [--warmup U] [--json FILE]
 //   mkernel bench moe_layer [--preset qwen3_30b|qwen3_235b|mixtral|deepseek_v3]... [--tokens T_per_rank]
@@ -55,6 +55,7 @@ struct BenchArgs {
   bench::RunCfg rc;
   std::vector<int64_t> seqs;
   bool causal = true;
+  int64_t doc_len = 0;  // --doc-len (ring_attention): packed documents of this many tokens
   bool sweep = false, deterministic = false, splits = false;
   std::string path;  // --path (fused operators)
   std::vector<int64_t> rows;  // --rows r0,r1,...: each rank's shard rows (fused operators)
@@ -101,6 +102,9 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
       int64_t s = 0;
       ok = ar.int_value(int64_t(1), kMaxDim, &s);
       b->seqs.push_back(s);
+      b->ring_only.push_back(a);
+    } else if (a == "--doc-len") {
+      ok = ar.int_value(int64_t(1), kMaxDim, &b->doc_len);
       b->ring_only.push_back(a);
     } else if (a == "--non-causal") {
       ok = ar.no_value();
@@ -338,7 +342,7 @@ int bench(const std::vector<std::string>& args) {
   env.json = ba.json;
   int rc = 0;
   if (ba.which == "ring_attention") {
-    rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace);
+    rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace, ba.doc_len);
   } else if (ba.which == "moe_dispatch") {
     bench::MoeBenchArgs ma;
     ma.presets = ba.presets;

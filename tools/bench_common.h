@@ -314,8 +314,10 @@ inline std::vector<int64_t> fused_shard_rows(ops::FusedKind kind, int64_t M, int
 int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, int64_t k, const FusedBenchOpts& o);
 
 // tools/bench/ring_attention.cu. `seqs`: tokens per rank, one run each (empty: the default
-// sweep); `trace`: a file prefix for one traced call per run ("" for none).
-int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace);
+// sweep); `trace`: a file prefix for one traced call per run ("" for none); doc_len > 0: the
+// sequence packed with documents of doc_len tokens (the last shorter; cu_seqlens).
+int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace,
+                   int64_t doc_len = 0);
 
 // tools/bench/moe_dispatch.cu: MoE dispatch and combine against a device copy of the same bytes and,
 // when `env.comparable`, NCCL all-to-all-v plus permute kernels.

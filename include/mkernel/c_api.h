@@ -177,6 +177,10 @@ MK_C_EXPORT int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int
 /* q, o [B, S/W, H, D], k, v [B, S/W, Hkv, D] contiguous; lse [B, H, S/W] fp32 or null. */
 MK_C_EXPORT int mk_ring_run(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse,
                 void* stream);
+/* As mk_ring_run over packed documents (B = 1): cu_seqlens device int32 [n_docs + 1], the documents' bounds in
+ * the whole sequence's positions, the same on every rank (RingAttentionArgs::cu_seqlens). */
+MK_C_EXPORT int mk_ring_run_packed(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse,
+                                   const int32_t* cu_seqlens, int n_docs, void* stream);
 MK_C_EXPORT int mk_ring_destroy(mk_ring_t op);
 /* The backward (RingAttentionBackward): same arguments as mk_ring_create. Collective. */
 MK_C_EXPORT int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
@@ -185,6 +189,10 @@ MK_C_EXPORT int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, i
  * forward's). */
 MK_C_EXPORT int mk_ring_backward_run(mk_ring_bwd_t op, const void* q, const void* k, const void* v, const void* o,
                                      const void* dout, const float* lse, void* dq, void* dk, void* dv, void* stream);
+/* As mk_ring_backward_run over the forward's packed documents (cu_seqlens, n_docs as mk_ring_run_packed's). */
+MK_C_EXPORT int mk_ring_backward_run_packed(mk_ring_bwd_t op, const void* q, const void* k, const void* v,
+                                            const void* o, const void* dout, const float* lse, void* dq, void* dk,
+                                            void* dv, const int32_t* cu_seqlens, int n_docs, void* stream);
 MK_C_EXPORT int mk_ring_backward_destroy(mk_ring_bwd_t op);
 
 /* ---- MoE dispatch and combine (include/mkernel/ops/moe.h) ---- */

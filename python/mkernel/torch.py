@@ -497,27 +497,47 @@ def _check_attn(q, k, v):
                          "do not match")
 
 
+def _check_ring_docs(what, q, cu_seqlens):
+    """n_docs of a ring call's packed documents (0 without them)."""
+    if cu_seqlens is None:
+        return 0
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
+        raise MkError(1, f"mkernel.{what}: cu_seqlens must be a 1-D int32 tensor of n_docs + 1 >= 2 entries "
+                         f"(got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype})")
+    if cu_seqlens.device != q.device:
+        raise MkError(1, f"mkernel.{what}: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+    if q.shape[0] != 1:
+        raise MkError(1, f"mkernel.{what}: packed documents (cu_seqlens) need B = 1, not {q.shape[0]}")
+    return cu_seqlens.numel() - 1
+
+
 @torch.library.custom_op("mkernel::ring_attention", mutates_args=(), device_types="cuda")
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, scale: float,
-                    group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    group_name: str, cu_seqlens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     c = communicator(group_name)
     _check_attn(q, k, v)
     _device_check(c, "ring_attention", q)
     if layout not in _LAYOUTS:
         raise MkError(1, f"mkernel.ring_attention: layout '{layout}' is not 'contiguous' or 'zigzag'")
+    n_docs = _check_ring_docs("ring_attention", q, cu_seqlens)
     B, s, H, D = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty((B, H, s), dtype=torch.float32, device=q.device)
     h = c.ring(B, H, k.shape[2], D, s * c.world, _LAYOUTS[layout], causal, scale)
-    check(_capi.lib().mk_ring_run(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                                  _stream()))
+    if n_docs:
+        check(_capi.lib().mk_ring_run_packed(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                             lse.data_ptr(), cu_seqlens.contiguous().data_ptr(), n_docs, _stream()))
+    else:
+        check(_capi.lib().mk_ring_run(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                                      _stream()))
     return o, lse
 
 
 @_ring_attention.register_fake
-def _(q, k, v, causal, layout, scale, group_name):
+def _(q, k, v, causal, layout, scale, group_name, cu_seqlens=None):
     _check_attn(q, k, v)
+    _check_ring_docs("ring_attention", q, cu_seqlens)
     if layout not in _LAYOUTS:
         raise MkError(1, f"mkernel.ring_attention: layout '{layout}' is not 'contiguous' or 'zigzag'")
     B, s, H, _ = q.shape
@@ -786,7 +806,8 @@ _matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 @torch.library.custom_op("mkernel::ring_attention_backward", mutates_args=(), device_types="cuda")
 def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                              dout: torch.Tensor, causal: bool, layout: str, scale: float, group_name: str,
-                             world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             world_size: int, cu_seqlens: Optional[torch.Tensor] = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     c_ = _op_comm("ring_attention_backward", group_name, world_size, q)
     _check_attn(q, k, v)
     if layout not in _LAYOUTS:
@@ -799,17 +820,25 @@ def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, v, o = q.contiguous(), k.contiguous(), v.contiguous(), o.to(torch.bfloat16).contiguous()
     dout = dout.to(torch.bfloat16).contiguous()
     lse = lse.to(torch.float32).contiguous()
+    n_docs = _check_ring_docs("ring_attention_backward", q, cu_seqlens)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     h = c_.ring_backward(B, H, Hkv, D, s * c_.world, _LAYOUTS[layout], causal, scale)
-    check(_capi.lib().mk_ring_backward_run(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                           dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                                           dv.data_ptr(), _stream()))
+    if n_docs:
+        check(_capi.lib().mk_ring_backward_run_packed(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                                      dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                                                      dv.data_ptr(), cu_seqlens.contiguous().data_ptr(), n_docs,
+                                                      _stream()))
+    else:
+        check(_capi.lib().mk_ring_backward_run(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                               dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                                               dv.data_ptr(), _stream()))
     return dq, dk, dv
 
 
 @_ring_attention_backward.register_fake
-def _(q, k, v, o, lse, dout, causal, layout, scale, group_name, world_size):
+def _(q, k, v, o, lse, dout, causal, layout, scale, group_name, world_size, cu_seqlens=None):
     _check_attn(q, k, v)
+    _check_ring_docs("ring_attention_backward", q, cu_seqlens)
     if layout not in _LAYOUTS:
         raise MkError(1, f"mkernel.ring_attention_backward: layout '{layout}' is not 'contiguous' or 'zigzag'")
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -818,18 +847,18 @@ def _(q, k, v, o, lse, dout, causal, layout, scale, group_name, world_size):
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, causal, layout, scale, group_name = inputs
+    q, k, v, causal, layout, scale, group_name, cu_seqlens = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
     ctx.causal, ctx.layout, ctx.scale, ctx.group_name = causal, layout, scale, group_name
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = torch.ops.mkernel.ring_attention_backward(q, k, v, o, lse, grad_o, ctx.causal, ctx.layout, ctx.scale,
-                                                           ctx.group_name, _world(ctx.group_name))
-    return dq, dk, dv, None, None, None, None
+                                                           ctx.group_name, _world(ctx.group_name), cu_seqlens)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
@@ -966,15 +995,19 @@ def attention_varlen(q, k, v, cu_seqlens, causal=False, scale=None):
     return torch.ops.mkernel.attention_varlen(q, k, v, cu_seqlens, bool(causal), 0.0 if scale is None else float(scale))
 
 
-def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group=None):
+def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group=None, cu_seqlens=None):
     """(O, LSE) of attention over the whole sequence, sharded over the group's ranks.
 
     q [B, S/W, H, D], k and v [B, S/W, Hkv, D] bf16: this rank's tokens — chunk r of W
     ("contiguous") or chunks r and 2W-1-r ("zigzag", balanced for causal). O is like q, LSE
     [B, H, S/W] fp32 (natural log). Differentiable in q, k and v (mkernel::ring_attention_backward).
+
+    cu_seqlens (packed documents, B = 1): int32 on the GPU, n_docs + 1 entries from 0 to S in the
+    whole sequence's positions, the same on every rank; each document attends only within itself
+    (causal within itself when causal). The sequence is sharded as without documents.
     """
     return torch.ops.mkernel.ring_attention(q, k, v, bool(causal), layout, 0.0 if scale is None else float(scale),
-                                            _group(group))
+                                            _group(group), cu_seqlens)
 
 
 def _along(x, dim, f):

@@ -80,6 +80,11 @@ struct BwdRing {
   const float* own_acc = nullptr;
   const uint8_t* own_sum = nullptr;
   int kb_per_chunk = 0, chunk_len = 0;
+  // Packed documents by position (ring over packed documents), or null: doc_win[pos] the
+  // document window of global position pos, qwin [workspace rows] those of this rank's query
+  // rows in the workspace's (virtual) rows (doc_window.h; B = 1).
+  const DocWindow* doc_win = nullptr;
+  const DocWindow* qwin = nullptr;
   comm::DeviceProgram program{};
   int comm_ctas = 0, grid = 0;
   TraceBuffer trace{};  // events non-null: the kernel records items, long K/V waits and ops

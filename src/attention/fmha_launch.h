@@ -11,6 +11,7 @@
 
 #include "mkernel/attention/attention.h"
 #include "mkernel/device/trace.h"
+#include "src/attention/doc_window.h"
 #include "src/comm/device_program.h"
 
 namespace mk {
@@ -64,6 +65,11 @@ struct FmhaLaunch {
   // counter per concurrently running launch). The ring's launches take it; single calls run
   // the static schedule (src/attention/kernel/scheduler.cuh).
   int* item_counter = nullptr;
+  // Packed documents by global position (pair launches: ring attention over packed documents):
+  // doc_win[pos] = the document window of global position pos (doc_window.h); key j of a pair
+  // is visible to query i iff win(i).lo <= j < win(i).hi (and j <= i when the pair is causal).
+  // Only the communication-role variant reads it (run_fmha picks that variant when it is set).
+  const DocWindow* doc_win = nullptr;
   // Communication program (ring): run by the first comm_ctas CTAs; epoch read at the start and
   // advanced by the last CTA.
   comm::DeviceProgram program{};
@@ -82,10 +88,23 @@ inline int varlen_tiles(int S, int n_docs, int tile) { return S / tile + n_docs 
 // Documents whose cu_seqlens the forward keeps in shared memory (more are searched in global memory).
 constexpr int kVarlenSmemEntries = 8192;
 
+// The array's own checks (n_docs >= 1, 4-byte aligned; OK without cu_seqlens and n_docs 0),
+// shared by every call that takes cu_seqlens (the attention calls, ring attention).
+Status check_cu_seqlens(const char* what, const int32_t* cu, int n_docs);
+
 // The checks of a packed variable-length call (cu_seqlens, n_docs) shared by the forward and the
 // backward; OK without cu_seqlens (and n_docs 0).
 Status check_varlen(const char* what, const int32_t* cu, int n_docs, int B, int Sq, int Skv, int64_t q_pos0,
                     int64_t kv_pos0);
+
+// The document windows of packed documents (cu_seqlens: n_docs + 1 device int32 entries over a
+// sequence of S tokens) for the rows of up to 3 segments: out[out0 + i] = doc_window(pos0 + i)
+// for i < len; out[i] = {S, S} (no key visible) for the other i < n_out. One launch on `stream`.
+struct DocSegment {
+  int64_t out0 = 0, pos0 = 0, len = 0;
+};
+Status doc_windows(const int32_t* cu, int n_docs, int32_t S, const DocSegment* segs, int nseg, int64_t n_out,
+                   DocWindow* out, cudaStream_t stream);
 
 // Launches the kernel (checks what can_implement checks for the tensors it is given).
 Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, const RunConfig& cfg);

@@ -81,8 +81,7 @@ namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 }  // namespace
 
-Status check_varlen(const char* what, const int32_t* cu, int n_docs, int B, int Sq, int Skv, int64_t q_pos0,
-                    int64_t kv_pos0) {
+Status check_cu_seqlens(const char* what, const int32_t* cu, int n_docs) {
   if (!cu) {
     MK_REQUIRE(n_docs == 0, Code::kInvalidArgument, "%s: n_docs %d without cu_seqlens", what, n_docs);
     return OkStatus();
@@ -90,6 +89,13 @@ Status check_varlen(const char* what, const int32_t* cu, int n_docs, int B, int 
   MK_REQUIRE(n_docs >= 1, Code::kInvalidArgument, "%s: cu_seqlens with n_docs %d (at least 1)", what, n_docs);
   MK_REQUIRE((reinterpret_cast<uintptr_t>(cu) & 3u) == 0, Code::kInvalidArgument,
              "%s: cu_seqlens must be 4-byte aligned int32", what);
+  return OkStatus();
+}
+
+Status check_varlen(const char* what, const int32_t* cu, int n_docs, int B, int Sq, int Skv, int64_t q_pos0,
+                    int64_t kv_pos0) {
+  MK_CHECK(check_cu_seqlens(what, cu, n_docs));
+  if (!cu) return OkStatus();
   MK_REQUIRE(B == 1, Code::kInvalidArgument, "%s: packed sequences (cu_seqlens) need B = 1, not %d", what, B);
   MK_REQUIRE(Sq == Skv, Code::kInvalidArgument,
              "%s: packed sequences (cu_seqlens) need Sq = Skv (one packing for queries and keys), not %d and %d", what,
@@ -159,8 +165,9 @@ Status run_fmha(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, 
   MK_REQUIRE(grid > l.comm_ctas, Code::kInvalidArgument, "attention: %d communication CTAs leave none of %d to compute",
              l.comm_ctas, grid);
   // Plain launches (single calls, the ring's compute-only launches) carry no communication
-  // code; a launch with a program, arrival flags or tracing takes the communication role.
-  const bool comm = l.program.ops || l.program.epoch || l.comm_ctas > 0 || l.slots.flags || l.trace;
+  // code; a launch with a program, arrival flags, tracing or document windows (packed documents
+  // by position) takes the communication role.
+  const bool comm = l.program.ops || l.program.epoch || l.comm_ctas > 0 || l.slots.flags || l.trace || l.doc_win;
   if (a.D == 64) return comm ? sm90::launch_d64_comm(a, l, stream, grid) : sm90::launch_d64(a, l, stream, grid);
   return comm ? sm90::launch_d128_comm(a, l, stream, grid) : sm90::launch_d128(a, l, stream, grid);
 #else

@@ -584,6 +584,17 @@ int mk_ring_backward_run(mk_ring_bwd_t op, const void* q, const void* k, const v
   });
 }
 
+int mk_ring_backward_run_packed(mk_ring_bwd_t op, const void* q, const void* k, const void* v, const void* o,
+                                const void* dout, const float* lse, void* dq, void* dk, void* dv,
+                                const int32_t* cu_seqlens, int n_docs, void* stream) {
+  return guard("mk_ring_backward_run_packed", [&]() -> int {
+    if (!op) return invalid("mk_ring_backward_run_packed: null operator");
+    mk::ops::RingAttentionBackwardArgs a{q, k, v, o, dout, lse, dq, dk, dv};
+    a.cu_seqlens = cu_seqlens, a.n_docs = n_docs;
+    return ret(ring_bwd_of(op)->run(a, static_cast<cudaStream_t>(stream)));
+  });
+}
+
 int mk_ring_backward_destroy(mk_ring_bwd_t op) {
   return guard("mk_ring_backward_destroy", [&]() -> int {
     if (!op) return 0;
@@ -600,6 +611,17 @@ int mk_ring_run(mk_ring_t op, const void* q, const void* k, const void* v, void*
     if (!op) return invalid("mk_ring_run: null operator");
     mk::ops::RingAttentionArgs a;
     a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
+    return ret(ring_of(op)->run(a, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+int mk_ring_run_packed(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse,
+                       const int32_t* cu_seqlens, int n_docs, void* stream) {
+  return guard("mk_ring_run_packed", [&]() -> int {
+    if (!op) return invalid("mk_ring_run_packed: null operator");
+    mk::ops::RingAttentionArgs a;
+    a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse;
+    a.cu_seqlens = cu_seqlens, a.n_docs = n_docs;
     return ret(ring_of(op)->run(a, static_cast<cudaStream_t>(stream)));
   });
 }

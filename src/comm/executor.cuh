@@ -316,6 +316,13 @@ __device__ __forceinline__ void bulk_stages_init(BulkStages& b) {
   b.phases = 0;
 }
 
+// A bulk load of len bytes (a multiple of 16) from global src into shared dst, completing on the
+// mbarrier bar as a transaction of the stage (the caller expected its bytes).
+__device__ __forceinline__ void bulk_load(char* dst, const char* src, uint32_t len, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(device::smem_addr(dst)), "l"(src), "r"(len), "r"(device::smem_addr(bar)) : "memory");
+}
+
 // dst[0, bytes) = src[0, bytes) through the stages, by the calling thread alone; both 16-byte
 // aligned, bytes a multiple of 16. @post the writes are complete and ordered before the
 // caller's later generic-proxy release (proxy fence).
@@ -326,10 +333,7 @@ __device__ __forceinline__ void bulk_copy(BulkStages& b, const char* src, char* 
   auto load = [&](uint64_t c) {
     const int s = int(c % uint64_t(b.stages));
     device::mbarrier_arrive_expect_tx(&b.bars[s], len(c));
-    const uint32_t bar = device::smem_addr(&b.bars[s]);
-    const uint32_t dsm = device::smem_addr(b.smem + s * sb);
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dsm), "l"(src + c * sb), "r"(len(c)), "r"(bar) : "memory");
+    bulk_load(b.smem + s * sb, src + c * sb, len(c), &b.bars[s]);
   };
   const uint64_t first = min(n, uint64_t(b.stages));
   for (uint64_t c = 0; c < first; ++c) load(c);
@@ -368,8 +372,8 @@ __device__ __forceinline__ void bulk_stages_advance(BulkStages& b, uint64_t chun
 // flight where reduce_op's plain loads keep 16 KiB: beside other SMs' memory traffic one CTA's
 // two-source reduce moved 41-44 GB/s this way and 19.5 with plain loads (bench_comm_ops, H100;
 // alone 67 and 84). Every pointer 16-byte aligned, device memory, nsrc <= 4; run by all kThreads
-// threads (named barrier kBarrier). @pre the op's waits were taken (thread 0, acquire). @post (thread 0) the stores are
-// complete and ordered before its later generic-proxy release.
+// threads (named barrier kBarrier). @pre the op's waits were taken (thread 0, acquire).
+// @post (thread 0) the stores are complete and ordered before its later generic-proxy release.
 template <int kThreads, uint32_t kBarrier>
 __device__ __forceinline__ void bulk_reduce_f32(BulkStages& b, void* const* ptr, uint32_t nsrc, uint32_t ndst,
                                                 uint64_t elems, int tid) {
@@ -381,11 +385,8 @@ __device__ __forceinline__ void bulk_reduce_f32(BulkStages& b, void* const* ptr,
   auto load = [&](uint64_t c) {
     const int s = int(c % uint64_t(b.stages));
     device::mbarrier_arrive_expect_tx(&b.bars[s], len(c) * nsrc);
-    const uint32_t bar = device::smem_addr(&b.bars[s]);
     for (uint32_t k = 0; k < nsrc; ++k)
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(device::smem_addr(stage(c) + k * cb)), "l"(static_cast<const char*>(ptr[k]) + c * cb),
-                   "r"(len(c)), "r"(bar) : "memory");
+      bulk_load(stage(c) + k * cb, static_cast<const char*>(ptr[k]) + c * cb, len(c), &b.bars[s]);
   };
   if (tid == 0) {
     // The sources were written through the generic proxy (released to this op's acquire).
@@ -447,7 +448,7 @@ __device__ __noinline__ void run_comm_op_staged(const DeviceProgram& h, int inde
                                                 BulkStages& b) {
   const DevOp& op = h.ops[index];
   if (op.kind == kDevReduce) {
-    void* ptr[kMaxOpBuffers];
+    void* ptr[kMaxOpBuffers];  // resolved as run_comm_op resolves them (op_ptr)
     const uint32_t np = min(op.nsrc + op.ndst, uint32_t(kMaxOpBuffers));
     for (uint32_t k = 0; k < np; ++k) ptr[k] = op_ptr(h, h.ptrs[op.ptr0 + k]);
     if (!bulk_reducible(op, ptr)) {
@@ -457,13 +458,9 @@ __device__ __noinline__ void run_comm_op_staged(const DeviceProgram& h, int inde
     if (tid == 0) hook_waits(h, op.wait0, op.nwait, epoch);
     device::named_barrier_sync(kThreads, kBarrier);
     bulk_reduce_f32<kThreads, kBarrier>(b, ptr, op.nsrc, op.ndst, op.elems, tid);
-    if (op.nsig) {
-      __threadfence_system();
-      device::named_barrier_sync(kThreads, kBarrier);
-      if (tid == 0) hook_signals(h, op.sig0, op.nsig, epoch);
-    } else {
-      device::named_barrier_sync(kThreads, kBarrier);  // the stages are free for the next op
-    }
+    if (op.nsig) __threadfence_system();
+    device::named_barrier_sync(kThreads, kBarrier);  // the stages are free for the next op
+    if (op.nsig && tid == 0) hook_signals(h, op.sig0, op.nsig, epoch);
     return;
   }
   // Pinned host memory goes through plain loads and stores (the bulk-copy engine is kept to

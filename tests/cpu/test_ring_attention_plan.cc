@@ -1,6 +1,8 @@
 // The ring-attention schedule (ops/ring_plan.h): coverage of every visible (query, key) pair
 // exactly once, the ring's sends and receives, node crossings, and the zigzag balance. Sequence
-// lengths: fixed ones and lengths drawn from the run seed (MK_TEST_SEED replays them).
+// lengths: fixed ones and lengths drawn from the run seed (MK_TEST_SEED replays them). Packed
+// documents: the kernels' document windows and tile spans (src/attention/doc_window.h) against a
+// scan over the documents' bounds, and the call rules of cu_seqlens.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,7 +10,9 @@
 #include <vector>
 
 #include "mkernel/ops/ring_attention.h"
+#include "src/attention/doc_window.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
+#include "src/ops/ring_attention/ring_attention_program.h"
 #include "tests/common/test_util.h"
 
 namespace mk {
@@ -139,6 +143,131 @@ TEST(RingPlan, CanImplementBeforeAnyGpu) {
     const Status s = RingAttention::can_implement(b.shape, b.world);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << b.names << ": " << s.to_string();
     EXPECT_NE(s.message().find(b.names), std::string::npos) << s.to_string();
+  }
+}
+
+
+// ---- packed documents (RingAttentionArgs::cu_seqlens) ----
+
+// The document around every position by a scan over the bounds {0, S} and every entry of cu
+// clamped to [0, S]: the largest bound <= pos and the smallest one > pos.
+std::vector<attention::DocWindow> scan_windows(const std::vector<int32_t>& cu, int32_t S) {
+  std::vector<int32_t> b{0, S};
+  for (int32_t c : cu) b.push_back(std::min(std::max(c, 0), S));
+  std::vector<attention::DocWindow> out(size_t(S), attention::DocWindow{0, S});
+  for (int32_t pos = 0; pos < S; ++pos)
+    for (int32_t x : b) {
+      attention::DocWindow& w = out[size_t(pos)];
+      if (x <= pos) w.lo = std::max(w.lo, x);
+      if (x > pos) w.hi = std::min(w.hi, x);
+    }
+  return out;
+}
+
+// Non-decreasing bounds over about S tokens: documents of 1 to 300 tokens and longer ones, empty
+// ones, and (some arrays) a first entry past 0, a last before S, entries past S.
+std::vector<int32_t> random_packing(std::mt19937_64& g, int32_t S) {
+  std::vector<int32_t> cu{int32_t(g() % 3 == 0 ? g() % 40 : 0)};
+  while (cu.back() < S) {
+    const uint64_t x = g();
+    const int32_t len = x % 7 == 0 ? 0 : x % 5 == 0 ? int32_t(x % uint64_t(S / 2 + 1)) : int32_t(1 + x % 300);
+    cu.push_back(cu.back() + len);
+  }
+  const int32_t before = cu.size() > 1 ? cu[cu.size() - 2] : cu[0];
+  if (g() % 3 == 0) cu.back() = std::max(before, S - int32_t(g() % 50));  // a tail in no document
+  else if (g() % 3 == 0) cu.back() = S + 17;                              // an entry past S (clamped)
+  return cu;
+}
+
+TEST(RingDocuments, WindowIsTheDocumentAroundThePosition) {
+  std::mt19937_64 g(test::mix(test::test_seed(), 0xd0c1));
+  for (int trial = 0; trial < 200; ++trial) {
+    const int32_t S = int32_t(1 + g() % 3000);
+    const std::vector<int32_t> cu = random_packing(g, S);
+    const std::vector<attention::DocWindow> scan = scan_windows(cu, S);
+    for (int32_t pos = 0; pos < S; ++pos) {
+      const attention::DocWindow got = attention::doc_window(cu.data(), int(cu.size()) - 1, S, pos);
+      const attention::DocWindow want = scan[size_t(pos)];
+      ASSERT_EQ(got.lo, want.lo) << "trial " << trial << " S " << S << " position " << pos;
+      ASSERT_EQ(got.hi, want.hi) << "trial " << trial << " S " << S << " position " << pos;
+    }
+  }
+}
+
+TEST(RingDocuments, WindowHoldsThePositionForAnyArray) {
+  // Any int32 array (decreasing, negative, past S): a window around the position inside [0, S],
+  // so a row always sees itself and no index leaves the sequence.
+  std::mt19937_64 g(test::mix(test::test_seed(), 0xd0c2));
+  for (int trial = 0; trial < 300; ++trial) {
+    const int32_t S = int32_t(1 + g() % 500);
+    std::vector<int32_t> cu(1 + g() % 20);
+    for (auto& c : cu) c = int32_t(int64_t(g() % 1400) - 400);
+    for (int32_t pos = 0; pos < S; ++pos) {
+      const attention::DocWindow w = attention::doc_window(cu.data(), int(cu.size()) - 1, S, pos);
+      ASSERT_TRUE(0 <= w.lo && w.lo <= pos && pos < w.hi && w.hi <= S)
+          << "trial " << trial << " position " << pos << ": [" << w.lo << ", " << w.hi << ")";
+    }
+  }
+}
+
+TEST(RingDocuments, TileSpansAreTheVisiblePairs) {
+  // The spans a kernel visits for a tile — keys for a run of query rows (forward), queries for a
+  // run of keys (backward) — are exactly the smallest and largest visible partner over all
+  // positions: no visible pair is skipped and no tile outside is loaded.
+  std::mt19937_64 g(test::mix(test::test_seed(), 0xd0c3));
+  for (int trial = 0; trial < 300; ++trial) {
+    const int32_t S = int32_t(2 + g() % 1200);
+    const std::vector<int32_t> cu = random_packing(g, S);
+    const int n = int(cu.size()) - 1;
+    const bool causal = g() % 2 == 0;
+    const std::vector<attention::DocWindow> scan = scan_windows(cu, S);
+    auto visible = [&](int32_t q, int32_t k) {
+      const attention::DocWindow w = scan[size_t(q)];
+      return k >= w.lo && k < w.hi && (!causal || k <= q);
+    };
+    const int32_t a = int32_t(g() % S), b = std::min<int32_t>(S - 1, a + int32_t(g() % 130));
+    int64_t lo = 0, hi = 0;
+    attention::doc_keys_of_rows(attention::doc_window(cu.data(), n, S, a), attention::doc_window(cu.data(), n, S, b),
+                                b, causal, &lo, &hi);
+    int64_t want_lo = S, want_hi = 0;
+    for (int32_t q = a; q <= b; ++q)
+      for (int32_t k = 0; k < S; ++k)
+        if (visible(q, k)) want_lo = std::min<int64_t>(want_lo, k), want_hi = std::max<int64_t>(want_hi, k + 1);
+    ASSERT_EQ(lo, want_lo) << "trial " << trial << " rows [" << a << ", " << b << "] causal " << causal;
+    ASSERT_EQ(hi, want_hi) << "trial " << trial << " rows [" << a << ", " << b << "] causal " << causal;
+    attention::doc_rows_of_keys(attention::doc_window(cu.data(), n, S, a), attention::doc_window(cu.data(), n, S, b),
+                                a, causal, &lo, &hi);
+    want_lo = S, want_hi = 0;
+    for (int32_t k = a; k <= b; ++k)
+      for (int32_t q = 0; q < S; ++q)
+        if (visible(q, k)) want_lo = std::min<int64_t>(want_lo, q), want_hi = std::max<int64_t>(want_hi, q + 1);
+    ASSERT_EQ(lo, want_lo) << "trial " << trial << " keys [" << a << ", " << b << "] causal " << causal;
+    ASSERT_EQ(hi, want_hi) << "trial " << trial << " keys [" << a << ", " << b << "] causal " << causal;
+  }
+}
+
+TEST(RingDocuments, CallRules) {
+  const RingAttentionShape one{1, 8, 8, 128, 4096, SeqLayout::kZigzag, true};
+  const int32_t* cu = reinterpret_cast<const int32_t*>(uintptr_t(1) << 32);  // never dereferenced
+  EXPECT_TRUE(check_ring_documents("ring_attention", one, nullptr, 0).ok());
+  EXPECT_TRUE(check_ring_documents("ring_attention", one, cu, 5).ok());
+  struct Case {
+    RingAttentionShape s;
+    const int32_t* cu;
+    int n;
+    const char* says;
+  } cases[] = {
+      {one, nullptr, 3, "n_docs 3 without cu_seqlens"},
+      {one, cu, 0, "n_docs 0 (at least 1)"},
+      {one, cu + 0, -2, "n_docs -2"},
+      {one, reinterpret_cast<const int32_t*>(uintptr_t(1) << 32 | 2), 4, "4-byte aligned"},
+      {RingAttentionShape{2, 8, 8, 128, 4096, SeqLayout::kZigzag, true}, cu, 4, "need B = 1, not 2"},
+      {RingAttentionShape{1, 8, 8, 128, int64_t(1) << 32, SeqLayout::kContiguous, false}, cu, 4, "4294967296 tokens"},
+  };
+  for (const Case& c : cases) {
+    const Status st = check_ring_documents("ring_attention", c.s, c.cu, c.n);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << c.says;
+    EXPECT_NE(st.message().find(c.says), std::string::npos) << st.to_string();
   }
 }
 

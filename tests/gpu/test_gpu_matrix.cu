@@ -319,11 +319,30 @@ struct RingCase {
   int H, Hkv, D;
   int64_t tokens_per_rank;
   int comm_ctas;
+  int doc_len = 0;  // > 0: packed documents of doc_len tokens over the whole sequence (cu_seqlens)
 };
 
 // Inputs in eighths in [-1/2, 1/2] (exact in bf16), a function of (rank, which, call, index).
 float ring_value(uint64_t seed, int rank, int which, uint64_t call, uint64_t i) {
   return float(tag_int(seed, rank, which + 8, call, i) * 2 + (tag_int(seed, rank, which + 16, call, i) & 1)) / 8.f;
+}
+
+// Every rank's tensors `which` (0 Q, 1 K, 2 V, 3 dO) of a call on the host, n elements each (the
+// reference needs the whole sequence's).
+std::vector<std::vector<float>> ring_host(uint64_t seed, int W, int which, uint64_t call, size_t n) {
+  std::vector<std::vector<float>> h(W, std::vector<float>(n));
+  for (int r = 0; r < W; ++r)
+    for (size_t i = 0; i < n; ++i) h[r][i] = ring_value(seed, r, which, call, i);
+  return h;
+}
+// h as bf16 into device d, on the operator's (non-blocking) stream: a cudaMemcpy from pageable
+// memory may return before its DMA lands, unordered with that stream (a call read a rank's stale
+// Q or K).
+void upload_bf16(const std::vector<float>& h, void* d, cudaStream_t st) {
+  std::vector<__nv_bfloat16> b(h.size());
+  for (size_t i = 0; i < h.size(); ++i) b[i] = __float2bfloat16(h[i]);
+  ASSERT_EQ(cudaMemcpyAsync(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice, st), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
 }
 
 void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int calls, bool in_flight) {
@@ -333,7 +352,8 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
   const int comm_ctas = comm_ctas_here(c.comm_ctas, true);
   SCOPED_TRACE(std::string("ring_attention ") + (c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") +
                (c.causal ? " causal" : "") + " S/rank " + std::to_string(S_l) + " H " + std::to_string(c.H) + "/" +
-               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas));
+               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas) +
+               (c.doc_len ? " documents of " + std::to_string(c.doc_len) : std::string()));
   ops::RingAttentionOptions o;
   o.comm_ctas = comm_ctas;
   // Several forwarded pieces per block even at these sizes: arrival flags per piece are tested.
@@ -349,30 +369,29 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
   const size_t qn = size_t(S_l) * c.H * c.D, kn = size_t(S_l) * c.Hkv * c.D;
   Dev q(qn * 2), k(kn * 2), v(kn * 2), o_d(qn * 2), lse(size_t(c.H) * S_l * 4);
   cudaStream_t st = comm->stream();
+  // Packed documents: bounds 0, doc_len, 2 doc_len, ..., S over the whole sequence.
+  std::vector<int32_t> hcu;
+  if (c.doc_len > 0) {
+    for (int64_t p = 0; p < S; p += c.doc_len) hcu.push_back(int32_t(p));
+    hcu.push_back(int32_t(S));
+  }
+  Dev cu(std::max<size_t>(hcu.size(), 1) * 4);
+  if (!hcu.empty())
+    ASSERT_EQ(cudaMemcpy(cu.p, hcu.data(), hcu.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  auto visible = [&](int64_t qpos, int64_t kpos) {
+    if (c.causal && kpos > qpos) return false;
+    return c.doc_len == 0 || qpos / c.doc_len == kpos / c.doc_len;
+  };
   const double scale = 1.0 / std::sqrt(double(c.D));
   for (int call = 1; call <= calls; ++call) {
     const uint64_t e = uint64_t(call) + (in_flight ? 1000 : 0);
-    // Every rank's Q/K/V on the host (the reference needs the whole sequence's K/V).
-    std::vector<std::vector<float>> hq(W), hk(W), hv(W);
-    for (int r = 0; r < W; ++r) {
-      hq[r].resize(qn), hk[r].resize(kn), hv[r].resize(kn);
-      for (size_t i = 0; i < qn; ++i) hq[r][i] = ring_value(seed, r, 0, e, i);
-      for (size_t i = 0; i < kn; ++i) hk[r][i] = ring_value(seed, r, 1, e, i), hv[r][i] = ring_value(seed, r, 2, e, i);
-    }
-    auto upload = [&](const std::vector<float>& h, void* d) {
-      std::vector<__nv_bfloat16> b(h.size());
-      for (size_t i = 0; i < h.size(); ++i) b[i] = __float2bfloat16(h[i]);
-      // On the operator's (non-blocking) stream: a cudaMemcpy from pageable memory may return
-      // before its DMA lands, unordered with that stream (a call read a rank's stale Q or K).
-      ASSERT_EQ(cudaMemcpyAsync(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice, st), cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-    };
-    upload(hq[me], q.p);
-    upload(hk[me], k.p);
-    upload(hv[me], v.p);
+    const auto hq = ring_host(seed, W, 0, e, qn), hk = ring_host(seed, W, 1, e, kn), hv = ring_host(seed, W, 2, e, kn);
+    for (auto [h, d] : {std::pair<const std::vector<float>*, void*>{&hq[me], q.p}, {&hk[me], k.p}, {&hv[me], v.p}})
+      ASSERT_NO_FATAL_FAILURE(upload_bf16(*h, d, st));
     poison16<<<132, 256, 0, st>>>(o_d.as<uint16_t>(), int64_t(qn));
     ops::RingAttentionArgs a;
     a.q = q.p, a.k = k.p, a.v = v.p, a.o = o_d.p, a.lse = lse.as<float>();
+    if (!hcu.empty()) a.cu_seqlens = cu.as<int32_t>(), a.n_docs = int(hcu.size()) - 1;
     MK_ASSERT_OK(call == 1 ? op->run(a, st) : op->enqueue(a, st));
     if (in_flight) blocking_calls(st, q.p, qn * 2);
     const Status s = comm->sync(st);
@@ -394,7 +413,7 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
         sc.clear();
         for (int r = 0; r < W; ++r)
           for (int64_t j = 0; j < S_l; ++j) {
-            if (c.causal && pos[r][j] > pos[me][i]) {
+            if (!visible(pos[me][i], pos[r][j])) {
               sc.push_back(-INFINITY);
               continue;
             }
@@ -435,11 +454,176 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
   MK_EXPECT_OK(op->destroy());
 }
 
+// The ring's backward (RingAttentionBackward) on the launch's layout: the forward's O and LSE,
+// then dQ, dK and dV of this rank (poisoned before) against a float64 reference over the whole
+// sequence with the case's mask (causal, packed documents): dQ of this rank's rows from their
+// full rows of P; dK and dV of this rank's keys from every rank's rows, whose LSE and
+// rowsum(dO * O) each rank computes for its own rows and shares (host allgather). Bound per
+// element: 2^-6 of the tensor's largest magnitude plus 2^-6 of the element (bf16 P and dS in
+// the kernel, sums over up to S keys in another order).
+void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed, int calls) {
+  const int W = comm->world(), me = comm->rank();
+  const int64_t S_l = c.tokens_per_rank, S = S_l * W;
+  const int comm_ctas = comm_ctas_here(c.comm_ctas, true);
+  SCOPED_TRACE(std::string("ring_attention backward ") +
+               (c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") + (c.causal ? " causal" : "") +
+               " S/rank " + std::to_string(S_l) + " H " + std::to_string(c.H) + "/" + std::to_string(c.Hkv) + " D " +
+               std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas) +
+               (c.doc_len ? " documents of " + std::to_string(c.doc_len) : std::string()));
+  ops::RingAttentionOptions o;
+  o.comm_ctas = comm_ctas;
+  o.chunk_tokens = S_l > 64 ? 64 : 0;
+  const ops::RingAttentionShape shape{1, c.H, c.Hkv, c.D, S, c.layout, c.causal};
+  std::unique_ptr<ops::RingAttention> fwd;
+  std::unique_ptr<ops::RingAttentionBackward> bwd;
+  MK_ASSERT_OK(ops::RingAttention::create(comm, shape, o, &fwd));
+  MK_ASSERT_OK(ops::RingAttentionBackward::create(comm, shape, o, &bwd));
+  const ops::RingPlan& plan = ops::RingAttentionTesting::plan(*fwd);
+  std::vector<std::vector<int64_t>> pos(W);
+  for (int r = 0; r < W; ++r)
+    for (const auto& ch : plan.chunks[r])
+      for (int64_t t = 0; t < ch.tokens; ++t) pos[r].push_back(ch.token0 + t);
+  std::vector<int32_t> hcu;
+  if (c.doc_len > 0) {
+    for (int64_t p = 0; p < S; p += c.doc_len) hcu.push_back(int32_t(p));
+    hcu.push_back(int32_t(S));
+  }
+  auto visible = [&](int64_t qpos, int64_t kpos) {
+    if (c.causal && kpos > qpos) return false;
+    return c.doc_len == 0 || qpos / c.doc_len == kpos / c.doc_len;
+  };
+  const int H = c.H, Hkv = c.Hkv, D = c.D, group = H / Hkv;
+  const size_t qn = size_t(S_l) * H * D, kn = size_t(S_l) * Hkv * D;
+  Dev q(qn * 2), k(kn * 2), v(kn * 2), out(qn * 2), lse(size_t(H) * S_l * 4), dout(qn * 2), dq(qn * 2), dk(kn * 2),
+      dv(kn * 2), cu(std::max<size_t>(hcu.size(), 1) * 4);
+  if (!hcu.empty())
+    ASSERT_EQ(cudaMemcpy(cu.p, hcu.data(), hcu.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  cudaStream_t st = comm->stream();
+  const double scale = 1.0 / std::sqrt(double(D));
+  for (int call = 1; call <= calls; ++call) {
+    const uint64_t e = uint64_t(call) + 3000;
+    const auto hq = ring_host(seed, W, 0, e, qn), hk = ring_host(seed, W, 1, e, kn), hv = ring_host(seed, W, 2, e, kn),
+               hdo = ring_host(seed, W, 3, e, qn);
+    for (auto [h, d] : {std::pair<const std::vector<float>*, void*>{&hq[me], q.p}, {&hk[me], k.p}, {&hv[me], v.p},
+                        {&hdo[me], dout.p}})
+      ASSERT_NO_FATAL_FAILURE(upload_bf16(*h, d, st));
+    poison16<<<132, 256, 0, st>>>(dq.as<uint16_t>(), int64_t(qn));
+    poison16<<<132, 256, 0, st>>>(dk.as<uint16_t>(), int64_t(kn));
+    poison16<<<132, 256, 0, st>>>(dv.as<uint16_t>(), int64_t(kn));
+    ops::RingAttentionArgs a;
+    a.q = q.p, a.k = k.p, a.v = v.p, a.o = out.p, a.lse = lse.as<float>();
+    ops::RingAttentionBackwardArgs b{q.p, k.p, v.p, out.p, dout.p, lse.as<float>(), dq.p, dk.p, dv.p};
+    if (!hcu.empty()) {
+      a.cu_seqlens = b.cu_seqlens = cu.as<int32_t>();
+      a.n_docs = b.n_docs = int(hcu.size()) - 1;
+    }
+    MK_ASSERT_OK(fwd->run(a, st));
+    MK_ASSERT_OK(call == 1 ? bwd->run(b, st) : bwd->enqueue(b, st));
+    const Status s = comm->sync(st);
+    EXPECT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    ASSERT_TRUE(all_ok(s.ok())) << "a rank's call failed";
+    std::vector<__nv_bfloat16> got_dq(qn), got_dk(kn), got_dv(kn);
+    ASSERT_EQ(cudaMemcpy(got_dq.data(), dq.p, qn * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_dk.data(), dk.p, kn * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_dv.data(), dv.p, kn * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    // Scores of query row i of rank qr against key row j of rank kr, head h.
+    auto score = [&](int qr, int64_t i, int kr, int64_t j, int h) {
+      const float* qi = &hq[qr][(size_t(i) * H + h) * D];
+      const float* kj = &hk[kr][(size_t(j) * Hkv + h / group) * D];
+      double d = 0;
+      for (int x = 0; x < D; ++x) d += double(qi[x]) * kj[x];
+      return d * scale;
+    };
+    auto dprod = [&](int qr, int64_t i, int kr, int64_t j, int h) {  // dO_i . V_j
+      const float* oi = &hdo[qr][(size_t(i) * H + h) * D];
+      const float* vj = &hv[kr][(size_t(j) * Hkv + h / group) * D];
+      double d = 0;
+      for (int x = 0; x < D; ++x) d += double(oi[x]) * vj[x];
+      return d;
+    };
+    // This rank's rows: LSE, rowsum(dO * O) = sum_j P_ij dO_i.V_j, and dQ.
+    std::vector<double> want_dq(qn, 0.0), mine(size_t(2) * S_l * H);
+    std::vector<double> sc(static_cast<size_t>(S)), dp(static_cast<size_t>(S));
+    for (int64_t i = 0; i < S_l; ++i)
+      for (int h = 0; h < H; ++h) {
+        double mx = -INFINITY;
+        for (int r = 0; r < W; ++r)
+          for (int64_t j = 0; j < S_l; ++j) {
+            const size_t n = size_t(r) * S_l + j;
+            sc[n] = visible(pos[me][i], pos[r][j]) ? score(me, i, r, j, h) : -INFINITY;
+            dp[n] = sc[n] == -INFINITY ? 0.0 : dprod(me, i, r, j, h);
+            mx = std::max(mx, sc[n]);
+          }
+        double sum = 0, dsum = 0;
+        for (size_t n = 0; n < sc.size(); ++n)
+          if (sc[n] != -INFINITY) sum += std::exp(sc[n] - mx);
+        const double l = mx + std::log(sum);
+        for (size_t n = 0; n < sc.size(); ++n)
+          if (sc[n] != -INFINITY) dsum += std::exp(sc[n] - l) * dp[n];
+        double* dqi = &want_dq[(size_t(i) * H + h) * D];
+        for (int r = 0; r < W; ++r)
+          for (int64_t j = 0; j < S_l; ++j) {
+            const size_t n = size_t(r) * S_l + j;
+            if (sc[n] == -INFINITY) continue;
+            const double ds = std::exp(sc[n] - l) * (dp[n] - dsum) * scale;
+            const float* kj = &hk[r][(size_t(j) * Hkv + h / group) * D];
+            for (int x = 0; x < D; ++x) dqi[x] += ds * kj[x];
+          }
+        mine[(size_t(i) * H + h) * 2] = l;
+        mine[(size_t(i) * H + h) * 2 + 1] = dsum;
+      }
+    std::vector<double> all(mine.size() * W);
+    ASSERT_TRUE(comm->bootstrap().allgather(mine.data(), all.data(), mine.size() * sizeof(double)).ok());
+    // This rank's keys: dK and dV from every rank's rows.
+    std::vector<double> want_dk(kn, 0.0), want_dv(kn, 0.0);
+    for (int r = 0; r < W; ++r)
+      for (int64_t i = 0; i < S_l; ++i)
+        for (int h = 0; h < H; ++h) {
+          const double l = all[(size_t(r) * S_l * H + size_t(i) * H + h) * 2];
+          const double dsum = all[(size_t(r) * S_l * H + size_t(i) * H + h) * 2 + 1];
+          const float* qi = &hq[r][(size_t(i) * H + h) * D];
+          const float* oi = &hdo[r][(size_t(i) * H + h) * D];
+          for (int64_t j = 0; j < S_l; ++j) {
+            if (!visible(pos[r][i], pos[me][j])) continue;
+            const double p = std::exp(score(r, i, me, j, h) - l);
+            const double ds = p * (dprod(r, i, me, j, h) - dsum) * scale;
+            double* dkj = &want_dk[(size_t(j) * Hkv + h / group) * D];
+            double* dvj = &want_dv[(size_t(j) * Hkv + h / group) * D];
+            for (int x = 0; x < D; ++x) dkj[x] += ds * qi[x], dvj[x] += p * oi[x];
+          }
+        }
+    auto check = [&](const char* name, const std::vector<__nv_bfloat16>& got, const std::vector<double>& want) {
+      double m = 0;
+      for (double w : want) m = std::max(m, std::fabs(w));
+      EXPECT_GT(m, 0.0) << name << ": a zero reference gradient";
+      int64_t bad = 0;
+      std::string first;
+      for (size_t i = 0; i < want.size(); ++i) {
+        const float g = __bfloat162float(got[i]);
+        if (!(std::fabs(g - want[i]) <= (m + std::fabs(want[i])) / 64) && bad++ == 0)
+          first = std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(g) + ", expected " +
+                  std::to_string(want[i]) + " (max " + std::to_string(m) + ")";
+      }
+      EXPECT_EQ(bad, 0) << "rank " << me << " call " << call << ": " << bad << " of " << want.size() << " " << name
+                        << " wrong; first " << first;
+    };
+    check("dQ", got_dq, want_dq);
+    check("dK", got_dk, want_dk);
+    check("dV", got_dv, want_dv);
+  }
+  MK_EXPECT_OK(comm->check());
+  MK_EXPECT_OK(fwd->destroy());
+  MK_EXPECT_OK(bwd->destroy());
+}
+
 std::vector<RingCase> ring_cases() {
   return {
       {ops::SeqLayout::kContiguous, false, 4, 2, 128, 200, -1},  // GQA, tails (200 = 128 + 72)
       {ops::SeqLayout::kZigzag, true, 2, 1, 64, 136, 1},         // odd chunks (68 tokens each)
       {ops::SeqLayout::kZigzag, true, 2, 2, 64, 2, 16},          // tiny: one token per chunk
+      // packed documents (cu_seqlens) that straddle chunks, ranks and tiles
+      {ops::SeqLayout::kZigzag, true, 4, 2, 128, 200, -1, 37},
+      {ops::SeqLayout::kContiguous, false, 2, 1, 64, 136, 1, 150},
   };
 }
 
@@ -472,6 +656,16 @@ TEST_F(Matrix, RingAttentionEveryLayout) {
   for (const RingCase& c : ring_cases()) {
     // Zigzag needs an even number of tokens per rank; the tiny case keeps one token per chunk.
     run_ring_case(comm_, c, seed, 2, false);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The backward on the same layouts and cases (GQA with tails, odd zigzag chunks, one token per
+// chunk, packed documents).
+TEST_F(Matrix, RingAttentionBackwardEveryLayout) {
+  const uint64_t seed = test_seed();
+  for (const RingCase& c : ring_cases()) {
+    run_ring_backward_case(comm_, c, seed, 1);
     if (HasFatalFailure()) return;
   }
 }

@@ -200,7 +200,29 @@ void run_call(Op_& op, const Args_& a, cudaStream_t stream, bool graph, cudaGrap
   ASSERT_EQ(cudaGraphLaunch(*exec, stream), cudaSuccess);
 }
 
-void check_ring(const RingAttentionShape& s, int calls, bool graph = false, const char* trace_name = nullptr) {
+// Packed documents (RingAttentionArgs::cu_seqlens) over S tokens for a call: pattern 1 short
+// documents (1 to 300 tokens, around the 64- and 128-row tiles), pattern 2 long ones (S/7 to
+// S/2, so they span chunks and ranks) between short ones; drawn from (seed, call), so each call
+// packs anew. At most cap documents (the last takes the rest); padded to cap + 1 entries with S
+// (empty documents) when pad is set, so that a captured graph's n_docs stays the same.
+std::vector<int32_t> packing(int64_t S, uint64_t seed, int call, int pattern, int cap, bool pad) {
+  std::vector<int32_t> cu{0};
+  uint64_t x = mix(seed, 0x70ac + uint64_t(call) * 31 + uint64_t(pattern));
+  static const int kShort[] = {1, 2, 63, 64, 65, 127, 128, 129, 200, 300};
+  while (cu.back() < S) {
+    x = mix(x, 1);
+    int64_t len = pattern == 1 || x % 3 == 0 ? kShort[(x >> 8) % 10] : S / 7 + int64_t((x >> 8) % uint64_t(S / 3 + 1));
+    if (int(cu.size()) == cap) len = S;  // the last document
+    cu.push_back(int32_t(std::min<int64_t>(S, cu.back() + std::max<int64_t>(len, 1))));
+  }
+  if (pad) cu.resize(size_t(cap) + 1, int32_t(S));
+  return cu;
+}
+// The documents a test's calls may hold: S / 16 + 4 (so a reference backward's workspace stays small).
+int doc_cap(int64_t S) { return int(S / 16 + 4); }
+
+void check_ring(const RingAttentionShape& s, int calls, bool graph = false, const char* trace_name = nullptr,
+                int docs = 0) {
   Communicator* comm = shared_comm();
   ASSERT_NE(comm, nullptr);
   const int W = comm->world(), me = comm->rank();
@@ -224,6 +246,7 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
   auto* lse_want = d.get<float>(size_t(s.B) * s.H * S_l);
   auto* kr = d.get<__nv_bfloat16>(size_t(s.B) * S_l * krow);
   auto* bad = d.get<unsigned long long>(4);
+  auto* cu = d.get<int32_t>(size_t(doc_cap(S)) + 1);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const auto& chunks = ops::RingAttentionTesting::plan(*op).chunks;
@@ -235,8 +258,16 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
     fill_full<<<1024, 256, 0, stream>>>(q, int64_t(s.B) * S * qrow, seed, tag, 0, qamp);
     fill_full<<<1024, 256, 0, stream>>>(k, int64_t(s.B) * S * krow, seed, tag, 1, 1.f);
     fill_full<<<1024, 256, 0, stream>>>(v, int64_t(s.B) * S * krow, seed, tag, 2, 1.f);
-    // This rank's shard and the reference rows.
-    st = attention::forward(whole_sequence(s, S, q, k, v, o_full, lse_full), stream);
+    // This rank's shard and the reference rows (packed documents: the single-GPU packed call).
+    attention::ForwardArgs ref = whole_sequence(s, S, q, k, v, o_full, lse_full);
+    std::vector<int32_t> hcu;
+    if (docs) {
+      hcu = packing(S, seed, call, docs, doc_cap(S), graph);
+      ASSERT_EQ(cudaMemcpyAsync(cu, hcu.data(), hcu.size() * 4, cudaMemcpyHostToDevice, stream), cudaSuccess);
+      ref.cu_seqlens = cu;
+      ref.n_docs = int(hcu.size()) - 1;
+    }
+    st = attention::forward(ref, stream);
     ASSERT_TRUE(st.ok()) << st.to_string();
     int64_t row0 = 0;
     for (const auto& c : chunks[me]) {
@@ -251,6 +282,7 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
     cudaMemsetAsync(lsel, 0xff, size_t(s.B) * s.H * S_l * 4, stream);  // NaN
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     RingAttentionArgs a{ql, kl, vl, ol, lsel};
+    if (docs) a.cu_seqlens = cu, a.n_docs = int(hcu.size()) - 1;
     TraceRecorder rec;
     if (trace_name) {
       const int n_items = op->work_items(), n_ops = op->comm_ops();
@@ -298,6 +330,21 @@ TEST(Ring, ContiguousCausalD64) {
 TEST(Ring, ZigzagFullGraphReplays) {
   check_ring(RingAttentionShape{2, 8, 8, 64, int64_t(shared_comm()->world()) * toks(1000), SeqLayout::kZigzag, false}, 6, true);
 }
+// Packed documents (cu_seqlens): against the single-GPU packed call over the whole sequence,
+// a new packing per call.
+TEST(Ring, ZigzagCausalShortDocuments) {
+  check_ring(RingAttentionShape{1, 8, 2, 128, int64_t(shared_comm()->world()) * toks(2048), SeqLayout::kZigzag, true}, 2,
+             false, nullptr, 1);
+}
+TEST(Ring, ContiguousFullLongDocumentsD64) {
+  check_ring(RingAttentionShape{1, 8, 8, 64, int64_t(shared_comm()->world()) * toks(1000), SeqLayout::kContiguous, false},
+             2, false, nullptr, 2);
+}
+TEST(Ring, ZigzagCausalDocumentsGraphReplays) {
+  // One captured call replayed on a new packing each time (cu padded to a fixed n_docs).
+  check_ring(RingAttentionShape{1, 8, 4, 128, int64_t(shared_comm()->world()) * toks(1000), SeqLayout::kZigzag, true}, 4,
+             true, nullptr, 2);
+}
 TEST(Ring, TracedZigzagCausal) {
   check_ring(RingAttentionShape{1, 16, 16, 128, int64_t(shared_comm()->world()) * toks(4096), SeqLayout::kZigzag, true}, 2,
              false, "ring_zigzag_causal");
@@ -318,7 +365,8 @@ __global__ void abs_max(const __nv_bfloat16* x, int64_t n, unsigned int* out) {
   atomicMax(out, __float_as_uint(m));  // non-negative floats order as their bits
 }
 
-void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = false, const char* trace_name = nullptr) {
+void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = false, const char* trace_name = nullptr,
+                         int docs = 0) {
   Communicator* comm = shared_comm();
   ASSERT_NE(comm, nullptr);
   const int W = comm->world(), me = comm->rank();
@@ -347,6 +395,8 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
   ref.B = s.B, ref.H = s.H, ref.Hkv = s.Hkv, ref.D = s.D, ref.Sq = ref.Skv = int(S), ref.causal = s.causal;
   ref.q_stride = ref.o_stride = ref.do_stride = ref.dq_stride = f.q_stride;
   ref.k_stride = ref.v_stride = ref.dk_stride = ref.dv_stride = f.k_stride;
+  auto* cu = d.get<int32_t>(size_t(doc_cap(S)) + 1);
+  if (docs) ref.cu_seqlens = cu, ref.n_docs = doc_cap(S);  // the workspace for the most documents
   ref.workspace_bytes = attention::backward_workspace_bytes(ref);
   ref.workspace = d.get<uint8_t>(ref.workspace_bytes);
   // This rank's shards: inputs (l), outputs (r) and the reference's rows (w).
@@ -374,7 +424,15 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
     fill_full<<<1024, 256, 0, stream>>>(k, int64_t(kn), seed, tag, 1, 1.f);
     fill_full<<<1024, 256, 0, stream>>>(v, int64_t(kn), seed, tag, 2, 1.f);
     fill_full<<<1024, 256, 0, stream>>>(dout, int64_t(qn), seed, tag, 3, 1.f);
-    MK_ASSERT_OK(attention::forward(f, stream));
+    attention::ForwardArgs fr = f;
+    std::vector<int32_t> hcu;
+    if (docs) {
+      hcu = packing(S, seed, call, docs, doc_cap(S), graph);
+      ASSERT_EQ(cudaMemcpyAsync(cu, hcu.data(), hcu.size() * 4, cudaMemcpyHostToDevice, stream), cudaSuccess);
+      fr.cu_seqlens = ref.cu_seqlens = cu;
+      fr.n_docs = ref.n_docs = int(hcu.size()) - 1;
+    }
+    MK_ASSERT_OK(attention::forward(fr, stream));
     MK_ASSERT_OK(attention::backward(ref, stream));
     int64_t row0 = 0;
     for (const auto& c : plan.chunks[me]) {
@@ -394,6 +452,7 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
     poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dvr), int64_t(kln));
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     ops::RingAttentionBackwardArgs a{ql, kl, vl, ol, dol, lsel, dqr, dkr, dvr};
+    if (docs) a.cu_seqlens = cu, a.n_docs = int(hcu.size()) - 1;
     TraceRecorder rec;
     if (trace_name) {
       MK_ASSERT_OK(TraceRecorder::create(uint32_t(64 * (op->work_items() + op->comm_ops()) + 4096), &rec));
@@ -458,6 +517,19 @@ TEST(RingBackward, ContiguousCausalD64) {
 TEST(RingBackward, TracedZigzagCausal) {
   check_ring_backward(RingAttentionShape{1, 8, 4, 128, int64_t(shared_comm()->world()) * toks(1024),
                                          SeqLayout::kZigzag, true}, 2, false, "ring_bwd_zigzag_causal");
+}
+// Packed documents: against the single-GPU packed backward over the whole sequence.
+TEST(RingBackward, ZigzagCausalLongDocumentsGqa) {
+  check_ring_backward(RingAttentionShape{1, 8, 2, 128, int64_t(shared_comm()->world()) * toks(2048),
+                                         SeqLayout::kZigzag, true}, 2, false, nullptr, 2);
+}
+TEST(RingBackward, ContiguousFullShortDocumentsD64) {
+  check_ring_backward(RingAttentionShape{1, 16, 4, 64, int64_t(shared_comm()->world()) * toks(1536),
+                                         SeqLayout::kContiguous, false}, 2, false, nullptr, 1);
+}
+TEST(RingBackward, ZigzagCausalShortDocumentsD64GraphReplays) {
+  check_ring_backward(RingAttentionShape{1, 8, 8, 64, int64_t(shared_comm()->world()) * toks(1000),
+                                         SeqLayout::kZigzag, true}, 3, true, nullptr, 1);
 }
 TEST(RingBackward, ZigzagFullD64GraphReplays) {
   // 1000 tokens per rank: chunks of 500 rows (no block divides them).

@@ -52,7 +52,7 @@ class Schemas(unittest.TestCase):
                                      "SymInt[]? shard_rows=None) -> Tensor",
             "matmul_all_reduce": "mkernel::matmul_all_reduce(Tensor a, Tensor b, str group_name, SymInt world_size) -> Tensor",
             "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, bool causal, str layout, "
-                              "float scale, str group_name) -> (Tensor, Tensor)",
+                              "float scale, str group_name, Tensor? cu_seqlens=None) -> (Tensor, Tensor)",
             "attention": "mkernel::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
             "attention_backward": "mkernel::attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
                                   "Tensor dout, bool causal, float scale, SymInt q_pos0, SymInt kv_pos0, "
@@ -64,7 +64,7 @@ class Schemas(unittest.TestCase):
                                          "bool deterministic) -> (Tensor, Tensor, Tensor)",
             "ring_attention_backward": "mkernel::ring_attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, "
                                        "Tensor lse, Tensor dout, bool causal, str layout, float scale, "
-                                       "str group_name, SymInt world_size) -> (Tensor, Tensor, Tensor)",
+                                       "str group_name, SymInt world_size, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)",
             "all_gather": "mkernel::all_gather(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "reduce_scatter": "mkernel::reduce_scatter(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "all_reduce": "mkernel::all_reduce(Tensor x, str group_name, SymInt world_size) -> Tensor",
@@ -170,6 +170,12 @@ class FakeShapes(unittest.TestCase):
             lambda: mkt.matmul_reduce_scatter(meta(8, 64), meta(64, 32), reduce_op="avg"),  # unsupported
             lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), layout="striped"),
             lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 4, 2, 64), meta(1, 4, 2, 64)),
+            lambda: mkt.ring_attention(meta(2, 8, 2, 64), meta(2, 8, 2, 64), meta(2, 8, 2, 64),
+                                       cu_seqlens=meta(3, dtype=torch.int32)),                 # packed with B = 2
+            lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64),
+                                       cu_seqlens=meta(3, dtype=torch.int64)),                 # int64 cu_seqlens
+            lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64),
+                                       cu_seqlens=meta(1, dtype=torch.int32)),                 # no document
             lambda: mkt.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64, dtype=torch.float32), meta(1, 8, 2, 64)),
             lambda: torch.ops.mkernel.attention_backward(*(meta(1, 8, 2, 64) for _ in range(4)),
                                                          meta(1, 2, 4, dtype=torch.float32), meta(1, 8, 2, 64),
@@ -281,7 +287,7 @@ class FakeShapes(unittest.TestCase):
                     lambda a, b, c: mkt.ring_attention(a, b, c, causal=causal, layout=layout), q, kv, kv, first=True)
                 self.assertEqual([c[0] for c in calls], ["mkernel.ring_attention.default",
                                                          "mkernel.ring_attention_backward.default"])
-                self.assertEqual(calls[1][1][6:], (causal, layout, 0.0, self.name, W))
+                self.assertEqual(calls[1][1][6:], (causal, layout, 0.0, self.name, W))  # no cu_seqlens
                 self.assertEqual([tuple(a.meta["val"].shape) for a in calls[1][1][:6]], [q, kv, kv, q, (2, 8, 64), q])
                 self.assertEqual(grads, [q, kv, kv])
 
@@ -304,6 +310,27 @@ class FakeShapes(unittest.TestCase):
         self.assertIs(calls[1][1][6], calls[0][1][3])  # the same cu_seqlens
         self.assertEqual(calls[1][1][7:], (True, 0.125, False))
         self.assertEqual([tuple(a.meta["val"].shape) for a in calls[1][1][:6]], [q, kv, kv, q, (8, 300), q])
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        self.assertEqual([tuple(g.meta["val"].shape) for g in out], [q, kv, kv])
+
+    def test_ring_attention_packed_backward_wiring(self):
+        """ring_attention over packed documents: its backward is one ring_attention_backward call
+        with the forward's cu_seqlens (the same node), mask, layout and group."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def fwd_bwd(q, k, v, cu):
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            o, _ = mkt.ring_attention(*leaves, causal=True, layout="zigzag", cu_seqlens=cu)
+            return torch.autograd.grad(o.float().sum(), leaves)
+
+        q, kv = (1, 64, 8, 128), (1, 64, 2, 128)
+        gm = make_fx(fwd_bwd, tracing_mode="fake")(meta(*q), meta(*kv), meta(*kv), meta(7, dtype=torch.int32))
+        calls = [(str(n.target), n.args) for n in gm.graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith("mkernel.")]
+        self.assertEqual([c[0] for c in calls], ["mkernel.ring_attention.default",
+                                                 "mkernel.ring_attention_backward.default"])
+        self.assertIs(calls[1][1][11], calls[0][1][7])  # the same cu_seqlens
+        self.assertEqual(calls[1][1][6:11], (True, "zigzag", 0.0, self.name, W))
         out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         self.assertEqual([tuple(g.meta["val"].shape) for g in out], [q, kv, kv])
 

@@ -6,11 +6,14 @@
 // calls after --warmup calls, CUDA events around each call on the stream — of the fused ring,
 // the attention alone over the gathered blocks (T_c), and, when every rank has its own GPU, the
 // two NCCL baselines and the K/V all-gather alone (T_x; not at W = 1). --trace writes the
-// per-CTA timeline of one traced fused call per rank, forward and backward.
+// per-CTA timeline of one traced fused call per rank, forward and backward. --doc-len packs the
+// sequence with documents (RingAttentionArgs::cu_seqlens): every call masks by document, and the
+// row reports the ranks' work balance (the most visible query-key pairs of a rank over the mean).
 //
 // Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -59,7 +62,26 @@ struct RingRow {
   unsigned long long bwd_bad = 0;
   double bwd_fused = 0, bwd_compute = 0;
   double bwd_no_sums = 0;  // leave-one-out: the fused call moving K/V only (W > 1)
+  // Packed documents (--doc-len): the documents' bounds over the whole sequence (device), and the
+  // work balance (the most visible query-key pairs on a rank / the ranks' mean).
+  int64_t doc_len = 0;
+  const int32_t* cu = nullptr;
+  int n_docs = 0;
+  double balance = 0;
 };
+
+// Visible query-key pairs of each rank for packed documents of doc_len tokens (the chunks of the
+// plan): a query at position p sees p - start + 1 keys (causal) or its document's length.
+std::vector<double> doc_work(const ops::RingPlan& plan, int64_t S, int64_t doc_len, bool causal) {
+  std::vector<double> w(size_t(plan.world), 0.0);
+  for (int r = 0; r < plan.world; ++r)
+    for (const auto& c : plan.chunks[size_t(r)])
+      for (int64_t p = c.token0; p < c.token0 + c.tokens; ++p) {
+        const int64_t start = p / doc_len * doc_len, end = std::min(S, start + doc_len);
+        w[size_t(r)] += double(causal ? p - start + 1 : end - start);
+      }
+  return w;
+}
 
 // One traced fused call of a ring operator (forward or backward) on every rank: the per-CTA
 // timeline of this rank to <prefix>.s<S/rank>.w<W>.rank<r>.json (tools/trace_png.py draws it),
@@ -110,6 +132,7 @@ Status bench_ring_backward(Communicator* comm, ops::RingAttention* op, ops::Ring
   s = decoded(comm, op->run(f, st));  // O and LSE of these inputs
   if (s.ok()) s = synced(comm, st);
   ops::RingAttentionBackwardArgs b{f.q, f.k, f.v, f.o, dout.p, f.lse, dq.p, dk.p, dv.p};
+  b.cu_seqlens = r->cu, b.n_docs = r->n_docs;
   if (s.ok()) s = decoded(comm, bwd->run(b, st));
   if (s.ok()) s = synced(comm, st);
   ops::RingAttentionBackwardArgs br = b;
@@ -159,6 +182,7 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
   }();
   MK_CHECK(agreed(comm, s, "preparing inputs"));
   ops::RingAttentionArgs a{q.p, k_all.bf() + size_t(me) * ke, v_all.bf() + size_t(me) * ke, o.p, nullptr};
+  a.cu_seqlens = r->cu, a.n_docs = r->n_docs;
 
   // Correctness: the fused ring (run, synchronize, comm->check()) against the same kernel over
   // the blocks gathered here; O is read only after the check.
@@ -176,8 +200,16 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
   r->correct = r->bad == 0;
   if (!r->correct) return OkStatus();
 
-  // Per rank: its queries against the whole sequence (causal: the visible half on average).
+  // Per rank: its queries against the whole sequence (causal: the visible half on average);
+  // packed documents: the ranks' mean of the visible pairs (4 D flops per pair and head).
   r->flops = attention::forward_flops(r->B, r->H, int(r->S_l), int(r->S_l * W), r->D, r->causal);
+  if (r->doc_len > 0) {
+    const std::vector<double> w = doc_work(ops::RingAttentionTesting::plan(*op), r->S_l * W, r->doc_len, r->causal);
+    double sum = 0, most = 0;
+    for (double x : w) sum += x, most = std::max(most, x);
+    r->flops = 4.0 * r->B * r->H * r->D * sum / W;
+    r->balance = most / (sum / W);
+  }
   Timing t;
   MK_CHECK(time_it(comm, st, rc, "timing the fused call", [&] { return op->enqueue(a, st); }, &t));
   r->fused = t.median_ms;
@@ -212,6 +244,21 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
 
 Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const std::string& trace) {
   const int W = comm->world();
+  Buf cu;
+  if (r->doc_len > 0) {  // documents of doc_len tokens over the whole sequence, the last shorter
+    const int64_t S = r->S_l * W;
+    std::vector<int32_t> h;
+    for (int64_t p = 0; p < S; p += r->doc_len) h.push_back(int32_t(p));
+    h.push_back(int32_t(S));
+    const Status s = [&]() -> Status {
+      MK_REQUIRE(S <= INT32_MAX, Code::kInvalidArgument, "--doc-len: a sequence of %lld tokens", (long long)S);
+      MK_CHECK(CLI_CUDA(comm, cu.alloc(h.size() * 4)));
+      return CLI_CUDA(comm, cudaMemcpy(cu.p, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    }();
+    MK_CHECK(agreed(comm, s, "uploading the documents' bounds"));
+    r->cu = static_cast<const int32_t*>(cu.p);
+    r->n_docs = int(h.size()) - 1;
+  }
   ops::RingAttentionShape sh{r->B, r->H, r->Hkv, r->D, r->S_l * W,
                              r->zigzag ? ops::SeqLayout::kZigzag : ops::SeqLayout::kContiguous, r->causal};
   std::unique_ptr<ops::RingAttention> op;
@@ -233,7 +280,8 @@ std::string ring_json(const RingRow& r) {
            "\"sendrecv_ring_ms\": %s, \"nccl_allgather_kv_ms\": %s, \"fused_tflops_per_rank\": %s, "
            "\"speedup_vs_allgather\": %s, \"speedup_vs_sendrecv\": %s, \"overlap_efficiency\": %s, "
            "\"backward_dq_mismatches\": %llu, \"backward_fused_ms\": %s, \"backward_compute_only_ms\": %s, "
-           "\"backward_without_sums_ms\": %s, \"fwd_bwd_fused_over_compute\": %s}",
+           "\"backward_without_sums_ms\": %s, \"fwd_bwd_fused_over_compute\": %s, \"doc_len\": %lld, "
+           "\"work_max_over_mean\": %s}",
            r.B, r.H, r.Hkv, r.D, (long long)r.S_l, r.W, r.causal ? "true" : "false", r.zigzag ? "zigzag" : "contiguous",
            r.correct ? "true" : "false", r.bad, r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(),
            jnum(r.compute, 4).c_str(), jnum(r.allgather, 4).c_str(), jnum(r.sendrecv, 4).c_str(),
@@ -241,13 +289,15 @@ std::string ring_json(const RingRow& r) {
            jnum(ratio(r.allgather, r.fused), 3).c_str(), jnum(ratio(r.sendrecv, r.fused), 3).c_str(),
            eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str(), r.bwd_bad, jnum(r.bwd_fused, 4).c_str(),
            jnum(r.bwd_compute, 4).c_str(), jnum(r.bwd_no_sums, 4).c_str(),
-           jnum(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str());
+           jnum(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str(), (long long)r.doc_len,
+           jnum(r.balance, 3).c_str());
   return b;
 }
 
 }  // namespace
 
-int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace) {
+int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace,
+                   int64_t doc_len) {
   Communicator* comm = env.comm;
   const RunCfg& rc = env.rc;
   const bool comparable = env.comparable;
@@ -255,8 +305,9 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
   const int W = comm->world(), me = comm->rank();
   if (seqs.empty()) seqs = {4096, 8192};
   if (me == 0) {
-    printf("ring_attention: B1 H32 D128 bf16, %s, zigzag, %d rank(s), %d node(s); %s%s\n",
+    printf("ring_attention: B1 H32 D128 bf16, %s, zigzag, %d rank(s), %d node(s)%s; %s%s\n",
            causal ? "causal" : "non-causal", W, comm->topology().num_nodes,
+           doc_len > 0 ? (", packed documents of " + std::to_string(doc_len) + " tokens").c_str() : "",
            comparable ? "one GPU per rank: vs NCCL all-gather + attention and a per-step NCCL send/recv ring"
                       : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable",
            W == 1 ? "; W = 1: nothing to overlap" : "");
@@ -268,7 +319,7 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
   bool failed = false;
   for (int64_t S_l : seqs) {
     RingRow r;
-    r.S_l = S_l, r.W = W, r.causal = causal, r.comparable = comparable;
+    r.S_l = S_l, r.W = W, r.causal = causal, r.comparable = comparable, r.doc_len = doc_len;
     CheckLine c;
     c.label = "ring_attention S/rank " + std::to_string(S_l) + " W " + std::to_string(W);
     Status s = bench_ring_one(comm, &r, rc, trace);
@@ -292,6 +343,8 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
         printf("%8s %3s  backward: fused %s ms (without its sums %s), compute-only %s ms; forward+backward fused / "
                "compute-only %s\n", "", "", cell(r.bwd_fused, 3).c_str(), cell(r.bwd_no_sums, 3).c_str(),
                cell(r.bwd_compute, 3).c_str(), cell(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str());
+        if (doc_len > 0) printf("%8s %3s  documents of %lld tokens: work of the busiest rank / the mean %s\n", "", "",
+                                (long long)doc_len, cell(r.balance, 3).c_str());
         fflush(stdout);
       }
     } else if (me == 0 && r.checked && (!r.correct || !r.bwd_correct)) {

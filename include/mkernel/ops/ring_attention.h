@@ -56,6 +56,15 @@ struct RingAttentionArgs {
   const void* v = nullptr;
   void* o = nullptr;         // [B, S/W, H, D]
   float* lse = nullptr;      // [B, H, S/W] fp32 (natural log), or null
+  // Packed documents (B = 1), or null: device int32 [n_docs + 1], the documents' bounds in the
+  // whole sequence's token positions — the same array on every rank, non-decreasing from 0 to S.
+  // Each document attends only within itself (causal within itself when the shape is causal);
+  // the sequence is sharded as without documents (a document may span chunks and ranks). Read
+  // on the device, so a new packing per call needs no new operator and no host sync (graph
+  // capturable). Tokens before cu_seqlens[0] or from cu_seqlens[n_docs] on form documents of
+  // their own; a malformed array gives wrong rows, never an access outside the tensors.
+  const int32_t* cu_seqlens = nullptr;
+  int n_docs = 0;
   // Non-null: the traced kernel records per CTA every work item ("compute", item = index in
   // the launch's item list), every wait of the producer for a ring block that lasted > 5 us
   // ("wait"), and every communication op ("comm", or "net-send" for proxy puts; item = op
@@ -108,7 +117,8 @@ class RingAttention {
 // W hops each block's dK/dV is back on its owner, having crossed each node boundary once per
 // hop like K/V. Not deterministic (dQ accumulates in any order). Memory per rank: the forward's
 // K/V slots, and two fp32 dK/dV buffers of W blocks each (8 * W * B * S/W * Hkv * D bytes each,
-// rounded to 128-key tiles).
+// rounded to 128-key tiles). Both operators also keep the document windows of packed calls
+// (8 bytes per position of the sequence, allocated at create whether or not calls pack).
 //
 // Usage (collective: every rank, same shape; o and lse from RingAttention::run of that shape):
 //   std::unique_ptr<RingAttentionBackward> bwd;
@@ -124,6 +134,9 @@ struct RingAttentionBackwardArgs {
   void* dq = nullptr;          // [B, S/W, H, D] bf16
   void* dk = nullptr;          // [B, S/W, Hkv, D]
   void* dv = nullptr;
+  // Packed documents: the forward call's (RingAttentionArgs::cu_seqlens, n_docs), or null.
+  const int32_t* cu_seqlens = nullptr;
+  int n_docs = 0;
   // Non-null: the kernel records per CTA every work item ("compute", item = index in the
   // launch's item list, from its start to its ready flag), every wait of the producer for a
   // ring block that lasted > 5 us ("wait") and every communication op ("comm" / "net-send",

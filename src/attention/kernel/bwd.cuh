@@ -78,6 +78,9 @@ struct BwdWork {
   int m_begin[2], m_count[2];
   int steps;
   int wait;          // ring: wait for the block's arrival flags first
+  // Ring over packed documents (BwdParams::doc_win): the document window [doc_lo, doc_hi) of the
+  // block's first key, and whether every key of the block lies in it (doc_one).
+  int doc_lo, doc_hi, doc_one;
   int64_t tile;      // ring: the part tile it writes (-1: none)
   int ready;         // ring: the ready flag it adds 1 to
   uint64_t t0;       // ring, traced: when the consumers took it
@@ -137,6 +140,8 @@ struct BwdCfg {
     alignas(128) float dq[kBlockM * kD];
     alignas(16) float lse2[kStages][kBlockM];
     alignas(16) float dsum[kStages][kBlockM];
+    // The ring over packed documents: the step's query rows' document windows (BwdParams::qwin).
+    alignas(16) DocWindow qwin[kStages][kBlockM];
     alignas(16) typename PipeKV::SharedStorage pipe_kv;
     alignas(16) typename PipeQ::SharedStorage pipe_q;
     // The ring kernel's current item of the producer, the reducing warp and the consumers, and
@@ -189,6 +194,11 @@ struct BwdParams {
   // item_counter (zeroed by the launch), or — null — CTA c takes c, c + n, ... of n.
   const BwdRingPair* pairs;
   int n_pairs, n_items;
+  // Ring over packed documents: doc_win[pos] the document window of global position pos, qwin
+  // the windows of this rank's query rows in the workspace's rows (as lse2 without batch and
+  // head: B = 1); null without documents.
+  const DocWindow* doc_win;
+  const DocWindow* qwin;
   int* item_counter;
   FmhaSlots slots;
   float* part;
@@ -260,6 +270,32 @@ __device__ __forceinline__ BwdWork bwd_ring_work(const P_& p, int item) {
   w.seg[0] = pr.seg[0];
   w.seg[1] = pr.seg[1];
   bwd_steps<kD, P_>(w);
+  w.doc_one = 1;
+  w.doc_lo = 0;
+  w.doc_hi = 0x7fffffff;
+  if (p.doc_win && w.steps > 0) {
+    // Packed documents: only the query blocks that hold a row of the keys' documents — from the
+    // first key's document start (or the first key, causal) to the last key's document end.
+    constexpr int kBlockM = BwdCfg<kD>::kBlockM;
+    const int64_t k0 = w.kv_pos0 + int64_t(w.n) * kBwdBlockN;
+    const int64_t k1 = w.kv_pos0 + min(w.len, (w.n + 1) * kBwdBlockN);  // exclusive
+    const DocWindow first = p.doc_win[k0], last = p.doc_win[k1 - 1];
+    w.doc_lo = first.lo;
+    w.doc_hi = first.hi;
+    w.doc_one = first.hi >= k1;
+    w.steps = 0;
+    for (int i = 0; i < w.nseg; ++i) {
+      const BwdSeg& g = w.seg[i];
+      int64_t rlo, rhi;
+      doc_rows_of_keys(first, last, k0, g.causal != 0, &rlo, &rhi);
+      const int64_t q_lo = rlo - g.q_pos0, q_hi = rhi - g.q_pos0;
+      const int mb = max<int64_t>(w.m_begin[i], q_lo <= 0 ? 0 : q_lo / kBlockM);
+      const int me = min<int64_t>(g.m_blocks, q_hi <= 0 ? 0 : (q_hi + kBlockM - 1) / kBlockM);
+      w.m_begin[i] = mb;
+      w.m_count[i] = w.m_count[i] > 0 && me > mb ? me - mb : 0;
+      w.steps += w.m_count[i] * w.group;
+    }
+  }
   w.wait = pr.wait;
   w.tile = pr.tile0 + (int64_t(w.b) * p.ring_kb + w.n) * p.Hkv + w.hk;
   w.ready = pr.ready0 + w.b * p.ring_dpieces + w.n / p.ring_kb_per_piece;
@@ -300,8 +336,11 @@ __device__ __forceinline__ void bwd_to_bf16(const Acc_& acc, Frag_& frag) {
 // keys past the query's position), dV and dK accumulated, dS through shared memory buffer `buf`
 // into the step's dQ, which goes to shared memory for the reducing warp. q_pos_m: the global
 // position of the block's first query row; kv_pos0 that of the segment's first key row.
-template <int kD, class PipeQ_, class StateQ_, class MmaSdP_, class MmadKV_, class MmadQ_, class FragK_, class FragQ_,
-          class FragQt_, class FragdS_, class FragKt_, class SmemdS_, class CoordS_, class CoordSrc_, class AccKV_>
+// kDocs_ (the ring kernel): doc_step masks, besides, the keys outside each query row's document
+// window (Shared::qwin of the stage; packed documents by position).
+template <int kD, bool kDocs_ = false, class PipeQ_, class StateQ_, class MmaSdP_, class MmadKV_, class MmadQ_,
+          class FragK_, class FragQ_, class FragQt_, class FragdS_, class FragKt_, class SmemdS_, class CoordS_,
+          class CoordSrc_, class AccKV_>
 __device__ __forceinline__ void bwd_consume_step(typename BwdCfg<kD>::Shared& sh, PipeQ_& pipe_q, StateQ_& cq,
                                                  MmaSdP_& mma_sdp, MmadKV_& mma_dkv, MmadQ_& mma_dq,
                                                  const FragK_& tSrK, const FragK_& tSrV, const FragQ_& tSrQ,
@@ -309,7 +348,8 @@ __device__ __forceinline__ void bwd_consume_step(typename BwdCfg<kD>::Shared& sh
                                                  const FragdS_& tdQrdS, const FragKt_& tdQrKt, SmemdS_& sdS,
                                                  const CoordS_& cS, const CoordSrc_& cS_rc, AccKV_& tdKrdK,
                                                  AccKV_& tdVrdV, int st, int buf, int key0, int len, int causal,
-                                                 int64_t kv_pos0, int64_t q_pos_m, float sl2, float scale, int tid) {
+                                                 int64_t kv_pos0, int64_t q_pos_m, float sl2, float scale, int tid,
+                                                 bool doc_step = false) {
   using C = BwdCfg<kD>;
   constexpr int kBlockM = C::kBlockM, kBlockN = C::kBlockN;
   Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -329,17 +369,23 @@ __device__ __forceinline__ void bwd_consume_step(typename BwdCfg<kD>::Shared& sh
   // Pᵀ in place of Sᵀ.
   Tensor S_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
   Tensor dP_rc = make_tensor(tSrdP.data(), rowcol(tSrdP.layout()));
-  const bool need_mask = key0 + kBlockN > len || (causal && kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
+  bool need_mask = key0 + kBlockN > len || (causal && kv_pos0 + key0 + kBlockN - 1 > q_pos_m);
+  if constexpr (kDocs_) need_mask = need_mask || doc_step;
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < size<1>(S_rc) && !(MK_BWD_SKIP & 8); ++c) {
     const int q = get<1>(cS_rc(0, c));
     const float l2 = sh.lse2[st][q];
+    [[maybe_unused]] DocWindow qw{0, 0x7fffffff};
+    if constexpr (kDocs_)
+      if (doc_step) qw = sh.qwin[st][q];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(S_rc); ++r) {
       float pv = exp2f(fmaf(S_rc(r, c), sl2, -l2));
       if (need_mask) {
         const int key = key0 + get<0>(cS_rc(r, c));
-        if (key >= len || (causal && kv_pos0 + key > q_pos_m + q)) pv = 0.f;
+        bool masked = key >= len || (causal && kv_pos0 + key > q_pos_m + q);
+        if constexpr (kDocs_) masked = masked || kv_pos0 + key < qw.lo || kv_pos0 + key >= qw.hi;
+        if (masked) pv = 0.f;
       }
       S_rc(r, c) = pv;
     }
@@ -633,7 +679,8 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   pkv.is_leader = pq.is_leader = (threadIdx.x % 128) == 0;
   pkv.num_consumers = pq.num_consumers = kMmaThreads;
   pkv.transaction_bytes = 2 * kBlockN * kD * sizeof(Element);
-  pq.transaction_bytes = 2 * kBlockM * kD * sizeof(Element) + 2 * kBlockM * sizeof(float);
+  pq.transaction_bytes = 2 * kBlockM * kD * sizeof(Element) + 2 * kBlockM * sizeof(float) +
+                         (p.qwin ? kBlockM * sizeof(DocWindow) : 0);
   typename C::PipeKV pipe_kv(sh.pipe_kv, pkv, Shape<_1, _1, _1>{});
   typename C::PipeQ pipe_q(sh.pipe_q, pq, Shape<_1, _1, _1>{});
   typename C::PipeSched::Params ps;
@@ -721,6 +768,9 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
           const int64_t row = (int64_t(w.b) * p.H + h) * p.Sq_pad + int64_t(g.qb0 + m) * kBlockM;
           SM90_BULK_COPY_G2S::copy(p.lse2 + row, bar, &sh.lse2[sq.index()][0], kBlockM * int(sizeof(float)));
           SM90_BULK_COPY_G2S::copy(p.dsum + row, bar, &sh.dsum[sq.index()][0], kBlockM * int(sizeof(float)));
+          if (p.qwin)
+            SM90_BULK_COPY_G2S::copy(p.qwin + int64_t(g.qb0 + m) * kBlockM, bar, &sh.qwin[sq.index()][0],
+                                     kBlockM * int(sizeof(DocWindow)));
           ++sq;
         }
       }
@@ -803,9 +853,14 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
         const int buf = buf_count & 1;
         pipe_q.consumer_wait(cq);
         const BwdSeg& g = w.seg[sg];
-        bwd_consume_step<kD>(sh, pipe_q, cq, mma_sdp, mma_dkv, mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdKrQt, tdVrdOt,
-                             tdQrdS, tdQrKt, sdS, cS, cS_rc, tdKrdK, tdVrdV, st, buf, key0, w.len, g.causal, w.kv_pos0,
-                             g.q_pos0 + int64_t(m) * kBlockM, sl2, p.scale, tid);
+        const int64_t q_pos_m = g.q_pos0 + int64_t(m) * kBlockM;
+        // Packed documents: the step masks by document unless the key block and the query
+        // block lie in one document.
+        const bool doc_step =
+            p.qwin && !(w.doc_one && q_pos_m >= w.doc_lo && q_pos_m + kBlockM <= int64_t(w.doc_hi));
+        bwd_consume_step<kD, true>(sh, pipe_q, cq, mma_sdp, mma_dkv, mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdKrQt, tdVrdOt,
+                                   tdQrdS, tdQrKt, sdS, cS, cS_rc, tdKrdK, tdVrdV, st, buf, key0, w.len, g.causal,
+                                   w.kv_pos0, q_pos_m, sl2, p.scale, tid, doc_step);
       }
       if (w.steps > 0) {
         // K and V free for the next item: their last reader, the last step's dQ MMA, completed

@@ -78,6 +78,8 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
     p.ring_kb = ring->kb;
     p.ring_dpieces = ring->dpieces;
     p.ring_kb_per_piece = ring->kb_per_piece;
+    p.doc_win = ring->doc_win;
+    p.qwin = ring->qwin;
     p.trace = ring->trace;
     p.wait = ring->program.wait;
     p.head_split = 1;

@@ -95,6 +95,7 @@ struct Params {
   // CTA copies the n_docs + 1 entries into shared memory after Shared.
   const int32_t* cu_seqlens;
   int n_docs, cu_in_smem;
+  const DocWindow* doc_win;  // packed documents by global position (FmhaLaunch::doc_win), or null
   WaitCtx wait;       // arrival waits and the merge order (the program's wait context)
   TraceBuffer trace;  // traced variant only
   typename Comm_::Params comm;

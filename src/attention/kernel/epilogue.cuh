@@ -22,10 +22,13 @@ namespace attention {
 namespace sm90 {
 
 // o_rc / c_rc: the warpgroup's normalized O and its (row, col) coordinates in the tile; lse: the
-// rows' log-sum-exp (updated by a merge); mma_tid: 0..255 over both consumer warpgroups.
+// rows' log-sum-exp (updated by a merge); mma_tid: 0..255 over both consumer warpgroups. no_keys:
+// the item saw no key (O = 0, LSE = -inf: packed documents by position): a merge that is not the
+// last passes the order on without touching the accumulator (the first writes only its LSE).
 template <int kD, class Comm_, class O_, class Coords_, int kRows_>
 __device__ __forceinline__ void store_item(const Params<kD, Comm_>& p, O_& o_rc, const Coords_& c_rc,
-                                           float (&lse)[kRows_], const ItemInfo& it, int wg_c, int mma_tid, int lane) {
+                                           float (&lse)[kRows_], const ItemInfo& it, int wg_c, int mma_tid, int lane,
+                                           bool no_keys = false) {
   const FmhaPair& pr = *it.pair;
   const bool last = pr.ordinal == pr.total - 1;
   const int rows_here = min(kTileM, it.q_len - it.qt * kTileM);  // <= 0: an empty item
@@ -33,6 +36,24 @@ __device__ __forceinline__ void store_item(const Params<kD, Comm_>& p, O_& o_rc,
   if (pr.total > 1) {
     // Merge with the previous pairs of this query segment, in ordinal order.
     const int cnt = pr.seq_base + (((it.b * p.H + it.h) * ((it.q_len + kTileM - 1) / kTileM) + it.qt) * 2 + wg_c);
+    if (no_keys && !last) {
+      // Nothing to add: the first of the segment marks the accumulator empty (LSE -inf: the next
+      // merge takes none of its O); a later one leaves it as it is. Then the order goes on.
+      if (pr.ordinal == 0) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows_; ++r) {
+          const int row = get<0>(c_rc(r, 0));
+          if (row < rows_here && (lane & 3) == 0)
+            p.lse_acc[(int64_t(it.b) * p.H + it.h) * p.Sq + row_base + row] = -INFINITY;
+        }
+        __threadfence();
+        cutlass::arch::NamedBarrier::sync(128, kMergeBarrier0 + wg_c);
+      } else if ((mma_tid % 128) == 0) {
+        device::wait_ge(p.wait, p.seq + cnt, uint64_t(pr.ordinal), -1, cnt);
+      }
+      if ((mma_tid % 128) == 0) device::red_add_release_sys(p.seq + cnt, 1);
+      return;
+    }
     if (pr.ordinal > 0) {
       if ((mma_tid % 128) == 0) {
         const uint64_t* f = p.seq + cnt;
@@ -56,8 +77,9 @@ __device__ __forceinline__ void store_item(const Params<kD, Comm_>& p, O_& o_rc,
         for (int c = 0; c < size<1>(o_rc); c += 2) {
           const int col = get<1>(c_rc(r, c));
           const float2 a = *reinterpret_cast<const float2*>(acc + col);
-          o_rc(r, c) = a.x * fa + o_rc(r, c) * fb;
-          o_rc(r, c + 1) = a.y * fa + o_rc(r, c + 1) * fb;
+          // fa = 0: an accumulator marked empty (its O never written this call: not read)
+          o_rc(r, c) = (fa > 0.f ? a.x * fa : 0.f) + o_rc(r, c) * fb;
+          o_rc(r, c + 1) = (fa > 0.f ? a.y * fa : 0.f) + o_rc(r, c + 1) * fb;
         }
         lse[r] = lnew;
       }

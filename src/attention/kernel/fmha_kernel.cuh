@@ -61,19 +61,35 @@ __device__ __forceinline__ void fmha_consume(const Params<kD, Comm_>& p, typenam
     if constexpr (kTrace_) t_item = device::trace_now_ns();
     const ItemInfo it = item_info(p, item, cu);
     const FmhaPair& pr = *it.pair;
-    const int nkv = kv_tiles_of(it, kBlockN);
+    const KvSpan span = kv_span(p, it, kBlockN);
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<C::kBlockM>, Int<kD>>{});
     Tensor tOrO_rc = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
     constexpr int kRows = decltype(size<0>(tOrO_rc))::value;  // 2
+    RowDocs<kRows, Comm_::kEnabled> docs;
+    if constexpr (Comm_::kEnabled) {
+      // Packed documents by position: each row's document window in the segment's key columns
+      // (rows past the segment take the last row's; they are not stored).
+      docs.on = p.doc_win != nullptr && span.n > 0;
+      if (docs.on) {
+        const int last = min(kTileM, it.q_len - it.qt * kTileM) - 1;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t qpos = pr.q_pos0 + int64_t(it.qt) * kTileM + min(int(get<0>(cS_rc(r, 0))), last);
+          const DocWindow w = p.doc_win[qpos];
+          docs.lo[r] = int(int64_t(w.lo) - pr.kv_pos0);
+          docs.hi[r] = int((pr.causal ? qpos + 1 : int64_t(w.hi)) - pr.kv_pos0);
+        }
+      }
+    }
     OnlineSoftmax<kRows> softmax;
     softmax.reset();
     clear(tOrO);
-    if (nkv > 0)
+    if (span.n > 0)
       fmha_mma<kD>(mma_qk, mma_pv, tSrQ, tSrK, tOrV, cS_rc, pipe_q, cq, pipe_k, ck, pipe_v, cv, tOrO, tOrO_rc, softmax,
-                   pr, it.kv_len, it.qt, nkv, wg_c, sl2);
+                   pr, it.kv_len, it.qt, span.j0, span.n, wg_c, sl2, docs);
     float lse[kRows];
     softmax.finish(tOrO_rc, sl2, lse);
-    store_item(p, tOrO_rc, cO_rc, lse, it, wg_c, mma_tid, lane);
+    store_item(p, tOrO_rc, cO_rc, lse, it, wg_c, mma_tid, lane, span.n == 0);
     if constexpr (kTrace_)
       if (mma_tid == 0) device::trace_record(p.trace, Role::kCompute, item, t_item);
   }

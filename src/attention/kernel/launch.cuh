@@ -71,6 +71,7 @@ Status launch(const ForwardArgs& a, const FmhaLaunch& l, cudaStream_t stream, in
   p.cu_seqlens = l.cu_seqlens;
   p.n_docs = l.n_docs;
   p.cu_in_smem = l.cu_seqlens && l.n_docs + 1 <= kVarlenSmemEntries;
+  p.doc_win = l.doc_win;
   p.wait = l.program.wait;
   if constexpr (Comm_::kEnabled) {
     p.comm.program = l.program;

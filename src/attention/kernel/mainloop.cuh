@@ -74,7 +74,7 @@ __device__ __forceinline__ void load_kv(const Params<kD, Comm_>& p, const TmaKV_
                                         typename Cfg<kD>::Shared& sh, typename Cfg<kD>::PipeKV& pipe_k,
                                         typename Cfg<kD>::PipeKV& pipe_v, StateKV_& sk, StateKV_& sv,
                                         ArrivalCache& seen, const FmhaPair& pr, const ItemInfo& it, int src, int hk,
-                                        int nkv, int item, uint64_t epoch) {
+                                        int j0, int nkv, int item, uint64_t epoch) {
   using C = Cfg<kD>;
   constexpr int kBlockN = C::kBlockN;
   Tensor sK = make_tensor(make_smem_ptr(sh.k.data()), typename C::SmemK{});
@@ -105,12 +105,12 @@ __device__ __forceinline__ void load_kv(const Params<kD, Comm_>& p, const TmaKV_
   // Tiles are visited from the last to the first: the causal diagonal (masked) comes first.
   wait_kv_arrival<kTrace_, kBlockN>(p, seen, pr, it, nkv - 1, item, epoch);
   load_k(nkv - 1);
-  for (int j = nkv - 2; j >= 0; --j) {
+  for (int j = nkv - 2; j >= j0; --j) {
     wait_kv_arrival<kTrace_, kBlockN>(p, seen, pr, it, j, item, epoch);
     load_k(j);
     load_v(j + 1);
   }
-  load_v(0);
+  load_v(j0);
 }
 
 // The producer thread: every item of this CTA, in the scheduler's order.
@@ -130,8 +130,8 @@ __device__ __forceinline__ void fmha_produce(const Params<kD, Comm_>& p, typenam
   for (int item = sched.producer_next(-1, ss); item < p.n_items; item = sched.producer_next(item, ss)) {
     const ItemInfo it = item_info(p, item, cu);
     const FmhaPair& pr = *it.pair;
-    const int nkv = kv_tiles_of(it, C::kBlockN);
-    if (nkv == 0) continue;
+    const KvSpan span = kv_span(p, it, C::kBlockN);
+    if (span.n == 0) continue;
     const int src = pr.kv_src;
     const int hk = it.h / (p.H / p.Hkv);
     // Q tile
@@ -144,22 +144,24 @@ __device__ __forceinline__ void fmha_produce(const Params<kD, Comm_>& p, typenam
     }
     ++sq;
     if (src)
-      load_kv<kTrace_>(p, p.tma_k[1], p.tma_v[1], sh, pipe_k, pipe_v, sk, sv, seen, pr, it, src, hk, nkv, item, epoch);
+      load_kv<kTrace_>(p, p.tma_k[1], p.tma_v[1], sh, pipe_k, pipe_v, sk, sv, seen, pr, it, src, hk, span.j0, span.n,
+                       item, epoch);
     else
-      load_kv<kTrace_>(p, p.tma_k[0], p.tma_v[0], sh, pipe_k, pipe_v, sk, sv, seen, pr, it, src, hk, nkv, item, epoch);
+      load_kv<kTrace_>(p, p.tma_k[0], p.tma_v[0], sh, pipe_k, pipe_v, sk, sv, seen, pr, it, src, hk, span.j0, span.n,
+                       item, epoch);
   }
 }
 
-// The consumers' work on one item with nkv > 0 key tiles: O (tOrO, unnormalized) and the
-// softmax state over the key tiles, last to first. The operands and pipelines are the
-// consumer's (fmha_consume).
+// The consumers' work on one item with key tiles [j0, nkv), nkv > j0: O (tOrO, unnormalized)
+// and the softmax state over the key tiles, last to first. The operands and pipelines are the
+// consumer's (fmha_consume); docs: the rows' document windows (packed documents by position).
 template <int kD, class MmaQK_, class MmaPV_, class TQ_, class TK_, class TV_, class CS_, class PipeQ_, class StateQ_,
-          class PipeKV_, class StateKV_, class TO_, class TORC_, class Softmax_>
+          class PipeKV_, class StateKV_, class TO_, class TORC_, class Softmax_, class Docs_>
 __device__ __forceinline__ void fmha_mma(MmaQK_& mma_qk, MmaPV_& mma_pv, const TQ_& tSrQ, const TK_& tSrK,
                                          const TV_& tOrV, const CS_& cS_rc, PipeQ_& pipe_q, StateQ_& cq,
                                          PipeKV_& pipe_k, StateKV_& ck, PipeKV_& pipe_v, StateKV_& cv, TO_& tOrO,
                                          TORC_& tOrO_rc, Softmax_& softmax, const FmhaPair& pr, int kv_len, int qt,
-                                         int nkv, int wg_c, float sl2) {
+                                         int j0, int nkv, int wg_c, float sl2, const Docs_& docs) {
   using C = Cfg<kD>;
   constexpr int kBlockN = C::kBlockN;
   constexpr int kRows = decltype(size<0>(tOrO_rc))::value;  // 2
@@ -205,13 +207,13 @@ __device__ __forceinline__ void fmha_mma(MmaQK_& mma_qk, MmaPV_& mma_pv, const T
   warpgroup_wait<0>();
   pipe_k.consumer_release(ck);
   ++ck;
-  mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, kv_len, j, q_pos_base, wg_c);
+  mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, kv_len, j, q_pos_base, wg_c, docs);
   {
     float rs[kRows];
     softmax.update(tSrS_rc, sl2, rs);
   }
   to_p();
-  for (--j; j >= 0; --j) {
+  for (--j; j >= j0; --j) {
     pipe_k.consumer_wait(ck);
     qk(ck.index());
     pipe_v.consumer_wait(cv);
@@ -219,7 +221,7 @@ __device__ __forceinline__ void fmha_mma(MmaQK_& mma_qk, MmaPV_& mma_pv, const T
     warpgroup_wait<1>();  // S ready; P·V still running
     pipe_k.consumer_release(ck);
     ++ck;
-    mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, kv_len, j, q_pos_base, wg_c);
+    mask_tile<kBlockN>(tSrS_rc, cS_rc, pr, kv_len, j, q_pos_base, wg_c, docs);
     float rs[kRows];
     softmax.update(tSrS_rc, sl2, rs);
     warpgroup_wait<0>();

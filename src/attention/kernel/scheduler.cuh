@@ -75,6 +75,32 @@ __device__ __forceinline__ int kv_tiles_of(const ItemInfo& it, int block_n) {
   return n;
 }
 
+// The key tiles [j0, n) an item visits: kv_tiles_of's, and — packed documents by position
+// (Params::doc_win, communication variant) — from the tile holding the first row's document
+// start to the one holding the last row's document end (or the last row, causal); the rows'
+// windows grow with the row, so every key a row of the item sees lies in the span. n = 0 when
+// no row sees a key of the segment (an empty item: O = 0, LSE = -inf, merged as nothing).
+struct KvSpan {
+  int j0, n;
+};
+template <int kD, class Comm_>
+__device__ __forceinline__ KvSpan kv_span(const Params<kD, Comm_>& p, const ItemInfo& it, int block_n) {
+  KvSpan s{0, kv_tiles_of(it, block_n)};
+  if constexpr (Comm_::kEnabled) {
+    if (s.n == 0 || !p.doc_win) return s;
+    const FmhaPair& pr = *it.pair;
+    const int rows = min(kTileM, it.q_len - it.qt * kTileM);
+    const int64_t qf = pr.q_pos0 + int64_t(it.qt) * kTileM, ql = qf + rows - 1;
+    int64_t klo, khi;
+    doc_keys_of_rows(p.doc_win[qf], p.doc_win[ql], ql, pr.causal != 0, &klo, &khi);
+    const int64_t lo = max<int64_t>(klo - pr.kv_pos0, 0), hi = min<int64_t>(khi - pr.kv_pos0, it.kv_len);
+    if (hi <= lo) return KvSpan{0, 0};
+    s.j0 = int(lo / block_n);
+    s.n = min(s.n, int((hi + block_n - 1) / block_n));
+  }
+  return s;
+}
+
 // Items in turn; the first call passes prev = -1. A result >= n_items is the end.
 template <class PipeSched_>
 struct FmhaScheduler {

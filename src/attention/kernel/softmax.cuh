@@ -22,24 +22,47 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Masks key tile j of S in place (-inf): keys past the segment and, causal, keys after the
-// query. s_rc / c_rc: the scores and their (row, col) coordinates in the tile; kv_len: the
-// segment's key rows; q_pos_base: the global position of tile row 0; wg_c: the warpgroup's half
-// of the tile (rows 64 wg_c ...).
-template <int kBlockN_, class S_, class Coords_>
+// The document windows of a thread's rows as key columns of the item's segment (packed
+// documents by position, communication variant): key column c is visible to row r iff
+// lo[r] <= c < hi[r]. kOn_ false: none (plain launches; nothing kept).
+template <int kRows_, bool kOn_>
+struct RowDocs {
+  static constexpr bool kOn = kOn_;
+  bool on;
+  int lo[kRows_], hi[kRows_];
+};
+template <int kRows_>
+struct RowDocs<kRows_, false> {
+  static constexpr bool kOn = false;
+};
+
+// Masks key tile j of S in place (-inf): keys past the segment, causal keys after the query
+// and, with document windows, keys outside the row's document. s_rc / c_rc: the scores and
+// their (row, col) coordinates in the tile; kv_len: the segment's key rows; q_pos_base: the
+// global position of tile row 0; wg_c: the warpgroup's half of the tile (rows 64 wg_c ...).
+template <int kBlockN_, class S_, class Coords_, class Docs_>
 __device__ __forceinline__ void mask_tile(S_& s_rc, const Coords_& c_rc, const FmhaPair& pr, int kv_len, int j,
-                                          int64_t q_pos_base, int wg_c) {
+                                          int64_t q_pos_base, int wg_c, const Docs_& docs) {
   const int col0 = j * kBlockN_;
   const bool tail = col0 + kBlockN_ > kv_len;
   const bool diag = pr.causal && pr.kv_pos0 + col0 + kBlockN_ - 1 > q_pos_base + wg_c * 64;
-  if (!tail && !diag) return;
+  bool doc = false;
+  if constexpr (Docs_::kOn) {
+    if (docs.on) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(s_rc); ++r) doc = doc || col0 < docs.lo[r] || col0 + kBlockN_ > docs.hi[r];
+    }
+  }
+  if (!tail && !diag && !doc) return;
   CUTLASS_PRAGMA_UNROLL
   for (int r = 0; r < size<0>(s_rc); ++r) {
     const int64_t qpos = q_pos_base + get<0>(c_rc(r, 0));
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < size<1>(s_rc); ++c) {
       const int col = col0 + get<1>(c_rc(r, c));
-      if (col >= kv_len || (pr.causal && pr.kv_pos0 + col > qpos)) s_rc(r, c) = -INFINITY;
+      bool masked = col >= kv_len || (pr.causal && pr.kv_pos0 + col > qpos);
+      if constexpr (Docs_::kOn) masked = masked || (doc && (col < docs.lo[r] || col >= docs.hi[r]));
+      if (masked) s_rc(r, c) = -INFINITY;
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -37,6 +38,8 @@ struct RingState {
   // Compute-only launches (enqueue_compute): every pair from gathered slots, and per step.
   attention::FmhaLaunch gathered;
   std::vector<attention::FmhaLaunch> per_step;
+  // Packed documents: the windows of the sequence's S positions (computed per call, doc_windows).
+  attention::DocWindow* doc_win = nullptr;
 };
 
 namespace {
@@ -182,6 +185,11 @@ Status build_program(RingState* st) {
     st->gathered.item_counter = l.item_counter;
     for (auto& v : st->per_step) v.item_counter = l.item_counter;
   }
+  if (s.S <= INT32_MAX) {  // packed documents' windows (cu_seqlens is int32: longer sequences have none)
+    void* w = nullptr;
+    MK_CHECK(ses.alloc_zeroed(size_t(s.S) * sizeof(attention::DocWindow), &w));
+    st->doc_win = static_cast<attention::DocWindow*>(w);
+  }
   return OkStatus();
 }
 
@@ -280,6 +288,15 @@ Status RingAttention::can_implement(const RingAttentionArgs& a) const {
   };
   MK_REQUIRE(!overlaps(a.o, qb, a.q, qb) && !overlaps(a.o, qb, a.k, kb) && !overlaps(a.o, qb, a.v, kb),
              Code::kInvalidArgument, "ring_attention: O overlaps Q, K or V");
+  return check_ring_documents("ring_attention", s, a.cu_seqlens, a.n_docs);
+}
+
+Status check_ring_documents(const char* what, const RingAttentionShape& s, const int32_t* cu, int n_docs) {
+  MK_CHECK(attention::check_cu_seqlens(what, cu, n_docs));
+  if (!cu) return OkStatus();
+  MK_REQUIRE(s.B == 1, Code::kInvalidArgument, "%s: packed documents (cu_seqlens) need B = 1, not %d", what, s.B);
+  MK_REQUIRE(s.S <= INT32_MAX, Code::kInvalidArgument,
+             "%s: packed documents (int32 cu_seqlens) over a sequence of %lld tokens", what, (long long)s.S);
   return OkStatus();
 }
 
@@ -301,6 +318,17 @@ attention::ForwardArgs forward_args(const RingState* st, const RingAttentionArgs
   f.scale = st->opt.scale;
   return f;
 }
+
+// Packed documents: this call's windows of every position, for the launch.
+Status ring_doc_windows(const RingState* st, const RingAttentionArgs& a, cudaStream_t stream,
+                        attention::FmhaLaunch* l) {
+  if (!a.cu_seqlens) return OkStatus();
+  const attention::DocSegment all{0, 0, st->shape.S};
+  MK_CHECK(attention::doc_windows(a.cu_seqlens, a.n_docs, int32_t(st->shape.S), &all, 1, st->shape.S, st->doc_win,
+                                  stream));
+  l->doc_win = st->doc_win;
+  return OkStatus();
+}
 }  // namespace
 
 Status RingAttentionTesting::enqueue_compute(RingAttention& op, const RingAttentionArgs& a, int step,
@@ -310,6 +338,7 @@ Status RingAttentionTesting::enqueue_compute(RingAttention& op, const RingAttent
   MK_REQUIRE(k_src && v_src, Code::kInvalidArgument, "ring_attention: null K/V source");
   MK_REQUIRE(step < st->plan.world, Code::kInvalidArgument, "ring_attention: step %d of %d", step, st->plan.world);
   attention::FmhaLaunch l = step < 0 ? st->gathered : st->per_step[step];
+  MK_CHECK(ring_doc_windows(st, a, stream, &l));
   l.slots = st->launch.slots;
   l.slots.k = k_src;
   l.slots.v = v_src;
@@ -327,6 +356,7 @@ Status RingAttention::enqueue(const RingAttentionArgs& a, cudaStream_t stream) {
   MK_CHECK(st->session->check_call());
   attention::ForwardArgs f = forward_args(st, a);
   attention::FmhaLaunch l = st->launch;
+  MK_CHECK(ring_doc_windows(st, a, stream, &l));
   l.program.user[kUserSlotK] = const_cast<void*>(a.k);
   l.program.user[kUserSlotV] = const_cast<void*>(a.v);
   l.trace = a.trace;

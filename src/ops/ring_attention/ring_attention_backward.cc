@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -39,6 +40,11 @@ struct RingBwdState {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   int32_t* cu = nullptr;  // the chunks' bounds {0, chunk_len[, 2 chunk_len]} (device)
+  // Packed documents (computed per call, doc_windows): the windows of the sequence's S positions,
+  // and of this rank's query rows in the workspace's virtual rows (qwin_rows of them).
+  attention::DocWindow* doc_win = nullptr;
+  attention::DocWindow* qwin = nullptr;
+  int64_t qwin_rows = 0;
 };
 
 namespace {
@@ -153,6 +159,15 @@ Status setup(RingBwdState* st) {
   std::vector<int32_t> cu;
   for (int k = 0; k <= st->chunks; ++k) cu.push_back(int32_t(k * st->chunk_len));
   MK_CHECK(ses.upload(cu, &st->cu));
+  if (s.S <= INT32_MAX) {  // packed documents' windows (cu_seqlens is int32: longer sequences have none)
+    const int block_m = s.D == 64 ? 128 : 64;  // BwdCfg<D>::kBlockM
+    st->qwin_rows = int64_t(attention::varlen_tiles(int(st->S_l), st->chunks, block_m)) * block_m;
+    void* w = nullptr;
+    MK_CHECK(ses.alloc_zeroed(size_t(s.S) * sizeof(attention::DocWindow), &w));
+    st->doc_win = static_cast<attention::DocWindow*>(w);
+    MK_CHECK(ses.alloc_zeroed(size_t(st->qwin_rows) * sizeof(attention::DocWindow), &w));
+    st->qwin = static_cast<attention::DocWindow*>(w);
+  }
   return OkStatus();
 }
 
@@ -242,7 +257,7 @@ Status RingAttentionBackward::can_implement(const RingAttentionBackwardArgs& a) 
     MK_REQUIRE(!overlaps(ptr[o], bytes[o], a.lse, lse_bytes), Code::kInvalidArgument,
                "ring_attention backward: %s overlaps the LSE", nm[o]);
   }
-  return OkStatus();
+  return check_ring_documents("ring_attention backward", s, a.cu_seqlens, a.n_docs);
 }
 
 Status RingAttentionBackward::run(const RingAttentionBackwardArgs& a, cudaStream_t stream) {
@@ -269,6 +284,29 @@ attention::BackwardArgs backward_args(const RingBwdState* st, const RingAttentio
   return b;
 }
 
+// Packed documents: this call's windows of every position and of this rank's query rows (the
+// workspace's virtual rows: chunk c's block m at row (c * len / block_m + c + m) * block_m).
+Status ring_doc_windows(const RingBwdState* st, const RingAttentionBackwardArgs& a, cudaStream_t stream,
+                        attention::BwdRing* r) {
+  if (!a.cu_seqlens) return OkStatus();
+  const int32_t S = int32_t(st->shape.S);
+  const attention::DocSegment all{0, 0, st->shape.S};
+  MK_CHECK(attention::doc_windows(a.cu_seqlens, a.n_docs, S, &all, 1, st->shape.S, st->doc_win, stream));
+  const int block_m = st->shape.D == 64 ? 128 : 64;
+  const int me = st->session->comm()->rank();
+  attention::DocSegment segs[2];
+  for (int c = 0; c < st->chunks; ++c) {
+    const int64_t row0 = c * st->chunk_len;
+    segs[c].out0 = (row0 / block_m + c) * block_m;
+    segs[c].pos0 = st->plan.chunks[size_t(me)][size_t(c)].token0;
+    segs[c].len = st->chunk_len;
+  }
+  MK_CHECK(attention::doc_windows(a.cu_seqlens, a.n_docs, S, segs, st->chunks, st->qwin_rows, st->qwin, stream));
+  r->doc_win = st->doc_win;
+  r->qwin = st->qwin;
+  return OkStatus();
+}
+
 // A fused call's launch: the operator's ring with this call's K/V and trace. kv_only: the
 // communication CTAs run the program's K/V ops alone (RingRank::kv_ops; the leave-one-out timing).
 Status enqueue_fused(const RingAttentionBackward& op, const RingBwdState* st, const RingAttentionBackwardArgs& a,
@@ -276,6 +314,7 @@ Status enqueue_fused(const RingAttentionBackward& op, const RingBwdState* st, co
   MK_CHECK(op.can_implement(a));
   MK_CHECK(st->session->check_call());  // a failed communicator runs nothing more
   attention::BwdRing r = st->ring;
+  MK_CHECK(ring_doc_windows(st, a, stream, &r));
   r.program.user[kUserSlotK] = const_cast<void*>(a.k);
   r.program.user[kUserSlotV] = const_cast<void*>(a.v);
   if (a.trace) r.trace = *a.trace;
@@ -297,6 +336,7 @@ Status RingAttentionTesting::enqueue_backward_compute(RingAttentionBackward& op,
   MK_CHECK(op.can_implement(a));
   MK_REQUIRE(k_all && v_all, Code::kInvalidArgument, "ring_attention backward: null K/V source");
   attention::BwdRing r = st->ring;
+  MK_CHECK(ring_doc_windows(st, a, stream, &r));
   r.pairs = st->compute_pairs;
   r.slots.k = k_all;
   r.slots.v = v_all;

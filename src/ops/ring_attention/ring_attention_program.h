@@ -76,6 +76,11 @@ RingGeometry ring_kv_geometry(int B, int64_t S_l, int Hkv, int D, int64_t chunk_
 // to compute: the caller agrees on it. Defined in ring_attention.cc (it asks the device).
 Status ring_launch_ctas(const RingAttentionOptions& opt, int W, const char* what, int* comm_ctas, int* grid);
 
+// The local checks of a call's packed documents (RingAttentionArgs::cu_seqlens, n_docs): OK
+// without them; with them, n_docs >= 1, an aligned array, B = 1 and S within int32. Defined in
+// ring_attention.cc.
+Status check_ring_documents(const char* what, const RingAttentionShape& s, const int32_t* cu, int n_docs);
+
 // The caller's K and V as the program names them (BufDecl::user_slot; DeviceProgram::user).
 constexpr int kUserSlotK = 0, kUserSlotV = 1;
 
