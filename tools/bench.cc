@@ -4,7 +4,7 @@
 //                                             [--deterministic] [--path P]
 //                                             [--splits] [--reps R] [--warmup U] [--json FILE]
 //                                             [--trace PREFIX [--trace-calls N]]
-//   mkernel bench ring_attention [--seq S_per_rank]... [--non-causal] [--doc-len L] [--reps R] [--warmup U]
+//   mkernel bench ring_attention [--seq S_per_rank]... [--rows R0,R1,...] [--non-causal] [--doc-len L] [--reps R] [--warmup U]
 //                                [--json FILE] [--trace PREFIX]
 //   mkernel bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]
 //                              [--reps R] [--warmup U] [--json FILE]
@@ -42,6 +42,7 @@
 #include "mkernel/mkernel.h"
 #include "mkernel/ops/collective.h"
 #include "mkernel/ops/fused.h"
+#include "mkernel/ops/ring_attention.h"
 #include "tools/bench_common.h"
 #include "tools/cli.h"
 
@@ -145,7 +146,6 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
           b->rows.push_back(v);
         at = comma + 1;
       }
-      b->fused_only.push_back(a);
     } else if (a == "--sweep" || a == "--deterministic" || a == "--splits") {
       ok = ar.no_value();
       (a == "--sweep" ? b->sweep : a == "--splits" ? b->splits : b->deterministic) = true;
@@ -212,6 +212,25 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = b->fused_only[0] + " does not apply to " + b->which + " (use --count)";
     return false;
   }
+  if ((coll || moe) && !b->rows.empty()) {
+    *err = "--rows does not apply to " + b->which + " (the fused operators and ring_attention take it)";
+    return false;
+  }
+  if (ring && !b->rows.empty()) {
+    if (!b->seqs.empty()) {
+      *err = "--rows gives each rank's tokens: leave out --seq";
+      return false;
+    }
+    // The shape rules first (W: the launcher's size, else 1; the bench's shape: B1 H32 D128 zigzag).
+    int64_t S = 0;
+    for (int64_t r : b->rows) S += r;
+    const ops::RingAttentionShape shape{1, 32, 32, 128, S, ops::SeqLayout::kZigzag, b->causal, b->rows};
+    const Status s = ops::RingAttention::can_implement(shape, std::max(1, launch_size()));
+    if (!s.ok()) {
+      *err = "--rows: " + s.message();
+      return false;
+    }
+  }
   if (coll && !b->trace.empty()) {
     *err = "--trace does not apply to " + b->which;
     return false;
@@ -251,11 +270,11 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     *err = b->moe_only[0] + " applies to moe_dispatch and moe_layer only, not to '" + b->which + "'";
     return false;
   }
-  if (!b->rows.empty() && b->sweep) {
+  if (!ring && !b->rows.empty() && b->sweep) {
     *err = "--rows needs one shape (--m, or none: M is then the rows' sum), not --sweep";
     return false;
   }
-  if (!b->rows.empty() && !b->m) {
+  if (!ring && !b->rows.empty() && !b->m) {
     for (int64_t r : b->rows) b->m += r;  // M: the shards' sum
     if (b->m > kMaxDim) {
       *err = "--rows: the rows sum to more than " + std::to_string(kMaxDim);
@@ -342,7 +361,7 @@ int bench(const std::vector<std::string>& args) {
   env.json = ba.json;
   int rc = 0;
   if (ba.which == "ring_attention") {
-    rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace, ba.doc_len);
+    rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace, ba.doc_len, ba.rows);
   } else if (ba.which == "moe_dispatch") {
     bench::MoeBenchArgs ma;
     ma.presets = ba.presets;

@@ -315,9 +315,11 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
 
 // tools/bench/ring_attention.cu. `seqs`: tokens per rank, one run each (empty: the default
 // sweep); `trace`: a file prefix for one traced call per run ("" for none); doc_len > 0: the
-// sequence packed with documents of doc_len tokens (the last shorter; cu_seqlens).
+// sequence packed with documents of doc_len tokens (the last shorter; cu_seqlens); shard_rows
+// (one count per rank; seqs unused): uneven shards, then the same sequence on even shards of the
+// largest count, and their ratio.
 int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace,
-                   int64_t doc_len = 0);
+                   int64_t doc_len = 0, const std::vector<int64_t>& shard_rows = {});
 
 // tools/bench/moe_dispatch.cu: MoE dispatch and combine against a device copy of the same bytes and,
 // when `env.comparable`, NCCL all-to-all-v plus permute kernels.

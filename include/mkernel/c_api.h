@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 8
+#define MK_C_API_VERSION 9
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -174,6 +174,12 @@ MK_C_EXPORT int mk_coll_destroy(mk_coll_t op);
 /* layout: 0 contiguous, 1 zigzag. Collective. scale 0: 1/sqrt(D). */
 MK_C_EXPORT int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
                    float scale, int comm_ctas, const char* staging, mk_ring_t* out);
+/* As mk_ring_create on uneven shards (ring_attention.h: RingAttentionShape::rows): shard_rows[nrows] (host
+ * memory) each rank's tokens, nrows the world size, each >= 1 (zigzag >= 2), summing to S; q, k, v, o and lse
+ * are then this rank's shard_rows[rank] tokens where S/W says. shard_rows NULL and nrows 0: as mk_ring_create. */
+MK_C_EXPORT int mk_ring_create_rows(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
+                                    float scale, const int64_t* shard_rows, int nrows, int comm_ctas,
+                                    const char* staging, mk_ring_t* out);
 /* q, o [B, S/W, H, D], k, v [B, S/W, Hkv, D] contiguous; lse [B, H, S/W] fp32 or null. */
 MK_C_EXPORT int mk_ring_run(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse,
                 void* stream);
@@ -185,6 +191,10 @@ MK_C_EXPORT int mk_ring_destroy(mk_ring_t op);
 /* The backward (RingAttentionBackward): same arguments as mk_ring_create. Collective. */
 MK_C_EXPORT int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
                                         float scale, int comm_ctas, const char* staging, mk_ring_bwd_t* out);
+/* The backward on uneven shards: shard_rows, nrows as mk_ring_create_rows's (the forward's). */
+MK_C_EXPORT int mk_ring_backward_create_rows(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout,
+                                             int causal, float scale, const int64_t* shard_rows, int nrows,
+                                             int comm_ctas, const char* staging, mk_ring_bwd_t* out);
 /* q, o, dout, dq [B, S/W, H, D], k, v, dk, dv [B, S/W, Hkv, D] bf16 contiguous; lse [B, H, S/W] fp32 (the
  * forward's). */
 MK_C_EXPORT int mk_ring_backward_run(mk_ring_bwd_t op, const void* q, const void* k, const void* v, const void* o,

@@ -20,7 +20,7 @@ STORE_ERASE = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p)
 STORE_WHY = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t)
 
 # The C ABI this module speaks (c_api.h: MK_C_API_VERSION); the library must say the same.
-API_VERSION = 8
+API_VERSION = 9
 
 
 class CommInfo(ctypes.Structure):
@@ -101,11 +101,15 @@ def signatures():
         "mk_ring_create": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, c_int, c_char_p, P(c_void_p)],
         "mk_ring_run": [c_void_p] * 7,
         "mk_ring_run_packed": [c_void_p] * 7 + [c_int, c_void_p],
+        "mk_ring_create_rows": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, P(c_int64), c_int, c_int,
+                                                          c_char_p, P(c_void_p)],
         "mk_ring_destroy": [c_void_p],
         "mk_ring_backward_create": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, c_int, c_char_p,
                                                                 P(c_void_p)],
         "mk_ring_backward_run": [c_void_p] * 11,
         "mk_ring_backward_run_packed": [c_void_p] * 11 + [c_int, c_void_p],
+        "mk_ring_backward_create_rows": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, P(c_int64), c_int,
+                                                                   c_int, c_char_p, P(c_void_p)],
         "mk_ring_backward_destroy": [c_void_p],
         "mk_moe_create": [c_void_p, c_int64, c_int, c_int, c_int64, c_int, c_int64, c_int, c_int, c_char_p,
                           P(c_void_p)],

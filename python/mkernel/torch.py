@@ -115,7 +115,7 @@ class Communicator:
         (self.rank, self.world, self.node, self.nodes, self.local_rank, self.local_size,
          self.device) = (info.rank, info.world, info.node, info.nodes, info.local_rank, info.local_size, info.device)
         self._fused = {}  # (kind, M, N, K) -> handle, in creation order
-        self._ring = {}   # (B, H, Hkv, D, S, layout, causal, scale) -> handle
+        self._ring = {}   # (B, H, Hkv, D, S, layout, causal, scale, shard rows) -> handle
         self._ring_bwd = {}  # the same key -> the backward's handle
         self._coll = {}   # (kind, dtype, count) -> handle
 
@@ -160,27 +160,27 @@ class Communicator:
             h = self._fused[key] = out.value
         return h
 
-    def ring(self, B, H, Hkv, D, S, layout, causal, scale):
-        key = (B, H, Hkv, D, S, layout, causal, scale)
-        h = self._ring.get(key)
+    def _ring_op(self, table, create, what, B, H, Hkv, D, S, layout, causal, scale, rows):
+        rows = tuple(int(r) for r in rows) if rows else ()
+        key = (B, H, Hkv, D, S, layout, causal, scale, rows)
+        h = table.get(key)
         if h is None:
-            self._creating(f"ring_attention with B={B} H={H} Hkv={Hkv} D={D} S={S}")
+            self._creating(f"{what} with B={B} H={H} Hkv={Hkv} D={D} S={S}" +
+                           (f" shard rows {list(rows)}" if rows else ""))
             out = ctypes.c_void_p()
-            check(_capi.lib().mk_ring_create(self._handle, B, H, Hkv, D, S, layout, int(causal), float(scale), -1, b"",
-                                             ctypes.byref(out)))
-            h = self._ring[key] = out.value
+            arr = (ctypes.c_int64 * len(rows))(*rows) if rows else None
+            check(create(self._handle, B, H, Hkv, D, S, layout, int(causal), float(scale), arr, len(rows), -1, b"",
+                         ctypes.byref(out)))
+            h = table[key] = out.value
         return h
 
-    def ring_backward(self, B, H, Hkv, D, S, layout, causal, scale):
-        key = (B, H, Hkv, D, S, layout, causal, scale)
-        h = self._ring_bwd.get(key)
-        if h is None:
-            self._creating(f"ring_attention's backward with B={B} H={H} Hkv={Hkv} D={D} S={S}")
-            out = ctypes.c_void_p()
-            check(_capi.lib().mk_ring_backward_create(self._handle, B, H, Hkv, D, S, layout, int(causal), float(scale),
-                                                      -1, b"", ctypes.byref(out)))
-            h = self._ring_bwd[key] = out.value
-        return h
+    def ring(self, B, H, Hkv, D, S, layout, causal, scale, rows=None):
+        return self._ring_op(self._ring, _capi.lib().mk_ring_create_rows, "ring_attention", B, H, Hkv, D, S, layout,
+                             causal, scale, rows)
+
+    def ring_backward(self, B, H, Hkv, D, S, layout, causal, scale, rows=None):
+        return self._ring_op(self._ring_bwd, _capi.lib().mk_ring_backward_create_rows, "ring_attention's backward", B,
+                             H, Hkv, D, S, layout, causal, scale, rows)
 
     def collective(self, kind, dtype, count):
         key = (kind, dtype, count)
@@ -497,6 +497,17 @@ def _check_attn(q, k, v):
                          "do not match")
 
 
+def _ring_seq(what, c, s, shard_rows):
+    """The whole sequence's tokens of a ring call whose rank holds s of them: s * W, or the sum of
+    shard_rows (uneven shards: one count per rank, this rank's s)."""
+    if shard_rows is None:
+        return s * c.world
+    _check_rows(what, shard_rows, c.world)
+    if shard_rows[c.rank] != s:
+        raise MkError(1, f"mkernel.{what}: rank {c.rank} holds {s} tokens, shard rows say {shard_rows[c.rank]}")
+    return sum(int(r) for r in shard_rows)
+
+
 def _check_ring_docs(what, q, cu_seqlens):
     """n_docs of a ring call's packed documents (0 without them)."""
     if cu_seqlens is None:
@@ -513,7 +524,8 @@ def _check_ring_docs(what, q, cu_seqlens):
 
 @torch.library.custom_op("mkernel::ring_attention", mutates_args=(), device_types="cuda")
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, scale: float,
-                    group_name: str, cu_seqlens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    group_name: str, cu_seqlens: Optional[torch.Tensor] = None,
+                    shard_rows: Optional[List[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     c = communicator(group_name)
     _check_attn(q, k, v)
     _device_check(c, "ring_attention", q)
@@ -521,10 +533,11 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         raise MkError(1, f"mkernel.ring_attention: layout '{layout}' is not 'contiguous' or 'zigzag'")
     n_docs = _check_ring_docs("ring_attention", q, cu_seqlens)
     B, s, H, D = q.shape
+    S = _ring_seq("ring_attention", c, s, shard_rows)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = torch.empty((B, H, s), dtype=torch.float32, device=q.device)
-    h = c.ring(B, H, k.shape[2], D, s * c.world, _LAYOUTS[layout], causal, scale)
+    h = c.ring(B, H, k.shape[2], D, S, _LAYOUTS[layout], causal, scale, shard_rows)
     if n_docs:
         check(_capi.lib().mk_ring_run_packed(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                              lse.data_ptr(), cu_seqlens.contiguous().data_ptr(), n_docs, _stream()))
@@ -535,9 +548,10 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 @_ring_attention.register_fake
-def _(q, k, v, causal, layout, scale, group_name, cu_seqlens=None):
+def _(q, k, v, causal, layout, scale, group_name, cu_seqlens=None, shard_rows=None):
     _check_attn(q, k, v)
     _check_ring_docs("ring_attention", q, cu_seqlens)
+    _check_rows("ring_attention", shard_rows, _world(group_name))
     if layout not in _LAYOUTS:
         raise MkError(1, f"mkernel.ring_attention: layout '{layout}' is not 'contiguous' or 'zigzag'")
     B, s, H, _ = q.shape
@@ -806,8 +820,8 @@ _matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 @torch.library.custom_op("mkernel::ring_attention_backward", mutates_args=(), device_types="cuda")
 def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                              dout: torch.Tensor, causal: bool, layout: str, scale: float, group_name: str,
-                             world_size: int, cu_seqlens: Optional[torch.Tensor] = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             world_size: int, cu_seqlens: Optional[torch.Tensor] = None,
+                             shard_rows: Optional[List[int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     c_ = _op_comm("ring_attention_backward", group_name, world_size, q)
     _check_attn(q, k, v)
     if layout not in _LAYOUTS:
@@ -821,8 +835,9 @@ def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dout = dout.to(torch.bfloat16).contiguous()
     lse = lse.to(torch.float32).contiguous()
     n_docs = _check_ring_docs("ring_attention_backward", q, cu_seqlens)
+    S = _ring_seq("ring_attention_backward", c_, s, shard_rows)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    h = c_.ring_backward(B, H, Hkv, D, s * c_.world, _LAYOUTS[layout], causal, scale)
+    h = c_.ring_backward(B, H, Hkv, D, S, _LAYOUTS[layout], causal, scale, shard_rows)
     if n_docs:
         check(_capi.lib().mk_ring_backward_run_packed(h, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                                       dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
@@ -836,9 +851,10 @@ def _ring_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 @_ring_attention_backward.register_fake
-def _(q, k, v, o, lse, dout, causal, layout, scale, group_name, world_size, cu_seqlens=None):
+def _(q, k, v, o, lse, dout, causal, layout, scale, group_name, world_size, cu_seqlens=None, shard_rows=None):
     _check_attn(q, k, v)
     _check_ring_docs("ring_attention_backward", q, cu_seqlens)
+    _check_rows("ring_attention_backward", shard_rows, world_size)
     if layout not in _LAYOUTS:
         raise MkError(1, f"mkernel.ring_attention_backward: layout '{layout}' is not 'contiguous' or 'zigzag'")
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -847,18 +863,19 @@ def _(q, k, v, o, lse, dout, causal, layout, scale, group_name, world_size, cu_s
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, causal, layout, scale, group_name, cu_seqlens = inputs
+    q, k, v, causal, layout, scale, group_name, cu_seqlens, shard_rows = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-    ctx.causal, ctx.layout, ctx.scale, ctx.group_name = causal, layout, scale, group_name
+    ctx.causal, ctx.layout, ctx.scale, ctx.group_name, ctx.shard_rows = causal, layout, scale, group_name, shard_rows
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, grad_o, _grad_lse):
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = torch.ops.mkernel.ring_attention_backward(q, k, v, o, lse, grad_o, ctx.causal, ctx.layout, ctx.scale,
-                                                           ctx.group_name, _world(ctx.group_name), cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None
+                                                           ctx.group_name, _world(ctx.group_name), cu_seqlens,
+                                                           ctx.shard_rows)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
@@ -995,7 +1012,8 @@ def attention_varlen(q, k, v, cu_seqlens, causal=False, scale=None):
     return torch.ops.mkernel.attention_varlen(q, k, v, cu_seqlens, bool(causal), 0.0 if scale is None else float(scale))
 
 
-def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group=None, cu_seqlens=None):
+def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group=None, cu_seqlens=None,
+                   shard_rows=None):
     """(O, LSE) of attention over the whole sequence, sharded over the group's ranks.
 
     q [B, S/W, H, D], k and v [B, S/W, Hkv, D] bf16: this rank's tokens — chunk r of W
@@ -1005,9 +1023,15 @@ def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group
     cu_seqlens (packed documents, B = 1): int32 on the GPU, n_docs + 1 entries from 0 to S in the
     whole sequence's positions, the same on every rank; each document attends only within itself
     (causal within itself when causal). The sequence is sharded as without documents.
+
+    shard_rows (uneven shards): a list of every rank's token count (the same list on every rank,
+    this rank's entry q's S/W, summing to S): contiguous, rank r holds tokens from the sum of the
+    counts before it; zigzag, the 2W chunks hold ceil(rows[0] / 2), ..., ceil(rows[W-1] / 2), then
+    floor(rows[W-1] / 2), ..., floor(rows[0] / 2) tokens and rank r its chunks r and 2W-1-r.
     """
     return torch.ops.mkernel.ring_attention(q, k, v, bool(causal), layout, 0.0 if scale is None else float(scale),
-                                            _group(group), cu_seqlens)
+                                            _group(group), cu_seqlens,
+                                            None if shard_rows is None else [int(r) for r in shard_rows])
 
 
 def _along(x, dim, f):

@@ -143,6 +143,8 @@ run ring4x1_tcp         4 "MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=tcp_rxm"         
 run ring4x1_tcp_staged  4 "MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=tcp_rxm MK_NET_STAGING=always"    ok:1 -- bench ring_attention --seq 2048 "${REPS[@]}"
 # Ring attention over packed documents (cu_seqlens, issue 35): forward and backward, over the network.
 run ring2x2_tcp_docs    4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm"                          ok:1 -- bench ring_attention --seq 2048 --doc-len 700 "${REPS[@]}"
+# Uneven shards (RingAttentionShape::rows): the uneven run, then the same sequence padded to even shards.
+run ring2x2_tcp_uneven  4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm"                          ok:2 -- bench ring_attention --rows 1500,2600,2049,1800 "${REPS[@]}"
 run all3x2_auto         6 "MK_RANKS_PER_NODE=2"                                                  ok:3 -- bench all --m 1536 --n 520 --k 136 "${REPS[@]}"
 # MoE dispatch/combine (issue 15): every preset at W = 1 and 4 on one node, emulated nodes over
 # tcp and shm (staged; 512 tokens: hierarchical), 3 ranks (experts rounded up to a multiple of W),
@@ -186,6 +188,7 @@ run bad_missing         0 "" "err:--k: missing value"                           
 run bad_overflow        0 "" "err:--reps '99999999999999999999': out of range"                   -- bench ag_gemm --reps 99999999999999999999
 run bad_seq             2 "" "err:--seq '0': must be at least 1"                                 -- bench ring_attention --seq 0
 run bad_doc_len         0 "" "err:--doc-len applies to ring_attention only"                       -- bench gemm_rs --doc-len 512
+run bad_ring_rows       2 "" "err:--rows: ring_attention: 3 shard row counts for 2 ranks"            -- bench ring_attention --rows 100,200,300
 run bad_option          0 "" "err:unknown option '--mm'"                                         -- bench ag_gemm --mm 2048
 # The operator's own checks at create (collective: the same error on every rank).
 run bad_n1030           2 "" "err:N and K must be multiples of 8"                                -- bench ag_gemm --m 2048 --n 1030 --k 256 "${REPS[@]}"

@@ -104,6 +104,12 @@ for w in "${ws[@]}"; do
   done
   run "bench_ring_w$w" "$w" -- "$B/mkernel" bench ring_attention --seq 4096 --seq 8192 --seq 16384 \
     --json "$RESULT/ring_w$w.json"
+  if (( w > 1 )); then  # uneven shards around 8192 tokens per rank, against the same sequence padded to even
+    rows=""
+    for ((r = 0; r < w; ++r)); do rows+="${rows:+,}$((8192 + (r * 1237) % 2048 - 1024))"; done
+    run "bench_ring_uneven_w$w" "$w" -- "$B/mkernel" bench ring_attention --rows "$rows" \
+      --json "$RESULT/ring_uneven_w$w.json"
+  fi
   if (( w >= 4 )); then
     run "bench_all_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- "$B/mkernel" bench all \
       --json "$RESULT/all_2nodes_w$w.json"

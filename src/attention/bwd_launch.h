@@ -75,11 +75,12 @@ struct BwdRing {
   // The rank's own block's tiles (part[me]: its step-0 items'), plus, for the key blocks whose
   // flag in own_sum ([B][kb] bytes, device) is set, the other ranks' sum that came back round the
   // ring (own_acc: acc[me]); rounded into dK / dV by the finishing kernel: key block kb of chunk
-  // kb / kb_per_chunk, rows of chunk_len each. W = 1: own_acc and own_sum null.
+  // kb / kb_per_chunk; the block's `rows` rows, chunk 0 the first chunk_len of them, chunk 1
+  // (zigzag) the rest. W = 1: own_acc and own_sum null.
   const float* own = nullptr;
   const float* own_acc = nullptr;
   const uint8_t* own_sum = nullptr;
-  int kb_per_chunk = 0, chunk_len = 0;
+  int kb_per_chunk = 0, chunk_len = 0, rows = 0;
   // Packed documents by position (ring over packed documents), or null: doc_win[pos] the
   // document window of global position pos, qwin [workspace rows] those of this rank's query
   // rows in the workspace's (virtual) rows (doc_window.h; B = 1).
@@ -92,7 +93,7 @@ struct BwdRing {
 
 // The ring's call: `a` as launch_bwd_d* takes it, a.workspace of
 // backward_workspace_bytes(B, H, S/W, D, chunks) bytes (256-byte aligned), a.cu_seqlens the
-// chunks' bounds {0, chunk_len, ...} on the device (n_docs = chunks), so that each chunk's query
+// chunks' bounds {0, chunk 0's rows[, S/W]} on the device (n_docs = chunks), so that each chunk's query
 // blocks are the workspace's virtual blocks; the caller checked the tensors.
 Status run_ring_backward(const BackwardArgs& a, const BwdRing& ring, cudaStream_t stream);
 

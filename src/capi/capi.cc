@@ -527,9 +527,13 @@ int mk_coll_destroy(mk_coll_t op) {
 // layout: 0 contiguous, 1 zigzag. Collective. scale 0: 1/sqrt(D).
 namespace {
 int ring_shape(const char* what, int B, int H, int Hkv, int D, int64_t S, int layout, int causal, float scale,
-               int comm_ctas, const char* staging, mk::ops::RingAttentionShape* shape, mk::ops::RingAttentionOptions* opt) {
+               int comm_ctas, const char* staging, const int64_t* shard_rows, int nrows,
+               mk::ops::RingAttentionShape* shape, mk::ops::RingAttentionOptions* opt) {
   if (layout != 0 && layout != 1)
     return invalid(std::string(what) + ": layout " + std::to_string(layout) + " is not 0 or 1");
+  if (nrows < 0 || (nrows > 0) != (shard_rows != nullptr))
+    return invalid(std::string(what) + ": shard_rows and nrows must both be given (or NULL and 0)");
+  if (nrows > 0) shape->rows.assign(shard_rows, shard_rows + nrows);
   shape->B = B, shape->H = H, shape->Hkv = Hkv, shape->D = D, shape->S = S;
   shape->layout = static_cast<mk::ops::SeqLayout>(layout);
   shape->causal = causal != 0;
@@ -542,12 +546,18 @@ int ring_shape(const char* what, int B, int H, int Hkv, int D, int64_t S, int la
 
 int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal, float scale,
                    int comm_ctas, const char* staging, mk_ring_t* out) {
+  return mk_ring_create_rows(comm, B, H, Hkv, D, S, layout, causal, scale, nullptr, 0, comm_ctas, staging, out);
+}
+
+int mk_ring_create_rows(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal, float scale,
+                        const int64_t* shard_rows, int nrows, int comm_ctas, const char* staging, mk_ring_t* out) {
   return guard("mk_ring_create", [&]() -> int {
     if (!comm || !out) return invalid("mk_ring_create: null argument");
     *out = nullptr;
     mk::ops::RingAttentionShape shape;
     mk::ops::RingAttentionOptions opt;
-    if (int e = ring_shape("mk_ring_create", B, H, Hkv, D, S, layout, causal, scale, comm_ctas, staging, &shape, &opt))
+    if (int e = ring_shape("mk_ring_create", B, H, Hkv, D, S, layout, causal, scale, comm_ctas, staging, shard_rows,
+                           nrows, &shape, &opt))
       return e;
     std::unique_ptr<mk::ops::RingAttention> op;
     mk::Status s = mk::ops::RingAttention::create(comm_of(comm), shape, opt, &op);
@@ -559,13 +569,20 @@ int mk_ring_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int 
 
 int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
                             float scale, int comm_ctas, const char* staging, mk_ring_bwd_t* out) {
+  return mk_ring_backward_create_rows(comm, B, H, Hkv, D, S, layout, causal, scale, nullptr, 0, comm_ctas, staging,
+                                      out);
+}
+
+int mk_ring_backward_create_rows(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
+                                 float scale, const int64_t* shard_rows, int nrows, int comm_ctas,
+                                 const char* staging, mk_ring_bwd_t* out) {
   return guard("mk_ring_backward_create", [&]() -> int {
     if (!comm || !out) return invalid("mk_ring_backward_create: null argument");
     *out = nullptr;
     mk::ops::RingAttentionShape shape;
     mk::ops::RingAttentionOptions opt;
     if (int e = ring_shape("mk_ring_backward_create", B, H, Hkv, D, S, layout, causal, scale, comm_ctas, staging,
-                           &shape, &opt))
+                           shard_rows, nrows, &shape, &opt))
       return e;
     std::unique_ptr<mk::ops::RingAttentionBackward> op;
     mk::Status s = mk::ops::RingAttentionBackward::create(comm_of(comm), shape, opt, &op);

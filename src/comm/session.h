@@ -55,6 +55,15 @@ Status agree_on_request(Bootstrap& bs, const Request& mine, const char* what, De
                                 [&](const void* r) { return describe(*static_cast<const Request*>(r)); });
 }
 
+// A list of per-rank counts as a request carries it (uneven shards): FNV-1a of their bytes; 0
+// for an empty list.
+inline uint64_t counts_hash(const std::vector<int64_t>& v) {
+  uint64_t h = v.empty() ? 0 : 1469598103934665603ull;
+  for (int64_t r : v)
+    for (int i = 0; i < 8; ++i) h = (h ^ uint64_t((r >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+
 class OpSession : public CommAttachment {
  public:
   // Collective. `name` names the operator in errors and device-wait reports (op tag). When the

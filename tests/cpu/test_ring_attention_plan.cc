@@ -63,6 +63,87 @@ TEST(RingPlan, CoversEveryVisiblePairOnce) {
   }
 }
 
+// Uneven shards drawn from the run seed: each rank 1 to 40 tokens (zigzag 2 to 40).
+std::vector<int64_t> random_rows(std::mt19937_64& rng, int W, SeqLayout lay) {
+  const int64_t least = lay == SeqLayout::kZigzag ? 2 : 1;
+  std::vector<int64_t> rows;
+  for (int r = 0; r < W; ++r) rows.push_back(least + int64_t(rng() % uint64_t(41 - least)));
+  return rows;
+}
+
+// Uneven shards: every visible pair once; rank r's chunks hold rows[r] tokens, lie in its block
+// one after the other (chunk r first), and the chunks in global order tile the sequence
+// (zigzag: chunk r has ceil(rows[r] / 2) tokens).
+TEST(RingPlan, UnevenShardsCoverEveryVisiblePairOnce) {
+  std::mt19937_64 rng(test::mix(test::test_seed(), 0x5E7E));
+  for (int W : {1, 2, 3, 4, 6}) {
+    for (int nodes : {1, 2, 3}) {
+      if (W % nodes) continue;
+      for (SeqLayout lay : {SeqLayout::kContiguous, SeqLayout::kZigzag})
+        for (bool causal : {false, true})
+          for (int draw = 0; draw < 3; ++draw) {
+            const std::vector<int64_t> rows = random_rows(rng, W, lay);
+            int64_t S = 0;
+            for (int64_t r : rows) S += r;
+            RingPlan p;
+            ASSERT_TRUE(build_ring_plan(comm::Layout::uniform(W, nodes), S, lay, causal, &p, rows).ok());
+            SCOPED_TRACE(testing::Message() << "W " << W << " nodes " << nodes << " zigzag " << int(lay) << " causal "
+                                            << causal << " S " << S << " (run seed " << test::test_seed() << ")");
+            EXPECT_EQ(p.rows, rows);
+            std::vector<const SeqChunk*> order(size_t(lay == SeqLayout::kZigzag ? 2 * W : W), nullptr);
+            for (int r = 0; r < W; ++r) {
+              int64_t row0 = 0;
+              for (const SeqChunk& c : p.chunks[r]) {
+                EXPECT_EQ(c.row0, row0) << "rank " << r;
+                EXPECT_GE(c.tokens, 1) << "rank " << r;
+                row0 += c.tokens;
+                ASSERT_TRUE(c.index >= 0 && c.index < int(order.size()) && !order[size_t(c.index)]);
+                order[size_t(c.index)] = &c;
+              }
+              EXPECT_EQ(row0, rows[size_t(r)]) << "rank " << r;
+              if (lay == SeqLayout::kZigzag) {
+                EXPECT_EQ(p.chunks[r][0].index, r);
+                EXPECT_EQ(p.chunks[r][0].tokens, (rows[size_t(r)] + 1) / 2) << "rank " << r;
+              }
+            }
+            int64_t t0 = 0;
+            for (const SeqChunk* c : order) {
+              ASSERT_NE(c, nullptr);
+              EXPECT_EQ(c->token0, t0);
+              t0 += c->tokens;
+            }
+            EXPECT_EQ(t0, S);
+            check_coverage(p);
+          }
+    }
+  }
+}
+
+TEST(RingPlan, RejectsBadShardRows) {
+  RingPlan p;
+  const comm::Layout L = comm::Layout::uniform(3, 1);
+  struct Bad {
+    std::vector<int64_t> rows;
+    int64_t S;
+    SeqLayout lay;
+    const char* names;
+  };
+  const Bad bad[] = {
+      {{10, 10}, 20, SeqLayout::kContiguous, "2 shard row counts for 3 ranks"},
+      {{10, 0, 10}, 20, SeqLayout::kContiguous, "rank 1 holds 0 tokens"},
+      {{10, 1, 10}, 21, SeqLayout::kZigzag, "rank 1 holds 1 tokens (each rank at least 2: the zigzag"},
+      {{10, 10, 10}, 31, SeqLayout::kContiguous, "sum to 30, not the sequence's 31"},
+      {{10, -4, 25}, 31, SeqLayout::kContiguous, "rank 1 holds -4 tokens"},
+  };
+  for (const Bad& b : bad) {
+    const Status s = build_ring_plan(L, b.S, b.lay, false, &p, b.rows);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << b.names;
+    EXPECT_NE(s.message().find(b.names), std::string::npos) << s.to_string();
+  }
+  // Rows that split a sequence no equal chunks would.
+  EXPECT_TRUE(build_ring_plan(L, 31, SeqLayout::kZigzag, true, &p, {10, 11, 10}).ok());
+}
+
 // Step t + 1's block is what the previous rank on the ring held at step t; every block visits
 // every rank once; the node boundary is crossed by `nodes` ranks per step (never more).
 TEST(RingPlan, RingMovesBlocksOncePerNodeBoundary) {

@@ -36,12 +36,18 @@ struct RingConfig {
   int chunk_tokens = 64;
   int comm_slots = 1, unit_slots = 1;
   bool backward = false;  // with the backward's dK/dV sums (3 key blocks per chunk, pieces of 2)
+  std::vector<int64_t> rows = {};  // uneven shards (S_l: unused), or empty
 };
+std::string rows_name(const std::vector<int64_t>& rows) {
+  std::string s = rows.empty() ? "" : "_rows";
+  for (int64_t r : rows) s += "_" + std::to_string(r);
+  return s;
+}
 std::string name_of(const RingConfig& c) {
   return "W" + std::to_string(c.W) + (c.strided ? "s" : "n") + std::to_string(c.nodes) + (c.staged ? "_staged" : "") +
          (c.zigzag ? "_zigzag" : "_contig") + (c.causal ? "_causal" : "") + "_B" + std::to_string(c.B) + "_S" +
          std::to_string(c.S_l) + "_ct" + std::to_string(c.chunk_tokens) + "_c" + std::to_string(c.comm_slots) + "_u" +
-         std::to_string(c.unit_slots) + (c.backward ? "_bwd" : "");
+         std::to_string(c.unit_slots) + (c.backward ? "_bwd" : "") + rows_name(c.rows);
 }
 void PrintTo(const RingConfig& c, std::ostream* os) { *os << name_of(c); }
 
@@ -55,14 +61,20 @@ struct Built {
 };
 void build(const RingConfig& c, Built* b) {
   const comm::Layout l = layout_of(c);
-  const int64_t S = c.S_l * c.W;
-  ASSERT_TRUE(build_ring_plan(l, S, c.zigzag ? SeqLayout::kZigzag : SeqLayout::kContiguous, c.causal, &b->plan).ok());
+  int64_t S = c.S_l * c.W, S_l = c.S_l;
+  if (!c.rows.empty()) {
+    S = 0, S_l = 0;
+    for (int64_t r : c.rows) S += r, S_l = std::max(S_l, r);
+  }
+  ASSERT_TRUE(
+      build_ring_plan(l, S, c.zigzag ? SeqLayout::kZigzag : SeqLayout::kContiguous, c.causal, &b->plan, c.rows).ok());
   RingGeometry g;
   g.B = c.B;
-  g.S_l = c.S_l;
+  g.S_l = S_l;
+  g.rows = c.rows;
   g.row_bytes = 2 * 64 * 2;  // Hkv 2, D 64
   g.chunk_tokens = c.chunk_tokens;
-  g.pieces = int((c.S_l + c.chunk_tokens - 1) / c.chunk_tokens);
+  g.pieces = int((S_l + c.chunk_tokens - 1) / c.chunk_tokens);
   if (c.backward) {
     g.backward = true;
     g.hkv = 2;
@@ -71,6 +83,16 @@ void build(const RingConfig& c, Built* b) {
     g.kb_per_chunk = 3;
     g.kb_per_piece = 2;
     g.dkv_part_bytes = 64;  // pieces of 96 and 192 bytes: sums on the node in 2 and 3 parts
+    if (!c.rows.empty()) {
+      // Uneven: the longest chunk has 3 key blocks of kbt tokens, the others as many as their
+      // tokens need (1 to 3): pieces of 2, 1 or none.
+      int64_t longest = 0;
+      for (const auto& cs : b->plan.chunks)
+        for (const SeqChunk& ch : cs) longest = std::max(longest, ch.tokens);
+      const int64_t kbt = (longest + 2) / 3;
+      for (const auto& cs : b->plan.chunks)
+        for (const SeqChunk& ch : cs) g.chunk_kbs.push_back(int((ch.tokens + kbt - 1) / kbt));
+    }
   }
   ASSERT_TRUE(build_ring_program(b->plan, l, g, c.staged, &b->prog).ok());
 }
@@ -95,7 +117,9 @@ float part_value(int r, int e, int blk, uint64_t i) {
 // The kernel's side: per call, the steps that compute something (each reads one block after its
 // arrival waits; step 0 reads the caller's own K/V). Backward: one unit per (step, batch, dK/dV
 // piece) that the rank computes, which checks the block it reads, writes its tiles of the piece
-// into part and raises the piece's ready flag by the count the program waits for.
+// into part and raises the piece's ready flag once per tile, as the kernel's items do. Which
+// pieces a step computes and how many tiles each has come from the plan and the chunks' key
+// blocks here (kernel_kbs), not from the program's own counts.
 class RingCompute : public comm::ReplayCompute {
  public:
   RingCompute(const RingPlan& plan, const RingProgram& p) : plan_(plan), p_(p) {
@@ -108,10 +132,22 @@ class RingCompute : public comm::ReplayCompute {
           units_[r].push_back({t, 0, -1});
           continue;
         }
+        const int blk = plan.steps[r][t].kv_rank;
         for (int b = 0; b < g.B; ++b)
-          for (int dp = 0; dp < g.dpieces(); ++dp)
-            if (p.ranks[r].ready_count[p.dkv_index(plan.steps[r][t].kv_rank, b, dp)]) units_[r].push_back({t, b, dp});
+          for (int dp = 0; dp < g.dpieces(); ++dp) {
+            bool pair = false;
+            for (const auto& pr : plan.steps[r][t].pairs) pair = pair || pr.kv_chunk == g.dpiece_chunk(dp);
+            if (pair && kernel_kbs(blk, dp) > 0) units_[r].push_back({t, b, dp});
+          }
       }
+  }
+  // Key blocks of piece dp of block blk as the kernel's items cover it: those of the piece's
+  // range that its chunk has (the chunk's key blocks: chunk_kbs, or kb_per_chunk).
+  int kernel_kbs(int blk, int dp) const {
+    const RingGeometry& g = p_.geo;
+    const int chunk = dp / g.dpieces_per_chunk(), first = (dp % g.dpieces_per_chunk()) * g.kb_per_piece;
+    const int have = g.chunk_kbs.empty() ? g.kb_per_chunk : g.chunk_kbs[size_t(blk * g.chunks + chunk)];
+    return std::max(0, std::min(g.kb_per_piece, have - first));
   }
   size_t units(int rank) const override { return units_[rank].size(); }
   int phases(int, size_t) const override { return 1; }
@@ -127,12 +163,13 @@ class RingCompute : public comm::ReplayCompute {
     if (u.dp >= 0) s += " batch " + std::to_string(u.b) + " dK/dV piece " + std::to_string(u.dp);
     return s;
   }
+  // The caller's K/V hold this rank's rows (words tagged by rank, call, K or V and index); past
+  // them, up to the declared size (the largest block), a poison word that no read may carry.
   void start_call(comm::Replay& r, int me, int e) override {
     for (int kv = 0; kv < 2; ++kv) {
-      const uint64_t bytes = block();
-      uint8_t* m = r.mem(me, comm::BufRef{comm::BufId(kv ? RingBuf::kUserV : RingBuf::kUserK), me, 0}, bytes);
-      for (uint64_t i = 0; m && i < bytes / 4; ++i) {
-        const uint32_t w = tag(me, e, kv, i);
+      uint8_t* m = r.mem(me, comm::BufRef{comm::BufId(kv ? RingBuf::kUserV : RingBuf::kUserK), me, 0}, slot_block());
+      for (uint64_t i = 0; m && i < slot_block() / 4; ++i) {
+        const uint32_t w = i < user_block(me) / 4 ? tag(me, e, kv, i) : kPoison;
         memcpy(m + 4 * i, &w, 4);
       }
     }
@@ -144,7 +181,8 @@ class RingCompute : public comm::ReplayCompute {
     if (u.dp < 0) return true;
     const RingGeometry& g = p_.geo;
     const uint64_t off = g.tile_offset(blk, u.b, g.dpiece_kb0(u.dp), 0);
-    const uint64_t bytes = uint64_t(g.dpiece_kbs(u.dp)) * g.hkv * g.tile_bytes;
+    const uint64_t tiles = uint64_t(kernel_kbs(blk, u.dp)) * g.hkv;
+    const uint64_t bytes = tiles * g.tile_bytes;
     uint8_t* m = r.mem(me, comm::BufRef{RingBuf::kPart, me, off}, bytes);
     if (!m) return false;
     for (uint64_t i = 0; i < bytes / 4; ++i) {
@@ -152,7 +190,7 @@ class RingCompute : public comm::ReplayCompute {
       memcpy(m + 4 * i, &v, 4);
     }
     const uint32_t idx = p_.dkv_index(blk, u.b, u.dp);
-    r.raise(me, comm::add_to(RingRegion::kReady, me, idx, p_.ranks[me].ready_count[idx]));
+    r.raise(me, comm::add_to(RingRegion::kReady, me, idx, uint32_t(tiles)));
     return true;
   }
   bool finish_call(comm::Replay& r, int me, int e) override {
@@ -166,8 +204,9 @@ class RingCompute : public comm::ReplayCompute {
     for (int r = 0; r < plan_.world; ++r)
       for (const Unit& u : units_[r])
         if (u.dp >= 0) {
-          const uint32_t idx = p_.dkv_index(plan_.steps[r][u.t].kv_rank, u.b, u.dp);
-          out.push_back({r, comm::add_to(RingRegion::kReady, r, idx, p_.ranks[r].ready_count[idx]), 1,
+          const int blk = plan_.steps[r][u.t].kv_rank;
+          const uint32_t idx = p_.dkv_index(blk, u.b, u.dp);
+          out.push_back({r, comm::add_to(RingRegion::kReady, r, idx, uint32_t(kernel_kbs(blk, u.dp) * p_.geo.hkv)), 1,
                          unit_name(r, size_t(&u - units_[r].data()))});
         }
     return out;
@@ -177,26 +216,35 @@ class RingCompute : public comm::ReplayCompute {
   struct Unit {
     int t, b, dp;  // dp -1: forward (the whole step)
   };
-  uint64_t block() const { return uint64_t(p_.geo.B) * p_.geo.S_l * p_.geo.row_bytes; }
+  static constexpr uint32_t kPoison = 0x7fbadbadu;
+  // A slot: B x S_l rows; rank r's block in the caller's K/V: B x rows_of(r) rows.
+  uint64_t slot_block() const { return uint64_t(p_.geo.B) * p_.geo.S_l * p_.geo.row_bytes; }
+  uint64_t user_block(int r) const { return uint64_t(p_.geo.B) * p_.geo.rows_of(r) * p_.geo.row_bytes; }
+  // Rank owner's block as `me` reads it (own: the caller's K/V; else its slot): every row of it
+  // this call's data, and in a slot the rows past the block (uneven shards) never written.
   bool check_block(comm::Replay& r, int me, int owner, bool own) {
     const int e = r.epoch(me);
+    const RingGeometry& g = p_.geo;
+    const uint64_t words_per_row = uint64_t(g.row_bytes) / 4, rows = uint64_t(g.rows_of(owner));
+    const uint64_t stride = own ? rows : uint64_t(g.S_l);  // rows per batch where it lies
     for (int kv = 0; kv < 2; ++kv) {
       const comm::BufRef at = own ? comm::BufRef{comm::BufId(kv ? RingBuf::kUserV : RingBuf::kUserK), me, 0}
                                   : comm::BufRef{comm::BufId(kv ? RingBuf::kSlotsV : RingBuf::kSlotsK), me,
-                                                 uint64_t(owner) * block()};
-      const uint8_t* m = r.mem(me, at, block());
+                                                 uint64_t(owner) * slot_block()};
+      const uint8_t* m = r.mem(me, at, own ? user_block(owner) : slot_block());
       if (!m) return false;
-      for (uint64_t i = 0; i < block() / 4; ++i) {
-        uint32_t w;
-        memcpy(&w, m + 4 * i, 4);
-        if (w != tag(owner, e, kv, i)) {
-          const uint64_t row = i * 4 / uint64_t(p_.geo.row_bytes);
-          return r.fail(std::string(kv ? "V" : "K") + " of rank " + std::to_string(owner) + "'s block, row " +
-                        std::to_string(row % uint64_t(p_.geo.S_l)) + " of batch " +
-                        std::to_string(row / uint64_t(p_.geo.S_l)) + ": not this call's data (" +
-                        (own ? "the caller's" : "slot") + ")");
-        }
-      }
+      for (uint64_t b = 0; b < uint64_t(g.B); ++b)
+        for (uint64_t row = 0; row < stride; ++row)
+          for (uint64_t k = 0; k < words_per_row; ++k) {
+            uint32_t w;
+            memcpy(&w, m + 4 * ((b * stride + row) * words_per_row + k), 4);
+            const bool used = row < rows;
+            if (used ? w != tag(owner, e, kv, (b * rows + row) * words_per_row + k) : w != 0)
+              return r.fail(std::string(kv ? "V" : "K") + " of rank " + std::to_string(owner) + "'s block, row " +
+                            std::to_string(row) + " of batch " + std::to_string(b) +
+                            (used ? ": not this call's data (" : ": past the block's rows, written (") +
+                            (own ? "the caller's" : "slot") + ")");
+          }
     }
     return true;
   }
@@ -216,6 +264,7 @@ class RingCompute : public comm::ReplayCompute {
       const int b = int(i * 4 / per_b);
       const int kbi = int((i * 4 % per_b) / (uint64_t(g.hkv) * g.tile_bytes));
       const int chunk = kbi / g.kb_per_chunk;
+      if (kbi % g.kb_per_chunk >= g.kbs_of(me, chunk)) continue;  // past a shorter chunk's key blocks
       float want = 0.f;
       for (int q = 0; q < W; ++q)
         for (int t = 0; t < W; ++t)
@@ -284,6 +333,21 @@ std::vector<RingConfig> sweep() {
   for (bool staged : {false, true})  // the GPU matrix's smallest case: 2 tokens per rank
     add(RingConfig{6, 3, false, staged, true, true, 1, 2, 2, 4, 2});
   add(RingConfig{5, 1, false, false, false, true, 1, 40, 24, 2, 1});  // a last piece shorter than the rest
+  // Uneven shards: blocks of fewer pieces than the slots hold, a last piece of one row, ranks of
+  // one row (contiguous) or two (zigzag), batches.
+  auto uneven = [&](RingConfig c, std::vector<int64_t> rows) {
+    c.rows = std::move(rows);
+    add(c);
+  };
+  uneven(RingConfig{3, 1, false, false, false, true, 1, 0, 16, 2, 2}, {40, 64, 17});
+  uneven(RingConfig{2, 1, false, false, true, false, 2, 0, 8, 1, 1}, {2, 33});
+  uneven(RingConfig{4, 1, false, false, true, true, 1, 0, 16, 3, 2}, {50, 64, 2, 33});
+  for (bool staged : {false, true}) {
+    uneven(RingConfig{2, 2, false, staged, false, false, 1, 0, 64, 1, 1}, {1, 64});
+    uneven(RingConfig{4, 2, false, staged, true, true, 1, 0, 16, 2, 2}, {50, 64, 2, 33});
+    uneven(RingConfig{3, 3, false, staged, true, true, 2, 0, 8, 2, 2}, {20, 64, 7});
+    uneven(RingConfig{4, 2, true, staged, false, true, 2, 0, 16, 3, 1}, {64, 10, 30, 64});
+  }
   // The backward's dK/dV sums beside K/V: every layout kind, both sequence layouts, causal or not.
   for (RingConfig c : std::vector<RingConfig>(out)) {
     if (c.W > 4 && c.nodes == 1) continue;
@@ -494,7 +558,11 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RingMutation,
                                            RingConfig{3, 1, false, false, true, true, 1, 64, 32, 3, 2, true},
                                            RingConfig{2, 2, false, false, false, false, 1, 64, 32, 3, 2, true},
                                            RingConfig{4, 2, false, true, true, true, 1, 32, 16, 3, 2, true},
-                                           RingConfig{4, 2, true, false, false, true, 2, 32, 16, 3, 2, true}),
+                                           RingConfig{4, 2, true, false, false, true, 2, 32, 16, 3, 2, true},
+                                           RingConfig{3, 1, false, false, true, true, 1, 0, 16, 3, 2, false, {40, 64, 17}},
+                                           RingConfig{4, 2, false, true, false, true, 1, 0, 16, 3, 2, false, {9, 40, 64, 2}},
+                                           RingConfig{3, 1, false, false, true, true, 1, 0, 16, 3, 2, true, {40, 64, 17}},
+                                           RingConfig{4, 2, false, true, false, true, 1, 0, 16, 3, 2, true, {9, 40, 64, 2}}),
                          [](const ::testing::TestParamInfo<RingConfig>& i) { return name_of(i.param); });
 
 // The resolver's view: the same program checks out for every rank of a 2-node layout, staged
@@ -542,8 +610,12 @@ TEST_P(RingReplay, KvOpsComeFirst) {
     bool later = false, home = false;
     for (int t = 1; t < c.W; ++t) later = later || !b.plan.steps[r][t].pairs.empty();
     for (uint8_t f : rp.own_sum) home = home || f;
-    if (c.backward && later) EXPECT_GT(dkv, 0u) << name_of(c) << " rank " << r;
-    if (!c.backward || (!later && !home)) EXPECT_EQ(dkv, 0u) << name_of(c) << " rank " << r;
+    if (c.backward && later) {
+      EXPECT_GT(dkv, 0u) << name_of(c) << " rank " << r;
+    }
+    if (!c.backward || (!later && !home)) {
+      EXPECT_EQ(dkv, 0u) << name_of(c) << " rank " << r;
+    }
   }
 }
 
@@ -560,14 +632,23 @@ TEST(RingProgram, KvGeometryPieces) {
       {1, 1, 4, 64, 0, 1, 1},
   };
   for (const Case& c : cases) {
-    const RingGeometry g = ring_kv_geometry(c.B, c.S_l, c.Hkv, c.D, c.ct);
+    const RingGeometry g = ring_kv_geometry(c.B, {c.S_l, c.S_l}, c.Hkv, c.D, c.ct);
     EXPECT_EQ(g.chunk_tokens, c.want_ct) << c.S_l << " " << c.Hkv << " " << c.D << " " << c.ct;
     EXPECT_EQ(g.pieces, c.want_pieces) << c.S_l << " " << c.Hkv << " " << c.D << " " << c.ct;
     EXPECT_EQ(g.B, c.B);
     EXPECT_EQ(g.S_l, c.S_l);
     EXPECT_EQ(g.row_bytes, int64_t(c.Hkv) * c.D * 2);
     EXPECT_FALSE(g.backward);
+    EXPECT_TRUE(g.rows.empty());
   }
+  // Uneven shards: slots of the largest block; each block its own pieces, the last one short.
+  const RingGeometry g = ring_kv_geometry(1, {100, 300, 50}, 8, 64, 64);
+  EXPECT_EQ(g.S_l, 300);
+  EXPECT_EQ(g.pieces, 5);
+  EXPECT_EQ(g.rows, (std::vector<int64_t>{100, 300, 50}));
+  EXPECT_EQ(g.pieces_of(0), 2);
+  EXPECT_EQ(g.pieces_of(1), 5);
+  EXPECT_EQ(g.pieces_of(2), 1);
 }
 
 TEST(RingProgram, PadSizeDoesNotDependOnStaging) {

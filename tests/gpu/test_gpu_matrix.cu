@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -320,19 +321,40 @@ struct RingCase {
   int64_t tokens_per_rank;
   int comm_ctas;
   int doc_len = 0;  // > 0: packed documents of doc_len tokens over the whole sequence (cu_seqlens)
+  bool uneven = false;  // uneven shards (RingAttentionShape::rows, ring_rows)
 };
+
+// A case's shard rows: tokens_per_rank each, or uneven: rank r holds tokens_per_rank +
+// (37 r) % 61 - 30 tokens (at least 1; zigzag 2).
+std::vector<int64_t> ring_rows(const RingCase& c, int W) {
+  std::vector<int64_t> rows;
+  const int64_t least = c.layout == ops::SeqLayout::kZigzag ? 2 : 1;
+  for (int r = 0; r < W; ++r)
+    rows.push_back(c.uneven ? std::max<int64_t>(least, c.tokens_per_rank + (37 * r) % 61 - 30) : c.tokens_per_rank);
+  return rows;
+}
+std::string ring_case_name(const RingCase& c, const std::vector<int64_t>& rows, int me, int comm_ctas) {
+  std::string s = std::string(c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") +
+                  (c.causal ? " causal" : "") + " S/rank " + std::to_string(rows[size_t(me)]) +
+                  (c.uneven ? " (uneven shards)" : "") + " H " + std::to_string(c.H) + "/" + std::to_string(c.Hkv) +
+                  " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas);
+  return c.doc_len ? s + " documents of " + std::to_string(c.doc_len) : s;
+}
 
 // Inputs in eighths in [-1/2, 1/2] (exact in bf16), a function of (rank, which, call, index).
 float ring_value(uint64_t seed, int rank, int which, uint64_t call, uint64_t i) {
   return float(tag_int(seed, rank, which + 8, call, i) * 2 + (tag_int(seed, rank, which + 16, call, i) & 1)) / 8.f;
 }
 
-// Every rank's tensors `which` (0 Q, 1 K, 2 V, 3 dO) of a call on the host, n elements each (the
-// reference needs the whole sequence's).
-std::vector<std::vector<float>> ring_host(uint64_t seed, int W, int which, uint64_t call, size_t n) {
-  std::vector<std::vector<float>> h(W, std::vector<float>(n));
-  for (int r = 0; r < W; ++r)
-    for (size_t i = 0; i < n; ++i) h[r][i] = ring_value(seed, r, which, call, i);
+// Every rank's tensors `which` (0 Q, 1 K, 2 V, 3 dO) of a call on the host, rank r's rows[r] rows
+// of `row` elements (the reference needs the whole sequence's).
+std::vector<std::vector<float>> ring_host(uint64_t seed, int which, uint64_t call, const std::vector<int64_t>& rows,
+                                          int64_t row) {
+  std::vector<std::vector<float>> h;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    h.emplace_back(size_t(rows[r] * row));
+    for (size_t i = 0; i < h.back().size(); ++i) h.back()[i] = ring_value(seed, int(r), which, call, i);
+  }
   return h;
 }
 // h as bf16 into device d, on the operator's (non-blocking) stream: a cudaMemcpy from pageable
@@ -348,18 +370,18 @@ void upload_bf16(const std::vector<float>& h, void* d, cudaStream_t st) {
 void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int calls, bool in_flight) {
   const int W = comm->world(), me = comm->rank();
   const int B = 1;
-  const int64_t S_l = c.tokens_per_rank, S = S_l * W;
+  const std::vector<int64_t> rows = ring_rows(c, W);
+  const int64_t S_l = rows[size_t(me)], S = std::accumulate(rows.begin(), rows.end(), int64_t(0));
+  const int64_t S_max = *std::max_element(rows.begin(), rows.end());
   const int comm_ctas = comm_ctas_here(c.comm_ctas, true);
-  SCOPED_TRACE(std::string("ring_attention ") + (c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") +
-               (c.causal ? " causal" : "") + " S/rank " + std::to_string(S_l) + " H " + std::to_string(c.H) + "/" +
-               std::to_string(c.Hkv) + " D " + std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas) +
-               (c.doc_len ? " documents of " + std::to_string(c.doc_len) : std::string()));
+  SCOPED_TRACE("ring_attention " + ring_case_name(c, rows, me, comm_ctas));
   ops::RingAttentionOptions o;
   o.comm_ctas = comm_ctas;
   // Several forwarded pieces per block even at these sizes: arrival flags per piece are tested.
-  o.chunk_tokens = S_l > 64 ? 64 : 0;
+  o.chunk_tokens = S_max > 64 ? 64 : 0;
   std::unique_ptr<ops::RingAttention> op;
-  MK_ASSERT_OK(ops::RingAttention::create(comm, {B, c.H, c.Hkv, c.D, S, c.layout, c.causal}, o, &op));
+  MK_ASSERT_OK(ops::RingAttention::create(
+      comm, {B, c.H, c.Hkv, c.D, S, c.layout, c.causal, c.uneven ? rows : std::vector<int64_t>{}}, o, &op));
   const ops::RingPlan& plan = ops::RingAttentionTesting::plan(*op);
   // Global position of each local token of every rank (chunks in token order).
   std::vector<std::vector<int64_t>> pos(W);
@@ -385,7 +407,8 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
   const double scale = 1.0 / std::sqrt(double(c.D));
   for (int call = 1; call <= calls; ++call) {
     const uint64_t e = uint64_t(call) + (in_flight ? 1000 : 0);
-    const auto hq = ring_host(seed, W, 0, e, qn), hk = ring_host(seed, W, 1, e, kn), hv = ring_host(seed, W, 2, e, kn);
+    const auto hq = ring_host(seed, 0, e, rows, int64_t(c.H) * c.D), hk = ring_host(seed, 1, e, rows, int64_t(c.Hkv) * c.D),
+               hv = ring_host(seed, 2, e, rows, int64_t(c.Hkv) * c.D);
     for (auto [h, d] : {std::pair<const std::vector<float>*, void*>{&hq[me], q.p}, {&hk[me], k.p}, {&hv[me], v.p}})
       ASSERT_NO_FATAL_FAILURE(upload_bf16(*h, d, st));
     poison16<<<132, 256, 0, st>>>(o_d.as<uint16_t>(), int64_t(qn));
@@ -412,7 +435,7 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
         double mx = -INFINITY;
         sc.clear();
         for (int r = 0; r < W; ++r)
-          for (int64_t j = 0; j < S_l; ++j) {
+          for (int64_t j = 0; j < rows[size_t(r)]; ++j) {
             if (!visible(pos[me][i], pos[r][j])) {
               sc.push_back(-INFINITY);
               continue;
@@ -427,7 +450,7 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
         std::fill(acc.begin(), acc.end(), 0.0);
         size_t n = 0;
         for (int r = 0; r < W; ++r)
-          for (int64_t j = 0; j < S_l; ++j, ++n) {
+          for (int64_t j = 0; j < rows[size_t(r)]; ++j, ++n) {
             if (sc[n] == -INFINITY) continue;
             const double p = std::exp(sc[n] - mx);
             sum += p;
@@ -463,17 +486,18 @@ void run_ring_case(Communicator* comm, const RingCase& c, uint64_t seed, int cal
 // the kernel, sums over up to S keys in another order).
 void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed, int calls) {
   const int W = comm->world(), me = comm->rank();
-  const int64_t S_l = c.tokens_per_rank, S = S_l * W;
+  const std::vector<int64_t> rows = ring_rows(c, W);
+  const int64_t S_l = rows[size_t(me)], S = std::accumulate(rows.begin(), rows.end(), int64_t(0));
+  const int64_t S_max = *std::max_element(rows.begin(), rows.end());
+  std::vector<int64_t> off(size_t(W) + 1, 0);  // rank r's rows in the reference's flat key order
+  for (int r = 0; r < W; ++r) off[size_t(r) + 1] = off[size_t(r)] + rows[size_t(r)];
   const int comm_ctas = comm_ctas_here(c.comm_ctas, true);
-  SCOPED_TRACE(std::string("ring_attention backward ") +
-               (c.layout == ops::SeqLayout::kZigzag ? "zigzag" : "contiguous") + (c.causal ? " causal" : "") +
-               " S/rank " + std::to_string(S_l) + " H " + std::to_string(c.H) + "/" + std::to_string(c.Hkv) + " D " +
-               std::to_string(c.D) + " comm_ctas " + std::to_string(comm_ctas) +
-               (c.doc_len ? " documents of " + std::to_string(c.doc_len) : std::string()));
+  SCOPED_TRACE("ring_attention backward " + ring_case_name(c, rows, me, comm_ctas));
   ops::RingAttentionOptions o;
   o.comm_ctas = comm_ctas;
-  o.chunk_tokens = S_l > 64 ? 64 : 0;
-  const ops::RingAttentionShape shape{1, c.H, c.Hkv, c.D, S, c.layout, c.causal};
+  o.chunk_tokens = S_max > 64 ? 64 : 0;
+  const ops::RingAttentionShape shape{1, c.H, c.Hkv, c.D, S, c.layout, c.causal,
+                                      c.uneven ? rows : std::vector<int64_t>{}};
   std::unique_ptr<ops::RingAttention> fwd;
   std::unique_ptr<ops::RingAttentionBackward> bwd;
   MK_ASSERT_OK(ops::RingAttention::create(comm, shape, o, &fwd));
@@ -502,8 +526,8 @@ void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed
   const double scale = 1.0 / std::sqrt(double(D));
   for (int call = 1; call <= calls; ++call) {
     const uint64_t e = uint64_t(call) + 3000;
-    const auto hq = ring_host(seed, W, 0, e, qn), hk = ring_host(seed, W, 1, e, kn), hv = ring_host(seed, W, 2, e, kn),
-               hdo = ring_host(seed, W, 3, e, qn);
+    const auto hq = ring_host(seed, 0, e, rows, int64_t(H) * D), hk = ring_host(seed, 1, e, rows, int64_t(Hkv) * D),
+               hv = ring_host(seed, 2, e, rows, int64_t(Hkv) * D), hdo = ring_host(seed, 3, e, rows, int64_t(H) * D);
     for (auto [h, d] : {std::pair<const std::vector<float>*, void*>{&hq[me], q.p}, {&hk[me], k.p}, {&hv[me], v.p},
                         {&hdo[me], dout.p}})
       ASSERT_NO_FATAL_FAILURE(upload_bf16(*h, d, st));
@@ -542,14 +566,14 @@ void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed
       return d;
     };
     // This rank's rows: LSE, rowsum(dO * O) = sum_j P_ij dO_i.V_j, and dQ.
-    std::vector<double> want_dq(qn, 0.0), mine(size_t(2) * S_l * H);
+    std::vector<double> want_dq(qn, 0.0), mine(size_t(2) * S_max * H);  // the largest shard's, for the allgather
     std::vector<double> sc(static_cast<size_t>(S)), dp(static_cast<size_t>(S));
     for (int64_t i = 0; i < S_l; ++i)
       for (int h = 0; h < H; ++h) {
         double mx = -INFINITY;
         for (int r = 0; r < W; ++r)
-          for (int64_t j = 0; j < S_l; ++j) {
-            const size_t n = size_t(r) * S_l + j;
+          for (int64_t j = 0; j < rows[size_t(r)]; ++j) {
+            const size_t n = size_t(off[size_t(r)] + j);
             sc[n] = visible(pos[me][i], pos[r][j]) ? score(me, i, r, j, h) : -INFINITY;
             dp[n] = sc[n] == -INFINITY ? 0.0 : dprod(me, i, r, j, h);
             mx = std::max(mx, sc[n]);
@@ -562,8 +586,8 @@ void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed
           if (sc[n] != -INFINITY) dsum += std::exp(sc[n] - l) * dp[n];
         double* dqi = &want_dq[(size_t(i) * H + h) * D];
         for (int r = 0; r < W; ++r)
-          for (int64_t j = 0; j < S_l; ++j) {
-            const size_t n = size_t(r) * S_l + j;
+          for (int64_t j = 0; j < rows[size_t(r)]; ++j) {
+            const size_t n = size_t(off[size_t(r)] + j);
             if (sc[n] == -INFINITY) continue;
             const double ds = std::exp(sc[n] - l) * (dp[n] - dsum) * scale;
             const float* kj = &hk[r][(size_t(j) * Hkv + h / group) * D];
@@ -577,10 +601,10 @@ void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed
     // This rank's keys: dK and dV from every rank's rows.
     std::vector<double> want_dk(kn, 0.0), want_dv(kn, 0.0);
     for (int r = 0; r < W; ++r)
-      for (int64_t i = 0; i < S_l; ++i)
+      for (int64_t i = 0; i < rows[size_t(r)]; ++i)
         for (int h = 0; h < H; ++h) {
-          const double l = all[(size_t(r) * S_l * H + size_t(i) * H + h) * 2];
-          const double dsum = all[(size_t(r) * S_l * H + size_t(i) * H + h) * 2 + 1];
+          const double l = all[(size_t(r) * S_max * H + size_t(i) * H + h) * 2];
+          const double dsum = all[(size_t(r) * S_max * H + size_t(i) * H + h) * 2 + 1];
           const float* qi = &hq[r][(size_t(i) * H + h) * D];
           const float* oi = &hdo[r][(size_t(i) * H + h) * D];
           for (int64_t j = 0; j < S_l; ++j) {
@@ -624,6 +648,10 @@ std::vector<RingCase> ring_cases() {
       // packed documents (cu_seqlens) that straddle chunks, ranks and tiles
       {ops::SeqLayout::kZigzag, true, 4, 2, 128, 200, -1, 37},
       {ops::SeqLayout::kContiguous, false, 2, 1, 64, 136, 1, 150},
+      // uneven shards (rows 30 fewer to 30 more than tokens_per_rank), with documents too
+      {ops::SeqLayout::kZigzag, true, 4, 2, 128, 200, -1, 0, true},
+      {ops::SeqLayout::kContiguous, false, 2, 1, 64, 136, 1, 150, true},
+      {ops::SeqLayout::kContiguous, true, 2, 2, 64, 3, 16, 0, true},  // tiny: ranks of 1 to 3 tokens
   };
 }
 

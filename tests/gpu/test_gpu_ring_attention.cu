@@ -131,19 +131,19 @@ attention::ForwardArgs whole_sequence(const RingAttentionShape& s, int64_t S, co
   return f;
 }
 
+// A slot holds B x slot_rows rows: the owner's block, then (uneven shards) zeros — compared whole.
 void check_slots(const RingAttention& op, const RingAttentionShape& s, const __nv_bfloat16* k,
                  const __nv_bfloat16* v, __nv_bfloat16* scratch, unsigned long long* bad, cudaStream_t stream) {
   const auto& p = ops::RingAttentionTesting::plan(op);
   const int W = p.world, me = shared_comm()->rank();
-  const int64_t S = s.S, S_l = S / W, krow = int64_t(s.Hkv) * s.D, block = int64_t(s.B) * S_l * krow;
+  const int64_t S = s.S, S_slot = ops::RingAttentionTesting::slot_rows(op), krow = int64_t(s.Hkv) * s.D;
+  const int64_t block = int64_t(s.B) * S_slot * krow;
   for (int kv = 0; kv < 2; ++kv)
     for (int r = 0; r < W; ++r) {
       if (r == me) continue;
-      int64_t rr = 0;
-      for (const auto& c : p.chunks[r]) {
-        take_rows<<<256, 256, 0, stream>>>(kv ? v : k, scratch, s.B, S, S_l, c.token0, rr, c.tokens, krow);
-        rr += c.tokens;
-      }
+      cudaMemsetAsync(scratch, 0, size_t(block) * 2, stream);
+      for (const auto& c : p.chunks[r])
+        take_rows<<<256, 256, 0, stream>>>(kv ? v : k, scratch, s.B, S, S_slot, c.token0, c.row0, c.tokens, krow);
       const void* slots = kv ? ops::RingAttentionTesting::v_slots(op) : ops::RingAttentionTesting::k_slots(op);
       equal16<<<256, 256, 0, stream>>>(static_cast<const uint16_t*>(slots) + size_t(r) * block,
                                        reinterpret_cast<const uint16_t*>(scratch), block, bad + kv);
@@ -229,7 +229,8 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
   std::unique_ptr<RingAttention> op;
   Status st = RingAttention::create(comm, s, ops::RingAttentionOptions{}, &op);
   ASSERT_TRUE(st.ok()) << st.to_string();
-  const int64_t S = s.S, S_l = S / W;
+  const int64_t S = s.S, S_l = op->local_tokens();  // uneven shards: this rank's rows
+  EXPECT_EQ(S_l, s.rows.empty() ? S / W : s.rows[size_t(me)]);
   const int64_t qrow = int64_t(s.H) * s.D, krow = int64_t(s.Hkv) * s.D;
   Dev d;
   auto* q = d.get<__nv_bfloat16>(size_t(s.B) * S * qrow);
@@ -244,7 +245,7 @@ void check_ring(const RingAttentionShape& s, int calls, bool graph = false, cons
   auto* lsel = d.get<float>(size_t(s.B) * s.H * S_l);
   auto* o_want = d.get<__nv_bfloat16>(size_t(s.B) * S_l * qrow);
   auto* lse_want = d.get<float>(size_t(s.B) * s.H * S_l);
-  auto* kr = d.get<__nv_bfloat16>(size_t(s.B) * S_l * krow);
+  auto* kr = d.get<__nv_bfloat16>(size_t(s.B) * ops::RingAttentionTesting::slot_rows(*op) * krow);
   auto* bad = d.get<unsigned long long>(4);
   auto* cu = d.get<int32_t>(size_t(doc_cap(S)) + 1);
   cudaStream_t stream;
@@ -345,6 +346,27 @@ TEST(Ring, ZigzagCausalDocumentsGraphReplays) {
   check_ring(RingAttentionShape{1, 8, 4, 128, int64_t(shared_comm()->world()) * toks(1000), SeqLayout::kZigzag, true}, 4,
              true, nullptr, 2);
 }
+// Uneven shards (RingAttentionShape::rows) of about n tokens per rank: rank r holds
+// n (2 + r % 3) / 3 + 13 r + 1 tokens (two thirds to four thirds of n, odd and even, no tile or
+// piece dividing them); the sequence is their sum.
+RingAttentionShape uneven(RingAttentionShape s, int64_t n) {
+  s.rows.clear();
+  s.S = 0;
+  for (int r = 0; r < shared_comm()->world(); ++r) {
+    s.rows.push_back(n * (2 + r % 3) / 3 + 13 * r + 1);
+    s.S += s.rows.back();
+  }
+  return s;
+}
+TEST(Ring, UnevenContiguousCausal) {
+  check_ring(uneven(RingAttentionShape{2, 8, 2, 128, 0, SeqLayout::kContiguous, true}, toks(1000)), 3);
+}
+TEST(Ring, UnevenZigzagFullD64) {
+  check_ring(uneven(RingAttentionShape{2, 8, 8, 64, 0, SeqLayout::kZigzag, false}, toks(1000)), 2);
+}
+TEST(Ring, UnevenZigzagCausalDocumentsGraphReplays) {
+  check_ring(uneven(RingAttentionShape{1, 8, 4, 128, 0, SeqLayout::kZigzag, true}, toks(1000)), 4, true, nullptr, 2);
+}
 TEST(Ring, TracedZigzagCausal) {
   check_ring(RingAttentionShape{1, 16, 16, 128, int64_t(shared_comm()->world()) * toks(4096), SeqLayout::kZigzag, true}, 2,
              false, "ring_zigzag_causal");
@@ -374,8 +396,8 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
   Status st = ops::RingAttentionBackward::create(comm, s, ops::RingAttentionOptions{}, &op);
   ASSERT_TRUE(st.ok()) << st.to_string();
   ops::RingPlan plan;
-  ASSERT_TRUE(ops::build_ring_plan(comm::layout_of(comm->topology()), s.S, s.layout, s.causal, &plan).ok());
-  const int64_t S = s.S, S_l = S / W;
+  ASSERT_TRUE(ops::build_ring_plan(comm::layout_of(comm->topology()), s.S, s.layout, s.causal, &plan, s.rows).ok());
+  const int64_t S = s.S, S_l = plan.rows[size_t(me)];  // uneven shards: this rank's rows
   const int64_t qrow = int64_t(s.H) * s.D, krow = int64_t(s.Hkv) * s.D;
   const size_t qn = size_t(s.B) * S * qrow, kn = size_t(s.B) * S * krow;
   const size_t qln = size_t(s.B) * S_l * qrow, kln = size_t(s.B) * S_l * krow;
@@ -406,13 +428,17 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
   auto* dol = d.get<__nv_bfloat16>(qln);
   auto* ol = d.get<__nv_bfloat16>(qln);
   auto* lsel = d.get<float>(size_t(s.B) * s.H * S_l);
-  auto* dqr = d.get<__nv_bfloat16>(qln);
-  auto* dkr = d.get<__nv_bfloat16>(kln);
-  auto* dvr = d.get<__nv_bfloat16>(kln);
+  // The outputs with a poisoned guard of 4 rows after them, which no call may write (a row past
+  // a shard's end, e.g. a zigzag chunk taken one row too long).
+  const size_t guard = size_t(4) * qrow;
+  auto* dqr = d.get<__nv_bfloat16>(qln + guard);
+  auto* dkr = d.get<__nv_bfloat16>(kln + guard);
+  auto* dvr = d.get<__nv_bfloat16>(kln + guard);
+  auto* pz = d.get<uint16_t>(guard);
   auto* dqw = d.get<__nv_bfloat16>(qln);
   auto* dkw = d.get<__nv_bfloat16>(kln);
   auto* dvw = d.get<__nv_bfloat16>(kln);
-  auto* bad = d.get<unsigned long long>(3);
+  auto* bad = d.get<unsigned long long>(4);
   auto* mx = d.get<unsigned int>(3);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
@@ -447,9 +473,10 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
       take_rows<<<256, 256, 0, stream>>>(dv, dvw, s.B, S, S_l, c.token0, row0, c.tokens, krow);
       row0 += c.tokens;
     }
-    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dqr), int64_t(qln));
-    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dkr), int64_t(kln));
-    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dvr), int64_t(kln));
+    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dqr), int64_t(qln + guard));
+    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dkr), int64_t(kln + guard));
+    poison16<<<256, 256, 0, stream>>>(reinterpret_cast<uint16_t*>(dvr), int64_t(kln + guard));
+    poison16<<<256, 256, 0, stream>>>(pz, int64_t(guard));
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     ops::RingAttentionBackwardArgs a{ql, kl, vl, ol, dol, lsel, dqr, dkr, dvr};
     if (docs) a.cu_seqlens = cu, a.n_docs = int(hcu.size()) - 1;
@@ -469,8 +496,11 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
               where.c_str());
     }
     ASSERT_TRUE(st.ok()) << "rank " << me << " call " << call << ": " << st.to_string();
-    cudaMemset(bad, 0, 3 * sizeof(unsigned long long));
+    cudaMemset(bad, 0, 4 * sizeof(unsigned long long));
     cudaMemset(mx, 0, 3 * sizeof(unsigned int));
+    equal16<<<64, 256>>>(reinterpret_cast<const uint16_t*>(dqr + qln), pz, int64_t(guard), bad + 3);
+    equal16<<<64, 256>>>(reinterpret_cast<const uint16_t*>(dkr + kln), pz, int64_t(guard), bad + 3);
+    equal16<<<64, 256>>>(reinterpret_cast<const uint16_t*>(dvr + kln), pz, int64_t(guard), bad + 3);
     abs_max<<<256, 256>>>(dqw, int64_t(qln), mx);
     abs_max<<<256, 256>>>(dkw, int64_t(kln), mx + 1);
     abs_max<<<256, 256>>>(dvw, int64_t(kln), mx + 2);
@@ -482,8 +512,9 @@ void check_ring_backward(const RingAttentionShape& s, int calls, bool graph = fa
     close_bf16<<<1024, 256>>>(dqr, dqw, int64_t(qln), tol * m[0], tol, bad);
     close_bf16<<<1024, 256>>>(dkr, dkw, int64_t(kln), tol * m[1], tol, bad + 1);
     close_bf16<<<1024, 256>>>(dvr, dvw, int64_t(kln), tol * m[2], tol, bad + 2);
-    unsigned long long h[3] = {};
+    unsigned long long h[4] = {};
     ASSERT_EQ(cudaMemcpy(h, bad, sizeof(h), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(h[3], 0ull) << "rank " << me << " call " << call << ": elements written past dQ, dK or dV";
     EXPECT_GT(m[0] * m[1] * m[2], 0.f) << "rank " << me << " call " << call << ": a zero reference gradient";
     EXPECT_EQ(h[0], 0ull) << "rank " << me << " call " << call << ": dQ elements off (max |dQ| " << m[0] << ")";
     EXPECT_EQ(h[1], 0ull) << "rank " << me << " call " << call << ": dK elements off (max |dK| " << m[1] << ")";
@@ -535,6 +566,18 @@ TEST(RingBackward, ZigzagFullD64GraphReplays) {
   // 1000 tokens per rank: chunks of 500 rows (no block divides them).
   check_ring_backward(RingAttentionShape{2, 8, 8, 64, int64_t(shared_comm()->world()) * toks(1000),
                                          SeqLayout::kZigzag, false}, 4, true);
+}
+
+// Uneven shards: the same reference rows.
+TEST(RingBackward, UnevenZigzagCausalGqa) {
+  check_ring_backward(uneven(RingAttentionShape{1, 8, 2, 128, 0, SeqLayout::kZigzag, true}, toks(1000)), 3);
+}
+TEST(RingBackward, UnevenContiguousFullD64) {
+  check_ring_backward(uneven(RingAttentionShape{2, 16, 4, 64, 0, SeqLayout::kContiguous, false}, toks(1000)), 2);
+}
+TEST(RingBackward, UnevenZigzagCausalShortDocumentsGraphReplays) {
+  check_ring_backward(uneven(RingAttentionShape{1, 8, 8, 64, 0, SeqLayout::kZigzag, true}, toks(1000)), 3, true,
+                      nullptr, 1);
 }
 
 // The ring captured once in a CUDA graph — a kernel advancing the call counter, the fills of
@@ -666,6 +709,21 @@ TEST(Ring, BadInputSameErrorEverywhere) {
   st = RingAttention::create(comm, RingAttentionShape{1, 8, 8, 128, int64_t(2 * W) + 1, SeqLayout::kZigzag, true}, {},
                              &op);
   EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
+  // Shard rows that differ between ranks (the same sum), then rows that do not sum to S.
+  if (W > 1) {
+    std::vector<int64_t> rows(size_t(W), 256);
+    if (comm->rank() == W - 1) rows[0] = 255, rows[1] = 257;
+    st = RingAttention::create(comm, RingAttentionShape{1, 8, 8, 128, int64_t(W) * 256, SeqLayout::kContiguous, false,
+                                                        rows},
+                               {}, &op);
+    EXPECT_EQ(st.code(), Code::kMismatch) << st.to_string();
+    EXPECT_NE(st.message().find("shard rows given, hash"), std::string::npos) << st.to_string();
+  }
+  st = RingAttention::create(comm, RingAttentionShape{1, 8, 8, 128, int64_t(W) * 256 + 1, SeqLayout::kContiguous, false,
+                                                      std::vector<int64_t>(size_t(W), 256)},
+                             {}, &op);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("not the sequence's"), std::string::npos) << st.to_string();
   // A null pointer on one rank: with the debug agreement (check_calls, read at create) run()
   // fails on every rank. Without it run() checks locally only (no host collective per call).
   ASSERT_TRUE(tunables::set("check_calls", "1").ok());

@@ -487,6 +487,60 @@ def main():
             raise AssertionError("; ".join(failed))
         return f"worst err / bound {worst:.2f}"
 
+    def uneven_rows(layout, rows):
+        """This rank's rows of the whole sequence on uneven shards (rows: every rank's tokens):
+        contiguous, from the sum of the earlier ranks' counts; zigzag, the 2W chunks hold
+        ceil(rows[c] / 2) tokens (c < W), then floor(rows[2W-1-c] / 2), and this rank its chunks
+        rank and 2W-1-rank."""
+        if layout == "contiguous":
+            at = sum(rows[:rank])
+            return torch.arange(at, at + rows[rank]).cuda()
+        lens = [(r + 1) // 2 for r in rows] + [r // 2 for r in reversed(rows)]
+        start = [sum(lens[:c]) for c in range(2 * W)]
+        a, b = rank, 2 * W - 1 - rank
+        return torch.cat([torch.arange(start[a], start[a] + lens[a]),
+                          torch.arange(start[b], start[b] + lens[b])]).cuda()
+
+    @check("ring_attention on uneven shards (shard_rows): O, LSE and gradients against float64, both layouts, "
+           "causal and not")
+    def _():
+        B, H, Hkv, D = 1, 4, 2, 128
+        rows = [200 + (37 * r) % 61 - 30 for r in range(W)]  # 170 to 230 tokens, odd and even
+        S = sum(rows)
+        q, k, v, do = (gen(1500 + i, B, S, h, D) for i, h in ((0, H), (1, Hkv), (2, Hkv), (3, H)))
+        worst, failed = 0.0, []
+        for layout, causal in (("zigzag", True), ("contiguous", True), ("zigzag", False), ("contiguous", False)):
+            idx = uneven_rows(layout, rows)
+            leaves = [t[:, idx].detach().clone().requires_grad_() for t in (q, k, v)]
+            o, lse = mkt.ring_attention(*leaves, causal=causal, layout=layout, shard_rows=rows)
+            o.backward(do[:, idx])
+            ref, sd = attn_grads_ref(q, k, v, do, causal)
+            qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
+            kf, vf = kf.repeat_interleave(H // Hkv, 1), vf.repeat_interleave(H // Hkv, 1)
+            logits = (qf @ kf.transpose(-1, -2)) / D ** 0.5
+            if causal:
+                logits = logits.masked_fill(torch.ones(S, S, device="cuda").triu(1).bool(), float("-inf"))
+            ref_lse = torch.logsumexp(logits, -1)
+            ref_o = (torch.softmax(logits, -1) @ vf).transpose(1, 2)
+            sd_o = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2))),
+                is_causal=causal).transpose(1, 2)
+            tag = f"{layout} causal={causal} rows {rows}"
+            checks = [(f"O {tag}", o, ref_o[:, idx], sd_o[:, idx])]
+            checks += [(f"{nm} {tag}", leaves[i].grad, ref[i][:, idx], sd[i][:, idx])
+                       for i, nm in enumerate(("dq", "dk", "dv"))]
+            for name, got, r_, sdpa in checks:
+                try:
+                    worst = max(worst, grad_bound(name, got, r_, sdpa))
+                except AssertionError as e:
+                    failed.append(str(e))
+            d = (lse.double() - ref_lse[:, :, idx]).abs().max().item()
+            if not d <= 1e-3:
+                failed.append(f"LSE {tag}: max abs err {d:.3g} > 1e-3")
+        if failed:
+            raise AssertionError("; ".join(failed))
+        return f"worst err / bound {worst:.2f}"
+
     # ---- standalone collectives: bit for bit against the documented order of the sum ------------
     places = [None] * W  # (node, local rank) of every rank
     dist.all_gather_object(places, (comm.node, comm.local_rank))

@@ -79,6 +79,13 @@ int main(void) {
                "mk_ring_create", "mk_ring_create(NULL)");
   expect_error(mk_ring_backward_create(NULL, 1, 8, 8, 128, 1024, 1, 1, 0.f, -1, NULL, &ring_bwd), MK_INVALID_ARGUMENT,
                "mk_ring_backward_create", "mk_ring_backward_create(NULL)");
+  {
+    const int64_t rows[2] = {500, 524};
+    expect_error(mk_ring_create_rows(NULL, 1, 8, 8, 128, 1024, 1, 1, 0.f, rows, 2, -1, NULL, &ring),
+                 MK_INVALID_ARGUMENT, "mk_ring_create", "mk_ring_create_rows(NULL)");
+    expect_error(mk_ring_backward_create_rows(NULL, 1, 8, 8, 128, 1024, 1, 1, 0.f, rows, 2, -1, NULL, &ring_bwd),
+                 MK_INVALID_ARGUMENT, "mk_ring_backward_create", "mk_ring_backward_create_rows(NULL)");
+  }
   EXPECT(ring_bwd == NULL, "a failed create left a handle");
   expect_error(mk_ring_backward_run(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL),
                MK_INVALID_ARGUMENT, "mk_ring_backward_run", "mk_ring_backward_run(NULL)");

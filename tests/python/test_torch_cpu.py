@@ -52,7 +52,8 @@ class Schemas(unittest.TestCase):
                                      "SymInt[]? shard_rows=None) -> Tensor",
             "matmul_all_reduce": "mkernel::matmul_all_reduce(Tensor a, Tensor b, str group_name, SymInt world_size) -> Tensor",
             "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, bool causal, str layout, "
-                              "float scale, str group_name, Tensor? cu_seqlens=None) -> (Tensor, Tensor)",
+                              "float scale, str group_name, Tensor? cu_seqlens=None, SymInt[]? shard_rows=None) "
+                              "-> (Tensor, Tensor)",
             "attention": "mkernel::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
             "attention_backward": "mkernel::attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
                                   "Tensor dout, bool causal, float scale, SymInt q_pos0, SymInt kv_pos0, "
@@ -64,7 +65,8 @@ class Schemas(unittest.TestCase):
                                          "bool deterministic) -> (Tensor, Tensor, Tensor)",
             "ring_attention_backward": "mkernel::ring_attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, "
                                        "Tensor lse, Tensor dout, bool causal, str layout, float scale, "
-                                       "str group_name, SymInt world_size, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)",
+                                       "str group_name, SymInt world_size, Tensor? cu_seqlens=None, "
+                                       "SymInt[]? shard_rows=None) -> (Tensor, Tensor, Tensor)",
             "all_gather": "mkernel::all_gather(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "reduce_scatter": "mkernel::reduce_scatter(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "all_reduce": "mkernel::all_reduce(Tensor x, str group_name, SymInt world_size) -> Tensor",
@@ -176,6 +178,10 @@ class FakeShapes(unittest.TestCase):
                                        cu_seqlens=meta(3, dtype=torch.int64)),                 # int64 cu_seqlens
             lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64),
                                        cu_seqlens=meta(1, dtype=torch.int32)),                 # no document
+            lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64),
+                                       shard_rows=[8, 8, 8]),                                  # 3 counts for 4 ranks
+            lambda: mkt.ring_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64),
+                                       shard_rows=[8, 0, 8, 8]),                               # an empty shard
             lambda: mkt.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64, dtype=torch.float32), meta(1, 8, 2, 64)),
             lambda: torch.ops.mkernel.attention_backward(*(meta(1, 8, 2, 64) for _ in range(4)),
                                                          meta(1, 2, 4, dtype=torch.float32), meta(1, 8, 2, 64),
@@ -330,6 +336,31 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual([c[0] for c in calls], ["mkernel.ring_attention.default",
                                                  "mkernel.ring_attention_backward.default"])
         self.assertIs(calls[1][1][11], calls[0][1][7])  # the same cu_seqlens
+        self.assertEqual(calls[1][1][6:11], (True, "zigzag", 0.0, self.name, W))
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        self.assertEqual([tuple(g.meta["val"].shape) for g in out], [q, kv, kv])
+
+    def test_ring_attention_uneven_backward_wiring(self):
+        """ring_attention on uneven shards: its backward is one ring_attention_backward call with the
+        forward's shard rows, mask, layout and group."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+        rows = [64, 70, 58, 66]
+
+        def fwd_bwd(q, k, v):
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            o, _ = mkt.ring_attention(*leaves, causal=True, layout="zigzag", shard_rows=rows)
+            return torch.autograd.grad(o.float().sum(), leaves)
+
+        q, kv = (1, 64, 8, 128), (1, 64, 2, 128)
+        gm = make_fx(fwd_bwd, tracing_mode="fake")(meta(*q), meta(*kv), meta(*kv))
+        calls = [(str(n.target), n.args, n.kwargs) for n in gm.graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith("mkernel.")]
+        self.assertEqual([c[0] for c in calls], ["mkernel.ring_attention.default",
+                                                 "mkernel.ring_attention_backward.default"])
+        fwd_rows = calls[0][1][8] if len(calls[0][1]) > 8 else calls[0][2]["shard_rows"]
+        bwd_rows = calls[1][1][12] if len(calls[1][1]) > 12 else calls[1][2]["shard_rows"]
+        self.assertEqual(list(fwd_rows), rows)
+        self.assertEqual(list(bwd_rows), rows)
         self.assertEqual(calls[1][1][6:11], (True, "zigzag", 0.0, self.name, W))
         out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         self.assertEqual([tuple(g.meta["val"].shape) for g in out], [q, kv, kv])

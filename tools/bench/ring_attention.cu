@@ -9,6 +9,9 @@
 // per-CTA timeline of one traced fused call per rank, forward and backward. --doc-len packs the
 // sequence with documents (RingAttentionArgs::cu_seqlens): every call masks by document, and the
 // row reports the ranks' work balance (the most visible query-key pairs of a rank over the mean).
+// --rows runs uneven shards (RingAttentionShape::rows: each rank's tokens) and then the same
+// sequence padded to even shards of the largest one's tokens, and reports uneven / padded (no
+// NCCL baselines on uneven shards: their all-gather takes equal blocks).
 //
 // Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
 #include <cuda_bf16.h>
@@ -51,7 +54,9 @@ __global__ void count_far(const __nv_bfloat16* got, const __nv_bfloat16* want, i
 }
 
 struct RingRow {
-  int64_t S_l = 0;
+  int64_t S_l = 0;            // this rank's tokens
+  int64_t S = 0;              // the whole sequence's
+  std::vector<int64_t> rows;  // uneven shards (--rows), or empty
   int W = 0, B = 1, H = 32, Hkv = 32, D = 128;
   bool causal = true, zigzag = true, checked = false, correct = false, comparable = false;
   unsigned long long bad = 0;
@@ -164,7 +169,10 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
                        const RunCfg& rc, const std::string& trace) {
   const int W = comm->world(), me = comm->rank();
   cudaStream_t st = comm->stream();
-  const size_t qe = size_t(r->B) * r->S_l * r->H * r->D, ke = op->block_elems();
+  // ke: one slot of the gathered K/V (uneven shards: the largest block's size; a rank's block
+  // fills its first rows, the rest is masked).
+  const size_t qe = size_t(r->B) * r->S_l * r->H * r->D;
+  const size_t ke = size_t(r->B) * ops::RingAttentionTesting::slot_rows(*op) * r->Hkv * r->D;
   Buf q, o, o_ref, k_all, v_all, kb0, kb1, vb0, vb1, bad;
   Status s = [&]() -> Status {
     for (Buf* b : {&q, &o, &o_ref}) MK_CHECK(CLI_CUDA(comm, b->alloc(qe * 2)));
@@ -202,9 +210,9 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
 
   // Per rank: its queries against the whole sequence (causal: the visible half on average);
   // packed documents: the ranks' mean of the visible pairs (4 D flops per pair and head).
-  r->flops = attention::forward_flops(r->B, r->H, int(r->S_l), int(r->S_l * W), r->D, r->causal);
+  r->flops = attention::forward_flops(r->B, r->H, int(r->S_l), int(r->S), r->D, r->causal);
   if (r->doc_len > 0) {
-    const std::vector<double> w = doc_work(ops::RingAttentionTesting::plan(*op), r->S_l * W, r->doc_len, r->causal);
+    const std::vector<double> w = doc_work(ops::RingAttentionTesting::plan(*op), r->S, r->doc_len, r->causal);
     double sum = 0, most = 0;
     for (double x : w) sum += x, most = std::max(most, x);
     r->flops = 4.0 * r->B * r->H * r->D * sum / W;
@@ -219,7 +227,7 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
   if (!trace.empty()) MK_CHECK(trace_ring_call(comm, st, *op, a, trace, r->S_l));
   MK_CHECK(bench_ring_backward(comm, op, bwd, r, rc, a, k_all.p, v_all.p, trace));
 #if MK_HAVE_NCCL
-  if (r->comparable) {
+  if (r->comparable && r->rows.empty()) {
     std::unique_ptr<ops::baseline::Baselines> bl;
     MK_CHECK(agreed(comm, ops::baseline::Baselines::create(comm->bootstrap(), comm->device(), &bl),
                     "creating the NCCL baselines"));
@@ -246,7 +254,7 @@ Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const st
   const int W = comm->world();
   Buf cu;
   if (r->doc_len > 0) {  // documents of doc_len tokens over the whole sequence, the last shorter
-    const int64_t S = r->S_l * W;
+    const int64_t S = r->S;
     std::vector<int32_t> h;
     for (int64_t p = 0; p < S; p += r->doc_len) h.push_back(int32_t(p));
     h.push_back(int32_t(S));
@@ -259,8 +267,8 @@ Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const st
     r->cu = static_cast<const int32_t*>(cu.p);
     r->n_docs = int(h.size()) - 1;
   }
-  ops::RingAttentionShape sh{r->B, r->H, r->Hkv, r->D, r->S_l * W,
-                             r->zigzag ? ops::SeqLayout::kZigzag : ops::SeqLayout::kContiguous, r->causal};
+  ops::RingAttentionShape sh{r->B, r->H, r->Hkv, r->D, r->S,
+                             r->zigzag ? ops::SeqLayout::kZigzag : ops::SeqLayout::kContiguous, r->causal, r->rows};
   std::unique_ptr<ops::RingAttention> op;
   MK_CHECK(ops::RingAttention::create(comm, sh, {}, &op));  // collective: a bad shape fails every rank
   std::unique_ptr<ops::RingAttentionBackward> bwd;
@@ -271,8 +279,12 @@ Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const st
   return !s.ok() ? s : !d.ok() ? d : db;
 }
 
-std::string ring_json(const RingRow& r) {
-  char b[1536];
+// padded: for uneven shards, the run of the same sequence padded to even shards.
+std::string ring_json(const RingRow& r, const RingRow* padded = nullptr) {
+  std::string rows = "[";
+  for (size_t i = 0; i < r.rows.size(); ++i) rows += (i ? ", " : "") + std::to_string(r.rows[i]);
+  rows += "]";
+  char b[2048];
   snprintf(b, sizeof b,
            "{\"op\": \"ring_attention\", \"B\": %d, \"H\": %d, \"Hkv\": %d, \"D\": %d, \"seq_per_rank\": %lld, "
            "\"world\": %d, \"causal\": %s, \"layout\": \"%s\", \"correct\": %s, \"mismatches\": %llu, "
@@ -281,7 +293,8 @@ std::string ring_json(const RingRow& r) {
            "\"speedup_vs_allgather\": %s, \"speedup_vs_sendrecv\": %s, \"overlap_efficiency\": %s, "
            "\"backward_dq_mismatches\": %llu, \"backward_fused_ms\": %s, \"backward_compute_only_ms\": %s, "
            "\"backward_without_sums_ms\": %s, \"fwd_bwd_fused_over_compute\": %s, \"doc_len\": %lld, "
-           "\"work_max_over_mean\": %s}",
+           "\"work_max_over_mean\": %s, \"seq\": %lld, \"shard_rows\": %s, \"padded_seq_per_rank\": %lld, "
+           "\"padded_fused_ms\": %s, \"padded_backward_fused_ms\": %s, \"fwd_bwd_over_padded\": %s}",
            r.B, r.H, r.Hkv, r.D, (long long)r.S_l, r.W, r.causal ? "true" : "false", r.zigzag ? "zigzag" : "contiguous",
            r.correct ? "true" : "false", r.bad, r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(),
            jnum(r.compute, 4).c_str(), jnum(r.allgather, 4).c_str(), jnum(r.sendrecv, 4).c_str(),
@@ -290,56 +303,83 @@ std::string ring_json(const RingRow& r) {
            eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str(), r.bwd_bad, jnum(r.bwd_fused, 4).c_str(),
            jnum(r.bwd_compute, 4).c_str(), jnum(r.bwd_no_sums, 4).c_str(),
            jnum(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str(), (long long)r.doc_len,
-           jnum(r.balance, 3).c_str());
+           jnum(r.balance, 3).c_str(), (long long)r.S, rows.c_str(), (long long)(padded ? padded->S_l : 0),
+           jnum(padded ? padded->fused : 0, 4).c_str(), jnum(padded ? padded->bwd_fused : 0, 4).c_str(),
+           jnum(padded ? ratio(r.fused + r.bwd_fused, padded->fused + padded->bwd_fused) : 0, 3).c_str());
   return b;
 }
 
 }  // namespace
 
 int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace,
-                   int64_t doc_len) {
+                   int64_t doc_len, const std::vector<int64_t>& shard_rows) {
   Communicator* comm = env.comm;
   const RunCfg& rc = env.rc;
   const bool comparable = env.comparable;
   const std::string& json = env.json;
   const int W = comm->world(), me = comm->rank();
-  if (seqs.empty()) seqs = {4096, 8192};
+  if (!shard_rows.empty() && int(shard_rows.size()) != W) {
+    if (me == 0)
+      fprintf(stderr, "mkernel bench ring_attention: --rows gives %zu counts for %d ranks (one per rank)\n",
+              shard_rows.size(), W);
+    return 2;
+  }
+  // Runs: each --seq on even shards; or the uneven shards, then the same sequence padded to even
+  // shards of the largest one's tokens.
+  struct Run {
+    int64_t S_l;
+    std::vector<int64_t> rows;
+  };
+  std::vector<Run> runs;
+  if (!shard_rows.empty()) {
+    runs.push_back({shard_rows[size_t(me)], shard_rows});
+    runs.push_back({*std::max_element(shard_rows.begin(), shard_rows.end()), {}});
+  } else {
+    if (seqs.empty()) seqs = {4096, 8192};
+    for (int64_t S_l : seqs) runs.push_back({S_l, {}});
+  }
   if (me == 0) {
-    printf("ring_attention: B1 H32 D128 bf16, %s, zigzag, %d rank(s), %d node(s)%s; %s%s\n",
+    printf("ring_attention: B1 H32 D128 bf16, %s, zigzag, %d rank(s), %d node(s)%s%s; %s%s\n",
            causal ? "causal" : "non-causal", W, comm->topology().num_nodes,
            doc_len > 0 ? (", packed documents of " + std::to_string(doc_len) + " tokens").c_str() : "",
+           shard_rows.empty() ? "" : ", uneven shards (then padded to even ones)",
            comparable ? "one GPU per rank: vs NCCL all-gather + attention and a per-step NCCL send/recv ring"
                       : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable",
            W == 1 ? "; W = 1: nothing to overlap" : "");
     printf("%8s %3s  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s\n", "S/rank", "W", "check", "fused_ms", "TFLOP/s",
            "comp_ms", "ag_ms", "ring_ms", "nccl_ms", "vs_ag", "vs_ring", "overlap");
   }
-  std::vector<std::string> rows;
+  std::vector<RingRow> done;
   std::vector<CheckLine> checks;
   bool failed = false;
-  for (int64_t S_l : seqs) {
+  for (const Run& run : runs) {
     RingRow r;
-    r.S_l = S_l, r.W = W, r.causal = causal, r.comparable = comparable, r.doc_len = doc_len;
+    r.S_l = run.S_l, r.rows = run.rows, r.W = W, r.causal = causal, r.comparable = comparable, r.doc_len = doc_len;
+    r.S = 0;
+    for (int64_t x : run.rows) r.S += x;
+    if (run.rows.empty()) r.S = run.S_l * W;
     CheckLine c;
-    c.label = "ring_attention S/rank " + std::to_string(S_l) + " W " + std::to_string(W);
+    c.label = "ring_attention S/rank " + std::to_string(run.S_l) + (run.rows.empty() ? "" : " (uneven shards)") +
+              " W " + std::to_string(W);
     Status s = bench_ring_one(comm, &r, rc, trace);
     c.done = r.checked, c.ok = r.correct && (r.bwd_correct || !s.ok()), c.bad = r.bad + r.bwd_bad;
     if (!s.ok()) {
       c.error = s.to_string();
       note_failure(s);
-      if (me == 0) fprintf(stderr, "bench ring_attention S/rank %lld: %s\n", (long long)S_l, c.error.c_str());
+      if (me == 0) fprintf(stderr, "bench ring_attention S/rank %lld: %s\n", (long long)run.S_l, c.error.c_str());
     }
     checks.push_back(c);
     if (s.ok() && r.correct && r.bwd_correct) {
-      rows.push_back(ring_json(r));
+      done.push_back(r);
       if (me == 0) {
-        printf("%8lld %3d  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s%s\n", (long long)S_l, W, "ok",
+        printf("%8lld %3d  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s%s%s\n", (long long)r.S_l, W, "ok",
                cell(r.fused, 3).c_str(), cell(r.fused > 0 ? r.flops / (r.fused * 1e-3) / 1e12 : 0, 1).c_str(),
                cell(r.compute, 3).c_str(), cell(r.allgather, 3).c_str(), cell(r.sendrecv, 3).c_str(),
                cell(r.coll, 3).c_str(), cell(ratio(r.allgather, r.fused), 2).c_str(),
                cell(ratio(r.sendrecv, r.fused), 2).c_str(),
                eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
-               comparable ? "" : "  (not comparable)");
+               comparable ? "" : "  (not comparable)",
+               !run.rows.empty() ? "  (uneven shards; rank 0's tokens)" : !shard_rows.empty() ? "  (padded even)" : "");
         printf("%8s %3s  backward: fused %s ms (without its sums %s), compute-only %s ms; forward+backward fused / "
                "compute-only %s\n", "", "", cell(r.bwd_fused, 3).c_str(), cell(r.bwd_no_sums, 3).c_str(),
                cell(r.bwd_compute, 3).c_str(), cell(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str());
@@ -348,11 +388,19 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
         fflush(stdout);
       }
     } else if (me == 0 && r.checked && (!r.correct || !r.bwd_correct)) {
-      printf("%8lld %3d  %-6s (%llu forward, %llu backward dQ mismatches)\n", (long long)S_l, W, "WRONG", r.bad,
+      printf("%8lld %3d  %-6s (%llu forward, %llu backward dQ mismatches)\n", (long long)r.S_l, W, "WRONG", r.bad,
              r.bwd_bad);
     }
     if (!s.ok() && communicator_failed(comm)) break;
   }
+  std::vector<std::string> rows;
+  const bool pair = !shard_rows.empty() && done.size() == 2 && !done[0].rows.empty();
+  if (pair && me == 0)
+    printf("uneven / padded even: forward %s, backward %s, forward+backward %s\n",
+           cell(ratio(done[0].fused, done[1].fused), 3).c_str(),
+           cell(ratio(done[0].bwd_fused, done[1].bwd_fused), 3).c_str(),
+           cell(ratio(done[0].fused + done[0].bwd_fused, done[1].fused + done[1].bwd_fused), 3).c_str());
+  for (size_t i = 0; i < done.size(); ++i) rows.push_back(ring_json(done[i], pair && i == 0 ? &done[1] : nullptr));
   if (me == 0 && !json.empty() && !write_json(json, W, comm->topology().num_nodes, comparable, rows)) failed = true;
   return summarize(comm, checks, "within bf16 tolerance of the same kernel over the gathered K/V", failed);
 }

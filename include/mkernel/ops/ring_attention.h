@@ -3,7 +3,9 @@
 //
 // Each rank holds a shard of the sequence (src/ops/ring_attention/ring_attention_plan.h: contiguous, or zigzag so that causal
 // work is balanced): Q, K, V and O of its tokens, [B, S/W, heads, D] bf16 contiguous, its chunks
-// in token order (zigzag: chunk r, then chunk 2W - 1 - r). K/V blocks travel around a node-major
+// in token order (zigzag: chunk r, then chunk 2W - 1 - r). Uneven shards (RingAttentionShape::
+// rows): rank r holds rows[r] tokens instead of S/W (below, S/W stands for this rank's tokens).
+// K/V blocks travel around a node-major
 // ring: at step t a rank computes against the block it holds and forwards that block to the next
 // rank. Inside the kernel, communication CTAs forward blocks in chunks — peer stores into the
 // next GPU's slot on the node, puts through the proxy (libfabric) when the next rank is on another
@@ -21,6 +23,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mkernel/common/status.h"
 #include "mkernel/device/trace.h"
@@ -40,6 +44,18 @@ struct RingAttentionShape {
   int64_t S = 0;  // the whole sequence; each rank holds S / W tokens
   SeqLayout layout = SeqLayout::kContiguous;
   bool causal = false;
+  // Uneven shards, or empty (S / W each): rows[r] tokens on rank r ([world] counts summing to S,
+  // each >= 1; zigzag >= 2), agreed at create. Contiguous: rank r holds tokens [rows[0] + ... +
+  // rows[r-1], + rows[r]). Zigzag: the sequence's 2W chunks have, in order, ceil(rows[0] / 2),
+  // ceil(rows[1] / 2), ..., ceil(rows[W-1] / 2), then floor(rows[W-1] / 2), ..., floor(rows[0] / 2)
+  // tokens; rank r holds chunks r and 2W - 1 - r (its first ceil(rows[r] / 2) rows, then the
+  // rest). The K/V slots are sized by the largest shard.
+  std::vector<int64_t> rows;
+
+  RingAttentionShape() = default;
+  RingAttentionShape(int b, int h, int hkv, int d, int64_t s, SeqLayout l = SeqLayout::kContiguous, bool c = false,
+                     std::vector<int64_t> shard_rows = {})
+      : B(b), H(h), Hkv(hkv), D(d), S(s), layout(l), causal(c), rows(std::move(shard_rows)) {}
 };
 
 struct RingAttentionOptions {
@@ -77,7 +93,8 @@ struct RingState;
 class RingAttention {
  public:
   // The shape rules, before any communicator or GPU: D 64 or 128, H a multiple of Hkv, S split
-  // into W (contiguous) or 2W (zigzag) equal chunks. create() applies them too (the same error).
+  // into W (contiguous) or 2W (zigzag) equal chunks, or shard rows as above. create() applies
+  // them too (the same error).
   static Status can_implement(const RingAttentionShape& shape, int world);
   // Collective: checks that every rank asked for the same shape (a mismatch is the same kMismatch
   // on every rank), builds the ring plan, allocates the K/V slots, the merge workspace and the
@@ -94,10 +111,10 @@ class RingAttention {
   Status enqueue(const RingAttentionArgs& a, cudaStream_t stream);  // no agreement (after a checked run)
 
   int comm_ctas() const;
-  int64_t local_tokens() const;
+  int64_t local_tokens() const;  // this rank's tokens: S / W, or rows[rank]
   int work_items() const;  // items of a call's launch (B * H * 128-row query tiles, per pair)
   int comm_ops() const;    // ops of this rank's communication program
-  size_t block_elems() const;  // elements of one rank's K (or V) block: B * S/W * Hkv * D
+  size_t block_elems() const;  // elements of this rank's K (or V) block: B * local_tokens() * Hkv * D
 
  private:
   // Tests, baselines and benchmarks reach the schedule, the slots and the compute-only launches
@@ -117,6 +134,7 @@ class RingAttention {
 // W hops each block's dK/dV is back on its owner, having crossed each node boundary once per
 // hop like K/V. Not deterministic (dQ accumulates in any order). Memory per rank: the forward's
 // K/V slots, and two fp32 dK/dV buffers of W blocks each (8 * W * B * S/W * Hkv * D bytes each,
+// S/W the largest shard's tokens,
 // rounded to 128-key tiles). Both operators also keep the document windows of packed calls
 // (8 bytes per position of the sequence, allocated at create whether or not calls pack).
 //

@@ -968,18 +968,20 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_finish_dkv(const BwdParams<kD
 // dK and dV (bf16) of the ring's own block from its fp32 tiles: the own items' plus, where
 // own_sum says one came back, the other ranks' sum (bwd_launch.h BwdRing::own, own_acc). One CTA
 // of 256 threads per (key block, key/value head, batch); key block kb is block kb % kb_per_chunk
-// of chunk kb / kb_per_chunk (rows chunk * chunk_len + ...).
+// of chunk kb / kb_per_chunk, whose rows begin at chunk * chunk_len: chunk 0 has chunk_len rows,
+// chunk 1 (zigzag) the rest of the block's `rows` (fewer on an uneven shard of odd length).
 template <int kD>
 __global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* own, const float* own_acc,
                                                                    const uint8_t* own_sum, Element* dk, Element* dv,
                                                                    Strides dk_st, Strides dv_st, int Hkv, int kb,
-                                                                   int kb_per_chunk, int chunk_len) {
+                                                                   int kb_per_chunk, int chunk_len, int rows) {
   using C = BwdCfg<kD>;
   typename C::MmadKV mma;
   auto thr = mma.get_thread_slice(threadIdx.x);
   Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kBwdBlockN>, Int<kD>>{}));  // (key, d)
   const int kbi = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int chunk = kbi / kb_per_chunk, n = kbi % kb_per_chunk;
+  const int len = chunk == 0 ? chunk_len : rows - chunk_len;
   const int64_t tile = ((int64_t(b) * kb + kbi) * Hkv + hk) * (2 * kBwdBlockN * kD);
   const float* t = own + tile;
   const float* u = own_sum && own_sum[int64_t(b) * kb + kbi] ? own_acc + tile : nullptr;  // the ring's sum
@@ -987,7 +989,7 @@ __global__ void __launch_bounds__(kMmaThreads) bwd_ring_finish_dkv(const float* 
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(c); i += 2) {
     const int key = n * kBwdBlockN + get<0>(c(i)), d = get<1>(c(i));
-    if (key >= chunk_len) continue;
+    if (key >= len) continue;
     const int64_t row = int64_t(chunk) * chunk_len + key;
     const int j = i * kMmaThreads + threadIdx.x, j1 = (i + 1) * kMmaThreads + threadIdx.x;
     *reinterpret_cast<__nv_bfloat162*>(dk + b * dk_st.b + row * dk_st.s + hk * dk_st.h + d) =

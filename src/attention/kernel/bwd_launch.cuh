@@ -106,7 +106,7 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
   if (ring) {
     bwd_ring_finish_dkv<kD><<<dim3(ring->kb, a.Hkv, a.B), kMmaThreads, 0, stream>>>(
         ring->own, ring->own_acc, ring->own_sum, p.dk, p.dv, a.dk_stride, a.dv_stride, a.Hkv, ring->kb,
-        ring->kb_per_chunk, ring->chunk_len);
+        ring->kb_per_chunk, ring->chunk_len, ring->rows);
     MK_CUDA_CHECK(cudaGetLastError());
   } else if (w.head_split > 1) {
     bwd_finish_dkv<kD, Comm_><<<dim3(key_blocks, a.Hkv, a.B), kMmaThreads, 0, stream>>>(p);

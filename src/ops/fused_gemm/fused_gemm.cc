@@ -82,13 +82,6 @@ std::string describe_request(const Request& r) {
   return b;
 }
 
-uint64_t rows_hash(const std::vector<int64_t>& rows) {
-  uint64_t h = rows.empty() ? 0 : 1469598103934665603ull;
-  for (int64_t r : rows)
-    for (int i = 0; i < 8; ++i) h = (h ^ uint64_t((r >> (8 * i)) & 0xff)) * 1099511628211ull;
-  return h;
-}
-
 // AG and RS with uneven shards: the standalone collectives take equal shards, so no unfused path.
 bool unfused_possible(FusedKind kind, const Plan& p) { return p.even || kind == FusedKind::kGemmAr; }
 
@@ -218,7 +211,7 @@ Status FusedGemm::create(Communicator* comm, FusedKind kind, const PlanShape& sh
                      opt.path.empty() ? "tunable fused_path, MK_FUSED_PATH" : "FusedOptions::path");
   MK_CHECK(agree(comm->bootstrap(), ps, std::string(name) + " path"));
   Request req{int32_t(kind), opt.deterministic ? 1 : 0, shape.M, shape.N, shape.K, int32_t(mode),
-              int32_t(shape.rows.size()), rows_hash(shape.rows)};
+              int32_t(shape.rows.size()), comm::counts_hash(shape.rows)};
   MK_CHECK(comm::agree_on_request(comm->bootstrap(), req, name, describe_request));
   std::unique_ptr<FusedGemm> op(new FusedGemm());
   op->st_ = std::make_unique<FusedState>();

@@ -30,8 +30,8 @@ struct RingState {
   RingAttentionOptions opt;
   RingPlan plan;
   RingProgram program;
-  int64_t S_l = 0;          // tokens per rank
-  int64_t chunk_len = 0;    // tokens per sequence chunk (S_l, or S_l / 2 for zigzag)
+  int64_t S_l = 0;          // this rank's tokens (S / W, or shape.rows[rank])
+  int64_t slot_rows = 0;    // a K/V slot's rows per batch: the largest rank's tokens
   int comm_ctas = 0;
   // kernel inputs
   attention::FmhaLaunch launch;
@@ -47,6 +47,8 @@ namespace {
 struct Request {
   int32_t B, H, Hkv, D, layout, causal;
   int64_t S;
+  int32_t nrows, pad;
+  uint64_t rows_hash;  // RingAttentionShape::rows (comm::counts_hash; 0 and nrows 0 without them)
 };
 
 Status check_shape(const RingAttentionShape& s, int W) {
@@ -59,11 +61,11 @@ Status check_shape(const RingAttentionShape& s, int W) {
   MK_REQUIRE(s.S / W <= (int64_t(1) << 30), Code::kInvalidArgument, "ring_attention: %lld tokens per rank",
              (long long)(s.S / W));
   const int nchunks = s.layout == SeqLayout::kZigzag ? 2 * W : W;
-  MK_REQUIRE(s.S % nchunks == 0, Code::kInvalidArgument,
+  MK_REQUIRE(!s.rows.empty() || s.S % nchunks == 0, Code::kInvalidArgument,
              "ring_attention: a sequence of %lld tokens does not split into %d equal chunks (%s layout over %d "
-             "ranks)",
+             "ranks; uneven shards: RingAttentionShape::rows)",
              (long long)s.S, nchunks, s.layout == SeqLayout::kZigzag ? "zigzag" : "contiguous", W);
-  return OkStatus();
+  return check_ring_rows("ring_attention", s.rows, W, s.S, s.layout);
 }
 
 // The kernel's pairs and this rank's communication program.
@@ -73,7 +75,7 @@ Status build_program(RingState* st) {
   comm::OpSession& ses = *st->session;
   Communicator* c = ses.comm();
   const int W = c->world(), me = c->rank();
-  const int64_t S_l = st->S_l, len = st->chunk_len;
+  const int64_t S_l = st->S_l;
 
   // ---- pairs: step by step; the pairs of a query chunk merge in step order ----
   std::vector<attention::FmhaPair> pairs;
@@ -81,21 +83,25 @@ Status build_program(RingState* st) {
   std::vector<int> total(nq, 0), seen(nq, 0);
   for (const auto& stp : p.steps[me])
     for (const auto& pr : stp.pairs) ++total[pr.q_chunk];
-  const int qtiles = int((len + attention::kTileM - 1) / attention::kTileM);
+  int64_t longest = 0;  // this rank's longest chunk: the merge counters' stride per chunk
+  for (const SeqChunk& c : p.chunks[me]) longest = std::max(longest, c.tokens);
+  const int qtiles = int((longest + attention::kTileM - 1) / attention::kTileM);
   const int seq_per_chunk = s.B * s.H * qtiles * 2;
   int items = 0;
   for (int t = 0; t < W; ++t) {
     const RingStep& stp = p.steps[me][t];
     for (const auto& pr : stp.pairs) {
+      const SeqChunk& qc = p.chunks[me][pr.q_chunk];
+      const SeqChunk& kc = p.chunks[stp.kv_rank][pr.kv_chunk];
       attention::FmhaPair f;
-      f.q_row0 = int32_t(pr.q_chunk * len);
-      f.q_len = int32_t(len);
-      f.q_pos0 = p.chunks[me][pr.q_chunk].token0;
+      f.q_row0 = int32_t(qc.row0);
+      f.q_len = int32_t(qc.tokens);
+      f.q_pos0 = qc.token0;
       f.kv_src = t == 0 ? 0 : 1;
       f.kv_slot = stp.kv_rank;
-      f.kv_row0 = int32_t(pr.kv_chunk * len);
-      f.kv_len = int32_t(len);
-      f.kv_pos0 = p.chunks[stp.kv_rank][pr.kv_chunk].token0;
+      f.kv_row0 = int32_t(kc.row0);
+      f.kv_len = int32_t(kc.tokens);
+      f.kv_pos0 = kc.token0;
       f.causal = pr.mask == BlockMask::kCausal ? 1 : 0;
       f.ordinal = seen[pr.q_chunk]++;
       f.total = total[pr.q_chunk];
@@ -144,7 +150,8 @@ Status build_program(RingState* st) {
   l.slots.k = ses.local(RingBuf::kSlotsK);
   l.slots.v = ses.local(RingBuf::kSlotsV);
   l.slots.slots = W;
-  l.slots.rows = int(S_l);
+  // A slot holds its block's rows, then (a shorter shard's) zeros that no pair reads unmasked.
+  l.slots.rows = int(st->slot_rows);
   uint64_t* arrived = nullptr;
   MK_CHECK(ses.region_addr(st->program, RingRegion::kArrived, me, &arrived));
   l.slots.flags = arrived;
@@ -197,6 +204,18 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 }  // namespace
 
+Status agree_on_ring_shape(Communicator* comm, const RingAttentionShape& shape, const char* what) {
+  Request mine{shape.B, shape.H, shape.Hkv, shape.D, int32_t(shape.layout), shape.causal ? 1 : 0, shape.S,
+               int32_t(shape.rows.size()), 0, comm::counts_hash(shape.rows)};
+  return comm::agree_on_request(comm->bootstrap(), mine, what, [](const Request& r) {
+    char b[200];
+    snprintf(b, sizeof b, "B %d H %d Hkv %d D %d S %lld layout %d causal %d, %s", r.B, r.H, r.Hkv, r.D, (long long)r.S,
+             r.layout, r.causal,
+             r.nrows ? ("shard rows given, hash " + std::to_string(r.rows_hash)).c_str() : "even shards");
+    return std::string(b);
+  });
+}
+
 Status RingAttention::can_implement(const RingAttentionShape& shape, int world) { return check_shape(shape, world); }
 
 Status ring_launch_ctas(const RingAttentionOptions& opt, int W, const char* what, int* comm_ctas, int* grid) {
@@ -214,28 +233,23 @@ Status RingAttention::create(Communicator* comm, const RingAttentionShape& shape
                              std::unique_ptr<RingAttention>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "ring_attention: null communicator or output");
   const int W = comm->world();
-  Request mine{shape.B, shape.H, shape.Hkv, shape.D, int32_t(shape.layout), shape.causal ? 1 : 0, shape.S};
-  MK_CHECK(comm::agree_on_request(comm->bootstrap(), mine, "ring_attention", [](const Request& r) {
-    char b[160];
-    snprintf(b, sizeof b, "B %d H %d Hkv %d D %d S %lld layout %d causal %d", r.B, r.H, r.Hkv, r.D, (long long)r.S,
-             r.layout, r.causal);
-    return std::string(b);
-  }));
+  MK_CHECK(agree_on_ring_shape(comm, shape, "ring_attention"));
   MK_CHECK(can_implement(shape, W));
   std::unique_ptr<RingAttention> op(new RingAttention());
   op->st_ = std::make_unique<RingState>();
   RingState* st = op->st_.get();
   st->shape = shape;
   st->opt = opt;
-  MK_CHECK(build_ring_plan(comm::layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan));
+  MK_CHECK(build_ring_plan(comm::layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan,
+                           shape.rows));
   MK_CHECK(comm::OpSession::create(comm, "ring_attention", opt.staging, &st->session));
-  st->S_l = shape.S / W;
-  st->chunk_len = shape.layout == SeqLayout::kZigzag ? st->S_l / 2 : st->S_l;
-  const RingGeometry geo = ring_kv_geometry(shape.B, st->S_l, shape.Hkv, shape.D, opt.chunk_tokens);
+  const RingGeometry geo = ring_kv_geometry(shape.B, st->plan.rows, shape.Hkv, shape.D, opt.chunk_tokens);
+  st->S_l = st->plan.rows[size_t(comm->rank())];
+  st->slot_rows = geo.S_l;
   int grid = 0;
   MK_CHECK(agree(comm->bootstrap(), ring_launch_ctas(opt, W, "ring_attention", &st->comm_ctas, &grid),
                  "ring_attention create"));
-  // The program (K/V slots [W][B][S/W][Hkv][D], the entry token, the flags) for the network's
+  // The program (K/V slots [W][B][largest shard][Hkv][D], the entry token, the flags) for the network's
   // staging mode; the session allocates and starts what it declares.
   MK_CHECK(build_ring_program(st->plan, comm::layout_of(comm->topology()), geo, st->session->staged(), &st->program));
   MK_CHECK(st->session->setup(st->program));
@@ -266,6 +280,7 @@ size_t RingAttention::block_elems() const {
 
 // ---- ring_attention_testing.h ----
 const RingPlan& RingAttentionTesting::plan(const RingAttention& op) { return op.st_->plan; }
+int64_t RingAttentionTesting::slot_rows(const RingAttention& op) { return op.st_->slot_rows; }
 const void* RingAttentionTesting::k_slots(const RingAttention& op) {
   return op.st_->session->alive() ? op.st_->session->local(RingBuf::kSlotsK) : nullptr;
 }

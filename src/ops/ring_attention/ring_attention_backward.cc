@@ -33,13 +33,14 @@ struct RingBwdState {
   RingAttentionOptions opt;
   RingPlan plan;
   RingProgram program;
-  int64_t S_l = 0, chunk_len = 0;
+  int64_t S_l = 0;        // this rank's tokens (S / W, or shape.rows[rank])
+  int64_t slot_rows = 0;  // a K/V slot's rows per batch: the largest rank's tokens
   int chunks = 1, comm_ctas = 0;
   attention::BwdRing ring;
   const attention::BwdRingPair* compute_pairs = nullptr;  // the pairs with no waits, K/V from slots
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  int32_t* cu = nullptr;  // the chunks' bounds {0, chunk_len[, 2 chunk_len]} (device)
+  int32_t* cu = nullptr;  // this rank's chunks' bounds in its rows {0, chunk 0's rows[, S_l]} (device)
   // Packed documents (computed per call, doc_windows): the windows of the sequence's S positions,
   // and of this rank's query rows in the workspace's virtual rows (qwin_rows of them).
   attention::DocWindow* doc_win = nullptr;
@@ -48,11 +49,6 @@ struct RingBwdState {
 };
 
 namespace {
-
-struct Request {
-  int32_t B, H, Hkv, D, layout, causal;
-  int64_t S;
-};
 
 constexpr int kKeyBlock = 128;  // the backward's key rows per item (kernel/bwd.cuh kBwdBlockN)
 
@@ -64,7 +60,6 @@ Status build_pairs(RingBwdState* st, std::vector<attention::BwdRingPair>* out) {
   const RingGeometry& g = st->program.geo;
   const int W = p.world, me = st->session->comm()->rank();
   const int block_m = s.D == 64 ? 128 : 64;  // BwdCfg<D>::kBlockM
-  const int len = int(st->chunk_len);
   int items = 0;
   for (int t = 0; t < W; ++t) {
     const RingStep& stp = p.steps[me][t];
@@ -73,25 +68,28 @@ Status build_pairs(RingBwdState* st, std::vector<attention::BwdRingPair>* out) {
       for (const auto& q : stp.pairs) {
         if (q.kv_chunk != c || q.mask == BlockMask::kSkip) continue;
         MK_REQUIRE(pr.nseg < 2, Code::kInternal, "ring_attention backward: more than 2 query chunks see a key chunk");
+        const SeqChunk& qc = p.chunks[me][q.q_chunk];
         attention::BwdSeg& sg = pr.seg[pr.nseg++];
-        sg.q_row0 = q.q_chunk * len;
-        sg.m_blocks = (len + block_m - 1) / block_m;
+        sg.q_row0 = int32_t(qc.row0);
+        sg.m_blocks = int32_t((qc.tokens + block_m - 1) / block_m);
         sg.qb0 = sg.q_row0 / block_m + q.q_chunk;  // the workspace's virtual blocks (chunks as documents)
         sg.causal = q.mask == BlockMask::kCausal ? 1 : 0;
-        sg.q_pos0 = p.chunks[me][q.q_chunk].token0;
+        sg.q_pos0 = qc.token0;
       }
       if (pr.nseg == 0) continue;
       const int blk = stp.kv_rank;
+      const SeqChunk& kc = p.chunks[blk][c];
       pr.kv_src = t == 0 ? 0 : 1;
       pr.slot = blk;
-      pr.kv_row0 = c * len;
-      pr.kv_len = len;
-      pr.kv_pos0 = p.chunks[blk][c].token0;
+      pr.kv_row0 = int32_t(kc.row0);
+      pr.kv_len = int32_t(kc.tokens);
+      pr.kv_pos0 = kc.token0;
       pr.wait = t == 0 ? 0 : 1;
       pr.item0 = items;
       pr.ready0 = int32_t(st->program.dkv_index(blk, 0, c * g.dpieces_per_chunk()));
       pr.tile0 = (int64_t(blk) * s.B * g.kb() + int64_t(c) * g.kb_per_chunk) * s.Hkv;
-      items += s.B * g.kb_per_chunk * s.Hkv;
+      // The kernel's items of the pair: B x its key blocks x Hkv (bwd_ring_work).
+      items += s.B * g.kbs_of(blk, c) * s.Hkv;
       out->push_back(pr);
     }
   }
@@ -115,7 +113,7 @@ Status setup(RingBwdState* st) {
   r.slots.k = ses.local(RingBuf::kSlotsK);
   r.slots.v = ses.local(RingBuf::kSlotsV);
   r.slots.slots = W;
-  r.slots.rows = int(st->S_l);
+  r.slots.rows = int(st->slot_rows);  // a shorter shard's slot: its rows, then zeros never read unmasked
   uint64_t* flags = nullptr;
   MK_CHECK(ses.region_addr(st->program, RingRegion::kArrived, me, &flags));
   r.slots.flags = flags;
@@ -128,7 +126,8 @@ Status setup(RingBwdState* st) {
   r.dpieces = g.dpieces();
   r.kb_per_piece = g.kb_per_piece;
   r.kb_per_chunk = g.kb_per_chunk;
-  r.chunk_len = int(st->chunk_len);
+  r.chunk_len = int(st->plan.chunks[size_t(me)][0].tokens);
+  r.rows = int(st->S_l);
   r.own = reinterpret_cast<const float*>(reinterpret_cast<const char*>(r.part) + uint64_t(me) * g.dkv_block_bytes());
   if (W > 1) {
     // The key blocks of the own block whose sum comes back round the ring (own_sum per piece).
@@ -136,7 +135,7 @@ Status setup(RingBwdState* st) {
     std::vector<uint8_t> blocks(size_t(g.B) * g.kb(), 0);
     for (int b = 0; b < g.B; ++b)
       for (int dp = 0; dp < g.dpieces(); ++dp)
-        for (int k = 0; k < g.dpiece_kbs(dp); ++k)
+        for (int k = 0; k < g.dpiece_kbs(me, dp); ++k)
           blocks[size_t(b) * g.kb() + g.dpiece_kb0(dp) + k] = rk.own_sum[size_t(b) * g.dpieces() + dp];
     MK_CHECK(ses.upload(blocks, const_cast<uint8_t**>(&r.own_sum)));
     r.own_acc = reinterpret_cast<const float*>(static_cast<const char*>(ses.local(RingBuf::kAcc)) +
@@ -156,8 +155,8 @@ Status setup(RingBwdState* st) {
   MK_REQUIRE(st->workspace_bytes > 0, Code::kInvalidArgument, "ring_attention backward: %lld tokens per rank",
              (long long)st->S_l);
   MK_CHECK(ses.alloc_zeroed(st->workspace_bytes, &st->workspace));
-  std::vector<int32_t> cu;
-  for (int k = 0; k <= st->chunks; ++k) cu.push_back(int32_t(k * st->chunk_len));
+  std::vector<int32_t> cu{0};
+  for (const SeqChunk& ch : st->plan.chunks[size_t(me)]) cu.push_back(int32_t(ch.row0 + ch.tokens));
   MK_CHECK(ses.upload(cu, &st->cu));
   if (s.S <= INT32_MAX) {  // packed documents' windows (cu_seqlens is int32: longer sequences have none)
     const int block_m = s.D == 64 ? 128 : 64;  // BwdCfg<D>::kBlockM
@@ -179,30 +178,32 @@ Status RingAttentionBackward::create(Communicator* comm, const RingAttentionShap
                                      const RingAttentionOptions& opt, std::unique_ptr<RingAttentionBackward>* out) {
   MK_REQUIRE(comm && out, Code::kInvalidArgument, "ring_attention backward: null communicator or output");
   const int W = comm->world();
-  Request mine{shape.B, shape.H, shape.Hkv, shape.D, int32_t(shape.layout), shape.causal ? 1 : 0, shape.S};
-  MK_CHECK(comm::agree_on_request(comm->bootstrap(), mine, "ring_attention_backward", [](const Request& r) {
-    char b[160];
-    snprintf(b, sizeof b, "B %d H %d Hkv %d D %d S %lld layout %d causal %d", r.B, r.H, r.Hkv, r.D, (long long)r.S,
-             r.layout, r.causal);
-    return std::string(b);
-  }));
+  MK_CHECK(agree_on_ring_shape(comm, shape, "ring_attention_backward"));
   MK_CHECK(RingAttention::can_implement(shape, W));
   std::unique_ptr<RingAttentionBackward> op(new RingAttentionBackward());
   op->st_ = std::make_unique<RingBwdState>();
   RingBwdState* st = op->st_.get();
   st->shape = shape;
   st->opt = opt;
-  MK_CHECK(build_ring_plan(comm::layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan));
+  MK_CHECK(build_ring_plan(comm::layout_of(comm->topology()), shape.S, shape.layout, shape.causal, &st->plan,
+                           shape.rows));
   MK_CHECK(comm::OpSession::create(comm, "ring_attention_backward", opt.staging, &st->session));
-  st->S_l = shape.S / W;
   st->chunks = shape.layout == SeqLayout::kZigzag ? 2 : 1;
-  st->chunk_len = st->S_l / st->chunks;
-  RingGeometry geo = ring_kv_geometry(shape.B, st->S_l, shape.Hkv, shape.D, opt.chunk_tokens);
+  RingGeometry geo = ring_kv_geometry(shape.B, st->plan.rows, shape.Hkv, shape.D, opt.chunk_tokens);
+  st->S_l = st->plan.rows[size_t(comm->rank())];
+  st->slot_rows = geo.S_l;
   geo.backward = true;
   geo.hkv = shape.Hkv;
   geo.tile_bytes = uint64_t(2) * kKeyBlock * shape.D * 4;
   geo.chunks = st->chunks;
-  geo.kb_per_chunk = int((st->chunk_len + kKeyBlock - 1) / kKeyBlock);
+  // Tiles at the longest chunk's key blocks per chunk; each chunk its own (uneven shards).
+  int64_t longest = 0;
+  for (const auto& cs : st->plan.chunks)
+    for (const SeqChunk& ch : cs) longest = std::max(longest, ch.tokens);
+  geo.kb_per_chunk = int((longest + kKeyBlock - 1) / kKeyBlock);
+  if (!shape.rows.empty())
+    for (const auto& cs : st->plan.chunks)
+      for (const SeqChunk& ch : cs) geo.chunk_kbs.push_back(int((ch.tokens + kKeyBlock - 1) / kKeyBlock));
   geo.kb_per_piece = int(std::max<uint64_t>(1, (uint64_t(2) << 20) / (geo.tile_bytes * uint64_t(shape.Hkv))));
   int grid = 0;
   MK_CHECK(agree(comm->bootstrap(), ring_launch_ctas(opt, W, "ring_attention backward", &st->comm_ctas, &grid),
@@ -285,7 +286,8 @@ attention::BackwardArgs backward_args(const RingBwdState* st, const RingAttentio
 }
 
 // Packed documents: this call's windows of every position and of this rank's query rows (the
-// workspace's virtual rows: chunk c's block m at row (c * len / block_m + c + m) * block_m).
+// workspace's virtual rows: chunk c's block m at row (row0 / block_m + c + m) * block_m, row0
+// the chunk's first row).
 Status ring_doc_windows(const RingBwdState* st, const RingAttentionBackwardArgs& a, cudaStream_t stream,
                         attention::BwdRing* r) {
   if (!a.cu_seqlens) return OkStatus();
@@ -296,10 +298,10 @@ Status ring_doc_windows(const RingBwdState* st, const RingAttentionBackwardArgs&
   const int me = st->session->comm()->rank();
   attention::DocSegment segs[2];
   for (int c = 0; c < st->chunks; ++c) {
-    const int64_t row0 = c * st->chunk_len;
-    segs[c].out0 = (row0 / block_m + c) * block_m;
-    segs[c].pos0 = st->plan.chunks[size_t(me)][size_t(c)].token0;
-    segs[c].len = st->chunk_len;
+    const SeqChunk& ch = st->plan.chunks[size_t(me)][size_t(c)];
+    segs[c].out0 = (ch.row0 / block_m + c) * block_m;
+    segs[c].pos0 = ch.token0;
+    segs[c].len = ch.tokens;
   }
   MK_CHECK(attention::doc_windows(a.cu_seqlens, a.n_docs, S, segs, st->chunks, st->qwin_rows, st->qwin, stream));
   r->doc_win = st->doc_win;

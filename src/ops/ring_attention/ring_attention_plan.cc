@@ -1,4 +1,4 @@
-// The schedule of ring attention (see include/mkernel/ops/ring_plan.h).
+// The schedule of ring attention (see src/ops/ring_attention/ring_attention_plan.h).
 #include "src/ops/ring_attention/ring_attention_plan.h"
 
 #include "mkernel/common/check.h"
@@ -6,28 +6,62 @@
 namespace mk {
 namespace ops {
 
-Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out) {
+Status check_ring_rows(const char* what, const std::vector<int64_t>& rows, int world, int64_t seq, SeqLayout layout) {
+  if (rows.empty()) return OkStatus();
+  MK_REQUIRE(int64_t(rows.size()) == world, Code::kInvalidArgument,
+             "%s: %zu shard row counts for %d ranks (one per rank)", what, rows.size(), world);
+  const int64_t least = layout == SeqLayout::kZigzag ? 2 : 1;
+  int64_t sum = 0;
+  for (int r = 0; r < world; ++r) {
+    MK_REQUIRE(rows[size_t(r)] >= least, Code::kInvalidArgument,
+               "%s: rank %d holds %lld tokens (each rank at least %lld%s)", what, r, (long long)rows[size_t(r)],
+               (long long)least, least == 2 ? ": the zigzag layout gives it two chunks" : "");
+    MK_REQUIRE(rows[size_t(r)] <= (int64_t(1) << 30), Code::kInvalidArgument, "%s: rank %d holds %lld tokens", what, r,
+               (long long)rows[size_t(r)]);
+    sum += rows[size_t(r)];
+  }
+  MK_REQUIRE(sum == seq, Code::kInvalidArgument, "%s: the shards' rows sum to %lld, not the sequence's %lld tokens",
+             what, (long long)sum, (long long)seq);
+  return OkStatus();
+}
+
+Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out,
+                       const std::vector<int64_t>& rows) {
   const int W = layout.world;
   MK_REQUIRE(W >= 1 && int(layout.node_of.size()) == W && layout.nodes() >= 1, Code::kInvalidArgument,
              "ring: malformed layout (world %d)", W);
   const int nchunks = seq_layout == SeqLayout::kZigzag ? 2 * W : W;
-  MK_REQUIRE(seq > 0 && seq % nchunks == 0, Code::kInvalidArgument,
+  MK_REQUIRE(seq > 0 && (!rows.empty() || seq % nchunks == 0), Code::kInvalidArgument,
              "ring: a sequence of %lld tokens does not split into %d equal chunks (%s layout over %d ranks)",
              (long long)seq, nchunks, seq_layout == SeqLayout::kZigzag ? "zigzag" : "contiguous", W);
+  MK_CHECK(check_ring_rows("ring", rows, W, seq, seq_layout));
   RingPlan& p = *out;
   p = RingPlan{};
   p.world = W;
   p.seq = seq;
   p.layout = seq_layout;
   p.causal = causal;
-  const int64_t len = seq / nchunks;
+  p.rows = rows.empty() ? std::vector<int64_t>(size_t(W), seq / W) : rows;
+  // The chunks' lengths in the global chunk order, then their first tokens.
+  std::vector<int64_t> len(static_cast<size_t>(nchunks)), token0(static_cast<size_t>(nchunks) + 1, 0);
+  for (int c = 0; c < nchunks; ++c) {
+    if (seq_layout == SeqLayout::kZigzag) {
+      const int r = c < W ? c : 2 * W - 1 - c;
+      const int64_t first = (p.rows[size_t(r)] + 1) / 2;
+      len[size_t(c)] = c < W ? first : p.rows[size_t(r)] - first;
+    } else {
+      len[size_t(c)] = p.rows[size_t(c)];
+    }
+    token0[size_t(c) + 1] = token0[size_t(c)] + len[size_t(c)];
+  }
   p.chunks.assign(W, {});
   for (int r = 0; r < W; ++r) {
-    if (seq_layout == SeqLayout::kZigzag) {
-      p.chunks[r].push_back(SeqChunk{int64_t(r) * len, len, r});
-      p.chunks[r].push_back(SeqChunk{int64_t(2 * W - 1 - r) * len, len, 2 * W - 1 - r});
-    } else {
-      p.chunks[r].push_back(SeqChunk{int64_t(r) * len, len, r});
+    const int cs[2] = {r, 2 * W - 1 - r};
+    int64_t row0 = 0;
+    for (int k = 0; k < (seq_layout == SeqLayout::kZigzag ? 2 : 1); ++k) {
+      const int c = cs[k];
+      p.chunks[r].push_back(SeqChunk{token0[size_t(c)], len[size_t(c)], c, row0});
+      row0 += len[size_t(c)];
     }
   }
   // Node by node: one crossing per node boundary per turn.

@@ -6,6 +6,10 @@
 //  - contiguous: W chunks of S / W tokens; rank r holds chunk r;
 //  - zigzag: 2W chunks of S / (2W) tokens; rank r holds chunks r and 2W - 1 - r, so that under a
 //    causal mask every rank has the same amount of work.
+// Uneven shards (rows: rank r holds rows[r] tokens, summing to S): contiguous, chunk r has
+// rows[r] tokens; zigzag, rank r's chunk r has ceil(rows[r] / 2) tokens and its chunk 2W - 1 - r
+// the other floor(rows[r] / 2) (each rank at least 2). A rank's tokens are its chunks in token
+// order, so chunk r's rows come first in its block.
 // The ring visits ranks node by node (ring position p -> rank ring[p]), so a K/V block crosses
 // each node boundary once per turn of the ring: W - 1 steps after the local one, every rank has
 // seen every block once.
@@ -30,6 +34,7 @@ enum class BlockMask : int {
 struct SeqChunk {
   int64_t token0 = 0, tokens = 0;  // global token range
   int index = 0;                   // position in the global chunk order
+  int64_t row0 = 0;                // first row in the owning rank's block
 };
 
 struct RingPair {
@@ -48,6 +53,7 @@ struct RingStep {
 struct RingPlan {
   int world = 1;
   int64_t seq = 0;
+  std::vector<int64_t> rows;                    // rank -> its tokens (even: seq / world each)
   SeqLayout layout = SeqLayout::kContiguous;
   bool causal = false;
   std::vector<int> ring;                        // ring position -> rank
@@ -59,7 +65,13 @@ struct RingPlan {
 };
 
 // kInvalidArgument when S does not split (S % W, or S % 2W for zigzag) or the layout is bad.
-Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out);
+// rows: uneven shards ([world] counts, each >= 1 (zigzag: >= 2), summing to seq), or empty.
+Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out,
+                       const std::vector<int64_t>& rows = {});
+
+// The rule on uneven shards alone (no layout): kInvalidArgument naming `what` unless rows is
+// empty or holds `world` counts >= 1 (zigzag: >= 2) summing to seq.
+Status check_ring_rows(const char* what, const std::vector<int64_t>& rows, int world, int64_t seq, SeqLayout layout);
 
 }  // namespace ops
 }  // namespace mk

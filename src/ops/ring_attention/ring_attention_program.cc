@@ -25,13 +25,20 @@ struct Builder {
   RingProgram& p;
   const RingPlan& plan;
   const RingGeometry& g;
-  uint64_t slot_bytes;  // one rank's block: B * S_l * row_bytes
+  uint64_t slot_bytes;  // one slot: B * S_l * row_bytes (the largest block)
   comm::ProgramBuilder pb;  // counts this rank's puts (kSrcFree)
 
   BufId slots(int kv) const { return kv ? RingBuf::kSlotsV : RingBuf::kSlotsK; }
   BufId mirror(int kv) const { return kv ? RingBuf::kSlotsVNet : RingBuf::kSlotsKNet; }
-  uint64_t rows_of(int pc) const { return uint64_t(std::min<int64_t>(g.chunk_tokens, g.S_l - int64_t(pc) * g.chunk_tokens)); }
-  uint64_t in_block(int b, int pc) const { return uint64_t((int64_t(b) * g.S_l + int64_t(pc) * g.chunk_tokens) * g.row_bytes); }
+  // Rows of piece pc of block blk; its offset in a slot (S_l rows per batch) and in the caller's
+  // K/V of the block's owner (rows_of(blk) rows per batch).
+  uint64_t piece_rows(int blk, int pc) const {
+    return uint64_t(std::min<int64_t>(g.chunk_tokens, g.rows_of(blk) - int64_t(pc) * g.chunk_tokens));
+  }
+  uint64_t in_slot(int b, int pc) const { return uint64_t((int64_t(b) * g.S_l + int64_t(pc) * g.chunk_tokens) * g.row_bytes); }
+  uint64_t in_user(int blk, int b, int pc) const {
+    return uint64_t((int64_t(b) * g.rows_of(blk) + int64_t(pc) * g.chunk_tokens) * g.row_bytes);
+  }
   std::string piece_name(int blk, int b, int pc, int kv) const {
     return std::string(kv ? "V" : "K") + " of block " + std::to_string(blk) + " batch " + std::to_string(b) +
            " piece " + std::to_string(pc);
@@ -42,7 +49,7 @@ struct Builder {
   // forwarding wait on.
   void relay(RingRank& rp, int me, int prev, int blk, int b, int pc) {
     const uint32_t a = p.arrived_index(blk, b, pc);
-    const uint64_t off = uint64_t(blk) * slot_bytes + in_block(b, pc);
+    const uint64_t off = uint64_t(blk) * slot_bytes + in_slot(b, pc);
     if (!p.net_staged) {
       Op op;
       op.kind = OpKind::kSignal;
@@ -58,7 +65,7 @@ struct Builder {
       op.waits = {wait_on(RingRegion::kArrivedNet, me, a, 2, prev)};
       op.srcs = {BufRef{mirror(kv), me, off}};
       op.dsts = {BufRef{slots(kv), me, off}};
-      op.bytes = rows_of(pc) * g.row_bytes;
+      op.bytes = piece_rows(blk, pc) * g.row_bytes;
       op.signals = {add_to(RingRegion::kArrived, me, a)};
       op.what = "relay " + piece_name(blk, b, pc, kv) + " from the host mirror into the slot";
       rp.ops.push_back(op);
@@ -79,15 +86,15 @@ struct Builder {
   // next's slot. At step 0 the own block goes out from the user's K/V (over the network: into
   // the own slot first, a registered buffer or the staging copy's source).
   void forward(RingRank& rp, int me, int next, int prev, bool next_remote, int t, int blk, int b, int pc) {
-    const uint64_t bytes = rows_of(pc) * g.row_bytes;
-    const uint64_t off = uint64_t(blk) * slot_bytes + in_block(b, pc);
+    const uint64_t bytes = piece_rows(blk, pc) * g.row_bytes;
+    const uint64_t off = uint64_t(blk) * slot_bytes + in_slot(b, pc);
     const uint32_t a = p.arrived_index(blk, b, pc);
     const comm::RegionId entry = next_remote ? RingRegion::kEntryNet : RingRegion::kEntry;
     if (t == 0 && next_remote)
       for (int kv = 0; kv < 2; ++kv) {
         Op op;
         op.kind = OpKind::kCopy;
-        op.srcs = {BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)}};
+        op.srcs = {BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_user(blk, b, pc)}};
         op.dsts = {BufRef{slots(kv), me, off}};
         op.bytes = bytes;
         op.signals = {add_to(RingRegion::kArrived, me, a)};
@@ -103,7 +110,8 @@ struct Builder {
       } else {
         op.kind = OpKind::kCopy;
         op.bytes = bytes;
-        op.srcs = {t == 0 ? BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_block(b, pc)} : BufRef{slots(kv), me, off}};
+        op.srcs = {t == 0 ? BufRef{kv ? RingBuf::kUserV : RingBuf::kUserK, me, in_user(blk, b, pc)}
+                          : BufRef{slots(kv), me, off}};
         op.dsts = {BufRef{slots(kv), next, off}};
         op.signals = {add_to(RingRegion::kArrived, next, a)};
         op.what = piece_name(blk, b, pc, kv) + " to rank " + std::to_string(next);
@@ -116,9 +124,10 @@ struct Builder {
 
   // Waits on every piece of the block that step t reads (two arrivals each: K and V).
   void wait_block(std::vector<comm::Wait>* waits, int me, int prev, int t) const {
+    const int blk = plan.steps[me][t].kv_rank;
     for (int b = 0; b < g.B; ++b)
-      for (int pc = 0; pc < g.pieces; ++pc)
-        waits->push_back(wait_on(RingRegion::kArrived, me, p.arrived_index(plan.steps[me][t].kv_rank, b, pc), 2, prev));
+      for (int pc = 0; pc < g.pieces_of(blk); ++pc)
+        waits->push_back(wait_on(RingRegion::kArrived, me, p.arrived_index(blk, b, pc), 2, prev));
   }
 
   // A call ends only once every block meant for this rank is in its slot (also those no query
@@ -133,7 +142,7 @@ struct Builder {
         for (int dp = 0; dp < g.dpieces(); ++dp)
           if (begun(me, dp, plan.world - 1))
             op.waits.push_back(
-              wait_on(RingRegion::kDkvArrived, me, p.dkv_index(me, b, dp), dkv_arrivals(dp, prev_remote), prev));
+              wait_on(RingRegion::kDkvArrived, me, p.dkv_index(me, b, dp), dkv_arrivals(me, dp, prev_remote), prev));
     op.what = g.backward ? "every block and the own dK/dV of the call arrived" : "every block of the call arrived";
     rp.ops.push_back(op);
     if (const uint64_t net_puts = pb.completions_at(flag_at(RingRegion::kSrcFree, me, 0))) {
@@ -147,7 +156,7 @@ struct Builder {
 
 
   // ---- the backward's dK/dV (see RingProgram) ----
-  uint64_t dpiece_bytes(int dp) const { return uint64_t(g.dpiece_kbs(dp)) * uint64_t(g.hkv) * g.tile_bytes; }
+  uint64_t dpiece_bytes(int blk, int dp) const { return uint64_t(g.dpiece_kbs(blk, dp)) * uint64_t(g.hkv) * g.tile_bytes; }
   uint64_t dpiece_off(int blk, int b, int dp) const { return g.tile_offset(blk, b, g.dpiece_kb0(dp), 0); }
   // A sum on the node moves a piece in parts of at most g.dkv_part_bytes (1 MiB), one op each: a
   // whole piece (4 MiB at 32 heads, D 128) took one CTA 0.6-0.9 ms, and the last step's pieces
@@ -157,11 +166,15 @@ struct Builder {
   uint32_t dkv_parts(uint64_t bytes) const { return uint32_t((bytes + g.dkv_part_bytes - 1) / g.dkv_part_bytes); }
   // The arrivals in dkv_arrived that make piece dp's sum complete, from a previous rank on this
   // node or across the network.
-  uint32_t dkv_arrivals(int dp, bool from_remote) const { return from_remote ? 1 : dkv_parts(dpiece_bytes(dp)); }
-  // Whether this rank's kernel computes key chunk `chunk` of the block it holds at step t.
-  bool computes(int me, int t, int chunk) const {
+  uint32_t dkv_arrivals(int blk, int dp, bool from_remote) const {
+    return from_remote ? 1 : dkv_parts(dpiece_bytes(blk, dp));
+  }
+  // Whether this rank's kernel computes piece dp of the block it holds at step t: its key chunk
+  // is in a pair of the step, and the piece is not an empty one of a shorter chunk.
+  bool computes(int me, int t, int dp) const {
+    if (g.dpiece_kbs(plan.steps[me][t].kv_rank, dp) == 0) return false;
     for (const auto& pr : plan.steps[me][t].pairs)
-      if (pr.kv_chunk == chunk) return true;
+      if (pr.kv_chunk == g.dpiece_chunk(dp)) return true;
     return false;
   }
   // The rank holding block blk at step t (each step of a ring plan hands every rank one block).
@@ -176,7 +189,7 @@ struct Builder {
   bool begun(int blk, int dp, int t) const {
     for (int s = 1; s <= t; ++s) {
       const int h = holder(blk, s);
-      if (h >= 0 && computes(h, s, g.dpiece_chunk(dp))) return true;
+      if (h >= 0 && computes(h, s, dp)) return true;
     }
     return false;
   }
@@ -198,7 +211,7 @@ struct Builder {
       op.kind = OpKind::kCopy;
       op.srcs = {BufRef{RingBuf::kAccNet, me, dpiece_off(blk, b, dp)}};
       op.dsts = {BufRef{RingBuf::kAcc, me, dpiece_off(blk, b, dp)}};
-      op.bytes = dpiece_bytes(dp);
+      op.bytes = dpiece_bytes(blk, dp);
       op.what = "relay " + dpiece_name(blk, b, dp) + " from the host mirror into acc";
     }
     rp.ops.push_back(op);
@@ -211,8 +224,8 @@ struct Builder {
   void send_dkv(RingRank& rp, int me, int next, int prev, bool next_remote, bool prev_remote, int t, int blk, int b,
                 int dp) {
     const uint32_t idx = p.dkv_index(blk, b, dp);
-    const uint64_t off = dpiece_off(blk, b, dp), bytes = dpiece_bytes(dp);
-    const bool mine = computes(me, t, g.dpiece_chunk(dp)), recv = begun(blk, dp, t - 1);
+    const uint64_t off = dpiece_off(blk, b, dp), bytes = dpiece_bytes(blk, dp);
+    const bool mine = computes(me, t, dp), recv = begun(blk, dp, t - 1);
     if (!mine && !recv) return;
     std::vector<comm::Wait> in;
     std::vector<BufRef> srcs;
@@ -221,7 +234,7 @@ struct Builder {
       srcs.push_back(BufRef{RingBuf::kPart, me, off});
     }
     if (recv) {
-      in.push_back(wait_on(RingRegion::kDkvArrived, me, idx, dkv_arrivals(dp, prev_remote), prev));
+      in.push_back(wait_on(RingRegion::kDkvArrived, me, idx, dkv_arrivals(blk, dp, prev_remote), prev));
       srcs.push_back(BufRef{RingBuf::kAcc, me, off});
     }
     // No wait for next's entry: next's acc of block blk is free once the call's ring passed it
@@ -281,8 +294,10 @@ struct Builder {
     for (int t = 0; t < plan.world; ++t)
       for (int b = 0; b < g.B; ++b)
         for (int dp = 0; dp < g.dpieces(); ++dp)
-          if (computes(me, t, g.dpiece_chunk(dp)))
-            rp.ready_count[p.dkv_index(plan.steps[me][t].kv_rank, b, dp)] = uint32_t(g.dpiece_kbs(dp) * g.hkv);
+          if (computes(me, t, dp)) {
+            const int blk = plan.steps[me][t].kv_rank;
+            rp.ready_count[p.dkv_index(blk, b, dp)] = uint32_t(g.dpiece_kbs(blk, dp) * g.hkv);
+          }
   }
 
   void build(int me) {
@@ -307,7 +322,7 @@ struct Builder {
     // K/V forwarded at step t (t < W - 1), and the backward's sums of step t.
     auto kv = [&](int t) {
       for (int b = 0; b < g.B; ++b)
-        for (int pc = 0; pc < g.pieces; ++pc) {
+        for (int pc = 0; pc < g.pieces_of(steps[t].kv_rank); ++pc) {
           if (t >= 1 && prev_remote) relay(rp, me, prev, steps[t].kv_rank, b, pc);
           forward(rp, me, next, prev, next_remote, t, steps[t].kv_rank, b, pc);
         }
@@ -324,7 +339,7 @@ struct Builder {
     auto last_kv = [&]() {
       if (prev_remote)
         for (int b = 0; b < g.B; ++b)
-          for (int pc = 0; pc < g.pieces; ++pc) relay(rp, me, prev, steps[W - 1].kv_rank, b, pc);
+          for (int pc = 0; pc < g.pieces_of(steps[W - 1].kv_rank); ++pc) relay(rp, me, prev, steps[W - 1].kv_rank, b, pc);
     };
     // Backward: every K/V op before the first sum. A sum waits for this rank's kernel to finish
     // a step, and the communication CTAs take ops in list order; were a K/V op listed behind a
@@ -353,10 +368,12 @@ struct Builder {
 
 }  // namespace
 
-RingGeometry ring_kv_geometry(int B, int64_t S_l, int Hkv, int D, int64_t chunk_tokens) {
+RingGeometry ring_kv_geometry(int B, const std::vector<int64_t>& rows, int Hkv, int D, int64_t chunk_tokens) {
   RingGeometry g;
   g.B = B;
+  const int64_t S_l = rows.empty() ? 0 : *std::max_element(rows.begin(), rows.end());
   g.S_l = S_l;
+  if (std::any_of(rows.begin(), rows.end(), [&](int64_t r) { return r != S_l; })) g.rows = rows;
   g.row_bytes = int64_t(Hkv) * D * 2;
   int64_t ct = chunk_tokens > 0 ? chunk_tokens : std::max<int64_t>(64, (int64_t(2) << 20) / std::max<int64_t>(g.row_bytes, 1));
   ct = std::max<int64_t>(1, std::min<int64_t>(ct, S_l));
@@ -369,12 +386,22 @@ Status build_ring_program(const RingPlan& plan, const comm::Layout& layout, cons
                           RingProgram* out) {
   const int W = plan.world;
   MK_REQUIRE(layout.world == W && g.B >= 1 && g.S_l >= 1 && g.row_bytes > 0 && g.row_bytes % 16 == 0 &&
-                 g.chunk_tokens >= 1 && g.pieces == int((g.S_l + g.chunk_tokens - 1) / g.chunk_tokens),
+                 g.chunk_tokens >= 1 && g.pieces == int((g.S_l + g.chunk_tokens - 1) / g.chunk_tokens) &&
+                 (g.rows.empty() || int(g.rows.size()) == W),
              Code::kInvalidArgument, "ring_attention: bad ring geometry");
+  for (int r = 0; r < W; ++r)
+    MK_REQUIRE(g.rows_of(r) >= 1 && g.rows_of(r) <= g.S_l && g.rows_of(r) == plan.rows[size_t(r)], Code::kInvalidArgument,
+               "ring_attention: rank %d's block of %lld rows against %lld in the plan (slots of %lld)", r,
+               (long long)g.rows_of(r), (long long)plan.rows[size_t(r)], (long long)g.S_l);
   MK_REQUIRE(!g.backward || (g.hkv >= 1 && g.tile_bytes > 0 && g.tile_bytes % 16 == 0 && (g.chunks == 1 || g.chunks == 2) &&
                              g.kb_per_chunk >= 1 && g.kb_per_piece >= 1 && g.dkv_part_bytes >= 16 &&
                              g.dkv_part_bytes % 16 == 0),
              Code::kInvalidArgument, "ring_attention: bad backward geometry");
+  MK_REQUIRE(!g.backward || g.chunk_kbs.empty() || int(g.chunk_kbs.size()) == W * g.chunks, Code::kInvalidArgument,
+             "ring_attention: %zu chunk key-block counts for %d ranks of %d chunks", g.chunk_kbs.size(), W, g.chunks);
+  for (int k : g.chunk_kbs)
+    MK_REQUIRE(!g.backward || (k >= 1 && k <= g.kb_per_chunk), Code::kInvalidArgument,
+               "ring_attention: a chunk of %d key blocks (at most %d)", k, g.kb_per_chunk);
   RingProgram& p = *out;
   p = RingProgram{};
   p.layout = layout;

@@ -29,10 +29,16 @@ namespace ops {
 
 struct RingGeometry {
   int B = 1;
-  int64_t S_l = 0;           // tokens per rank
+  int64_t S_l = 0;           // a slot's rows per batch: the largest rank's tokens
+  // Uneven shards: rank r's block has rows[r] <= S_l tokens per batch (empty: S_l each). A block
+  // lies in its slot at S_l rows per batch, its first rows[r] rows used; in the caller's K/V at
+  // rows[r] rows per batch.
+  std::vector<int64_t> rows;
   int64_t row_bytes = 0;     // Hkv * D * 2
   int chunk_tokens = 0;      // tokens per forwarded piece
-  int pieces = 0;            // ceil(S_l / chunk_tokens)
+  int pieces = 0;            // ceil(S_l / chunk_tokens): the flags' stride per (slot, batch)
+  int64_t rows_of(int r) const { return rows.empty() ? S_l : rows[size_t(r)]; }
+  int pieces_of(int r) const { return int((rows_of(r) + chunk_tokens - 1) / chunk_tokens); }  // of rank r's block
   // The backward's dK/dV traffic (backward = true). Its unit is a *tile*: fp32 dK then dV of 128
   // keys x D of one (batch, key block, key/value head), tile_bytes = 2 * 128 * D * 4, in the
   // kernel's fragment order. A rank's block has B x kb x hkv tiles, key blocks numbered chunk by
@@ -43,7 +49,11 @@ struct RingGeometry {
   int hkv = 0;
   uint64_t tile_bytes = 0;
   int chunks = 1;            // sequence chunks per rank: 1 (contiguous) or 2 (zigzag)
-  int kb_per_chunk = 0;      // ceil(chunk tokens / 128)
+  int kb_per_chunk = 0;      // ceil(chunk tokens / 128): of the longest chunk (the tiles' stride)
+  // Uneven shards: key blocks of rank r's chunk c at [r * chunks + c], each <= kb_per_chunk
+  // (empty: kb_per_chunk each). A chunk's pieces past its key blocks are empty: never computed,
+  // never sent.
+  std::vector<int> chunk_kbs;
   int kb_per_piece = 0;
   // A sum on the node moves a piece in ops of at most this many bytes (a multiple of 16; the
   // tests take a few tiles' worth, so that pieces go in several parts).
@@ -55,9 +65,11 @@ struct RingGeometry {
   // Piece dp of a (block, batch): its key blocks [kb0, kb0 + n) and its chunk.
   int dpiece_chunk(int dp) const { return dp / dpieces_per_chunk(); }
   int dpiece_kb0(int dp) const { return dpiece_chunk(dp) * kb_per_chunk + (dp % dpieces_per_chunk()) * kb_per_piece; }
-  int dpiece_kbs(int dp) const {
+  int kbs_of(int blk, int chunk) const { return chunk_kbs.empty() ? kb_per_chunk : chunk_kbs[size_t(blk * chunks + chunk)]; }
+  // Key blocks of piece dp of block blk (0: an empty piece of a shorter chunk).
+  int dpiece_kbs(int blk, int dp) const {
     const int first = (dp % dpieces_per_chunk()) * kb_per_piece;
-    return std::min(kb_per_piece, kb_per_chunk - first);
+    return std::max(0, std::min(kb_per_piece, kbs_of(blk, dpiece_chunk(dp)) - first));
   }
   // Byte offset of tile (block, b, key block, head) in the part / acc buffers.
   uint64_t tile_offset(int blk, int b, int kbi, int h) const {
@@ -65,10 +77,10 @@ struct RingGeometry {
   }
 };
 
-// The K/V traffic of a shape: each rank's block of S_l tokens ([B][S_l][Hkv][D] bf16) in pieces
-// of chunk_tokens tokens (0: about 2 MiB, at least 64), no more than S_l. The forward's geometry;
-// the backward adds its dK/dV fields.
-RingGeometry ring_kv_geometry(int B, int64_t S_l, int Hkv, int D, int64_t chunk_tokens);
+// The K/V traffic of a shape: rank r's block of rows[r] tokens ([B][rows[r]][Hkv][D] bf16) in
+// pieces of chunk_tokens tokens (0: about 2 MiB, at least 64), no more than the largest block.
+// The forward's geometry; the backward adds its dK/dV fields.
+RingGeometry ring_kv_geometry(int B, const std::vector<int64_t>& rows, int Hkv, int D, int64_t chunk_tokens);
 
 // The persistent launch of a ring call (forward or backward): its dedicated communication CTAs
 // (opt.comm_ctas, or the tunable ring_comm_ctas; at least 1) and its grid (one CTA per SM this
@@ -80,6 +92,11 @@ Status ring_launch_ctas(const RingAttentionOptions& opt, int W, const char* what
 // without them; with them, n_docs >= 1, an aligned array, B = 1 and S within int32. Defined in
 // ring_attention.cc.
 Status check_ring_documents(const char* what, const RingAttentionShape& s, const int32_t* cu, int n_docs);
+
+// The first step of both ring operators' create (collective): every rank asked for the same
+// shape (shard rows by their hash); kMismatch naming `what` and both shapes otherwise. Defined in
+// ring_attention.cc.
+Status agree_on_ring_shape(Communicator* comm, const RingAttentionShape& shape, const char* what);
 
 // The caller's K and V as the program names them (BufDecl::user_slot; DeviceProgram::user).
 constexpr int kUserSlotK = 0, kUserSlotV = 1;

@@ -16,20 +16,23 @@ namespace ops {
 struct RingAttentionTesting {
   // The ring's schedule (chunks per rank, steps, pairs).
   static const RingPlan& plan(const RingAttention& op);
-  // This rank's K/V slots after a call: [W][B][S/W][Hkv][D] (slot r holds rank r's block once it
-  // passed through here).
+  // A K/V slot's rows per batch: S/W, or the largest shard's tokens (uneven shards; a shorter
+  // block fills the first rows of its slot, the rest stay zero).
+  static int64_t slot_rows(const RingAttention& op);
+  // This rank's K/V slots after a call: [W][B][slot_rows][Hkv][D] (slot r holds rank r's block
+  // once it passed through here).
   static const void* k_slots(const RingAttention& op);
   static const void* v_slots(const RingAttention& op);
   // The same kernel with no communication, over K/V the caller moved (baselines, and the
   // compute-only time T_c): step < 0 computes every pair of the call from k_src / v_src laid out
-  // as the slots ([W][B][S/W][Hkv][D], slot r = rank r's block); step t computes step t's pairs
-  // against the block held at step t, read from k_src / v_src [B][S/W][Hkv][D] (step 0: may be
-  // the caller's own K/V). Steps must run in order 0, 1, ..., W - 1 on one stream: they merge
+  // as the slots ([W][B][slot_rows][Hkv][D], slot r = rank r's block, zeros past its rows); step t
+  // computes step t's pairs against the block held at step t, read from k_src / v_src
+  // [B][slot_rows][Hkv][D] (step 0: may be the caller's own K/V when the shards are even). Steps must run in order 0, 1, ..., W - 1 on one stream: they merge
   // into the operator's fp32 accumulator and the last writes O.
   static Status enqueue_compute(RingAttention& op, const RingAttentionArgs& a, int step, const void* k_src,
                                 const void* v_src, cudaStream_t stream);
   // The backward's kernel with no communication (the compute-only time of the backward): every
-  // pair of the call against K/V laid out as the slots (k_all / v_all: [W][B][S/W][Hkv][D]), no
+  // pair of the call against K/V laid out as the slots (k_all / v_all: [W][B][slot_rows][Hkv][D]), no
   // waits, no communication CTAs. dQ is the call's; dK and dV are not (no sums travel).
   static Status enqueue_backward_compute(RingAttentionBackward& op, const RingAttentionBackwardArgs& a,
                                          const void* k_all, const void* v_all, cudaStream_t stream);
