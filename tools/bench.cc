@@ -4,7 +4,8 @@
 //                                             [--deterministic] [--path P]
 //                                             [--splits] [--reps R] [--warmup U] [--json FILE]
 //                                             [--trace PREFIX [--trace-calls N]]
-//   mkernel bench ring_attention [--seq S_per_rank]... [--rows R0,R1,...] [--non-causal] [--doc-len L] [--reps R] [--warmup U]
+//   mkernel bench ring_attention [--seq S_per_rank]... [--rows R0,R1,...] [--non-causal] [--doc-len L [--balanced]]
+//                                [--reps R] [--warmup U]
 //                                [--json FILE] [--trace PREFIX]
 //   mkernel bench moe_dispatch [--preset deepep_ht|deepep_ll|qwen3|mixtral]... [--tokens T_per_rank]
 //                              [--reps R] [--warmup U] [--json FILE]
@@ -57,6 +58,7 @@ struct BenchArgs {
   std::vector<int64_t> seqs;
   bool causal = true;
   int64_t doc_len = 0;  // --doc-len (ring_attention): packed documents of this many tokens
+  bool balanced = false;  // --balanced (ring_attention, with --doc-len): balanced contiguous shards
   bool sweep = false, deterministic = false, splits = false;
   std::string path;  // --path (fused operators)
   std::vector<int64_t> rows;  // --rows r0,r1,...: each rank's shard rows (fused operators)
@@ -110,6 +112,10 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
     } else if (a == "--non-causal") {
       ok = ar.no_value();
       b->causal = false;
+      b->ring_only.push_back(a);
+    } else if (a == "--balanced") {
+      ok = ar.no_value();
+      b->balanced = true;
       b->ring_only.push_back(a);
     } else if (a == "--preset") {
       std::string p;
@@ -214,6 +220,11 @@ bool parse_bench_args(const std::vector<std::string>& args, BenchArgs* b, std::s
   }
   if ((coll || moe) && !b->rows.empty()) {
     *err = "--rows does not apply to " + b->which + " (the fused operators and ring_attention take it)";
+    return false;
+  }
+  if (b->balanced && (!b->doc_len || !b->rows.empty())) {
+    *err = b->doc_len ? "--balanced chooses the shards itself: leave out --rows"
+                      : "--balanced balances packed documents: give --doc-len";
     return false;
   }
   if (ring && !b->rows.empty()) {
@@ -361,7 +372,7 @@ int bench(const std::vector<std::string>& args) {
   env.json = ba.json;
   int rc = 0;
   if (ba.which == "ring_attention") {
-    rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace, ba.doc_len, ba.rows);
+    rc = bench::ring_attention(env, ba.seqs, ba.causal, ba.trace, ba.doc_len, ba.rows, ba.balanced);
   } else if (ba.which == "moe_dispatch") {
     bench::MoeBenchArgs ma;
     ma.presets = ba.presets;

@@ -317,9 +317,10 @@ int fused_gemm(const Env& env, const std::string& which, int64_t m, int64_t n, i
 // sweep); `trace`: a file prefix for one traced call per run ("" for none); doc_len > 0: the
 // sequence packed with documents of doc_len tokens (the last shorter; cu_seqlens); shard_rows
 // (one count per rank; seqs unused): uneven shards, then the same sequence on even shards of the
-// largest count, and their ratio.
+// largest count, and their ratio; balanced (with doc_len): per seq, the contiguous shards that
+// balance the documents' work, then even zigzag ones, and their ratio.
 int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace,
-                   int64_t doc_len = 0, const std::vector<int64_t>& shard_rows = {});
+                   int64_t doc_len = 0, const std::vector<int64_t>& shard_rows = {}, bool balanced = false);
 
 // tools/bench/moe_dispatch.cu: MoE dispatch and combine against a device copy of the same bytes and,
 // when `env.comparable`, NCCL all-to-all-v plus permute kernels.

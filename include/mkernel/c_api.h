@@ -188,6 +188,11 @@ MK_C_EXPORT int mk_ring_run(mk_ring_t op, const void* q, const void* k, const vo
 MK_C_EXPORT int mk_ring_run_packed(mk_ring_t op, const void* q, const void* k, const void* v, void* o, float* lse,
                                    const int32_t* cu_seqlens, int n_docs, void* stream);
 MK_C_EXPORT int mk_ring_destroy(mk_ring_t op);
+/* Shard rows balancing the ring's work for packed documents (ring_attention.h: ring_balanced_rows):
+ * host_cu_seqlens int32 [n_docs + 1] from 0 to S (host memory); host_rows [world] (host) gets the
+ * contiguous layout's counts for mk_ring_create_rows. Local (no communicator, no GPU). */
+MK_C_EXPORT int mk_ring_balanced_rows(const int32_t* host_cu_seqlens, int n_docs, int world, int causal,
+                                      int64_t* host_rows);
 /* The backward (RingAttentionBackward): same arguments as mk_ring_create. Collective. */
 MK_C_EXPORT int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
                                         float scale, int comm_ctas, const char* staging, mk_ring_bwd_t* out);

@@ -104,6 +104,7 @@ def signatures():
         "mk_ring_create_rows": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, P(c_int64), c_int, c_int,
                                                           c_char_p, P(c_void_p)],
         "mk_ring_destroy": [c_void_p],
+        "mk_ring_balanced_rows": [P(ctypes.c_int32), c_int, c_int, c_int, P(c_int64)],
         "mk_ring_backward_create": [c_void_p] + [c_int] * 4 + [c_int64, c_int, c_int, c_float, c_int, c_char_p,
                                                                 P(c_void_p)],
         "mk_ring_backward_run": [c_void_p] * 11,

@@ -29,7 +29,7 @@ from . import _capi
 from ._capi import MkError, check
 
 __all__ = ["init", "finalize", "finalize_all", "communicator", "Communicator", "all_gather_matmul",
-           "matmul_reduce_scatter", "matmul_all_reduce", "attention", "attention_varlen", "ring_attention",
+           "matmul_reduce_scatter", "matmul_all_reduce", "attention", "attention_varlen", "ring_attention", "ring_balanced_rows",
            "all_gather", "reduce_scatter", "all_reduce", "MkError"]
 
 _KIND_AG, _KIND_RS, _KIND_AR = 0, 1, 2
@@ -1032,6 +1032,24 @@ def ring_attention(q, k, v, causal=False, layout="contiguous", scale=None, group
     return torch.ops.mkernel.ring_attention(q, k, v, bool(causal), layout, 0.0 if scale is None else float(scale),
                                             _group(group), cu_seqlens,
                                             None if shard_rows is None else [int(r) for r in shard_rows])
+
+
+def ring_balanced_rows(cu_seqlens, causal=False, group=None, world=None):
+    """Uneven contiguous shards balancing ring_attention's work for packed documents: a list of
+    every rank's token count, for ring_attention(..., layout="contiguous", cu_seqlens=...,
+    shard_rows=...). cu_seqlens: n_docs + 1 bounds from 0 to S (any device; read on the host). A
+    query's work is the keys it sees (its position in its document + 1 when causal, else its
+    document's length); the busiest rank's share is the least any contiguous split has. world:
+    the group's size when left out. Local: no collective, no GPU."""
+    cu = torch.as_tensor(cu_seqlens).to(device="cpu", dtype=torch.int32).contiguous()
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise MkError(1, f"mkernel.ring_balanced_rows: cu_seqlens must be 1-D with n_docs + 1 >= 2 entries "
+                         f"(got {tuple(cu.shape)})")
+    W = int(world) if world is not None else _world(_group(group))
+    out = (ctypes.c_int64 * W)()
+    check(_capi.lib().mk_ring_balanced_rows(ctypes.cast(cu.data_ptr(), ctypes.POINTER(ctypes.c_int32)),
+                                            cu.numel() - 1, W, int(bool(causal)), out))
+    return [int(x) for x in out]
 
 
 def _along(x, dim, f):

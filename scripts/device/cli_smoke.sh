@@ -145,6 +145,8 @@ run ring4x1_tcp_staged  4 "MK_RANKS_PER_NODE=1 MK_NET_PROVIDER=tcp_rxm MK_NET_ST
 run ring2x2_tcp_docs    4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm"                          ok:1 -- bench ring_attention --seq 2048 --doc-len 700 "${REPS[@]}"
 # Uneven shards (RingAttentionShape::rows): the uneven run, then the same sequence padded to even shards.
 run ring2x2_tcp_uneven  4 "MK_RANKS_PER_NODE=2 MK_NET_PROVIDER=tcp_rxm"                          ok:2 -- bench ring_attention --rows 1500,2600,2049,1800 "${REPS[@]}"
+# Packed documents on the contiguous shards that balance their work (ring_balanced_rows), then even zigzag.
+run ring4x1_balanced    4 ""                                                                     ok:2 -- bench ring_attention --seq 2048 --doc-len 1500 --balanced "${REPS[@]}"
 run all3x2_auto         6 "MK_RANKS_PER_NODE=2"                                                  ok:3 -- bench all --m 1536 --n 520 --k 136 "${REPS[@]}"
 # MoE dispatch/combine (issue 15): every preset at W = 1 and 4 on one node, emulated nodes over
 # tcp and shm (staged; 512 tokens: hierarchical), 3 ranks (experts rounded up to a multiple of W),

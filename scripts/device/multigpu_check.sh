@@ -109,6 +109,8 @@ for w in "${ws[@]}"; do
     for ((r = 0; r < w; ++r)); do rows+="${rows:+,}$((8192 + (r * 1237) % 2048 - 1024))"; done
     run "bench_ring_uneven_w$w" "$w" -- "$B/mkernel" bench ring_attention --rows "$rows" \
       --json "$RESULT/ring_uneven_w$w.json"
+    run "bench_ring_balanced_w$w" "$w" -- "$B/mkernel" bench ring_attention --seq 8192 --doc-len 3000 --balanced \
+      --json "$RESULT/ring_balanced_w$w.json"
   fi
   if (( w >= 4 )); then
     run "bench_all_2nodes_w$w" "$w" MK_RANKS_PER_NODE=$((w / 2)) MK_NET_PROVIDER=tcp_rxm -- "$B/mkernel" bench all \

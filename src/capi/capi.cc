@@ -567,6 +567,17 @@ int mk_ring_create_rows(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S,
   });
 }
 
+int mk_ring_balanced_rows(const int32_t* host_cu_seqlens, int n_docs, int world, int causal, int64_t* host_rows) {
+  return guard("mk_ring_balanced_rows", [&]() -> int {
+    if (!host_rows) return invalid("mk_ring_balanced_rows: null host_rows");
+    std::vector<int64_t> rows;
+    mk::Status s = mk::ops::ring_balanced_rows(host_cu_seqlens, n_docs, world, causal != 0, &rows);
+    if (!s.ok()) return ret(s);
+    std::copy(rows.begin(), rows.end(), host_rows);
+    return 0;
+  });
+}
+
 int mk_ring_backward_create(mk_comm_t comm, int B, int H, int Hkv, int D, int64_t S, int layout, int causal,
                             float scale, int comm_ctas, const char* staging, mk_ring_bwd_t* out) {
   return mk_ring_backward_create_rows(comm, B, H, Hkv, D, S, layout, causal, scale, nullptr, 0, comm_ctas, staging,

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -227,6 +229,134 @@ TEST(RingPlan, CanImplementBeforeAnyGpu) {
   }
 }
 
+
+// ---- balanced shards for packed documents (ring_balanced_rows, ring_doc_work) ----
+
+// Random bounds 0 = cu[0] <= ... <= cu[n] = S (empty documents too).
+std::vector<int32_t> random_bounds(std::mt19937_64& rng, int32_t S, int n_docs) {
+  std::vector<int32_t> cu{0};
+  for (int d = 1; d < n_docs; ++d) cu.push_back(int32_t(rng() % uint64_t(S + 1)));
+  cu.push_back(S);
+  std::sort(cu.begin(), cu.end());
+  return cu;
+}
+// The keys position p sees, by a scan of the bounds (the last document holding p).
+int64_t keys_seen(const std::vector<int32_t>& cu, int64_t p, bool causal) {
+  int64_t lo = 0, hi = cu.back();
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    if (cu[d] <= p && p < cu[d + 1]) lo = cu[d], hi = cu[d + 1];
+  return causal ? p - lo + 1 : hi - lo;
+}
+
+// Every rank's work is the keys its queries see, by a scan of every (query, key) pair.
+TEST(RingBalance, DocWorkCountsTheVisiblePairs) {
+  std::mt19937_64 rng(test::mix(test::test_seed(), 0xBA1));
+  for (int W : {1, 2, 3})
+    for (SeqLayout lay : {SeqLayout::kContiguous, SeqLayout::kZigzag})
+      for (bool causal : {false, true}) {
+        const int64_t S = 12 * W;
+        RingPlan p;
+        ASSERT_TRUE(build_ring_plan(comm::Layout::uniform(W, 1), S, lay, causal, &p).ok());
+        const std::vector<int32_t> cu = random_bounds(rng, int32_t(S), 4);
+        const std::vector<double> got = ring_doc_work(p, cu, causal);
+        for (int r = 0; r < W; ++r) {
+          double want = 0;
+          for (const SeqChunk& c : p.chunks[size_t(r)])
+            for (int64_t q = c.token0; q < c.token0 + c.tokens; ++q)
+              for (int64_t k = 0; k < S; ++k) {
+                int dq = -1, dk = -1;
+                for (size_t d = 0; d + 1 < cu.size(); ++d) {
+                  if (cu[d] <= q && q < cu[d + 1]) dq = int(d);
+                  if (cu[d] <= k && k < cu[d + 1]) dk = int(d);
+                }
+                want += dq == dk && (!causal || k <= q);
+              }
+          EXPECT_EQ(got[size_t(r)], want) << "W " << W << " rank " << r << " causal " << causal;
+        }
+      }
+}
+
+// The balanced rows: world counts >= 1 summing to S whose largest share of the work is the least
+// of every contiguous split (a dynamic program over all of them, small S), and no larger than
+// even contiguous shards' on long packed sequences.
+TEST(RingBalance, RowsGiveTheLeastLargestShare) {
+  std::mt19937_64 rng(test::mix(test::test_seed(), 0xBA2));
+  for (int trial = 0; trial < 60; ++trial) {
+    const int W = 1 + int(rng() % 5);
+    const int32_t S = int32_t(W + rng() % 60);
+    const bool causal = trial % 2;
+    const std::vector<int32_t> cu = random_bounds(rng, S, 1 + int(rng() % 6));
+    std::vector<int64_t> rows;
+    ASSERT_TRUE(ring_balanced_rows(cu.data(), int(cu.size()) - 1, W, causal, &rows).ok());
+    ASSERT_EQ(int(rows.size()), W);
+    std::vector<int64_t> pre(size_t(S) + 1, 0);
+    for (int64_t p = 0; p < S; ++p) pre[size_t(p) + 1] = pre[size_t(p)] + keys_seen(cu, p, causal);
+    int64_t at = 0, most = 0;
+    for (int64_t r : rows) {
+      ASSERT_GE(r, 1);
+      most = std::max(most, pre[size_t(at + r)] - pre[size_t(at)]);
+      at += r;
+    }
+    ASSERT_EQ(at, S);
+    // best[k][p]: the least largest share of k ranks over the first p tokens, one token each at least.
+    const int64_t inf = INT64_MAX / 4;
+    std::vector<std::vector<int64_t>> best(size_t(W) + 1, std::vector<int64_t>(size_t(S) + 1, inf));
+    best[0][0] = 0;
+    for (int k = 1; k <= W; ++k)
+      for (int64_t p = k; p <= S; ++p)
+        for (int64_t q = k - 1; q < p; ++q)
+          best[size_t(k)][size_t(p)] =
+              std::min(best[size_t(k)][size_t(p)], std::max(best[size_t(k) - 1][size_t(q)], pre[size_t(p)] - pre[size_t(q)]));
+    EXPECT_EQ(most, best[size_t(W)][size_t(S)]) << "trial " << trial << " W " << W << " S " << S;
+  }
+  // Long sequences of documents of 1 to 3000 tokens: the busiest rank's work over the mean.
+  for (int W : {2, 4, 8})
+    for (bool causal : {false, true}) {
+      const int32_t S = 4096 * W;
+      std::vector<int32_t> cu{0};
+      while (cu.back() < S) cu.push_back(std::min<int32_t>(S, cu.back() + 1 + int32_t(rng() % 3000)));
+      std::vector<int64_t> rows;
+      ASSERT_TRUE(ring_balanced_rows(cu.data(), int(cu.size()) - 1, W, causal, &rows).ok());
+      double worst[3];
+      const std::vector<int64_t> none;
+      for (int k = 0; k < 3; ++k) {
+        RingPlan p;
+        ASSERT_TRUE(build_ring_plan(comm::Layout::uniform(W, 1), S, k == 2 ? SeqLayout::kZigzag : SeqLayout::kContiguous,
+                                    causal, &p, k == 0 ? rows : none)
+                        .ok());
+        const std::vector<double> w = ring_doc_work(p, cu, causal);
+        double sum = 0, most = 0;
+        for (double x : w) sum += x, most = std::max(most, x);
+        worst[k] = most / (sum / W);
+      }
+      printf("W %d %s: busiest / mean work: balanced %.3f (largest shard %.2f x S/W), even contiguous %.3f, even "
+             "zigzag %.3f\n", W, causal ? "causal" : "full", worst[0],
+             double(*std::max_element(rows.begin(), rows.end())) * W / S, worst[1], worst[2]);
+      EXPECT_LE(worst[0], worst[1]);
+      EXPECT_LE(worst[0], 1.01) << "W " << W << " causal " << causal;
+    }
+}
+
+TEST(RingBalance, RejectsMalformedBounds) {
+  std::vector<int64_t> rows;
+  const int32_t ok[] = {0, 10, 20}, first[] = {1, 10, 20}, down[] = {0, 12, 8};
+  EXPECT_TRUE(ring_balanced_rows(ok, 2, 4, true, &rows).ok());
+  struct Bad {
+    const int32_t* cu;
+    int n_docs, world;
+    const char* names;
+  };
+  const Bad bad[] = {{first, 2, 2, "cu_seqlens[0] is 1"},
+                     {down, 2, 2, "decreases at entry 2"},
+                     {ok, 2, 21, "20 tokens for 21 ranks"},
+                     {nullptr, 2, 2, "cu_seqlens"},
+                     {ok, 0, 2, "n_docs 0"}};
+  for (const Bad& b : bad) {
+    const Status s = ring_balanced_rows(b.cu, b.n_docs, b.world, false, &rows);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << b.names;
+    EXPECT_NE(s.message().find(b.names), std::string::npos) << s.to_string();
+  }
+}
 
 // ---- packed documents (RingAttentionArgs::cu_seqlens) ----
 

@@ -541,6 +541,50 @@ def main():
             raise AssertionError("; ".join(failed))
         return f"worst err / bound {worst:.2f}"
 
+    @check("ring_attention over packed documents on the shards that balance their work (ring_balanced_rows, "
+           "contiguous): O and gradients against float64")
+    def _():
+        B, H, Hkv, D = 1, 4, 2, 64
+        S = 256 * W
+        cut = [0]
+        g = torch.Generator().manual_seed(1530)
+        while cut[-1] < S:  # documents of 1 to S/3 tokens
+            cut.append(min(S, cut[-1] + 1 + int(torch.randint(0, S // 3, (1,), generator=g))))
+        rows = mkt.ring_balanced_rows(cut, causal=True)
+        if sum(rows) != S or len(rows) != W:
+            raise AssertionError(f"balanced rows {rows} for {W} ranks and {S} tokens")
+        cu = torch.tensor(cut, dtype=torch.int32, device="cuda")
+        pos = torch.arange(S, device="cuda")
+        doc = torch.bucketize(pos, cu[1:].long(), right=True)
+        vis = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+        q, k, v, do = (gen(1540 + i, B, S, h, D) for i, h in ((0, H), (1, Hkv), (2, Hkv), (3, H)))
+        idx = uneven_rows("contiguous", rows)
+        leaves = [t[:, idx].detach().clone().requires_grad_() for t in (q, k, v)]
+        o, _ = mkt.ring_attention(*leaves, causal=True, layout="contiguous", cu_seqlens=cu, shard_rows=rows)
+        o.backward(do[:, idx])
+        grads, outs = [], []
+        for dt in (torch.float64, bf16):
+            ls = [t.to(dt).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+            kk, vv = (t.repeat_interleave(H // Hkv, 1) for t in ls[1:])
+            if dt == torch.float64:
+                out = torch.softmax((ls[0] @ kk.transpose(-1, -2) / D ** 0.5).masked_fill(~vis, float("-inf")), -1) @ vv
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(ls[0], kk, vv, attn_mask=vis)
+            out.backward(do.to(dt).transpose(1, 2).contiguous())
+            outs.append(out.transpose(1, 2))
+            grads.append([t.grad.transpose(1, 2) for t in ls])
+        worst, failed = 0.0, []
+        checks = [("O", o, outs[0][:, idx], outs[1][:, idx])]
+        checks += [(nm, leaves[i].grad, grads[0][i][:, idx], grads[1][i][:, idx]) for i, nm in enumerate(("dq", "dk", "dv"))]
+        for name, got, ref, sdpa in checks:
+            try:
+                worst = max(worst, grad_bound(f"{name} balanced rows {rows}", got, ref, sdpa))
+            except AssertionError as e:
+                failed.append(str(e))
+        if failed:
+            raise AssertionError("; ".join(failed))
+        return f"rows {rows}, worst err / bound {worst:.2f}"
+
     # ---- standalone collectives: bit for bit against the documented order of the sum ------------
     places = [None] * W  # (node, local rank) of every rank
     dist.all_gather_object(places, (comm.node, comm.local_rank))

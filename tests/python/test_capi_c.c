@@ -86,6 +86,18 @@ int main(void) {
     expect_error(mk_ring_backward_create_rows(NULL, 1, 8, 8, 128, 1024, 1, 1, 0.f, rows, 2, -1, NULL, &ring_bwd),
                  MK_INVALID_ARGUMENT, "mk_ring_backward_create", "mk_ring_backward_create_rows(NULL)");
   }
+  {  /* balanced shard rows: host only, no GPU */
+    const int32_t cu[3] = {0, 2, 8};
+    int64_t got[2] = {0, 0};
+    EXPECT(mk_ring_balanced_rows(cu, 2, 2, 0, got) == MK_OK && got[0] + got[1] == 8 && got[0] >= 1 && got[1] >= 1,
+           "mk_ring_balanced_rows: two shards of 8 tokens");
+    /* non-causal: work 2, 2, then 6 x 6; the least largest share is 22: 2 + 2 + 6 + 6 + 6 | 6 + 6 + 6 */
+    EXPECT(got[0] == 5 && got[1] == 3, "mk_ring_balanced_rows: the least largest share");
+    expect_error(mk_ring_balanced_rows(cu, 2, 9, 0, got), MK_INVALID_ARGUMENT, "8 tokens for 9 ranks",
+                 "mk_ring_balanced_rows(8 tokens, 9 ranks)");
+    expect_error(mk_ring_balanced_rows(NULL, 2, 2, 0, got), MK_INVALID_ARGUMENT, "ring_balanced_rows",
+                 "mk_ring_balanced_rows(NULL)");
+  }
   EXPECT(ring_bwd == NULL, "a failed create left a handle");
   expect_error(mk_ring_backward_run(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL),
                MK_INVALID_ARGUMENT, "mk_ring_backward_run", "mk_ring_backward_run(NULL)");

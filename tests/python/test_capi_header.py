@@ -4,8 +4,8 @@
 Every function the header declares is declared by the binding with the same arity, argument
 types and result type, and nothing more; the error codes, the ABI version and mk_comm_info_t
 agree. Types map as ctypes sees them: handles and device memory are addresses (c_void_p);
-out-parameters (named `out`), strides and shard_rows are host memory, typed (POINTER(...)); callbacks are the
-binding's CFUNCTYPEs of the same signature. No GPU and no library needed: run by ctest (lint).
+out-parameters (named `out`), strides, shard_rows and parameters named host_* are host memory, typed
+(POINTER(...)); callbacks are the binding's CFUNCTYPEs of the same signature. No GPU and no library needed: run by ctest (lint).
 """
 import ctypes
 import os
@@ -73,7 +73,7 @@ def expected_ctype(ctype, pname, callbacks):
         # const char*: a string passed in; char*: a buffer the callee fills (an address)
         return ctypes.c_char_p if "const" in ctype else ctypes.c_void_p
     host = pname is not None and (pname == "out" or pname.endswith("strides") or pname == "strides12" or
-                                  pname == "shard_rows")
+                                  pname == "shard_rows" or pname.startswith("host_"))
     if not host:
         return ctypes.c_void_p  # device memory (or an opaque context), passed as an address
     if stars == 2 or b == "void":

@@ -151,6 +151,36 @@ class FakeShapes(unittest.TestCase):
         self.assertEqual((tuple(o.shape), o.dtype), ((2, 64, 8, 128), bf16))
         self.assertEqual((tuple(lse.shape), lse.dtype), ((2, 8, 64), torch.float32))
 
+    def test_ring_balanced_rows(self):
+        """Balanced contiguous shards for packed documents: one count >= 1 per rank summing to S, the
+        busiest rank's share the least of every contiguous split (checked by brute force here)."""
+        import itertools
+        cu = [0, 3, 40, 41, 90, 100]
+        for causal in (False, True):
+            rows = mkt.ring_balanced_rows(torch.tensor(cu, dtype=torch.int32), causal=causal)
+            self.assertEqual(len(rows), W)
+            self.assertEqual(sum(rows), 100)
+            self.assertTrue(all(r >= 1 for r in rows))
+            work = []
+            for d in range(len(cu) - 1):
+                work += [(p - cu[d] + 1) if causal else (cu[d + 1] - cu[d]) for p in range(cu[d], cu[d + 1])]
+
+            pre = [0]
+            for x in work:
+                pre.append(pre[-1] + x)
+
+            def most(cuts):
+                b = [0, *cuts, 100]
+                return max(pre[b[i + 1]] - pre[b[i]] for i in range(W))
+            at = [sum(rows[:i + 1]) for i in range(W - 1)]
+            best = min(most(c) for c in itertools.combinations(range(1, 100), W - 1))
+            self.assertEqual(most(at), best)
+        self.assertEqual(mkt.ring_balanced_rows([0, 8], world=2), [4, 4])
+        with self.assertRaises(mkernel.MkError):
+            mkt.ring_balanced_rows([0, 2], world=3)  # 2 tokens for 3 ranks
+        with self.assertRaises(mkernel.MkError):
+            mkt.ring_balanced_rows([5, 2], world=1)  # not from 0
+
     def test_collectives(self):
         g = mkt.all_gather(meta(6, 8, dtype=torch.float32))
         self.assertEqual((tuple(g.shape), g.dtype), ((24, 8), torch.float32))

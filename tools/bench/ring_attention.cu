@@ -10,8 +10,10 @@
 // sequence with documents (RingAttentionArgs::cu_seqlens): every call masks by document, and the
 // row reports the ranks' work balance (the most visible query-key pairs of a rank over the mean).
 // --rows runs uneven shards (RingAttentionShape::rows: each rank's tokens) and then the same
-// sequence padded to even shards of the largest one's tokens, and reports uneven / padded (no
-// NCCL baselines on uneven shards: their all-gather takes equal blocks).
+// sequence padded to even shards of the largest one's tokens, and reports uneven / padded;
+// --balanced (with --doc-len) runs the contiguous shards that balance the documents' work
+// (ops::ring_balanced_rows) and then the even zigzag shards of the same sequence, and reports
+// balanced / zigzag (no NCCL baselines on uneven shards: their all-gather takes equal blocks).
 //
 // Part of the CLI (mkernel_cli), not of the library; the shared helpers are tools/bench_common.h.
 #include <cuda_bf16.h>
@@ -59,6 +61,7 @@ struct RingRow {
   std::vector<int64_t> rows;  // uneven shards (--rows), or empty
   int W = 0, B = 1, H = 32, Hkv = 32, D = 128;
   bool causal = true, zigzag = true, checked = false, correct = false, comparable = false;
+  bool pair_first = false;  // compared with the next row (--rows, --balanced)
   unsigned long long bad = 0;
   double fused = 0, compute = 0, allgather = 0, sendrecv = 0, coll = 0, flops = 0;
   // The backward (RingAttentionBackward): fused and compute-only times, dQ checked against the
@@ -75,17 +78,12 @@ struct RingRow {
   double balance = 0;
 };
 
-// Visible query-key pairs of each rank for packed documents of doc_len tokens (the chunks of the
-// plan): a query at position p sees p - start + 1 keys (causal) or its document's length.
-std::vector<double> doc_work(const ops::RingPlan& plan, int64_t S, int64_t doc_len, bool causal) {
-  std::vector<double> w(size_t(plan.world), 0.0);
-  for (int r = 0; r < plan.world; ++r)
-    for (const auto& c : plan.chunks[size_t(r)])
-      for (int64_t p = c.token0; p < c.token0 + c.tokens; ++p) {
-        const int64_t start = p / doc_len * doc_len, end = std::min(S, start + doc_len);
-        w[size_t(r)] += double(causal ? p - start + 1 : end - start);
-      }
-  return w;
+// The bounds of documents of doc_len tokens over S positions (the last shorter).
+std::vector<int32_t> doc_bounds(int64_t S, int64_t doc_len) {
+  std::vector<int32_t> h;
+  for (int64_t p = 0; p < S; p += doc_len) h.push_back(int32_t(p));
+  h.push_back(int32_t(S));
+  return h;
 }
 
 // One traced fused call of a ring operator (forward or backward) on every rank: the per-CTA
@@ -212,7 +210,8 @@ Status bench_ring_body(Communicator* comm, ops::RingAttention* op, ops::RingAtte
   // packed documents: the ranks' mean of the visible pairs (4 D flops per pair and head).
   r->flops = attention::forward_flops(r->B, r->H, int(r->S_l), int(r->S), r->D, r->causal);
   if (r->doc_len > 0) {
-    const std::vector<double> w = doc_work(ops::RingAttentionTesting::plan(*op), r->S, r->doc_len, r->causal);
+    const std::vector<double> w =
+        ops::ring_doc_work(ops::RingAttentionTesting::plan(*op), doc_bounds(r->S, r->doc_len), r->causal);
     double sum = 0, most = 0;
     for (double x : w) sum += x, most = std::max(most, x);
     r->flops = 4.0 * r->B * r->H * r->D * sum / W;
@@ -255,9 +254,7 @@ Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const st
   Buf cu;
   if (r->doc_len > 0) {  // documents of doc_len tokens over the whole sequence, the last shorter
     const int64_t S = r->S;
-    std::vector<int32_t> h;
-    for (int64_t p = 0; p < S; p += r->doc_len) h.push_back(int32_t(p));
-    h.push_back(int32_t(S));
+    const std::vector<int32_t> h = doc_bounds(S, r->doc_len);
     const Status s = [&]() -> Status {
       MK_REQUIRE(S <= INT32_MAX, Code::kInvalidArgument, "--doc-len: a sequence of %lld tokens", (long long)S);
       MK_CHECK(CLI_CUDA(comm, cu.alloc(h.size() * 4)));
@@ -279,8 +276,9 @@ Status bench_ring_one(Communicator* comm, RingRow* r, const RunCfg& rc, const st
   return !s.ok() ? s : !d.ok() ? d : db;
 }
 
-// padded: for uneven shards, the run of the same sequence padded to even shards.
-std::string ring_json(const RingRow& r, const RingRow* padded = nullptr) {
+// paired: the run this one is compared with (--rows: the same sequence padded to even shards;
+// --balanced: on even zigzag shards); JSON paired_*.
+std::string ring_json(const RingRow& r, const RingRow* paired = nullptr) {
   std::string rows = "[";
   for (size_t i = 0; i < r.rows.size(); ++i) rows += (i ? ", " : "") + std::to_string(r.rows[i]);
   rows += "]";
@@ -293,8 +291,8 @@ std::string ring_json(const RingRow& r, const RingRow* padded = nullptr) {
            "\"speedup_vs_allgather\": %s, \"speedup_vs_sendrecv\": %s, \"overlap_efficiency\": %s, "
            "\"backward_dq_mismatches\": %llu, \"backward_fused_ms\": %s, \"backward_compute_only_ms\": %s, "
            "\"backward_without_sums_ms\": %s, \"fwd_bwd_fused_over_compute\": %s, \"doc_len\": %lld, "
-           "\"work_max_over_mean\": %s, \"seq\": %lld, \"shard_rows\": %s, \"padded_seq_per_rank\": %lld, "
-           "\"padded_fused_ms\": %s, \"padded_backward_fused_ms\": %s, \"fwd_bwd_over_padded\": %s}",
+           "\"work_max_over_mean\": %s, \"seq\": %lld, \"shard_rows\": %s, \"paired_seq_per_rank\": %lld, "
+           "\"paired_fused_ms\": %s, \"paired_backward_fused_ms\": %s, \"fwd_bwd_over_paired\": %s}",
            r.B, r.H, r.Hkv, r.D, (long long)r.S_l, r.W, r.causal ? "true" : "false", r.zigzag ? "zigzag" : "contiguous",
            r.correct ? "true" : "false", r.bad, r.comparable ? "true" : "false", jnum(r.fused, 4).c_str(),
            jnum(r.compute, 4).c_str(), jnum(r.allgather, 4).c_str(), jnum(r.sendrecv, 4).c_str(),
@@ -303,16 +301,16 @@ std::string ring_json(const RingRow& r, const RingRow* padded = nullptr) {
            eff_json(overlap_eff(r.W, r.compute, r.coll, r.fused)).c_str(), r.bwd_bad, jnum(r.bwd_fused, 4).c_str(),
            jnum(r.bwd_compute, 4).c_str(), jnum(r.bwd_no_sums, 4).c_str(),
            jnum(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str(), (long long)r.doc_len,
-           jnum(r.balance, 3).c_str(), (long long)r.S, rows.c_str(), (long long)(padded ? padded->S_l : 0),
-           jnum(padded ? padded->fused : 0, 4).c_str(), jnum(padded ? padded->bwd_fused : 0, 4).c_str(),
-           jnum(padded ? ratio(r.fused + r.bwd_fused, padded->fused + padded->bwd_fused) : 0, 3).c_str());
+           jnum(r.balance, 3).c_str(), (long long)r.S, rows.c_str(), (long long)(paired ? paired->S_l : 0),
+           jnum(paired ? paired->fused : 0, 4).c_str(), jnum(paired ? paired->bwd_fused : 0, 4).c_str(),
+           jnum(paired ? ratio(r.fused + r.bwd_fused, paired->fused + paired->bwd_fused) : 0, 3).c_str());
   return b;
 }
 
 }  // namespace
 
 int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const std::string& trace,
-                   int64_t doc_len, const std::vector<int64_t>& shard_rows) {
+                   int64_t doc_len, const std::vector<int64_t>& shard_rows, bool balanced) {
   Communicator* comm = env.comm;
   const RunCfg& rc = env.rc;
   const bool comparable = env.comparable;
@@ -324,25 +322,42 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
               shard_rows.size(), W);
     return 2;
   }
-  // Runs: each --seq on even shards; or the uneven shards, then the same sequence padded to even
-  // shards of the largest one's tokens.
+  // Runs: each --seq on even zigzag shards; or the uneven shards, then the same sequence padded
+  // to even shards of the largest one's tokens; or (--balanced) per --seq the balanced contiguous
+  // shards, then the even zigzag ones. Pairs compare their first run with their second.
   struct Run {
     int64_t S_l;
     std::vector<int64_t> rows;
+    bool zigzag;
+    bool pair_first;
   };
   std::vector<Run> runs;
+  if (seqs.empty()) seqs = {4096, 8192};
   if (!shard_rows.empty()) {
-    runs.push_back({shard_rows[size_t(me)], shard_rows});
-    runs.push_back({*std::max_element(shard_rows.begin(), shard_rows.end()), {}});
+    runs.push_back({shard_rows[size_t(me)], shard_rows, true, true});
+    runs.push_back({*std::max_element(shard_rows.begin(), shard_rows.end()), {}, true, false});
+  } else if (balanced) {
+    for (int64_t S_l : seqs) {
+      const std::vector<int32_t> cu = doc_bounds(S_l * W, doc_len);
+      std::vector<int64_t> rows;
+      const Status s = ops::ring_balanced_rows(cu.data(), int(cu.size()) - 1, W, causal, &rows);
+      if (!s.ok()) {
+        if (me == 0) fprintf(stderr, "mkernel bench ring_attention --balanced: %s\n", s.to_string().c_str());
+        return 2;
+      }
+      runs.push_back({rows[size_t(me)], rows, false, true});
+      runs.push_back({S_l, {}, true, false});
+    }
   } else {
-    if (seqs.empty()) seqs = {4096, 8192};
-    for (int64_t S_l : seqs) runs.push_back({S_l, {}});
+    for (int64_t S_l : seqs) runs.push_back({S_l, {}, true, false});
   }
+  const char* pair_name = balanced ? "balanced contiguous / even zigzag" : "uneven / padded even";
   if (me == 0) {
     printf("ring_attention: B1 H32 D128 bf16, %s, zigzag, %d rank(s), %d node(s)%s%s; %s%s\n",
            causal ? "causal" : "non-causal", W, comm->topology().num_nodes,
            doc_len > 0 ? (", packed documents of " + std::to_string(doc_len) + " tokens").c_str() : "",
-           shard_rows.empty() ? "" : ", uneven shards (then padded to even ones)",
+           !shard_rows.empty() ? ", uneven shards (then padded to even ones)"
+                               : balanced ? ", balanced contiguous shards (then even zigzag ones)" : "",
            comparable ? "one GPU per rank: vs NCCL all-gather + attention and a per-step NCCL send/recv ring"
                       : "ranks share a GPU (or no NCCL): correctness and fused times only, NOT comparable",
            W == 1 ? "; W = 1: nothing to overlap" : "");
@@ -355,12 +370,14 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
   for (const Run& run : runs) {
     RingRow r;
     r.S_l = run.S_l, r.rows = run.rows, r.W = W, r.causal = causal, r.comparable = comparable, r.doc_len = doc_len;
+    r.zigzag = run.zigzag;
     r.S = 0;
     for (int64_t x : run.rows) r.S += x;
     if (run.rows.empty()) r.S = run.S_l * W;
     CheckLine c;
-    c.label = "ring_attention S/rank " + std::to_string(run.S_l) + (run.rows.empty() ? "" : " (uneven shards)") +
-              " W " + std::to_string(W);
+    c.label = "ring_attention S/rank " + std::to_string(run.S_l) +
+              (run.rows.empty() ? "" : run.zigzag ? " (uneven shards)" : " (balanced contiguous shards)") + " W " +
+              std::to_string(W);
     Status s = bench_ring_one(comm, &r, rc, trace);
     c.done = r.checked, c.ok = r.correct && (r.bwd_correct || !s.ok()), c.bad = r.bad + r.bwd_bad;
     if (!s.ok()) {
@@ -370,6 +387,7 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
     }
     checks.push_back(c);
     if (s.ok() && r.correct && r.bwd_correct) {
+      r.pair_first = run.pair_first;
       done.push_back(r);
       if (me == 0) {
         printf("%8lld %3d  %-6s %9s %8s %9s %9s %9s %9s %7s %7s %7s%s%s\n", (long long)r.S_l, W, "ok",
@@ -379,7 +397,8 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
                cell(ratio(r.sendrecv, r.fused), 2).c_str(),
                eff_cell(overlap_eff(W, r.compute, r.coll, r.fused)).c_str(),
                comparable ? "" : "  (not comparable)",
-               !run.rows.empty() ? "  (uneven shards; rank 0's tokens)" : !shard_rows.empty() ? "  (padded even)" : "");
+               !run.rows.empty() ? (run.zigzag ? "  (uneven shards; rank 0's tokens)" : "  (balanced contiguous; rank 0's tokens)")
+                                 : !shard_rows.empty() ? "  (padded even)" : balanced ? "  (even zigzag)" : "");
         printf("%8s %3s  backward: fused %s ms (without its sums %s), compute-only %s ms; forward+backward fused / "
                "compute-only %s\n", "", "", cell(r.bwd_fused, 3).c_str(), cell(r.bwd_no_sums, 3).c_str(),
                cell(r.bwd_compute, 3).c_str(), cell(ratio(r.fused + r.bwd_fused, r.compute + r.bwd_compute), 3).c_str());
@@ -394,13 +413,15 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
     if (!s.ok() && communicator_failed(comm)) break;
   }
   std::vector<std::string> rows;
-  const bool pair = !shard_rows.empty() && done.size() == 2 && !done[0].rows.empty();
-  if (pair && me == 0)
-    printf("uneven / padded even: forward %s, backward %s, forward+backward %s\n",
-           cell(ratio(done[0].fused, done[1].fused), 3).c_str(),
-           cell(ratio(done[0].bwd_fused, done[1].bwd_fused), 3).c_str(),
-           cell(ratio(done[0].fused + done[0].bwd_fused, done[1].fused + done[1].bwd_fused), 3).c_str());
-  for (size_t i = 0; i < done.size(); ++i) rows.push_back(ring_json(done[i], pair && i == 0 ? &done[1] : nullptr));
+  for (size_t i = 0; i < done.size(); ++i) {
+    const bool pair = done[i].pair_first && i + 1 < done.size() && !done[i + 1].pair_first;
+    if (pair && me == 0)
+      printf("%s (S/rank %lld): forward %s, backward %s, forward+backward %s\n", pair_name,
+             (long long)done[i + 1].S_l, cell(ratio(done[i].fused, done[i + 1].fused), 3).c_str(),
+             cell(ratio(done[i].bwd_fused, done[i + 1].bwd_fused), 3).c_str(),
+             cell(ratio(done[i].fused + done[i].bwd_fused, done[i + 1].fused + done[i + 1].bwd_fused), 3).c_str());
+    rows.push_back(ring_json(done[i], pair ? &done[i + 1] : nullptr));
+  }
   if (me == 0 && !json.empty() && !write_json(json, W, comm->topology().num_nodes, comparable, rows)) failed = true;
   return summarize(comm, checks, "within bf16 tolerance of the same kernel over the gathered K/V", failed);
 }

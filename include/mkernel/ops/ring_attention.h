@@ -88,6 +88,15 @@ struct RingAttentionArgs {
   const TraceBuffer* trace = nullptr;
 };
 
+// Uneven contiguous shards that balance the ring's work over `world` ranks for packed documents
+// (RingAttentionShape::rows with SeqLayout::kContiguous). cu_seqlens: host memory, n_docs + 1
+// bounds non-decreasing from 0 to S, as RingAttentionArgs::cu_seqlens takes them. A query's
+// work is the keys it sees: its position in its document + 1 (causal) or its document's length;
+// *rows gets `world` counts >= 1 summing to S whose largest share of the work is the least any
+// contiguous split has. Shards are agreed at create: a packing that changes per call needs an
+// operator per distinct result. kInvalidArgument for a malformed array or S < world.
+Status ring_balanced_rows(const int32_t* cu_seqlens, int n_docs, int world, bool causal, std::vector<int64_t>* rows);
+
 struct RingState;
 
 class RingAttention {

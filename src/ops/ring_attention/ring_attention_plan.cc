@@ -1,6 +1,9 @@
 // The schedule of ring attention (see src/ops/ring_attention/ring_attention_plan.h).
 #include "src/ops/ring_attention/ring_attention_plan.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "mkernel/common/check.h"
 
 namespace mk {
@@ -102,6 +105,76 @@ Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_la
       p.steps[r].push_back(std::move(st));
     }
   }
+  return OkStatus();
+}
+
+namespace {
+
+// The work of every position (see ring_doc_work); cu checked by the caller.
+std::vector<int64_t> position_work(const std::vector<int32_t>& cu, int64_t S, bool causal) {
+  std::vector<int64_t> w(size_t(S), 0);
+  if (cu.size() < 2) {
+    for (int64_t p = 0; p < S; ++p) w[size_t(p)] = causal ? p + 1 : S;
+    return w;
+  }
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int64_t p = cu[d]; p < cu[d + 1]; ++p) w[size_t(p)] = causal ? p - cu[d] + 1 : int64_t(cu[d + 1]) - cu[d];
+  return w;
+}
+
+}  // namespace
+
+std::vector<double> ring_doc_work(const RingPlan& plan, const std::vector<int32_t>& cu, bool causal) {
+  const std::vector<int64_t> w = position_work(cu, plan.seq, causal);
+  std::vector<double> out(size_t(plan.world), 0.0);
+  for (int r = 0; r < plan.world; ++r)
+    for (const SeqChunk& c : plan.chunks[size_t(r)])
+      for (int64_t p = c.token0; p < c.token0 + c.tokens; ++p) out[size_t(r)] += double(w[size_t(p)]);
+  return out;
+}
+
+Status ring_balanced_rows(const int32_t* cu_seqlens, int n_docs, int world, bool causal, std::vector<int64_t>* rows) {
+  MK_REQUIRE(rows && cu_seqlens && n_docs >= 1 && world >= 1, Code::kInvalidArgument,
+             "ring_balanced_rows: cu_seqlens %p, n_docs %d, world %d", static_cast<const void*>(cu_seqlens), n_docs,
+             world);
+  const std::vector<int32_t> cu(cu_seqlens, cu_seqlens + n_docs + 1);
+  MK_REQUIRE(cu[0] == 0, Code::kInvalidArgument, "ring_balanced_rows: cu_seqlens[0] is %d, not 0", cu[0]);
+  for (int d = 0; d < n_docs; ++d)
+    MK_REQUIRE(cu[size_t(d) + 1] >= cu[size_t(d)], Code::kInvalidArgument,
+               "ring_balanced_rows: cu_seqlens decreases at entry %d (%d after %d)", d + 1, cu[size_t(d) + 1],
+               cu[size_t(d)]);
+  const int64_t S = cu.back();
+  MK_REQUIRE(S >= world, Code::kInvalidArgument, "ring_balanced_rows: %lld tokens for %d ranks (one each at least)",
+             (long long)S, world);
+  const std::vector<int64_t> w = position_work(cu, S, causal);
+  // The least largest share: a binary search on it, each bound tried by a greedy split (the
+  // longest prefix within the bound, rank by rank; splitting a share further never raises it).
+  int64_t lo = 0, hi = 0;
+  for (int64_t x : w) lo = std::max(lo, x), hi += x;
+  auto shares_within = [&](int64_t cap) {
+    int n = 1;
+    int64_t sum = 0;
+    for (int64_t x : w) {
+      if (sum + x > cap) ++n, sum = 0;
+      sum += x;
+    }
+    return n <= world;
+  };
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (shares_within(mid)) hi = mid;
+    else lo = mid + 1;
+  }
+  // The split at that bound, each rank as many tokens as fit while the later ranks keep one each.
+  rows->assign(size_t(world), 0);
+  int64_t p = 0;
+  for (int r = 0; r < world; ++r) {
+    int64_t sum = 0, n = 0;
+    const int64_t keep = world - 1 - r;  // tokens the later ranks need
+    while (p < S - keep && (n == 0 || (r == world - 1 || sum + w[size_t(p)] <= lo))) sum += w[size_t(p++)], ++n;
+    (*rows)[size_t(r)] = n;
+  }
+  MK_REQUIRE(p == S, Code::kInternal, "ring_balanced_rows: split %lld of %lld tokens", (long long)p, (long long)S);
   return OkStatus();
 }
 

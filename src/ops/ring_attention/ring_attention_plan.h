@@ -69,6 +69,11 @@ struct RingPlan {
 Status build_ring_plan(const comm::Layout& layout, int64_t seq, SeqLayout seq_layout, bool causal, RingPlan* out,
                        const std::vector<int64_t>& rows = {});
 
+// Each rank's work in a plan for packed documents (host cu_seqlens as ring_balanced_rows takes
+// them; empty: one document): the keys its queries see, summed (a query at position p of a
+// document starting at d sees p - d + 1 keys when causal, else the document's length).
+std::vector<double> ring_doc_work(const RingPlan& plan, const std::vector<int32_t>& cu, bool causal);
+
 // The rule on uneven shards alone (no layout): kInvalidArgument naming `what` unless rows is
 // empty or holds `world` counts >= 1 (zigzag: >= 2) summing to seq.
 Status check_ring_rows(const char* what, const std::vector<int64_t>& rows, int world, int64_t seq, SeqLayout layout);
