@@ -338,6 +338,16 @@ def main():
         return torch.cat([torch.arange(rank * c, (rank + 1) * c),
                           torch.arange((2 * W - 1 - rank) * c, (2 * W - rank) * c)]).cuda()
 
+    def attn_ref(q, k, v, causal, dt=torch.float32):
+        """(O, LSE) of attention over the whole sequence in dt; (B, S, H, D) tensors, LSE (B, H, S)."""
+        H, Hkv, D, S = q.shape[2], k.shape[2], q.shape[3], q.shape[1]
+        qf, kf, vf = (t.to(dt).transpose(1, 2) for t in (q, k, v))
+        kf, vf = kf.repeat_interleave(H // Hkv, 1), vf.repeat_interleave(H // Hkv, 1)
+        logits = (qf @ kf.transpose(-1, -2)) / D ** 0.5
+        if causal:
+            logits = logits.masked_fill(torch.ones(S, S, device="cuda").triu(1).bool(), float("-inf"))
+        return (torch.softmax(logits, -1) @ vf).transpose(1, 2), torch.logsumexp(logits, -1)
+
     @check("ring_attention: contiguous and zigzag, causal and not, GQA, against a full-sequence fp32 reference")
     def _():
         B, H, Hkv, D, s = 1, 4, 2, 128, 128  # s tokens per rank
@@ -348,13 +358,7 @@ def main():
             idx = ring_rows(layout, s)
             for causal in (False, True):
                 o, lse = mkt.ring_attention(q[:, idx], k[:, idx], v[:, idx], causal=causal, layout=layout)
-                qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
-                kf, vf = kf.repeat_interleave(H // Hkv, 1), vf.repeat_interleave(H // Hkv, 1)
-                logits = (qf @ kf.transpose(-1, -2)) / D ** 0.5
-                if causal:
-                    logits = logits.masked_fill(torch.ones(S, S, device="cuda").triu(1).bool(), float("-inf"))
-                ref_lse = torch.logsumexp(logits, -1)
-                ref_o = (torch.softmax(logits, -1) @ vf).transpose(1, 2)
+                ref_o, ref_lse = attn_ref(q, k, v, causal)
                 worst = max(worst, close(f"O {layout} causal={causal}", o, ref_o[:, idx], grad=True))
                 d = (lse - ref_lse[:, :, idx]).abs().max().item()
                 if d > 1e-3:
@@ -509,19 +513,13 @@ def main():
         S = sum(rows)
         q, k, v, do = (gen(1500 + i, B, S, h, D) for i, h in ((0, H), (1, Hkv), (2, Hkv), (3, H)))
         worst, failed = 0.0, []
+        refs = {c: (attn_grads_ref(q, k, v, do, c), attn_ref(q, k, v, c, torch.float64)) for c in (False, True)}
         for layout, causal in (("zigzag", True), ("contiguous", True), ("zigzag", False), ("contiguous", False)):
             idx = uneven_rows(layout, rows)
             leaves = [t[:, idx].detach().clone().requires_grad_() for t in (q, k, v)]
             o, lse = mkt.ring_attention(*leaves, causal=causal, layout=layout, shard_rows=rows)
             o.backward(do[:, idx])
-            ref, sd = attn_grads_ref(q, k, v, do, causal)
-            qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
-            kf, vf = kf.repeat_interleave(H // Hkv, 1), vf.repeat_interleave(H // Hkv, 1)
-            logits = (qf @ kf.transpose(-1, -2)) / D ** 0.5
-            if causal:
-                logits = logits.masked_fill(torch.ones(S, S, device="cuda").triu(1).bool(), float("-inf"))
-            ref_lse = torch.logsumexp(logits, -1)
-            ref_o = (torch.softmax(logits, -1) @ vf).transpose(1, 2)
+            (ref, sd), (ref_o, ref_lse) = refs[causal]
             sd_o = torch.nn.functional.scaled_dot_product_attention(
                 *(t.transpose(1, 2) for t in (q, k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2))),
                 is_causal=causal).transpose(1, 2)
