@@ -551,7 +551,8 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def _(q, k, v, causal, layout, scale, group_name, cu_seqlens=None, shard_rows=None):
     _check_attn(q, k, v)
     _check_ring_docs("ring_attention", q, cu_seqlens)
-    _check_rows("ring_attention", shard_rows, _world(group_name))
+    if shard_rows is not None:
+        _check_rows("ring_attention", shard_rows, _world(group_name))
     if layout not in _LAYOUTS:
         raise MkError(1, f"mkernel.ring_attention: layout '{layout}' is not 'contiguous' or 'zigzag'")
     B, s, H, _ = q.shape
