@@ -560,7 +560,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RingMutation,
                                            RingConfig{4, 2, false, true, true, true, 1, 32, 16, 3, 2, true},
                                            RingConfig{4, 2, true, false, false, true, 2, 32, 16, 3, 2, true},
                                            RingConfig{3, 1, false, false, true, true, 1, 0, 16, 3, 2, false, {40, 64, 17}},
-                                           RingConfig{4, 2, false, true, false, true, 1, 0, 16, 3, 2, false, {9, 40, 64, 2}},
+                                           RingConfig{3, 3, false, true, false, true, 1, 0, 16, 3, 2, false, {9, 40, 2}},
                                            RingConfig{3, 1, false, false, true, true, 1, 0, 16, 3, 2, true, {40, 64, 17}},
                                            RingConfig{4, 2, false, true, false, true, 1, 0, 16, 3, 2, true, {9, 40, 64, 2}}),
                          [](const ::testing::TestParamInfo<RingConfig>& i) { return name_of(i.param); });
