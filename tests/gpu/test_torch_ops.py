@@ -388,6 +388,25 @@ def main():
             out.append([t.grad.transpose(1, 2) for t in leaves])
         return out
 
+    def masked_refs(q, k, v, do, vis):
+        """O and the gradients of attention over the whole sequence with the mask vis [S, S], in
+        float64 and through SDPA (bf16): ([O64, Obf16], [[dq, dk, dv]64, [...]bf16], LSE64)."""
+        H, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
+        grads, outs, ref_lse = [], [], None
+        for dt in (torch.float64, bf16):
+            ls = [t.to(dt).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+            kk, vv = (t.repeat_interleave(H // Hkv, 1) for t in ls[1:])
+            if dt == torch.float64:
+                logits = (ls[0] @ kk.transpose(-1, -2) / D ** 0.5).masked_fill(~vis, float("-inf"))
+                ref_lse = torch.logsumexp(logits, -1)
+                out = torch.softmax(logits, -1) @ vv
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(ls[0], kk, vv, attn_mask=vis)
+            out.backward(do.to(dt).transpose(1, 2).contiguous())
+            outs.append(out.transpose(1, 2))
+            grads.append([t.grad.transpose(1, 2) for t in ls])
+        return outs, grads, ref_lse
+
     def grad_bound(name, got, ref, sdpa):
         err = (got.double() - ref).abs().max().item()
         serr = (sdpa.double() - ref).abs().max().item()
@@ -462,19 +481,7 @@ def main():
             leaves = [t[:, idx].detach().clone().requires_grad_() for t in (q, k, v)]
             o, lse = mkt.ring_attention(*leaves, causal=causal, layout=layout, cu_seqlens=cu)
             o.backward(do[:, idx])
-            grads, outs = [], []
-            for dt in (torch.float64, bf16):
-                ls = [t.to(dt).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-                kk, vv = (t.repeat_interleave(H // Hkv, 1) for t in ls[1:])
-                if dt == torch.float64:
-                    logits = (ls[0] @ kk.transpose(-1, -2) / D ** 0.5).masked_fill(~vis, float("-inf"))
-                    ref_lse = torch.logsumexp(logits, -1)
-                    out = torch.softmax(logits, -1) @ vv
-                else:
-                    out = torch.nn.functional.scaled_dot_product_attention(ls[0], kk, vv, attn_mask=vis)
-                out.backward(do.to(dt).transpose(1, 2).contiguous())
-                outs.append(out.transpose(1, 2))
-                grads.append([t.grad.transpose(1, 2) for t in ls])
+            outs, grads, ref_lse = masked_refs(q, k, v, do, vis)
             tag = f"{layout} causal={causal} {len(cut) - 1} documents"
             checks = [(f"O {tag}", o, outs[0][:, idx], outs[1][:, idx])]
             checks += [(f"{nm} {tag}", leaves[i].grad, grads[0][i][:, idx], grads[1][i][:, idx])
@@ -560,17 +567,7 @@ def main():
         leaves = [t[:, idx].detach().clone().requires_grad_() for t in (q, k, v)]
         o, _ = mkt.ring_attention(*leaves, causal=True, layout="contiguous", cu_seqlens=cu, shard_rows=rows)
         o.backward(do[:, idx])
-        grads, outs = [], []
-        for dt in (torch.float64, bf16):
-            ls = [t.to(dt).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-            kk, vv = (t.repeat_interleave(H // Hkv, 1) for t in ls[1:])
-            if dt == torch.float64:
-                out = torch.softmax((ls[0] @ kk.transpose(-1, -2) / D ** 0.5).masked_fill(~vis, float("-inf")), -1) @ vv
-            else:
-                out = torch.nn.functional.scaled_dot_product_attention(ls[0], kk, vv, attn_mask=vis)
-            out.backward(do.to(dt).transpose(1, 2).contiguous())
-            outs.append(out.transpose(1, 2))
-            grads.append([t.grad.transpose(1, 2) for t in ls])
+        outs, grads, _ = masked_refs(q, k, v, do, vis)
         worst, failed = 0.0, []
         checks = [("O", o, outs[0][:, idx], outs[1][:, idx])]
         checks += [(nm, leaves[i].grad, grads[0][i][:, idx], grads[1][i][:, idx]) for i, nm in enumerate(("dq", "dk", "dv"))]
