@@ -235,6 +235,13 @@ MUTATIONS = [
              ["test_gpu_moe_np1", "test_gpu_moe_np2", "test_gpu_moe_layer_np1"],
              "combine sums the experts' rows without the routing weights (skip the combine weight)",
              gpu=True, targets=["test_gpu_moe", "test_gpu_moe_layer"]),
+    Mutation("moe-combine-ignores-call-weights", "src/ops/moe/moe_kernels.cu",
+             "      wt[kk] = (w ? w : l.weights)[int64_t(t) * k + kk];",
+             "      wt[kk] = l.weights[int64_t(t) * k + kk];",
+             ["test_gpu_moe_np1"],
+             "combine uses the weights the dispatch kept, not the call's own (MoeCombineArgs::topk_weights; "
+             "the torch ops' gradients rely on it)",
+             gpu=True, targets=["test_gpu_moe"]),
     Mutation("attention-bwd-diagonal-masked", "src/attention/kernel/bwd.cuh",
              "bool masked = key >= len || (causal && kv_pos0 + key > q_pos_m + q);",
              "bool masked = key >= len || (causal && kv_pos0 + key >= q_pos_m + q);",

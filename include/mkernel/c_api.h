@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or a struct below changes. */
-#define MK_C_API_VERSION 9
+#define MK_C_API_VERSION 10
 
 /* mk::Code, by value (include/mkernel/common/status.h). */
 typedef enum mk_code {
@@ -47,6 +47,7 @@ typedef struct mk_ring_s* mk_ring_t;    /* ring attention */
 typedef struct mk_ring_bwd_s* mk_ring_bwd_t;  /* ring attention's backward */
 typedef struct mk_moe_s* mk_moe_t;      /* MoE expert-parallel dispatch and combine */
 typedef struct mk_coll_s* mk_coll_t;    /* a standalone collective */
+typedef struct mk_moe_layer_s* mk_moe_layer_t;  /* a whole MoE layer (dispatch, experts, combine) */
 
 typedef struct mk_comm_info {
   int rank, world;             /* this rank, all ranks */
@@ -228,8 +229,48 @@ MK_C_EXPORT int mk_moe_dispatch(mk_moe_t ep, const void* x, const int32_t* topk_
                     int32_t* offsets, void* stream);
 /* y [recv_rows, H] in the last dispatch's layout; combined [tokens, H]. */
 MK_C_EXPORT int mk_moe_combine(mk_moe_t ep, const void* y, void* combined, void* stream);
+/* Sizes of an operator with this config on `world` ranks in `nodes` nodes of `local` ranks, before
+ * any communicator (frameworks' shape functions): rows of recv_x / y, and the bytes of one routing
+ * (mk_moe_dispatch_routed). mode as mk_moe_create's. */
+MK_C_EXPORT int mk_moe_sizes(int world, int nodes, int local, int64_t hidden, int num_experts, int topk,
+                             int64_t max_tokens_per_rank, int expert_align, int64_t recv_capacity, int mode,
+                             int64_t* host_recv_rows, int64_t* host_routing_bytes);
+/* Bytes of one routing of this operator (what mk_moe_sizes says for its config and layout). */
+MK_C_EXPORT int mk_moe_routing_bytes(mk_moe_t ep, int64_t* out);
+/* mk_moe_dispatch with its routing kept in the caller's device memory `routing` (routing_bytes >=
+ * mk_moe_routing_bytes, 16-byte aligned, zeroed before its first dispatch) instead of the
+ * operator's: each dispatch in flight keeps its own, for its combine and a backward pass.
+ * topk_weights may be null (unit weights, for a combine given none). */
+MK_C_EXPORT int mk_moe_dispatch_routed(mk_moe_t ep, const void* x, const int32_t* topk_ids, const float* topk_weights,
+                                       const int32_t* d_num_tokens, int64_t tokens, void* recv_x, int32_t* counts,
+                                       int32_t* offsets, void* routing, int64_t routing_bytes, void* stream);
+/* combine along the routing a mk_moe_dispatch_routed of this operator wrote into `routing`;
+ * topk_weights [tokens, k] fp32 this call's weights, or null: the dispatch's. */
+MK_C_EXPORT int mk_moe_combine_routed(mk_moe_t ep, const void* y, const float* topk_weights, const void* routing,
+                                      int64_t routing_bytes, void* combined, void* stream);
+/* After the stream completed: MK_OK, or the first bad input a dispatch or combine met on the device
+ * (an expert id out of range, more tokens than max_tokens_per_rank, a receive overflow). */
+MK_C_EXPORT int mk_moe_check(mk_moe_t ep);
 /* Collective: destroys (idempotent) and frees. */
 MK_C_EXPORT int mk_moe_destroy(mk_moe_t ep);
+
+/* ---- The MoE layer (include/mkernel/ops/moe_layer.h) ---- */
+
+/* Collective: dispatch and combine as mk_moe_create's, each local expert's gated MLP of width
+ * intermediate (a multiple of 8). */
+MK_C_EXPORT int mk_moe_layer_create(mk_comm_t comm, int64_t hidden, int num_experts, int topk,
+                                    int64_t max_tokens_per_rank, int expert_align, int64_t recv_capacity,
+                                    int64_t intermediate, int mode, int comm_ctas, const char* staging,
+                                    mk_moe_layer_t* out);
+/* combined [tokens, H] = sum_k topk_weights[t, k] * FFN_{e(t, k)}(x[t]); w1 [E_local, 2I, H] (gate
+ * rows, then up rows), w2 [E_local, H, I], bf16; other arguments as mk_moe_dispatch's. */
+MK_C_EXPORT int mk_moe_layer_run(mk_moe_layer_t layer, const void* x, const int32_t* topk_ids,
+                                 const float* topk_weights, const int32_t* d_num_tokens, int64_t tokens,
+                                 const void* w1, const void* w2, void* combined, void* stream);
+/* After the stream completed: MK_OK, or the first bad input a call met on the device. */
+MK_C_EXPORT int mk_moe_layer_check(mk_moe_layer_t layer);
+/* Collective: destroys (idempotent) and frees. */
+MK_C_EXPORT int mk_moe_layer_destroy(mk_moe_layer_t layer);
 
 #ifdef __cplusplus
 }  /* extern "C" */

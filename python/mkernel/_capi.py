@@ -20,7 +20,7 @@ STORE_ERASE = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p)
 STORE_WHY = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t)
 
 # The C ABI this module speaks (c_api.h: MK_C_API_VERSION); the library must say the same.
-API_VERSION = 9
+API_VERSION = 10
 
 
 class CommInfo(ctypes.Structure):
@@ -118,7 +118,18 @@ def signatures():
         "mk_moe_local_experts": [c_void_p, P(c_int)],
         "mk_moe_dispatch": [c_void_p] * 5 + [c_int64] + [c_void_p] * 4,
         "mk_moe_combine": [c_void_p] * 4,
+        "mk_moe_sizes": [c_int, c_int, c_int, c_int64, c_int, c_int, c_int64, c_int, c_int64, c_int, P(c_int64),
+                         P(c_int64)],
+        "mk_moe_routing_bytes": [c_void_p, P(c_int64)],
+        "mk_moe_dispatch_routed": [c_void_p] * 5 + [c_int64] + [c_void_p] * 4 + [c_int64, c_void_p],
+        "mk_moe_combine_routed": [c_void_p] * 4 + [c_int64, c_void_p, c_void_p],
+        "mk_moe_check": [c_void_p],
         "mk_moe_destroy": [c_void_p],
+        "mk_moe_layer_create": [c_void_p, c_int64, c_int, c_int, c_int64, c_int, c_int64, c_int64, c_int, c_int,
+                                c_char_p, P(c_void_p)],
+        "mk_moe_layer_run": [c_void_p] * 5 + [c_int64] + [c_void_p] * 4,
+        "mk_moe_layer_check": [c_void_p],
+        "mk_moe_layer_destroy": [c_void_p],
     }
     out = {name: (args, c_int) for name, args in sig.items()}
     out["mk_last_error"] = ([], c_char_p)

@@ -16,7 +16,7 @@ current CUDA stream and can be captured in a CUDA graph once the shape has run o
 import atexit
 import ctypes
 import threading
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 try:
     import torch
@@ -30,7 +30,8 @@ from ._capi import MkError, check
 
 __all__ = ["init", "finalize", "finalize_all", "communicator", "Communicator", "all_gather_matmul",
            "matmul_reduce_scatter", "matmul_all_reduce", "attention", "attention_varlen", "ring_attention", "ring_balanced_rows",
-           "all_gather", "reduce_scatter", "all_reduce", "MkError"]
+           "all_gather", "reduce_scatter", "all_reduce", "moe_dispatch", "moe_combine", "MoeRouting", "moe_layer",
+           "MkError"]
 
 _KIND_AG, _KIND_RS, _KIND_AR = 0, 1, 2
 _COLL_NAMES = ("all_gather", "reduce_scatter", "all_reduce")  # collective.h's kinds 0, 1, 2
@@ -118,6 +119,8 @@ class Communicator:
         self._ring = {}   # (B, H, Hkv, D, S, layout, causal, scale, shard rows) -> handle
         self._ring_bwd = {}  # the same key -> the backward's handle
         self._coll = {}   # (kind, dtype, count) -> handle
+        self._moe = {}    # (hidden, experts, topk, max tokens, expert align, recv capacity) -> handle
+        self._moe_layer = {}  # the same and the experts' width -> handle
 
     def __repr__(self):
         return (f"mkernel.torch.Communicator(group={self.group_name!r}, rank={self.rank}, world={self.world}, "
@@ -192,11 +195,45 @@ class Communicator:
             h = self._coll[key] = out.value
         return h
 
+    def moe(self, hidden, experts, topk, max_tokens, align, capacity):
+        key = (hidden, experts, topk, max_tokens, align, capacity)
+        h = self._moe.get(key)
+        if h is None:
+            self._creating(f"moe_dispatch with hidden={hidden} experts={experts} topk={topk} max_tokens={max_tokens}")
+            out = ctypes.c_void_p()
+            check(_capi.lib().mk_moe_create(self._handle, hidden, experts, topk, max_tokens, align, capacity, 0, 0,
+                                            b"", ctypes.byref(out)))
+            h = self._moe[key] = out.value
+        return h
+
+    def moe_layer(self, hidden, experts, topk, max_tokens, align, capacity, inter):
+        key = (hidden, experts, topk, max_tokens, align, capacity, inter)
+        h = self._moe_layer.get(key)
+        if h is None:
+            self._creating(f"moe_layer with hidden={hidden} experts={experts} topk={topk} max_tokens={max_tokens} "
+                           f"intermediate={inter}")
+            out = ctypes.c_void_p()
+            check(_capi.lib().mk_moe_layer_create(self._handle, hidden, experts, topk, max_tokens, align, capacity,
+                                                  inter, 0, 0, b"", ctypes.byref(out)))
+            h = self._moe_layer[key] = out.value
+        return h
+
+    def check_moe(self):
+        """After the stream completed: raises MkError naming the first bad routing input (an expert id
+        out of range, too many tokens, an overflow of recv_capacity) a MoE call of this communicator
+        met on the device."""
+        torch.cuda.current_stream().synchronize()
+        for h in self._moe.values():
+            check(_capi.lib().mk_moe_check(h))
+        for h in self._moe_layer.values():
+            check(_capi.lib().mk_moe_layer_check(h))
+
     def clear_cache(self):
         """Collective: destroys the operators created so far (their memory), newest first."""
         errors = []
         lib = _capi.lib()
-        for table, destroy in ((self._coll, lib.mk_coll_destroy), (self._ring_bwd, lib.mk_ring_backward_destroy),
+        for table, destroy in ((self._moe_layer, lib.mk_moe_layer_destroy), (self._moe, lib.mk_moe_destroy), (self._coll, lib.mk_coll_destroy),
+                               (self._ring_bwd, lib.mk_ring_backward_destroy),
                                (self._ring, lib.mk_ring_destroy), (self._fused, lib.mk_fused_destroy)):
             for h in reversed(list(table.values())):
                 if destroy(h) != 0:
@@ -748,6 +785,167 @@ def _(x, group_name, world_size):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+# MoE expert parallelism (include/mkernel/ops/moe.h). Each dispatch keeps its routing (where each
+# token's rows went and how they come back) in a uint8 tensor of its own, an output of the op: the
+# combine and the backward pass take it from there, so any number of dispatches may be in flight
+# (micro-batches, layers awaiting their backward) and torch frees a routing with its last user.
+
+def _moe_sizes(what, group_name, world_size, hidden, experts, topk, max_tokens, align, capacity):
+    """(recv_rows, routing_bytes) of the operator, from the library's rules, without creating it
+    (fake tensors). The node layout is the communicator's (one node when tracing without one)."""
+    c = _comms.get(group_name)
+    nodes, local = (c.nodes, c.local_size) if c is not None and c.alive else (1, world_size)
+    rows, nbytes = ctypes.c_int64(), ctypes.c_int64()
+    rc = _capi.lib().mk_moe_sizes(world_size, nodes, local, hidden, experts, topk, max_tokens, align, capacity, 0,
+                                  ctypes.byref(rows), ctypes.byref(nbytes))
+    if rc != 0:
+        raise MkError(rc, f"mkernel.{what}: " + _capi.lib().mk_last_error().decode(errors="replace"))
+    return rows.value, nbytes.value
+
+
+def _check_moe(what, x, x_name, topk_ids, experts, max_tokens, world_size):
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise MkError(1, f"mkernel.{what}: {x_name} must be a 2-D bfloat16 tensor (got {tuple(x.shape)} {x.dtype})")
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
+        raise MkError(1, f"mkernel.{what}: topk_ids must be a 2-D int32 tensor [tokens, k] (got "
+                         f"{tuple(topk_ids.shape)} {topk_ids.dtype})")
+    if topk_ids.device != x.device:
+        raise MkError(1, f"mkernel.{what}: {x_name} is on {x.device}, topk_ids on {topk_ids.device}")
+    if topk_ids.shape[0] > max_tokens:
+        raise MkError(1, f"mkernel.{what}: {topk_ids.shape[0]} tokens, more than max_tokens = {max_tokens}")
+    if experts % world_size:
+        raise MkError(1, f"mkernel.{what}: {experts} experts do not split over {world_size} ranks")
+
+
+@torch.library.custom_op("mkernel::moe_dispatch", mutates_args=(), device_types="cuda")
+def _moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_tokens: int, expert_align: int,
+                  recv_capacity: int, group_name: str, world_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = _op_comm("moe_dispatch", group_name, world_size, x)
+    _check_moe("moe_dispatch", x, "x", topk_ids, num_experts, max_tokens, world_size)
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    h = c.moe(H, num_experts, k, max_tokens, expert_align, recv_capacity)
+    rows, nbytes = ctypes.c_int64(), ctypes.c_int64()
+    check(_capi.lib().mk_moe_recv_rows(h, ctypes.byref(rows)))
+    check(_capi.lib().mk_moe_routing_bytes(h, ctypes.byref(nbytes)))
+    El = num_experts // c.world
+    x, topk_ids = x.contiguous(), topk_ids.contiguous()
+    # Rows no token lands in (alignment gaps, the capacity past the last expert) are zeros, so
+    # that an expert computation over all rows adds nothing from them to its weights' gradients.
+    recv_x = torch.zeros((rows.value, H), dtype=torch.bfloat16, device=x.device)
+    counts = torch.empty((El,), dtype=torch.int32, device=x.device)
+    offsets = torch.empty((El + 1,), dtype=torch.int32, device=x.device)
+    routing = torch.zeros((nbytes.value,), dtype=torch.uint8, device=x.device)
+    check(_capi.lib().mk_moe_dispatch_routed(h, x.data_ptr(), topk_ids.data_ptr(), None, None, T, recv_x.data_ptr(),
+                                             counts.data_ptr(), offsets.data_ptr(), routing.data_ptr(), nbytes.value,
+                                             _stream()))
+    return recv_x, counts, offsets, routing
+
+
+@_moe_dispatch.register_fake
+def _(x, topk_ids, num_experts, max_tokens, expert_align, recv_capacity, group_name, world_size):
+    _check_moe("moe_dispatch", x, "x", topk_ids, num_experts, max_tokens, world_size)
+    rows, nbytes = _moe_sizes("moe_dispatch", group_name, world_size, x.shape[1], num_experts, topk_ids.shape[1],
+                              max_tokens, expert_align, recv_capacity)
+    El = num_experts // world_size
+    return (x.new_empty((rows, x.shape[1])), topk_ids.new_empty((El,)), topk_ids.new_empty((El + 1,)),
+            x.new_empty((nbytes,), dtype=torch.uint8))
+
+
+def _check_combine(what, y, topk_ids, topk_weights, routing, rows, nbytes):
+    if y.dim() != 2 or y.dtype != torch.bfloat16 or y.shape[0] != rows:
+        raise MkError(1, f"mkernel.{what}: y must be bfloat16 [{rows}, H], the dispatch's recv_x rows (got "
+                         f"{tuple(y.shape)} {y.dtype})")
+    if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise MkError(1, f"mkernel.{what}: topk_weights must be float32 shaped as topk_ids {tuple(topk_ids.shape)} "
+                         f"(got {tuple(topk_weights.shape)} {topk_weights.dtype})")
+    if routing.dtype != torch.uint8 or routing.dim() != 1 or routing.numel() != nbytes:
+        raise MkError(1, f"mkernel.{what}: routing must be the uint8 tensor of {nbytes} bytes moe_dispatch returned "
+                         f"for this configuration (got {tuple(routing.shape)} {routing.dtype})")
+    if not (y.device == topk_weights.device == routing.device):
+        raise MkError(1, f"mkernel.{what}: y, topk_weights and routing must be on one device (got {y.device}, "
+                         f"{topk_weights.device}, {routing.device})")
+
+
+@torch.library.custom_op("mkernel::moe_combine", mutates_args=(), device_types="cuda")
+def _moe_combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, routing: torch.Tensor,
+                 num_experts: int, max_tokens: int, expert_align: int, recv_capacity: int, group_name: str,
+                 world_size: int) -> torch.Tensor:
+    c = _op_comm("moe_combine", group_name, world_size, y)
+    _check_moe("moe_combine", y, "y", topk_ids, num_experts, max_tokens, world_size)
+    T, k, H = topk_ids.shape[0], topk_ids.shape[1], y.shape[1]
+    h = c.moe(H, num_experts, k, max_tokens, expert_align, recv_capacity)
+    rows, nbytes = ctypes.c_int64(), ctypes.c_int64()
+    check(_capi.lib().mk_moe_recv_rows(h, ctypes.byref(rows)))
+    check(_capi.lib().mk_moe_routing_bytes(h, ctypes.byref(nbytes)))
+    _check_combine("moe_combine", y, topk_ids, topk_weights, routing, rows.value, nbytes.value)
+    y, w = y.contiguous(), topk_weights.contiguous()
+    out = torch.empty((T, H), dtype=torch.bfloat16, device=y.device)
+    check(_capi.lib().mk_moe_combine_routed(h, y.data_ptr(), w.data_ptr(), routing.data_ptr(), nbytes.value,
+                                            out.data_ptr(), _stream()))
+    return out
+
+
+@_moe_combine.register_fake
+def _(y, topk_ids, topk_weights, routing, num_experts, max_tokens, expert_align, recv_capacity, group_name,
+      world_size):
+    _check_moe("moe_combine", y, "y", topk_ids, num_experts, max_tokens, world_size)
+    rows, nbytes = _moe_sizes("moe_combine", group_name, world_size, y.shape[1], num_experts, topk_ids.shape[1],
+                              max_tokens, expert_align, recv_capacity)
+    _check_combine("moe_combine", y, topk_ids, topk_weights, routing, rows, nbytes)
+    return y.new_empty((topk_ids.shape[0], y.shape[1]))
+
+
+def _check_moe_layer(x, topk_ids, topk_weights, w1, w2, num_experts, world_size):
+    El = num_experts // world_size if num_experts % world_size == 0 else 0
+    H = x.shape[1] if x.dim() == 2 else 0
+    if w1.dim() != 3 or w2.dim() != 3 or w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        raise MkError(1, f"mkernel.moe_layer: w1 and w2 must be 3-D bfloat16 (got {tuple(w1.shape)} {w1.dtype}, "
+                         f"{tuple(w2.shape)} {w2.dtype})")
+    inter = w1.shape[1] // 2
+    if tuple(w1.shape) != (El, 2 * inter, H) or tuple(w2.shape) != (El, H, inter):
+        raise MkError(1, f"mkernel.moe_layer: w1 must be [E_local, 2I, H] = [{El}, 2I, {H}] and w2 [E_local, H, I] "
+                         f"(got {tuple(w1.shape)} and {tuple(w2.shape)})")
+    if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise MkError(1, f"mkernel.moe_layer: topk_weights must be float32 shaped as topk_ids "
+                         f"{tuple(topk_ids.shape)} (got {tuple(topk_weights.shape)} {topk_weights.dtype})")
+    return inter
+
+
+@torch.library.custom_op("mkernel::moe_layer", mutates_args=(), device_types="cuda")
+def _moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
+               w2: torch.Tensor, num_experts: int, max_tokens: int, expert_align: int, recv_capacity: int,
+               group_name: str, world_size: int) -> torch.Tensor:
+    c = _op_comm("moe_layer", group_name, world_size, x)
+    _check_moe("moe_layer", x, "x", topk_ids, num_experts, max_tokens, world_size)
+    inter = _check_moe_layer(x, topk_ids, topk_weights, w1, w2, num_experts, world_size)
+    T, H = x.shape
+    h = c.moe_layer(H, num_experts, topk_ids.shape[1], max_tokens, expert_align, recv_capacity, inter)
+    x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+    w1, w2 = w1.contiguous(), w2.contiguous()
+    out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+    check(_capi.lib().mk_moe_layer_run(h, x.data_ptr(), ids.data_ptr(), w.data_ptr(), None, T, w1.data_ptr(),
+                                       w2.data_ptr(), out.data_ptr(), _stream()))
+    return out
+
+
+@_moe_layer.register_fake
+def _(x, topk_ids, topk_weights, w1, w2, num_experts, max_tokens, expert_align, recv_capacity, group_name,
+      world_size):
+    _check_moe("moe_layer", x, "x", topk_ids, num_experts, max_tokens, world_size)
+    _check_moe_layer(x, topk_ids, topk_weights, w1, w2, num_experts, world_size)
+    return x.new_empty(tuple(x.shape))
+
+
+def _moe_layer_backward(ctx, grad):
+    raise MkError(7, "mkernel.moe_layer has no backward (inference); for training compose moe_dispatch, the "
+                     "experts in torch and moe_combine, which are differentiable")
+
+
+_moe_layer.register_autograd(_moe_layer_backward)
+
+
 # ---- autograd -------------------------------------------------------------------------------
 # all_gather_matmul and matmul_reduce_scatter are each other's backward; matmul_all_reduce's
 # gradients are local (its output gradient is the same on every rank). The gathered A that
@@ -905,6 +1103,66 @@ def _all_reduce_backward(ctx, grad):
 _all_gather.register_autograd(_all_gather_backward, setup_context=_coll_setup)
 _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_coll_setup)
 _all_reduce.register_autograd(_all_reduce_backward, setup_context=_coll_setup)
+
+
+# MoE: dispatch copies each token's row to its top-k slots (a gather), so its adjoint is the sum of
+# the slots' gradients — a combine with unit weights along the same routing. combine's out[t] =
+# sum_k w[t, k] y[row(t, k)]: y's gradient at row(t, k) is w[t, k] grad_out[t], and w's is
+# <grad_out[t], y[row(t, k)]>. Both need one row per (token, slot) moving on its own, which is a
+# dispatch and a combine of the same routing with top-1: token t's slot k as token t * k + kk with
+# the one expert ids[t, k]. Its receive layout is the top-k one row for row (experts' rows by source
+# rank, then token, then slot), so the top-1 dispatch of w[t, k] grad_out[t] is y's gradient, and a
+# top-1 combine of y with unit weights hands each token its k rows back.
+
+def _moe_dispatch_setup(ctx, inputs, output):
+    x, topk_ids, num_experts, max_tokens, expert_align, recv_capacity, group_name, world_size = inputs
+    ctx.cfg = (num_experts, max_tokens, expert_align, recv_capacity, group_name, world_size)
+    ctx.save_for_backward(topk_ids, output[3])
+    ctx.mark_non_differentiable(output[1], output[2], output[3])
+
+
+def _moe_dispatch_backward(ctx, grad_recv, _gc, _go, _gr):
+    topk_ids, routing = ctx.saved_tensors
+    ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
+    grad_x = torch.ops.mkernel.moe_combine(grad_recv.to(torch.bfloat16).contiguous(), topk_ids, ones, routing,
+                                           *ctx.cfg)
+    return grad_x, None, None, None, None, None, None, None
+
+
+_moe_dispatch.register_autograd(_moe_dispatch_backward, setup_context=_moe_dispatch_setup)
+
+
+def _moe_combine_setup(ctx, inputs, output):
+    y, topk_ids, topk_weights, routing, num_experts, max_tokens, expert_align, recv_capacity, group_name, \
+        world_size = inputs
+    ctx.cfg = (num_experts, max_tokens, expert_align, recv_capacity, group_name, world_size)
+    ctx.save_for_backward(y, topk_ids, topk_weights)
+
+
+def _moe_combine_backward(ctx, grad_out):
+    y, topk_ids, topk_weights = ctx.saved_tensors
+    E, max_tokens, align, capacity, group_name, world_size = ctx.cfg
+    T, k = topk_ids.shape
+    g = grad_out.float()
+    ids1 = topk_ids.reshape(T * k, 1).contiguous()
+    # One slot at a time: fp32 [T, k, H] intermediates would be k times grad_out's size in fp32.
+    rows = torch.empty((T, k, g.shape[1]), dtype=torch.bfloat16, device=g.device)
+    for kk in range(k):
+        rows[:, kk] = g * topk_weights[:, kk:kk + 1]
+    rows = rows.reshape(T * k, -1)
+    grad_y, _, _, routing1 = torch.ops.mkernel.moe_dispatch(rows, ids1, E, max_tokens * k, align, capacity,
+                                                            group_name, world_size)
+    grad_w = None
+    if ctx.needs_input_grad[2]:
+        ones = torch.ones((T * k, 1), dtype=torch.float32, device=y.device)
+        per_slot = torch.ops.mkernel.moe_combine(y.contiguous(), ids1, ones, routing1, E, max_tokens * k, align,
+                                                 capacity, group_name, world_size)
+        per_slot = per_slot.reshape(T, k, -1)
+        grad_w = torch.stack([(per_slot[:, kk].float() * g).sum(-1) for kk in range(k)], dim=1)
+    return (grad_y if ctx.needs_input_grad[0] else None), None, grad_w, None, None, None, None, None, None, None
+
+
+_moe_combine.register_autograd(_moe_combine_backward, setup_context=_moe_combine_setup)
 
 
 # ---- the public functions: any rank of input, torch's symm_mem argument order ---------------
@@ -1083,3 +1341,66 @@ def all_reduce(x, reduce_op="sum", group=None):
         raise MkError(7, f"mkernel.all_reduce: reduce_op '{reduce_op}' is not supported (only 'sum')")
     name = _group(group)
     return torch.ops.mkernel.all_reduce(x, name, _world(name))
+
+
+class MoeRouting(NamedTuple):
+    """What moe_dispatch leaves for its moe_combine (and for the backward pass): the routing
+    (device bytes), the token's experts and the operator's configuration."""
+    routing: torch.Tensor
+    topk_ids: torch.Tensor
+    num_experts: int
+    max_tokens: int
+    expert_align: int
+    recv_capacity: int
+    group_name: str
+    world_size: int
+
+
+def moe_dispatch(x, topk_ids, num_experts, *, max_tokens=None, expert_align=1, recv_capacity=0, group=None):
+    """Expert parallelism: sends each token's row to the ranks of its top-k experts (expert e on rank
+    e // (num_experts / W)). Returns (recv_x, counts, offsets, routing).
+
+    x [T, H] bf16; topk_ids [T, k] (int32 or int64; -1: no expert). recv_x [R, H] bf16 expert-major:
+    local expert j's rows at [offsets[j], offsets[j] + counts[j]), each block starting on a multiple
+    of expert_align rows, rows by source rank, then token, then slot; the other rows are zeros.
+    R = recv_capacity, or the worst case (W * max_tokens * k plus alignment) when 0 — set it to
+    bound memory; an overflow is recorded on the device (communicator(group).check_moe() raises
+    it). counts and offsets stay on the GPU: no host synchronization, capturable in a CUDA graph
+    after a first call. max_tokens (default T) sizes the operator: calls with fewer tokens reuse it.
+    routing goes to moe_combine. Differentiable in x (the adjoint is a combine of recv_x's
+    gradient with unit weights)."""
+    name = _group(group)
+    W = _world(name)
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    mt = int(x.shape[0] if max_tokens is None else max_tokens)
+    recv_x, counts, offsets, routing = torch.ops.mkernel.moe_dispatch(x, ids, int(num_experts), mt, int(expert_align),
+                                                                      int(recv_capacity), name, W)
+    return recv_x, counts, offsets, MoeRouting(routing, ids, int(num_experts), mt, int(expert_align),
+                                               int(recv_capacity), name, W)
+
+
+def moe_combine(y, topk_weights, routing):
+    """The experts' outputs back to their tokens: out[t] = sum_k topk_weights[t, k] * y(t, k), fp32
+    multiply-adds in slot order, bf16 out [T, H]. y [R, H] bf16 in the layout of the dispatch that
+    returned `routing`; topk_weights [T, k] float32. Differentiable in y and topk_weights."""
+    r = routing
+    return torch.ops.mkernel.moe_combine(y, r.topk_ids, topk_weights, r.routing, r.num_experts, r.max_tokens,
+                                         r.expert_align, r.recv_capacity, r.group_name, r.world_size)
+
+
+def moe_layer(x, topk_ids, topk_weights, w1, w2, num_experts, *, max_tokens=None, expert_align=1, recv_capacity=0,
+              group=None):
+    """A whole MoE layer with expert parallelism (inference): out[t] = sum_k topk_weights[t, k] *
+    FFN_{e(t, k)}(x[t]), FFN_e(v) = W2_e (silu(W1_e[:I] v) * (W1_e[I:] v)), in fp32 sums of bf16
+    products. x [T, H] bf16; topk_ids [T, k] (-1: no expert); topk_weights [T, k] float32; w1
+    [E_local, 2I, H] (gate rows, then up rows) and w2 [E_local, H, I] bf16: this rank's experts
+    (expert e on rank e // E_local). dispatch, the two grouped GEMMs (SwiGLU in the first one's
+    epilogue) and combine in stream order, no host synchronization (docs/moe.md, "The MoE layer").
+    max_tokens, expert_align and recv_capacity as moe_dispatch's. Not differentiable: for training
+    compose moe_dispatch, the experts and moe_combine."""
+    name = _group(group)
+    W = _world(name)
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    mt = int(x.shape[0] if max_tokens is None else max_tokens)
+    return torch.ops.mkernel.moe_layer(x, ids, topk_weights, w1, w2, int(num_experts), mt, int(expert_align),
+                                       int(recv_capacity), name, W)

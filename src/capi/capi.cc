@@ -17,9 +17,11 @@
 #include "mkernel/ops/collective.h"
 #include "mkernel/ops/fused.h"
 #include "mkernel/ops/moe.h"
+#include "mkernel/ops/moe_layer.h"
 #include "mkernel/ops/ring_attention.h"
 #include "mkernel/runtime/bootstrap.h"
 #include "mkernel/runtime/communicator.h"
+#include "mkernel/runtime/topology.h"
 
 namespace {
 thread_local std::string g_last_error;
@@ -63,6 +65,7 @@ mk::ops::RingAttentionBackward* ring_bwd_of(mk_ring_bwd_t r) {
   return reinterpret_cast<mk::ops::RingAttentionBackward*>(r);
 }
 mk::ops::MoeEp* moe_of(mk_moe_t m) { return reinterpret_cast<mk::ops::MoeEp*>(m); }
+mk::ops::MoeLayer* moe_layer_of(mk_moe_layer_t m) { return reinterpret_cast<mk::ops::MoeLayer*>(m); }
 mk::ops::Collective* coll_of(mk_coll_t c) { return reinterpret_cast<mk::ops::Collective*>(c); }
 
 // The header's codes are mk::Code's values.
@@ -730,12 +733,149 @@ int mk_moe_combine(mk_moe_t ep, const void* y, void* combined, void* stream) {
   });
 }
 
+int mk_moe_sizes(int world, int nodes, int local, int64_t hidden, int num_experts, int topk,
+                 int64_t max_tokens_per_rank, int expert_align, int64_t recv_capacity, int mode,
+                 int64_t* host_recv_rows, int64_t* host_routing_bytes) {
+  return guard("mk_moe_sizes", [&]() -> int {
+    if (!host_recv_rows || !host_routing_bytes) return invalid("mk_moe_sizes: null output");
+    if (world < 1 || nodes < 1 || local < 1 || nodes * local != world)
+      return invalid("mk_moe_sizes: " + std::to_string(nodes) + " nodes of " + std::to_string(local) +
+                     " ranks are not " + std::to_string(world) + " ranks");
+    if (mode < 0 || mode > 2) return invalid("mk_moe_sizes: mode " + std::to_string(mode) + " is not 0, 1 or 2");
+    mk::ops::MoeConfig cfg;
+    cfg.hidden = hidden;
+    cfg.num_experts = num_experts;
+    cfg.topk = topk;
+    cfg.max_tokens_per_rank = max_tokens_per_rank;
+    cfg.expert_align = expert_align;
+    cfg.recv_capacity = recv_capacity;
+    mk::Topology topo;
+    topo.world = world;
+    topo.num_nodes = nodes;
+    topo.local_size = local;
+    mk::ops::MoeMemory m;
+    mk::Status s = mk::ops::MoeEp::can_implement(cfg, world);
+    if (s.ok()) s = mk::ops::MoeEp::buffer_bytes(cfg, topo, false, &m, static_cast<mk::ops::MoeMode>(mode));
+    if (!s.ok()) return ret(s);
+    *host_recv_rows = m.recv_rows;
+    *host_routing_bytes = int64_t(m.handle_bytes);
+    return 0;
+  });
+}
+
+int mk_moe_routing_bytes(mk_moe_t ep, int64_t* out) {
+  return guard("mk_moe_routing_bytes", [&]() -> int {
+    if (!ep || !out) return invalid("mk_moe_routing_bytes: null argument");
+    *out = int64_t(moe_of(ep)->handle_bytes());
+    return 0;
+  });
+}
+
+int mk_moe_dispatch_routed(mk_moe_t ep, const void* x, const int32_t* topk_ids, const float* topk_weights,
+                           const int32_t* d_num_tokens, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
+                           void* routing, int64_t routing_bytes, void* stream) {
+  return guard("mk_moe_dispatch_routed", [&]() -> int {
+    if (!ep) return invalid("mk_moe_dispatch_routed: null operator");
+    if (routing_bytes < 0) return invalid("mk_moe_dispatch_routed: negative routing_bytes");
+    std::unique_ptr<mk::ops::MoeHandle> h;
+    mk::Status s = moe_of(ep)->create_handle(routing, uint64_t(routing_bytes), false, &h);
+    if (!s.ok()) return ret(s);
+    mk::ops::MoeDispatchArgs a;
+    a.x = x, a.topk_ids = topk_ids, a.topk_weights = topk_weights, a.d_num_tokens = d_num_tokens, a.tokens = tokens;
+    mk::ops::MoeDispatchOut o;
+    o.recv_x = recv_x, o.counts = counts, o.offsets = offsets;
+    return ret(moe_of(ep)->dispatch(a, o, static_cast<cudaStream_t>(stream), h.get()));
+  });
+}
+
+int mk_moe_combine_routed(mk_moe_t ep, const void* y, const float* topk_weights, const void* routing,
+                          int64_t routing_bytes, void* combined, void* stream) {
+  return guard("mk_moe_combine_routed", [&]() -> int {
+    if (!ep) return invalid("mk_moe_combine_routed: null operator");
+    if (routing_bytes < 0) return invalid("mk_moe_combine_routed: negative routing_bytes");
+    std::unique_ptr<mk::ops::MoeHandle> h;
+    // The combine reads the routing; the handle's type is non-const only because a dispatch
+    // writes through it.
+    mk::Status s = moe_of(ep)->create_handle(const_cast<void*>(routing), uint64_t(routing_bytes), true, &h);
+    if (!s.ok()) return ret(s);
+    mk::ops::MoeCombineArgs a;
+    a.y = y;
+    a.topk_weights = topk_weights;
+    return ret(moe_of(ep)->combine(a, combined, static_cast<cudaStream_t>(stream), h.get()));
+  });
+}
+
+int mk_moe_check(mk_moe_t ep) {
+  return guard("mk_moe_check", [&]() -> int {
+    if (!ep) return invalid("mk_moe_check: null operator");
+    return ret(moe_of(ep)->check());
+  });
+}
+
 int mk_moe_destroy(mk_moe_t ep) {
   return guard("mk_moe_destroy", [&]() -> int {
     if (!ep) return 0;
     mk::ops::MoeEp* e = moe_of(ep);
     mk::Status s = e->destroy();
     delete e;
+    return ret(s);
+  });
+}
+
+// ---- The MoE layer (include/mkernel/ops/moe_layer.h) ----
+
+int mk_moe_layer_create(mk_comm_t comm, int64_t hidden, int num_experts, int topk, int64_t max_tokens_per_rank,
+                        int expert_align, int64_t recv_capacity, int64_t intermediate, int mode, int comm_ctas,
+                        const char* staging, mk_moe_layer_t* out) {
+  return guard("mk_moe_layer_create", [&]() -> int {
+    if (!comm || !out) return invalid("mk_moe_layer_create: null argument");
+    if (mode < 0 || mode > 2) return invalid("mk_moe_layer_create: mode " + std::to_string(mode) + " is not 0, 1 or 2");
+    *out = nullptr;
+    mk::ops::MoeLayerConfig cfg;
+    cfg.moe.hidden = hidden;
+    cfg.moe.num_experts = num_experts;
+    cfg.moe.topk = topk;
+    cfg.moe.max_tokens_per_rank = max_tokens_per_rank;
+    cfg.moe.expert_align = expert_align;
+    cfg.moe.recv_capacity = recv_capacity;
+    cfg.intermediate = intermediate;
+    mk::ops::MoeOptions opt;
+    opt.mode = static_cast<mk::ops::MoeMode>(mode);
+    opt.comm_ctas = comm_ctas;
+    opt.staging = staging ? staging : "";
+    std::unique_ptr<mk::ops::MoeLayer> layer;
+    mk::Status s = mk::ops::MoeLayer::create(comm_of(comm), cfg, opt, &layer);
+    if (!s.ok()) return ret(s);
+    *out = reinterpret_cast<mk_moe_layer_t>(layer.release());
+    return 0;
+  });
+}
+
+int mk_moe_layer_run(mk_moe_layer_t layer, const void* x, const int32_t* topk_ids, const float* topk_weights,
+                     const int32_t* d_num_tokens, int64_t tokens, const void* w1, const void* w2, void* combined,
+                     void* stream) {
+  return guard("mk_moe_layer_run", [&]() -> int {
+    if (!layer) return invalid("mk_moe_layer_run: null layer");
+    mk::ops::MoeLayerArgs a;
+    a.x = x, a.topk_ids = topk_ids, a.topk_weights = topk_weights, a.d_num_tokens = d_num_tokens, a.tokens = tokens;
+    a.w1 = w1, a.w2 = w2;
+    return ret(moe_layer_of(layer)->run(a, combined, static_cast<cudaStream_t>(stream)));
+  });
+}
+
+int mk_moe_layer_check(mk_moe_layer_t layer) {
+  return guard("mk_moe_layer_check", [&]() -> int {
+    if (!layer) return invalid("mk_moe_layer_check: null layer");
+    return ret(moe_layer_of(layer)->check());
+  });
+}
+
+int mk_moe_layer_destroy(mk_moe_layer_t layer) {
+  return guard("mk_moe_layer_destroy", [&]() -> int {
+    if (!layer) return 0;
+    mk::ops::MoeLayer* l = moe_layer_of(layer);
+    mk::Status s = l->destroy();
+    delete l;
     return ret(s);
   });
 }

@@ -235,7 +235,8 @@ TEST(Moe, DispatchCombineEveryRouting) {
 }
 
 // Two dispatches in flight before their combines (micro-batches), each routing in its own
-// handle; combines in the opposite order. Each output must equal its own routing's reference.
+// handle (one in the caller's memory, its weights given to the combine instead of the dispatch);
+// combines in the opposite order. Each output must equal its own routing's reference.
 TEST(Moe, TwoHandlesInFlight) {
   Communicator* comm = shared_comm();
   const int W = comm->world(), me = comm->rank();
@@ -247,9 +248,19 @@ TEST(Moe, TwoHandlesInFlight) {
     opt.mode = mode;
     std::unique_ptr<ops::MoeEp> ep;
     MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
-    std::unique_ptr<ops::MoeHandle> h[2];
+    // Handle 0 owns its memory; handle 1's routing lives in this test's memory (as the torch ops
+    // keep it), dispatched with no weights and combined through a second handle over the same
+    // memory (holds_routing) with the weights given to the combine.
+    std::unique_ptr<ops::MoeHandle> h[2], h1_again;
     MK_ASSERT_OK(ep->create_handle(&h[0]));
-    MK_ASSERT_OK(ep->create_handle(&h[1]));
+    DevBuf hmem(ep->handle_bytes());
+    ASSERT_EQ(cudaMemset(hmem.p, 0, hmem.bytes), cudaSuccess);
+    std::unique_ptr<ops::MoeHandle> refused;
+    EXPECT_EQ(ep->create_handle(hmem.p, ep->handle_bytes() - 1, false, &refused).code(), Code::kInvalidArgument);
+    EXPECT_EQ(ep->create_handle(hmem.as<char>() + 4, ep->handle_bytes(), false, &refused).code(),
+              Code::kInvalidArgument);
+    MK_ASSERT_OK(ep->create_handle(hmem.p, hmem.bytes, false, &h[1]));
+    MK_ASSERT_OK(ep->create_handle(hmem.p, hmem.bytes, true, &h1_again));
     cudaStream_t st = comm->stream();
     // A handle nobody dispatched into has no routes.
     EXPECT_EQ(ep->combine({nullptr}, nullptr, st, h[0].get()).code(), Code::kInvalidArgument);
@@ -281,7 +292,8 @@ TEST(Moe, TwoHandlesInFlight) {
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int b = 0; b < 2; ++b)
-      MK_ASSERT_OK(ep->dispatch({dx[b]->p, dids[b]->as<int32_t>(), dw[b]->as<float>(), dn[b]->as<int32_t>(), T},
+      MK_ASSERT_OK(ep->dispatch({dx[b]->p, dids[b]->as<int32_t>(), b == 0 ? dw[b]->as<float>() : nullptr,
+                                 dn[b]->as<int32_t>(), T},
                                 {drecv[b]->p, dcounts[b]->as<int32_t>(), doff[b]->as<int32_t>()}, st, h[b].get()));
     MK_ASSERT_OK(comm->sync(st));
     // The experts: scale each row (on the host), per dispatch.
@@ -299,7 +311,7 @@ TEST(Moe, TwoHandlesInFlight) {
       ASSERT_EQ(cudaMemcpy(dy[b]->p, y.data(), y.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    MK_ASSERT_OK(ep->combine({dy[1]->p}, dout[1]->p, st, h[1].get()));
+    MK_ASSERT_OK(ep->combine({dy[1]->p, dw[1]->as<float>()}, dout[1]->p, st, h1_again.get()));
     MK_ASSERT_OK(ep->combine({dy[0]->p}, dout[0]->p, st, h[0].get()));
     MK_ASSERT_OK(comm->sync(st));
     MK_ASSERT_OK(ep->check());

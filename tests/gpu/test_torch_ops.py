@@ -7,6 +7,8 @@ communication (and no NCCL, which refuses ranks sharing a GPU).
   contiguous or as an nn.Linear weight's transpose; autograd gradients against fp64 autograd;
   torch.library.opcheck; CUDA-graph capture replayed 100 times with fresh data each replay;
   torch.compile(fullgraph=True) of a tensor-parallel MLP, forward and backward, no graph break;
+  MoE dispatch/combine: the receive layout and copies bit-exact, combine against float64, the
+  gradients of x and of the routing weights against float64, compiled and graph-replayed;
   ring attention (contiguous and zigzag, causal and not, GQA) against a full-sequence reference,
   and its gradients and the single-GPU attention's against float64 and SDPA's backward;
   library errors as MkError; teardown through torch.distributed.destroy_process_group.
@@ -617,6 +619,153 @@ def main():
         (mkt.all_gather(x) * g[rank]).sum().backward()
         exact("d x", x.grad, ordered_sum(g)[rank * 8 * W:(rank + 1) * 8 * W])
         return "exact"
+
+    # ---- MoE dispatch and combine --------------------------------------------------------------
+    def moe_inputs(seed, T, H, E, k, kind="randn"):
+        """Every rank's x [T, H], ids [T, k] (distinct experts per token, about one slot in 8 -1) and
+        weights [T, k], from seeds: the references need no communication."""
+        xs, ids, wts = [], [], []
+        for r in range(W):
+            g = torch.Generator().manual_seed(seed + r)
+            xs.append(gen(seed + 100 + r, T, H, kind=kind))
+            e = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+            e[torch.rand(T, k, generator=g) < 0.125] = -1
+            ids.append(e.cuda())
+            w = torch.rand(T, k, generator=g) + 0.25
+            wts.append((w.round() if kind == "int" else w).cuda())
+        return xs, ids, wts
+
+    def moe_layout(ids, T, E, k, align):
+        """This rank's expected receive layout: per local expert its rows' (source, token) in order
+        (by source rank, then token, then slot), counts and aligned offsets."""
+        El = E // W
+        rows, counts, offsets = [], [], [0]
+        for j in range(El):
+            e = rank * El + j
+            mine = [(s, t) for s in range(W) for t in range(T) for kk in range(k) if int(ids[s][t, kk]) == e]
+            rows.append(mine)
+            counts.append(len(mine))
+            offsets.append(offsets[-1] + (len(mine) + align - 1) // align * align)
+        return rows, counts, offsets
+
+    @check("moe_dispatch / moe_combine: layout and copies bit-exact, combine against float64, unused rows zero")
+    def _():
+        worst = 0.0
+        for i, (T, H, E, k, align, cap) in enumerate([(37, 64, 4 * W, 3, 1, 0), (20, 136, 2 * W, 2, 8, 0),
+                                                       (1, 8, W, 1, 1, 0), (29, 64, 8 * W, 4, 4, 40 * W * 4)]):
+            xs, ids, wts = moe_inputs(7000 + 50 * i, T, H, E, k)
+            recv, counts, offsets, r = mkt.moe_dispatch(xs[rank], ids[rank], E, expert_align=align, recv_capacity=cap)
+            rows, want_c, want_o = moe_layout(ids, T, E, k, align)
+            exact(f"counts case {i}", counts.cpu(), torch.tensor(want_c))
+            exact(f"offsets case {i}", offsets.cpu(), torch.tensor(want_o))
+            used = torch.zeros(recv.shape[0], dtype=torch.bool)
+            scale = torch.zeros(recv.shape[0], dtype=torch.float32)
+            for j, mine in enumerate(rows):
+                for n, (s_, t) in enumerate(mine):
+                    row = want_o[j] + n
+                    exact(f"case {i} expert {j} row {row}", recv[row], xs[s_][t])
+                    used[row] = True
+                    scale[row] = 1.0 + 0.5 * j
+            exact(f"case {i} unused rows", recv[~used.cuda()], torch.zeros_like(recv[~used.cuda()]))
+            # Experts: row * (1 + j / 2) for local expert j; combine against the float64 sum.
+            y = (recv.float() * scale.cuda()[:, None]).to(bf16)
+            out = mkt.moe_combine(y, wts[rank], r)
+            El = E // W
+            ref = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+            for t in range(T):
+                for kk in range(k):
+                    e = int(ids[rank][t, kk])
+                    if e >= 0:
+                        yv = (xs[rank][t].float() * (1.0 + 0.5 * (e % El))).to(bf16).double()
+                        ref[t] += wts[rank][t, kk].double() * yv
+            worst = max(worst, close(f"combine case {i}", out, ref))
+        comm.check()
+        return f"4 cases, combine max rel err {worst:.2e}"
+
+    @check("moe integer data: combine bit-exact; autograd d x and d topk_weights against float64")
+    def _():
+        T, H, E, k = 33, 64, 4 * W, 3
+        xs, ids, wts = moe_inputs(7500, T, H, E, k, kind="int")
+        recv, counts, offsets, r = mkt.moe_dispatch(xs[rank], ids[rank], E)
+        out = mkt.moe_combine(recv, wts[rank], r)
+        ref = torch.zeros(T, H, dtype=torch.float32, device="cuda")
+        for kk in range(k):
+            ref += torch.where(ids[rank][:, kk:kk + 1] >= 0, wts[rank][:, kk:kk + 1] * xs[rank].float(), 0.0)
+        exact("combine of integers", out, ref)
+        # Autograd with random data: loss = <G, combine(expert(dispatch(x)), w)>, expert = 3 * row.
+        xs, ids, wts = moe_inputs(7600, T, H, E, k)
+        x = xs[rank].clone().requires_grad_()
+        w = wts[rank].clone().requires_grad_()
+        G = torch.randn(T, H, generator=torch.Generator().manual_seed(7700 + rank)).cuda()
+        recv, _, _, r = mkt.moe_dispatch(x, ids[rank], E)
+        (mkt.moe_combine(recv * 3, w, r).float() * G).sum().backward()
+        x64, w64 = xs[rank].double().requires_grad_(), wts[rank].double().requires_grad_()
+        valid = (ids[rank] >= 0).double()
+        out64 = ((w64 * valid)[:, :, None] * (3 * x64)[:, None, :]).sum(1)
+        (out64 * G.double()).sum().backward()
+        e1 = close("d x", x.grad, x64.grad, grad=True)
+        e2 = close("d topk_weights", w.grad, w64.grad, grad=True)
+        return f"d x {e1:.2e}, d w {e2:.2e}"
+
+    @check("moe: torch.compile(fullgraph=True) forward and backward match eager; CUDA graph replays")
+    def _():
+        T, H, E, k = 24, 64, 2 * W, 2
+        xs, ids, wts = moe_inputs(7800, T, H, E, k)
+
+        def block(x, ids_, w):
+            recv, _, _, r = mkt.moe_dispatch(x, ids_, E)
+            return mkt.moe_combine(torch.nn.functional.silu(recv.float()).to(bf16), w, r)
+
+        outs = []
+        for fn in (block, torch.compile(block, fullgraph=True)):
+            x = xs[rank].clone().requires_grad_()
+            w = wts[rank].clone().requires_grad_()
+            o = fn(x, ids[rank], w)
+            o.float().sum().backward()
+            outs.append((o, x.grad, w.grad))
+        # Inductor's silu may round differently from eager's: close, not bit-exact.
+        close("compiled forward", outs[1][0], outs[0][0])
+        close("compiled d x", outs[1][1], outs[0][1], grad=True)
+        close("compiled d w", outs[1][2], outs[0][2], grad=True)
+        # Graph: capture after a warm-up, replay with new tokens and routings.
+        sx, sid, sw = xs[rank].clone(), ids[rank].clone(), wts[rank].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            block(sx, sid, sw)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout = block(sx, sid, sw)
+        for it in range(5):
+            nx, nid, nw = moe_inputs(7900 + 10 * it, T, H, E, k)
+            sx.copy_(nx[rank]), sid.copy_(nid[rank]), sw.copy_(nw[rank])
+            graph.replay()
+            exact(f"replay {it}", gout, block(nx[rank], nid[rank], nw[rank]))
+        comm.check()
+        return "compiled close to eager, 5 replays == eager"
+
+    @check("moe_layer (dispatch, SwiGLU experts, combine in one op) against float64 experts")
+    def _():
+        T, H, E, k, inter = 40, 64, 2 * W, 2, 64
+        El = E // W
+        xs, ids, wts = moe_inputs(8100, T, H, E, k)
+        w1s = [gen(8200 + r, El, 2 * inter, H, scale=0.125) for r in range(W)]
+        w2s = [gen(8300 + r, El, H, inter, scale=0.125) for r in range(W)]
+        out = mkt.moe_layer(xs[rank], ids[rank], wts[rank], w1s[rank], w2s[rank], E)
+        x = xs[rank].double()
+        ref = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+        for t in range(T):
+            for kk in range(k):
+                e = int(ids[rank][t, kk])
+                if e < 0:
+                    continue
+                h = w1s[e // El][e % El].double() @ x[t]
+                a = torch.nn.functional.silu(h[:inter]) * h[inter:]
+                ref[t] += wts[rank][t, kk].double() * (w2s[e // El][e % El].double() @ a)
+        err = close("moe_layer", out, ref, grad=True)  # two bf16 roundings inside (activations, expert rows)
+        comm.check_moe()
+        return f"max rel err {err:.2e}"
 
     # ---- errors ---------------------------------------------------------------------------------
     @check("library errors surface as MkError with the library's message")

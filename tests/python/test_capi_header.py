@@ -21,7 +21,7 @@ HEADER = os.path.join(ROOT, "include", "mkernel", "c_api.h")
 
 SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
            "size_t": ctypes.c_size_t}
-HANDLES = {"mk_comm_t", "mk_fused_t", "mk_ring_t", "mk_ring_bwd_t", "mk_moe_t", "mk_coll_t"}
+HANDLES = {"mk_comm_t", "mk_fused_t", "mk_ring_t", "mk_ring_bwd_t", "mk_moe_t", "mk_coll_t", "mk_moe_layer_t"}
 
 
 def header_text():

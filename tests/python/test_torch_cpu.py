@@ -70,6 +70,15 @@ class Schemas(unittest.TestCase):
             "all_gather": "mkernel::all_gather(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "reduce_scatter": "mkernel::reduce_scatter(Tensor x, str group_name, SymInt world_size) -> Tensor",
             "all_reduce": "mkernel::all_reduce(Tensor x, str group_name, SymInt world_size) -> Tensor",
+            "moe_dispatch": "mkernel::moe_dispatch(Tensor x, Tensor topk_ids, SymInt num_experts, SymInt max_tokens, "
+                            "SymInt expert_align, SymInt recv_capacity, str group_name, SymInt world_size) "
+                            "-> (Tensor, Tensor, Tensor, Tensor)",
+            "moe_combine": "mkernel::moe_combine(Tensor y, Tensor topk_ids, Tensor topk_weights, Tensor routing, "
+                           "SymInt num_experts, SymInt max_tokens, SymInt expert_align, SymInt recv_capacity, "
+                           "str group_name, SymInt world_size) -> Tensor",
+            "moe_layer": "mkernel::moe_layer(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, "
+                         "SymInt num_experts, SymInt max_tokens, SymInt expert_align, SymInt recv_capacity, "
+                         "str group_name, SymInt world_size) -> Tensor",
         }
         for name, schema in want.items():
             self.assertEqual(str(getattr(torch.ops.mkernel, name).default._schema), schema)
@@ -193,7 +202,50 @@ class FakeShapes(unittest.TestCase):
         a = mkt.all_reduce(meta(5, 8, dtype=torch.float32))
         self.assertEqual((tuple(a.shape), a.dtype), ((5, 8), torch.float32))
 
+    def test_moe(self):
+        """moe_dispatch's outputs: recv_x [R, H] with R the worst case W * max_tokens * k + E_local *
+        (align - 1), or recv_capacity; counts and offsets of the local experts; the routing bytes the
+        library says for this configuration. moe_combine: [T, H]."""
+        T, H, E, k = 24, 64, 16, 4
+        for max_tokens, align, cap in ((None, 1, 0), (40, 8, 0), (None, 1, 100)):
+            with self.subTest(max_tokens=max_tokens, align=align, cap=cap):
+                recv, counts, offsets, r = mkt.moe_dispatch(meta(T, H), meta(T, k, dtype=torch.int32), E,
+                                                            max_tokens=max_tokens, expert_align=align,
+                                                            recv_capacity=cap)
+                mt = T if max_tokens is None else max_tokens
+                rows = cap if cap else W * mt * k + (E // W) * (align - 1)
+                self.assertEqual((tuple(recv.shape), recv.dtype), ((rows, H), bf16))
+                self.assertEqual((tuple(counts.shape), counts.dtype), ((E // W,), torch.int32))
+                self.assertEqual((tuple(offsets.shape), offsets.dtype), ((E // W + 1,), torch.int32))
+                self.assertEqual(r.routing.dtype, torch.uint8)
+                nbytes = mkt._moe_sizes("t", self.name, W, H, E, k, mt, align, cap)[1]
+                self.assertEqual(r.routing.numel(), nbytes)
+                # One routing is at least its arrays of T * k entries (ids, weights, positions).
+                self.assertGreaterEqual(nbytes, 6 * 4 * mt * k)
+                self.assertEqual((r.num_experts, r.max_tokens, r.expert_align, r.recv_capacity, r.world_size),
+                                 (E, mt, align, cap, W))
+                out = mkt.moe_combine(recv, meta(T, k, dtype=torch.float32), r)
+                self.assertEqual((tuple(out.shape), out.dtype), ((T, H), bf16))
+        # The layer: out like x.
+        El, inter = E // W, 32
+        out = mkt.moe_layer(meta(T, H), meta(T, k, dtype=torch.int32), meta(T, k, dtype=torch.float32),
+                            meta(El, 2 * inter, H), meta(El, H, inter), E)
+        self.assertEqual((tuple(out.shape), out.dtype), ((T, H), bf16))
+        # int64 ids are taken (converted); the routing grows with max_tokens.
+        _, _, _, r64 = mkt.moe_dispatch(meta(T, H), meta(T, k, dtype=torch.int64), E)
+        self.assertEqual(r64.topk_ids.dtype, torch.int32)
+        small = mkt._moe_sizes("t", self.name, W, H, E, k, 8, 1, 0)[1]
+        self.assertLess(small, mkt._moe_sizes("t", self.name, W, H, E, k, 800, 1, 0)[1])
+        # A layout the library refuses: 3 nodes of 2 ranks are not 4 ranks.
+        rows, nb = mkernel._capi.ctypes.c_int64(), mkernel._capi.ctypes.c_int64()
+        self.assertNotEqual(mkernel._capi.lib().mk_moe_sizes(W, 3, 2, H, E, k, T, 1, 0, 0, rows, nb), 0)
+        self.assertIn("3 nodes of 2 ranks", mkernel._capi.lib().mk_last_error().decode())
+
     def test_bad_inputs_raise_mkerror(self):
+        T, H, E, k = 8, 64, 16, 2
+        ids, wts = meta(T, k, dtype=torch.int32), meta(T, k, dtype=torch.float32)
+        _, _, _, r = mkt.moe_dispatch(meta(T, H), ids, E)
+        rows = W * T * k
         cases = [
             lambda: mkt.all_gather_matmul(meta(8, 64, dtype=torch.float16), meta(64, 32)),   # dtype
             lambda: mkt.all_gather_matmul(meta(8, 64), meta(48, 32)),                       # K mismatch
@@ -231,6 +283,22 @@ class FakeShapes(unittest.TestCase):
             lambda: mkt.reduce_scatter(meta(6, 8)),                                          # 6 rows over 4
             lambda: mkt.reduce_scatter(meta(4, 6)),                                          # 6 per rank
             lambda: mkt.all_reduce(meta(8, 8), reduce_op="max"),                             # unsupported
+            lambda: mkt.moe_dispatch(meta(T, H, dtype=torch.float32), ids, E),               # x dtype
+            lambda: mkt.moe_dispatch(meta(T, H), meta(T, dtype=torch.int32), E),             # 1-D ids
+            lambda: mkt.moe_dispatch(meta(T, H), ids, 18),                                   # 18 experts over 4
+            lambda: mkt.moe_dispatch(meta(T, H), ids, E, max_tokens=4),                      # 8 tokens > 4
+            lambda: mkt.moe_dispatch(meta(T, 60), ids, E),                                   # H * 2 not 16-byte rows
+            lambda: mkt.moe_dispatch(meta(T, H), meta(T, 40, dtype=torch.int32), E),         # k = 40 > 32
+            lambda: torch.ops.mkernel.moe_dispatch(meta(T, H), meta(T, k, dtype=torch.int64), E, T, 1, 0,
+                                                   self.name, W),                            # int64 ids at the op
+            lambda: mkt.moe_combine(meta(rows - 1, H), wts, r),                              # y rows
+            lambda: mkt.moe_combine(meta(rows, H), meta(T, k), r),                           # bf16 weights
+            lambda: mkt.moe_combine(meta(rows, H), meta(T, k + 1, dtype=torch.float32), r),  # weights' shape
+            lambda: mkt.moe_combine(meta(rows, H), wts, r._replace(routing=r.routing[1:])),  # routing's size
+            lambda: mkt.moe_combine(meta(rows, H), wts, r._replace(max_tokens=2 * T)),       # another config
+            lambda: mkt.moe_layer(meta(T, H), ids, wts, meta(E // W, 64, H), meta(E // W, H, 16), E),  # I 32 vs 16
+            lambda: mkt.moe_layer(meta(T, H), ids, wts, meta(E, 64, H), meta(E, H, 32), E),  # all experts' weights
+            lambda: mkt.moe_layer(meta(T, H), ids, meta(T, k), meta(E // W, 64, H), meta(E // W, H, 32), E),
         ]
         for i, case in enumerate(cases):
             with self.subTest(case=i), self.assertRaises(mkernel.MkError) as cm:
@@ -411,6 +479,47 @@ class FakeShapes(unittest.TestCase):
                 self.assertEqual(calls[1][1][1:], (name, W))
                 self.assertEqual(tuple(calls[1][1][0].meta["val"].shape), grad)  # the output gradient
                 self.assertEqual(grads, [shape])
+
+    def test_moe_backward_wiring(self):
+        """Traced forward + backward of moe_combine(f(moe_dispatch(x)), w): combine's backward is one
+        top-1 dispatch of the [T * k, H] weighted gradient rows (ids [T * k, 1], max_tokens T * k)
+        for y and one top-1 combine of y along its routing for w; dispatch's is one combine of
+        recv_x's gradient with unit weights along the dispatch's own routing."""
+        T, H, E, k = 16, 64, 8, 2
+        name = self.name
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def fwd_bwd(x, ids, w):
+            x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+            recv, _, _, r = mkt.moe_dispatch(x, ids, E)
+            out = mkt.moe_combine(recv * 2, w, r)
+            return torch.autograd.grad(out.float().sum(), [x, w])
+
+        gm = make_fx(fwd_bwd, tracing_mode="fake")(meta(T, H), meta(T, k, dtype=torch.int32),
+                                                   meta(T, k, dtype=torch.float32))
+        calls = [(str(n.target), n.args) for n in gm.graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith("mkernel.")]
+        self.assertEqual([c[0] for c in calls], ["mkernel.moe_dispatch.default", "mkernel.moe_combine.default",
+                                                 "mkernel.moe_dispatch.default", "mkernel.moe_combine.default",
+                                                 "mkernel.moe_combine.default"])
+        fwd_d, fwd_c, bwd_d, bwd_c1, bwd_c = calls
+        self.assertEqual(fwd_d[1][2:], (E, T, 1, 0, name, W))
+        # combine's backward: top-1 dispatch of T * k rows, then the top-1 combine of y for w.
+        self.assertEqual(tuple(bwd_d[1][0].meta["val"].shape), (T * k, H))
+        self.assertEqual(tuple(bwd_d[1][1].meta["val"].shape), (T * k, 1))
+        self.assertEqual(bwd_d[1][2:], (E, T * k, 1, 0, name, W))
+        self.assertIs(bwd_c1[1][0], fwd_c[1][0])                        # y itself
+        self.assertEqual(tuple(bwd_c1[1][2].meta["val"].shape), (T * k, 1))  # unit weights per slot
+        self.assertIs(bwd_c1[1][3].args[0], [n for n in gm.graph.nodes if n.op == "call_function"
+                                             and str(n.target) == "mkernel.moe_dispatch.default"][1])
+        self.assertEqual(bwd_c1[1][4:], (E, T * k, 1, 0, name, W))
+        # dispatch's backward: a combine along the forward's routing with unit weights [T, k].
+        self.assertIs(bwd_c[1][3].args[0], [n for n in gm.graph.nodes if n.op == "call_function"
+                                            and str(n.target) == "mkernel.moe_dispatch.default"][0])
+        self.assertIs(bwd_c[1][1], fwd_c[1][1])                         # the forward's ids
+        self.assertEqual(bwd_c[1][4:], (E, T, 1, 0, name, W))
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        self.assertEqual([tuple(g.meta["val"].shape) for g in out], [(T, H), (T, k)])
 
     def test_autograd_wiring(self):
         """Forward and backward on meta tensors: gradients of every input, of the right shapes

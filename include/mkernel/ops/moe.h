@@ -80,7 +80,7 @@ struct MoeOptions {
 struct MoeDispatchArgs {
   const void* x = nullptr;             // [tokens, H] bf16
   const int32_t* topk_ids = nullptr;   // [tokens, k]; -1: no expert
-  const float* topk_weights = nullptr; // [tokens, k] (kept for combine)
+  const float* topk_weights = nullptr; // [tokens, k] (kept for combine); null: unit weights
   const int32_t* d_num_tokens = nullptr;  // device int: tokens of this call (<= tokens); null: tokens
   int64_t tokens = 0;                  // rows of x, ids and weights (<= max_tokens_per_rank)
 };
@@ -93,6 +93,10 @@ struct MoeDispatchOut {
 
 struct MoeCombineArgs {
   const void* y = nullptr;  // [recv_rows(), H] bf16, the layout of the last dispatch's recv_x
+  // [tokens, k] fp32, this call's weights (the dispatch's tokens and slots); null: the weights the
+  // dispatch kept. Lets a caller combine one routing with several weightings (e.g. unit weights
+  // for a gradient), and weights computed after the dispatch.
+  const float* topk_weights = nullptr;
 };
 
 // Symmetric and per-operator device memory of an operator with this config on this topology
@@ -102,6 +106,7 @@ struct MoeMemory {
   uint64_t host_bytes = 0;       // pinned host mirrors (staged networks)
   uint64_t private_bytes = 0;    // routing state kept from dispatch for combine
   int64_t recv_rows = 0;         // rows of recv_x / y
+  uint64_t handle_bytes = 0;     // a handle's routing state in caller memory (MoeEp::create_handle)
 };
 
 struct MoeState;
@@ -165,6 +170,17 @@ class MoeEp {
   Status combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t stream, const MoeHandle* handle = nullptr);
   // A handle for this operator's calls (local: device memory for one dispatch's routing).
   Status create_handle(std::unique_ptr<MoeHandle>* out);
+  // A handle whose routing state lives in the caller's device memory: `bytes` >= handle_bytes(),
+  // 16-byte aligned, zeroed before the first dispatch into it, kept alive by the caller while the
+  // handle (or a call enqueued with it) uses it; the handle never frees it. `holds_routing`: the
+  // memory already holds the routing a dispatch of this operator wrote (through another handle
+  // over the same memory), so a combine may take it — the caller vouches for that; otherwise a
+  // combine before a dispatch into this handle is refused. For frameworks that keep one routing
+  // per dispatch in their own tensors (the torch ops: a dispatch's routing travels with its
+  // outputs to the combine and to the backward pass).
+  Status create_handle(void* mem, uint64_t bytes, bool holds_routing, std::unique_ptr<MoeHandle>* out);
+  // Device memory one handle's routing state takes (create_handle over caller memory).
+  uint64_t handle_bytes() const;
   // After the stream completed: OK, or the first bad input a call met on the device (rank,
   // token, expert, count); once it returned one, dispatch() and combine() refuse with it. The
   // communicator's own failures (a silent rank) come from Communicator::sync / check.

@@ -47,7 +47,7 @@ struct MoeState {
 struct MoeHandleState {
   const MoeState* owner = nullptr;
   MoeRouteState r;
-  std::vector<void*> mem;  // cudaMalloc'd, freed with the handle
+  std::vector<void*> mem;  // cudaMalloc'd, freed with the handle (none for a caller's memory)
   bool dispatched = false;
   ~MoeHandleState() {
     for (void* p : mem) cudaFree(p);
@@ -93,6 +93,28 @@ Status alloc_route_state(const MoeGeometry& g, int nodes, int nchunks, bool hier
   MK_CHECK(get(8 * size_t(g.recv_rows), &r->back));
   MK_CHECK(get(4 * tk, &r->self_row));
   return OkStatus();
+}
+
+// A handle's routing arrays carved from one block of caller memory: each array on a 256-byte
+// boundary (as cudaMalloc gives). With base null it only counts (handle_bytes).
+struct RouteCarver {
+  char* base = nullptr;
+  uint64_t used = 0, cap = 0;
+  Status operator()(size_t bytes, void** p) {
+    const uint64_t at = (used + 255) & ~uint64_t(255);
+    MK_REQUIRE(!base || at + bytes <= cap, Code::kInvalidArgument,
+               "moe: a handle's memory of %llu bytes is too small (handle_bytes() %llu or more)",
+               (unsigned long long)cap, (unsigned long long)(at + bytes));
+    *p = base ? base + at : nullptr;
+    used = at + bytes;
+    return OkStatus();
+  }
+};
+uint64_t route_state_bytes(const MoeGeometry& g, int nodes, int nchunks, bool hier) {
+  RouteCarver c;
+  MoeRouteState r;
+  (void)alloc_route_state(g, nodes, nchunks, hier, c, &r);
+  return (c.used + 255) & ~uint64_t(255);
 }
 
 // The launch of a call: the operator's own, or — for a caller's handle — a copy with that
@@ -151,6 +173,8 @@ Status MoeEp::buffer_bytes(const MoeConfig& cfg, const Topology& topo, bool stag
                              },
                              &counted));
   m.recv_rows = g.recv_rows;
+  m.handle_bytes = route_state_bytes(g, topo.num_nodes, route_chunks(g),
+                                     use_hier(cfg, mode, topo.num_nodes, topo.local_size));
   *out = m;
   return OkStatus();
 }
@@ -377,12 +401,39 @@ Status MoeEp::create_handle(std::unique_ptr<MoeHandle>* out) {
   return OkStatus();
 }
 
+uint64_t MoeEp::handle_bytes() const {
+  const MoeState* st = st_.get();
+  return st ? route_state_bytes(st->g, st->dprog.layout.nodes(), st->l.nchunks, st->hier) : 0;
+}
+
+Status MoeEp::create_handle(void* mem, uint64_t bytes, bool holds_routing, std::unique_ptr<MoeHandle>* out) {
+  MoeState* st = st_.get();
+  MK_REQUIRE(out, Code::kInvalidArgument, "moe: null output");
+  MK_REQUIRE(st && st->dses && st->dses->alive(), Code::kInvalidArgument,
+             "moe: the operator was destroyed (or its communicator was destroyed first)");
+  MK_REQUIRE(mem && aligned16(mem), Code::kInvalidArgument, "moe: a handle's memory must be non-null and 16-byte aligned");
+  MK_REQUIRE(bytes >= handle_bytes(), Code::kInvalidArgument,
+             "moe: a handle's memory of %llu bytes is too small (handle_bytes() %llu)", (unsigned long long)bytes,
+             (unsigned long long)handle_bytes());
+  std::unique_ptr<MoeHandle> h(new MoeHandle());
+  h->st_ = std::make_unique<MoeHandleState>();
+  MoeHandleState* hs = h->st_.get();
+  hs->owner = st;
+  hs->dispatched = holds_routing;
+  // The arrays keep 256-byte boundaries from the block's start: relative to a 16-byte aligned
+  // base they stay 16-byte aligned, all the kernels need.
+  RouteCarver c{static_cast<char*>(mem), 0, bytes};
+  MK_CHECK(alloc_route_state(st->g, st->dprog.layout.nodes(), st->l.nchunks, st->hier, c, &hs->r));
+  *out = std::move(h);
+  return OkStatus();
+}
+
 Status MoeEp::can_implement(const MoeDispatchArgs& a, const MoeDispatchOut& o, const MoeHandle* handle) const {
   const MoeState* st = st_.get();
   MK_REQUIRE(st && st->dses && st->dses->alive() && st->cses->alive(), Code::kInvalidArgument,
              "moe: the operator was destroyed (or its communicator was destroyed first)");
-  MK_REQUIRE(a.x && a.topk_ids && a.topk_weights && o.recv_x && o.counts, Code::kInvalidArgument,
-             "moe dispatch: null x, topk_ids, topk_weights, recv_x or counts");
+  MK_REQUIRE(a.x && a.topk_ids && o.recv_x && o.counts, Code::kInvalidArgument,
+             "moe dispatch: null x, topk_ids, recv_x or counts");
   MK_REQUIRE(aligned16(a.x) && aligned16(o.recv_x), Code::kInvalidArgument,
              "moe dispatch: x and recv_x must be 16-byte aligned");
   MK_REQUIRE(a.tokens >= 0 && a.tokens <= st->g.T, Code::kInvalidArgument,
@@ -441,7 +492,8 @@ Status MoeEp::combine_enqueue(const MoeCombineArgs& a, void* out, cudaStream_t s
   MoeState* st = st_.get();
   MK_CHECK(st->cses->check_call());
   MoeLaunch with_handle;
-  return moe_combine_launch(launch_for(*st, handle ? handle->st_.get() : nullptr, &with_handle), a.y, out, stream);
+  return moe_combine_launch(launch_for(*st, handle ? handle->st_.get() : nullptr, &with_handle), a.y, a.topk_weights,
+                            out, stream);
 }
 
 }  // namespace ops

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(32) route_local(MoeLaunch l, const int32_t* id
         e = -1;
       }
       l.ids[i] = e;
-      l.weights[i] = w[i];
+      l.weights[i] = w ? w[i] : 1.f;  // null: unit weights
     }
     const int32_t r = e >= 0 ? e / l.El : -1;
     bool first = r >= 0;
@@ -549,10 +549,10 @@ __global__ void __launch_bounds__(kThreads) combine_pack(MoeLaunch l, const char
   }
 }
 
-// ---- combine: out[t] = sum_k w[t, k] * y(t, k), fp32 fused multiply-adds in slot order. The
-// token's row addresses and weights go to shared memory first; each thread then keeps up to 8
-// rows' loads in flight per 16-byte chunk.
-__global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char* y, char* out) {
+// ---- combine: out[t] = sum_k w[t, k] * y(t, k), fp32 fused multiply-adds in slot order, w the
+// call's weights (`w`, [T, k]) or, null, the dispatch's. The token's row addresses and weights go
+// to shared memory first; each thread then keeps up to 8 rows' loads in flight per 16-byte chunk.
+__global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char* y, const float* w, char* out) {
   __shared__ const char* src[32];
   __shared__ float wt[32];
   const int n = *l.n_tokens;
@@ -572,7 +572,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char*
         src[kk] = l.crecv + int64_t(e / l.El) * l.cslot_bytes + l.chdr_bytes +
                   int64_t(l.cpos_g[int64_t(t) * k + kk]) * l.row_bytes;
       }
-      wt[kk] = l.weights[int64_t(t) * k + kk];
+      wt[kk] = (w ? w : l.weights)[int64_t(t) * k + kk];
     }
     __syncthreads();
     for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
@@ -641,13 +641,13 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   return OkStatus();
 }
 
-Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStream_t stream) {
+Status moe_combine_launch(const MoeLaunch& l, const void* y, const float* weights, void* out, cudaStream_t stream) {
   const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
   combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y));
   MK_CUDA_CHECK(cudaGetLastError());
   MK_CHECK(comm::run_program(l.combine_program, l.comm_ctas, stream));
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
-  combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), static_cast<char*>(out));
+  combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), weights, static_cast<char*>(out));
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 }

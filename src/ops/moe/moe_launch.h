@@ -107,13 +107,14 @@ MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W
 // Once per operator, before its first call: kernel attributes its geometry needs (shared memory
 // past 48 KiB for many experts).
 Status moe_prepare_launch(const MoeLaunch& l);
-// dispatch: route, pack, the program, unpack. x/ids/weights: the caller's; d_n: device count or
-// null (tokens); recv_x/counts/offsets: the caller's outputs.
+// dispatch: route, pack, the program, unpack. x/ids/weights: the caller's (weights null: unit
+// weights); d_n: device count or null (tokens); recv_x/counts/offsets: the caller's outputs.
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
                            cudaStream_t stream);
-// combine: pack y back, the program, the weighted sums into out.
-Status moe_combine_launch(const MoeLaunch& l, const void* y, void* out, cudaStream_t stream);
+// combine: pack y back, the program, the weighted sums into out (weights: [T, k] of this call, or
+// null: the dispatch's).
+Status moe_combine_launch(const MoeLaunch& l, const void* y, const float* weights, void* out, cudaStream_t stream);
 
 }  // namespace ops
 }  // namespace mk
