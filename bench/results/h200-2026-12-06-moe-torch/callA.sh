@@ -33,4 +33,8 @@ for np in 1 2 4; do
   echo "torch np$np rc=$? $(( $(date +%s) - s )) s"
   grep -E "FAIL|moe|ring_attention|uneven|balanced|packed|test_torch_ops " $OUT/torch_np$np.log | cut -c1-300 | head -16
 done
+echo "== examples/moe_block.py W = 2 at $(( $(date +%s) - t0 )) s"
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 MK_CAPI=$B/libmkernel_capi.so timeout 120 \
+  python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/moe_block.py --reps 3 > $OUT/moe_block_np2.log 2>&1
+echo "moe_block np2 rc=$?"; grep -E "rank 0|moe_block|Error" $OUT/moe_block_np2.log | head -8
 echo "done at $(( $(date +%s) - t0 )) s"
