@@ -66,6 +66,24 @@ mk::ops::RingAttentionBackward* ring_bwd_of(mk_ring_bwd_t r) {
 }
 mk::ops::MoeEp* moe_of(mk_moe_t m) { return reinterpret_cast<mk::ops::MoeEp*>(m); }
 mk::ops::MoeLayer* moe_layer_of(mk_moe_layer_t m) { return reinterpret_cast<mk::ops::MoeLayer*>(m); }
+mk::ops::MoeConfig moe_config(int64_t hidden, int num_experts, int topk, int64_t max_tokens_per_rank,
+                              int expert_align, int64_t recv_capacity) {
+  mk::ops::MoeConfig cfg;
+  cfg.hidden = hidden;
+  cfg.num_experts = num_experts;
+  cfg.topk = topk;
+  cfg.max_tokens_per_rank = max_tokens_per_rank;
+  cfg.expert_align = expert_align;
+  cfg.recv_capacity = recv_capacity;
+  return cfg;
+}
+mk::ops::MoeOptions moe_options(int mode, int comm_ctas, const char* staging) {
+  mk::ops::MoeOptions opt;
+  opt.mode = static_cast<mk::ops::MoeMode>(mode);
+  opt.comm_ctas = comm_ctas;
+  opt.staging = staging ? staging : "";
+  return opt;
+}
 mk::ops::Collective* coll_of(mk_coll_t c) { return reinterpret_cast<mk::ops::Collective*>(c); }
 
 // The header's codes are mk::Code's values.
@@ -676,17 +694,9 @@ int mk_moe_create(mk_comm_t comm, int64_t hidden, int num_experts, int topk, int
     if (!comm || !out) return invalid("mk_moe_create: null argument");
     if (mode < 0 || mode > 2) return invalid("mk_moe_create: mode " + std::to_string(mode) + " is not 0, 1 or 2");
     *out = nullptr;
-    mk::ops::MoeConfig cfg;
-    cfg.hidden = hidden;
-    cfg.num_experts = num_experts;
-    cfg.topk = topk;
-    cfg.max_tokens_per_rank = max_tokens_per_rank;
-    cfg.expert_align = expert_align;
-    cfg.recv_capacity = recv_capacity;
-    mk::ops::MoeOptions opt;
-    opt.mode = static_cast<mk::ops::MoeMode>(mode);
-    opt.comm_ctas = comm_ctas;
-    opt.staging = staging ? staging : "";
+    const mk::ops::MoeConfig cfg =
+        moe_config(hidden, num_experts, topk, max_tokens_per_rank, expert_align, recv_capacity);
+    const mk::ops::MoeOptions opt = moe_options(mode, comm_ctas, staging);
     std::unique_ptr<mk::ops::MoeEp> ep;
     mk::Status s = mk::ops::MoeEp::create(comm_of(comm), cfg, opt, &ep);
     if (!s.ok()) return ret(s);
@@ -742,13 +752,8 @@ int mk_moe_sizes(int world, int nodes, int local, int64_t hidden, int num_expert
       return invalid("mk_moe_sizes: " + std::to_string(nodes) + " nodes of " + std::to_string(local) +
                      " ranks are not " + std::to_string(world) + " ranks");
     if (mode < 0 || mode > 2) return invalid("mk_moe_sizes: mode " + std::to_string(mode) + " is not 0, 1 or 2");
-    mk::ops::MoeConfig cfg;
-    cfg.hidden = hidden;
-    cfg.num_experts = num_experts;
-    cfg.topk = topk;
-    cfg.max_tokens_per_rank = max_tokens_per_rank;
-    cfg.expert_align = expert_align;
-    cfg.recv_capacity = recv_capacity;
+    const mk::ops::MoeConfig cfg =
+        moe_config(hidden, num_experts, topk, max_tokens_per_rank, expert_align, recv_capacity);
     mk::Topology topo;
     topo.world = world;
     topo.num_nodes = nodes;
@@ -832,17 +837,9 @@ int mk_moe_layer_create(mk_comm_t comm, int64_t hidden, int num_experts, int top
     if (mode < 0 || mode > 2) return invalid("mk_moe_layer_create: mode " + std::to_string(mode) + " is not 0, 1 or 2");
     *out = nullptr;
     mk::ops::MoeLayerConfig cfg;
-    cfg.moe.hidden = hidden;
-    cfg.moe.num_experts = num_experts;
-    cfg.moe.topk = topk;
-    cfg.moe.max_tokens_per_rank = max_tokens_per_rank;
-    cfg.moe.expert_align = expert_align;
-    cfg.moe.recv_capacity = recv_capacity;
+    cfg.moe = moe_config(hidden, num_experts, topk, max_tokens_per_rank, expert_align, recv_capacity);
     cfg.intermediate = intermediate;
-    mk::ops::MoeOptions opt;
-    opt.mode = static_cast<mk::ops::MoeMode>(mode);
-    opt.comm_ctas = comm_ctas;
-    opt.staging = staging ? staging : "";
+    const mk::ops::MoeOptions opt = moe_options(mode, comm_ctas, staging);
     std::unique_ptr<mk::ops::MoeLayer> layer;
     mk::Status s = mk::ops::MoeLayer::create(comm_of(comm), cfg, opt, &layer);
     if (!s.ok()) return ret(s);

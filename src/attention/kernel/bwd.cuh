@@ -413,79 +413,67 @@ __device__ __forceinline__ void bwd_consume_step(typename BwdCfg<kD>::Shared& sh
   Tensor tdKrdS = make_tensor<Element>(acc_to_a(tSrdP.layout()));
   bwd_to_bf16(tSrdP, tdKrdS);
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kD>>{});
-#if MK_BWD_DQ_FIRST
-  // dS (query-major) into this step's buffer (see below), then dQ = dS·K issued before dK += dSᵀ·Q,
-  // so that dQ's trip through shared memory runs while the dK MMA does.
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
-    const int key = get<0>(cS(i)), q = get<1>(cS(i));
-    Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
-    *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
-  }
-  cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
-  warpgroup_fence_operand(tdQrdQ);
-  warpgroup_arrive();
-  if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(tdKrdK);
-  warpgroup_arrive();
-  if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
-  warpgroup_commit_batch();
-  warpgroup_wait<1>();  // dV and dQ done; dK runs on
-  warpgroup_fence_operand(tdQrdQ);
-  cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
-  if (!(MK_BWD_SKIP & 3)) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * scale;
-  }
-  cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tdVrdV);
-  warpgroup_fence_operand(tdKrdK);
-  pipe_q.consumer_release(cq);
-  ++cq;
-}
-#else
-  // dK += dSᵀ·Q
-  warpgroup_fence_operand(tdKrdK);
-  warpgroup_arrive();
-  if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
-  warpgroup_commit_batch();
   // dS (query-major) into this step's buffer, for dQ: the buffer's previous reader (the dQ MMA
   // two steps back) finished before both warpgroups passed the last step's barrier. The A
   // fragment holds the accumulator's elements in the same order (acc_to_a only regroups modes),
   // so cS names their coordinates; a pair is two adjacent queries, adjacent in shared memory.
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
-    const int key = get<0>(cS(i)), q = get<1>(cS(i));
-    Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
-    *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
-  }
-  cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
-  // dQ = dS·K (this warpgroup's half)
+  auto store_ds = [&]() {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tdKrdS) && !(MK_BWD_SKIP & 2); i += 2) {
+      const int key = get<0>(cS(i)), q = get<1>(cS(i));
+      Element pair[2] = {tdKrdS(i), tdKrdS(i + 1)};
+      *reinterpret_cast<uint32_t*>(&sdS(q, key, buf)) = *reinterpret_cast<const uint32_t*>(pair);
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(kMmaThreads, kBwdDsBarrier);
+  };
+  // dQ (scaled) to shared memory in fragment order, for the reducing warp.
+  auto store_dq = [&]() {
+    cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
+    if (!(MK_BWD_SKIP & 3)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * scale;
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
+  };
+  auto mma_dq_ = [&]() {
+    warpgroup_fence_operand(tdQrdQ);
+    warpgroup_arrive();
+    if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
+    warpgroup_commit_batch();
+  };
+  auto mma_dk = [&]() {  // dK += dSᵀ·Q
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_arrive();
+    if (!(MK_BWD_SKIP & 4)) bwd_gemm(mma_dkv, tdKrdS, tdKrQt(_, _, _, st), tdKrdK, false);
+    warpgroup_commit_batch();
+  };
+#if MK_BWD_DQ_FIRST
+  // dS to shared memory, then dQ = dS·K issued before dK, so that dQ's trip through shared memory
+  // runs while the dK MMA does.
+  store_ds();
+  mma_dq_();
+  mma_dk();
+  warpgroup_wait<1>();  // dV and dQ done; dK runs on
   warpgroup_fence_operand(tdQrdQ);
-  warpgroup_arrive();
-  if (!(MK_BWD_SKIP & 2)) bwd_gemm(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ, true);
-  warpgroup_commit_batch();
+  store_dq();
+  warpgroup_wait<0>();
+#else
+  mma_dk();
+  store_ds();  // while dK runs
+  mma_dq_();   // dQ = dS·K (this warpgroup's half)
   warpgroup_wait<0>();
   warpgroup_fence_operand(tdQrdQ);
+#endif
   warpgroup_fence_operand(tdVrdV);
   warpgroup_fence_operand(tdKrdK);
   pipe_q.consumer_release(cq);
   ++cq;
-  // dQ (scaled) to shared memory in fragment order, for the reducing warp.
-  cutlass::arch::NamedBarrier::sync(kBwdDqThreads, kBwdDqEmptyBarrier);
-  if (!(MK_BWD_SKIP & 3)) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tdQrdQ); ++i) sh.dq[i * kMmaThreads + tid] = tdQrdQ(i) * scale;
-  }
-  cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::arrive(kBwdDqThreads, kBwdDqFullBarrier);
-}
+#if !MK_BWD_DQ_FIRST
+  store_dq();
 #endif
+}
 
 template <int kD>
 __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_kernel(__grid_constant__ const BwdParams<kD> p) {
