@@ -120,6 +120,7 @@ class Communicator:
         self._ring_bwd = {}  # the same key -> the backward's handle
         self._coll = {}   # (kind, dtype, count) -> handle
         self._moe = {}    # (hidden, experts, topk, max tokens, expert align, recv capacity) -> handle
+        self._moe_sizes = {}  # handle -> (recv rows, routing bytes), read once at creation
         self._moe_layer = {}  # the same and the experts' width -> handle
 
     def __repr__(self):
@@ -196,6 +197,7 @@ class Communicator:
         return h
 
     def moe(self, hidden, experts, topk, max_tokens, align, capacity):
+        """(handle, recv rows, routing bytes) of the MoE operator for this configuration."""
         key = (hidden, experts, topk, max_tokens, align, capacity)
         h = self._moe.get(key)
         if h is None:
@@ -204,7 +206,11 @@ class Communicator:
             check(_capi.lib().mk_moe_create(self._handle, hidden, experts, topk, max_tokens, align, capacity, 0, 0,
                                             b"", ctypes.byref(out)))
             h = self._moe[key] = out.value
-        return h
+            rows, nbytes = ctypes.c_int64(), ctypes.c_int64()
+            check(_capi.lib().mk_moe_recv_rows(h, ctypes.byref(rows)))
+            check(_capi.lib().mk_moe_routing_bytes(h, ctypes.byref(nbytes)))
+            self._moe_sizes[h] = (rows.value, nbytes.value)
+        return (h,) + self._moe_sizes[h]
 
     def moe_layer(self, hidden, experts, topk, max_tokens, align, capacity, inter):
         key = (hidden, experts, topk, max_tokens, align, capacity, inter)
@@ -232,13 +238,14 @@ class Communicator:
         """Collective: destroys the operators created so far (their memory), newest first."""
         errors = []
         lib = _capi.lib()
-        for table, destroy in ((self._moe_layer, lib.mk_moe_layer_destroy), (self._moe, lib.mk_moe_destroy), (self._coll, lib.mk_coll_destroy),
-                               (self._ring_bwd, lib.mk_ring_backward_destroy),
+        for table, destroy in ((self._moe_layer, lib.mk_moe_layer_destroy), (self._moe, lib.mk_moe_destroy),
+                               (self._coll, lib.mk_coll_destroy), (self._ring_bwd, lib.mk_ring_backward_destroy),
                                (self._ring, lib.mk_ring_destroy), (self._fused, lib.mk_fused_destroy)):
             for h in reversed(list(table.values())):
                 if destroy(h) != 0:
                     errors.append(lib.mk_last_error().decode(errors="replace"))
             table.clear()
+        self._moe_sizes.clear()
         if errors:
             raise MkError(8, "mkernel: destroying operators: " + "; ".join(errors))
 
@@ -825,20 +832,17 @@ def _moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max
     _check_moe("moe_dispatch", x, "x", topk_ids, num_experts, max_tokens, world_size)
     T, H = x.shape
     k = topk_ids.shape[1]
-    h = c.moe(H, num_experts, k, max_tokens, expert_align, recv_capacity)
-    rows, nbytes = ctypes.c_int64(), ctypes.c_int64()
-    check(_capi.lib().mk_moe_recv_rows(h, ctypes.byref(rows)))
-    check(_capi.lib().mk_moe_routing_bytes(h, ctypes.byref(nbytes)))
+    h, rows, nbytes = c.moe(H, num_experts, k, max_tokens, expert_align, recv_capacity)
     El = num_experts // c.world
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     # Rows no token lands in (alignment gaps, the capacity past the last expert) are zeros, so
     # that an expert computation over all rows adds nothing from them to its weights' gradients.
-    recv_x = torch.zeros((rows.value, H), dtype=torch.bfloat16, device=x.device)
+    recv_x = torch.zeros((rows, H), dtype=torch.bfloat16, device=x.device)
     counts = torch.empty((El,), dtype=torch.int32, device=x.device)
     offsets = torch.empty((El + 1,), dtype=torch.int32, device=x.device)
-    routing = torch.zeros((nbytes.value,), dtype=torch.uint8, device=x.device)
+    routing = torch.zeros((nbytes,), dtype=torch.uint8, device=x.device)
     check(_capi.lib().mk_moe_dispatch_routed(h, x.data_ptr(), topk_ids.data_ptr(), None, None, T, recv_x.data_ptr(),
-                                             counts.data_ptr(), offsets.data_ptr(), routing.data_ptr(), nbytes.value,
+                                             counts.data_ptr(), offsets.data_ptr(), routing.data_ptr(), nbytes,
                                              _stream()))
     return recv_x, counts, offsets, routing
 
@@ -875,14 +879,11 @@ def _moe_combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     c = _op_comm("moe_combine", group_name, world_size, y)
     _check_moe("moe_combine", y, "y", topk_ids, num_experts, max_tokens, world_size)
     T, k, H = topk_ids.shape[0], topk_ids.shape[1], y.shape[1]
-    h = c.moe(H, num_experts, k, max_tokens, expert_align, recv_capacity)
-    rows, nbytes = ctypes.c_int64(), ctypes.c_int64()
-    check(_capi.lib().mk_moe_recv_rows(h, ctypes.byref(rows)))
-    check(_capi.lib().mk_moe_routing_bytes(h, ctypes.byref(nbytes)))
-    _check_combine("moe_combine", y, topk_ids, topk_weights, routing, rows.value, nbytes.value)
+    h, rows, nbytes = c.moe(H, num_experts, k, max_tokens, expert_align, recv_capacity)
+    _check_combine("moe_combine", y, topk_ids, topk_weights, routing, rows, nbytes)
     y, w = y.contiguous(), topk_weights.contiguous()
     out = torch.empty((T, H), dtype=torch.bfloat16, device=y.device)
-    check(_capi.lib().mk_moe_combine_routed(h, y.data_ptr(), w.data_ptr(), routing.data_ptr(), nbytes.value,
+    check(_capi.lib().mk_moe_combine_routed(h, y.data_ptr(), w.data_ptr(), routing.data_ptr(), nbytes,
                                             out.data_ptr(), _stream()))
     return out
 

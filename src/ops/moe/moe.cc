@@ -411,10 +411,12 @@ Status MoeEp::create_handle(void* mem, uint64_t bytes, bool holds_routing, std::
   MK_REQUIRE(out, Code::kInvalidArgument, "moe: null output");
   MK_REQUIRE(st && st->dses && st->dses->alive(), Code::kInvalidArgument,
              "moe: the operator was destroyed (or its communicator was destroyed first)");
-  MK_REQUIRE(mem && aligned16(mem), Code::kInvalidArgument, "moe: a handle's memory must be non-null and 16-byte aligned");
-  MK_REQUIRE(bytes >= handle_bytes(), Code::kInvalidArgument,
+  MK_REQUIRE(mem && aligned16(mem), Code::kInvalidArgument,
+             "moe: a handle's memory must be non-null and 16-byte aligned");
+  const uint64_t need = handle_bytes();
+  MK_REQUIRE(bytes >= need, Code::kInvalidArgument,
              "moe: a handle's memory of %llu bytes is too small (handle_bytes() %llu)", (unsigned long long)bytes,
-             (unsigned long long)handle_bytes());
+             (unsigned long long)need);
   std::unique_ptr<MoeHandle> h(new MoeHandle());
   h->st_ = std::make_unique<MoeHandleState>();
   MoeHandleState* hs = h->st_.get();
