@@ -101,6 +101,10 @@ const std::vector<TunableDef> kTable = {
     {"moe_comm_ctas", "MK_MOE_COMM_CTAS", TunableType::kInt, "16",
      "CTAs that move MoE dispatch/combine records between ranks (each slot travels in pieces, so "
      "several CTAs share one destination)", 1, 1024},
+    {"moe_small_tokens", "MK_MOE_SMALL_TOKENS", TunableType::kInt, "256",
+     "MoE dispatch in direct mode with max_tokens_per_rank at most this: route and pack in one "
+     "launch and layout and unpack in one (each CTA counts the entries before its token: work "
+     "grows with the square of the tokens; 0: never)", 0, 4096},
     {"fault", "MK_FAULT", TunableType::kString, "",
      "test hook: plant a failure, <site>:<action>@<rank>[#<n>] (call:kill|stop|badinput, "
      "put:error, completion:error, register:error; the rank's n-th such event; docs/testing.md)"},

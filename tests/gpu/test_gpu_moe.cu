@@ -202,11 +202,16 @@ struct Case {
 TEST(Moe, DispatchCombineEveryRouting) {
   Communicator* comm = shared_comm();
   const int W = comm->world(), me = comm->rank();
-  const Case cases[] = {{256, 4, 4, 77, 1}, {512, 3, 2, 130, 8}, {128, 8, 6, 33, 1}};
+  // T 300 is past the small-batch bound (moe_small_tokens, 256 by default): the six-launch path;
+  // the others run on the small-batch path and, with the bound at 0, on the six-launch one.
+  const Case cases[] = {{256, 4, 4, 77, 1}, {512, 3, 2, 130, 8}, {128, 8, 6, 33, 1}, {128, 5, 3, 300, 4}};
   const Topology& topo = comm->topology();
   int ci = 0;
   for (const Case& c : cases)
+  for (const char* small : {"256", "0"})
   for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
+    if (c.T > 256 && std::string(small) == "0") continue;  // the same path twice
+    MK_ASSERT_OK(tunables::set("moe_small_tokens", small));
     ops::MoeConfig cfg;
     cfg.hidden = c.H;
     cfg.num_experts = c.experts_per_rank * W;
@@ -217,14 +222,15 @@ TEST(Moe, DispatchCombineEveryRouting) {
     ops::MoeOptions opt;
     opt.mode = mode;
     MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
+    MK_ASSERT_OK(tunables::reset("moe_small_tokens"));
     EXPECT_EQ(ep->hierarchical(), mode == ops::MoeMode::kThroughput && topo.num_nodes > 1 && topo.local_size > 1);
     for (MoeRouting kind : {MoeRouting::kUniform, MoeRouting::kZipf, MoeRouting::kLocal, MoeRouting::kSparse,
                             MoeRouting::kEmptyRanks}) {
       const uint64_t seed = mix(test_seed(), uint64_t(ci) * 16 + uint64_t(kind));
       World wd;
       make_world(cfg, W, me, kind, seed, &wd);
-      const std::string what = "case " + std::to_string(ci / 2) + (ep->hierarchical() ? " hierarchical " : " ") +
-                               moe_routing_name(kind);
+      const std::string what = "case " + std::to_string(&c - cases) + (ep->hierarchical() ? " hierarchical " : " ") +
+                               "small_tokens " + small + " " + moe_routing_name(kind);
       run_and_check(comm, ep.get(), cfg, wd, seed, what);
       if (HasFailure()) break;
     }

@@ -3,7 +3,9 @@
 # and a variant whose steps issue dQ before dK (V: the backward units built with
 # -DMK_BWD_DQ_FIRST=1 and relinked, .devbin/capi_dqfirst.so.xz), A V A, and the backward test on V;
 # the GPU mutants of the uneven and packed-documents ring work; the matrix's ring launches;
-# ring bench: uneven against padded even, balanced against zigzag (W 2, 4 under MPS).
+# ring bench: uneven against padded even, balanced against zigzag (W 2, 4 under MPS). First: MoE
+# at 128 tokens per rank, W = 1, on the six-launch path and on the small-batch path (route+pack,
+# layout+unpack; MK_MOE_SMALL_TOKENS), alternating.
 set -u
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -14,7 +16,14 @@ xz -dc .devbin/capi_dqfirst.so.xz > /tmp/capi_v.so
 export PYTHONPATH=$PWD/python
 echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; sleep 1
 run() { MK_CAPI=$2 timeout 100 python3 bench/bench_attention_bwd.py --reps 10 --seqs 1024,4096,8192 --json $OUT/bwd_$1.json 2>&1 | tail -13; }
-echo "== A"; run A1 $B/libmkernel_capi.so
+echo "== MoE small batches: six-launch path (MK_MOE_SMALL_TOKENS=0) and small-batch path (default 256), 0 256 0 256"
+i=0; for v in 0 256 0 256; do i=$((i + 1))
+  echo "-- moe_small_tokens $v"
+  MK_MOE_SMALL_TOKENS=$v timeout 60 $B/mkernel bench moe_dispatch --preset deepep_ll --reps 50 --json $OUT/moe_ll_small${v}_$i.json 2>&1 | grep -vE "^(GB/s|unfused =|nccl =|moe_dispatch:)" | head -6
+  MK_MOE_SMALL_TOKENS=$v timeout 60 $B/mkernel bench moe_dispatch --preset qwen3 --preset mixtral --tokens 128 --reps 50 2>&1 | grep -vE "^(GB/s|unfused =|nccl =|moe_dispatch:)" | head -8
+  MK_MOE_SMALL_TOKENS=$v timeout 60 $B/mkernel bench moe_layer --preset qwen3_30b --tokens 128 --reps 50 --json $OUT/moe_layer128_small${v}_$i.json 2>&1 | grep -vE "^(GB/s|unfused =|nccl =|moe_layer:)" | head -6
+done
+echo "== A at $(( $(date +%s) - t0 )) s"; run A1 $B/libmkernel_capi.so
 echo "== V"; run V1 /tmp/capi_v.so
 echo "== A"; run A2 $B/libmkernel_capi.so
 echo "== test V"; MK_CAPI=/tmp/capi_v.so timeout 90 python3 tests/gpu/test_attention_bwd.py 2>&1 | tail -2

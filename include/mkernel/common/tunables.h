@@ -92,6 +92,7 @@ std::string string_or_default(const std::string& name);
   STRING_(split_memory_file)                 \
   INT_(ring_comm_ctas)                       \
   INT_(moe_comm_ctas)                        \
+  INT_(moe_small_tokens)                     \
   INT_(check_calls)                          \
   STRING_(fault)                             \
   INT_(fault_delay_ms)

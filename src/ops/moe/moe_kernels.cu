@@ -163,6 +163,9 @@ __device__ __forceinline__ char* dispatch_slot(const MoeLaunch& l, int r) {
   return r == l.me ? l.recv + int64_t(l.me) * l.slot_bytes : l.send + int64_t(r) * l.slot_bytes;
 }
 
+// Source s's dispatch slot in this rank's receive slots (the own one written in place by pack).
+__device__ __forceinline__ const char* recv_slot(const MoeLaunch& l, int s) { return l.recv + int64_t(s) * l.slot_bytes; }
+
 // ---- scan: chunk bases per bucket (in place), totals, and the send slots' headers.
 // One warp per bucket: the chunks' counts, 32 at a time, scanned with shuffles.
 __device__ void route_scan_body(const MoeLaunch& l) {
@@ -333,6 +336,124 @@ __global__ void __launch_bounds__(kThreads) pack(MoeLaunch l, const char* x) {
   }
 }
 
+// ---- small batches (direct mode): route and pack in one launch. CTA t (grid-stride) ranks its
+// own token's entries among every entry before them by counting (entries of the earlier tokens,
+// then the token's own earlier slots: the positions route + scan give, in one pass), then packs
+// the token as pack does; CTA 0 first counts every bucket's total and writes the slots' headers.
+// Work per CTA grows with the tokens before its own, hence the bound moe_small_tokens.
+__global__ void __launch_bounds__(kThreads) route_pack(MoeLaunch l, const char* x, const int32_t* ids_in,
+                                                       const float* w, const int32_t* d_n, int64_t tokens) {
+  __shared__ int32_t ex[32], rk[32], er[32], cp[32], rp[32];
+  __shared__ bool first[32];
+  const int k = l.k, El = l.El;
+  int64_t n = d_n ? int64_t(*d_n) : tokens;
+  if (n < 0 || n > tokens) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) report(l, kMoeErrTooManyTokens, -1, -1, -1, n, tokens);
+    n = n < 0 ? 0 : tokens;
+  }
+  auto expert = [&](int64_t i) {
+    const int32_t e = ids_in[i];
+    return valid_expert(l, e) ? e : -1;
+  };
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) *l.n_tokens = int32_t(n);
+    const int B = moe_buckets(l);
+    for (int b = threadIdx.x; b < B; b += blockDim.x) l.totals[b] = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n * k; i += blockDim.x) {
+      const int32_t e = expert(i);
+      if (e < 0) continue;
+      const int r = e / El;
+      bool rec = true;  // the token's first entry for rank r: a record
+      for (int64_t j = (i / k) * k; j < i && rec; ++j) {
+        const int32_t e2 = expert(j);
+        rec = !(e2 >= 0 && e2 / El == r);
+      }
+      atomicAdd(&l.totals[e], 1);
+      atomicAdd(&l.totals[l.E + r], 1);
+      if (rec) atomicAdd(&l.totals[l.E + l.W + r], 1);
+    }
+    __threadfence_block();
+    __syncthreads();
+    write_headers(l);
+  }
+  for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
+    __syncthreads();
+    const int64_t i0 = t * k;
+    if (threadIdx.x < k) {
+      const int kk = threadIdx.x;
+      const int32_t raw = ids_in[i0 + kk];
+      const int32_t e = valid_expert(l, raw) ? raw : -1;
+      if (raw != -1 && e < 0) report(l, kMoeErrBadExpert, int32_t(t), kk, raw, l.E, l.E);
+      l.ids[i0 + kk] = e;
+      l.weights[i0 + kk] = w ? w[i0 + kk] : 1.f;  // null: unit weights
+      ex[kk] = e;
+      rk[kk] = e >= 0 ? e / El : -1;
+    }
+    __syncthreads();
+    if (threadIdx.x < k) {
+      const int kk = threadIdx.x;
+      int32_t ce = 0, cr = 0;
+      bool f = rk[kk] >= 0;
+      for (int k2 = 0; k2 < kk; ++k2) {
+        ce += ex[k2] == ex[kk];
+        cr += rk[k2] == rk[kk];
+        f = f && rk[k2] != rk[kk];
+      }
+      er[kk] = ce, cp[kk] = cr, rp[kk] = 0, first[kk] = f;
+    }
+    __syncthreads();
+    // The earlier tokens, one per thread: their entries of each own slot's expert and rank, and
+    // whether they hold a record for that rank.
+    for (int64_t t2 = threadIdx.x; t2 < t; t2 += blockDim.x) {
+      uint32_t holds = 0;  // own slots whose rank token t2 has an entry for
+      for (int j = 0; j < k; ++j) {
+        const int32_t e2 = expert(t2 * k + j);
+        if (e2 < 0) continue;
+        const int r2 = e2 / El;
+        for (int kk = 0; kk < k; ++kk) {
+          if (ex[kk] == e2) atomicAdd(&er[kk], 1);
+          if (rk[kk] == r2) {
+            atomicAdd(&cp[kk], 1);
+            holds |= 1u << kk;
+          }
+        }
+      }
+      for (int kk = 0; kk < k; ++kk)
+        if (((holds >> kk) & 1u) && first[kk]) atomicAdd(&rp[kk], 1);
+    }
+    __syncthreads();
+    for (int kk = 0; kk < k; ++kk) {
+      if (!first[kk]) continue;
+      const int r = rk[kk];
+      char* rec = dispatch_slot(l, r) + l.hdr_bytes + int64_t(rp[kk]) * l.rec_bytes;
+      copy_row(x + t * l.row_bytes, rec, l.row_bytes);
+      int32_t* meta = reinterpret_cast<int32_t*>(rec + l.row_bytes);
+      const int words = int((l.rec_bytes - l.row_bytes) / 4);
+      for (int q = threadIdx.x; q < words; q += blockDim.x) {
+        int32_t v = 0;
+        if (q == kMetaToken) {
+          v = int32_t(t);
+        } else if (q == kMetaNk) {
+          for (int k2 = 0; k2 < k; ++k2) v += rk[k2] == r;
+        } else if (q == kMetaCbase) {
+          v = cp[kk];
+        } else if (q == kMetaSrc) {
+          v = l.me;
+        } else if (q >= kMetaSlots && q < kMetaSlots + 2 * k) {
+          const int k2 = (q - kMetaSlots) / 2;
+          if (rk[k2] != r) v = -1;
+          else if ((q - kMetaSlots) % 2 == 0) v = ex[k2] - r * El;
+          else v = er[k2];
+        }
+        meta[q] = v;
+      }
+    }
+    // Where each entry's output comes back (combine).
+    if (threadIdx.x < k) l.cpos_g[i0 + threadIdx.x] = ex[threadIdx.x] < 0 ? -1 : cp[threadIdx.x];
+  }
+}
+
 // ---- the program: communication CTAs take ops in order until none is left (comm::run_program,
 // src/comm/runner.cuh).
 
@@ -419,35 +540,18 @@ __global__ void __launch_bounds__(kThreads) repack(MoeLaunch l) {
   }
 }
 
-// ---- unpack, part 1 (one CTA): counts and aligned offsets per local expert, per-source bases,
-// the capacity check, the caller's counts/offsets, the alignment gaps marked in `back`.
-// Shared memory: counts then offsets ([El], [El + 1]).
-__global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int32_t* offsets) {
-  extern __shared__ int32_t sm[];
-  int32_t* cnt = sm;
-  int32_t* off = sm + l.El;
+// ---- unpack, part 1: counts and aligned offsets per local expert from the W receive slots'
+// headers, into shared memory (cnt [El], off [El + 1]); the first local expert whose rows begin
+// past capacity in *over (El: none). Every thread of the CTA takes part (blockDim a multiple of 32).
+__device__ void layout_shared(const MoeLaunch& l, int32_t* cnt, int32_t* off, int32_t* over) {
   __shared__ int32_t warp_sum[32];
-  __shared__ int32_t over;
   const int W = l.W, El = l.El;
-  auto slot = [&](int s) { return l.recv + int64_t(s) * l.slot_bytes; };
-  // hier: the record slots the other ranks of the node wrote here from their node slots.
-  if (l.hier && l.lwn) {
-    if (threadIdx.x == 0) comm::hook_waits(l.dispatch_program, l.lw0, l.lwn, epoch_after_runner(l.dispatch_program));
-    __syncthreads();
-  }
   for (int le = threadIdx.x; le < El; le += blockDim.x) {
     int32_t run = 0;
-    for (int s = 0; s < W; ++s) {
-      l.base[s * El + le] = run;
-      run += reinterpret_cast<const int32_t*>(slot(s) + 16)[le];
-    }
+    for (int s = 0; s < W; ++s) run += reinterpret_cast<const int32_t*>(recv_slot(l, s) + 16)[le];
     cnt[le] = run;
   }
-  for (int s = threadIdx.x; s < W; s += blockDim.x) {
-    l.nrec[s] = reinterpret_cast<const int32_t*>(slot(s))[2];
-    l.ncomb[s] = reinterpret_cast<const int32_t*>(slot(s))[3];
-  }
-  if (threadIdx.x == 0) over = El;
+  if (threadIdx.x == 0) *over = El;
   __syncthreads();
   // Exclusive scan of the aligned counts: each thread a contiguous run of experts, then the
   // runs' totals across warps.
@@ -476,13 +580,23 @@ __global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int
   int64_t run = int64_t(incl) - mine + (warp > 0 ? warp_sum[warp - 1] : 0);
   for (int le = lo; le < hi; ++le) {
     off[le] = int32_t(run);
-    if (run + cnt[le] > l.recv_rows) atomicMin(&over, le);
+    if (run + cnt[le] > l.recv_rows) atomicMin(over, le);
     run += (int64_t(cnt[le]) + l.align - 1) / l.align * l.align;
   }
   if (threadIdx.x == blockDim.x - 1) off[El] = warp_sum[(blockDim.x - 1) / 32];
   __syncthreads();
+}
+
+// What the layout leaves for later launches (one CTA): the overflow record, the per-source record
+// and combine counts, the counts and offsets (the caller's too), the alignment gaps marked in `back`.
+__device__ void layout_outputs(const MoeLaunch& l, const int32_t* cnt, const int32_t* off, int32_t over,
+                               int32_t* counts, int32_t* offsets) {
+  const int El = l.El;
   if (threadIdx.x == 0 && over < El) report(l, kMoeErrOverflow, -1, -1, over, off[El], l.recv_rows);
-  for (int i = threadIdx.x; i < W * El; i += blockDim.x) l.base[i] += off[i % El];
+  for (int s = threadIdx.x; s < l.W; s += blockDim.x) {
+    l.nrec[s] = reinterpret_cast<const int32_t*>(recv_slot(l, s))[2];
+    l.ncomb[s] = reinterpret_cast<const int32_t*>(recv_slot(l, s))[3];
+  }
   for (int le = threadIdx.x; le <= El; le += blockDim.x) {
     l.offsets[le] = off[le];
     if (offsets) offsets[le] = off[le];
@@ -493,11 +607,40 @@ __global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int
   }
 }
 
-// ---- unpack, part 2: every record of source blockIdx.y to its experts' rows.
-__global__ void __launch_bounds__(kThreads) unpack(MoeLaunch l, char* recv_x) {
-  const int s = blockIdx.y;
-  const int nrec = l.nrec[s];
-  const char* slot = l.recv + int64_t(s) * l.slot_bytes + l.hdr_bytes;
+// Source s's first row per local expert: its expert's offset plus the counts of the sources before it.
+__device__ __forceinline__ int32_t source_base(const MoeLaunch& l, const int32_t* off, int s, int le) {
+  int32_t b = off[le];
+  for (int s2 = 0; s2 < s; ++s2) b += reinterpret_cast<const int32_t*>(recv_slot(l, s2) + 16)[le];
+  return b;
+}
+
+// One CTA: the layout (shared memory: counts then offsets, [El], [El + 1]) and every source's
+// bases for unpack.
+__global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int32_t* offsets) {
+  extern __shared__ int32_t sm[];
+  int32_t* cnt = sm;
+  int32_t* off = sm + l.El;
+  __shared__ int32_t over;
+  // hier: the record slots the other ranks of the node wrote here from their node slots.
+  if (l.hier && l.lwn) {
+    if (threadIdx.x == 0) comm::hook_waits(l.dispatch_program, l.lw0, l.lwn, epoch_after_runner(l.dispatch_program));
+    __syncthreads();
+  }
+  layout_shared(l, cnt, off, &over);
+  for (int le = threadIdx.x; le < l.El; le += blockDim.x) {
+    int32_t b = off[le];
+    for (int s = 0; s < l.W; ++s) {
+      l.base[int64_t(s) * l.El + le] = b;
+      b += reinterpret_cast<const int32_t*>(recv_slot(l, s) + 16)[le];
+    }
+  }
+  layout_outputs(l, cnt, off, over, counts, offsets);
+}
+
+// Every record of a source's slot (`nrec` records) to its experts' rows: CTA blockIdx.x takes
+// records blockIdx.x, + gridDim.x, ...; base[le]: the source's first row of local expert le.
+__device__ void unpack_source(const MoeLaunch& l, int s, int nrec, const int32_t* base, char* recv_x) {
+  const char* slot = recv_slot(l, s) + l.hdr_bytes;
   for (int j = blockIdx.x; j < nrec; j += gridDim.x) {
     const char* rec = slot + int64_t(j) * l.rec_bytes;
     const int32_t* meta = reinterpret_cast<const int32_t*>(rec + l.row_bytes);
@@ -508,7 +651,7 @@ __global__ void __launch_bounds__(kThreads) unpack(MoeLaunch l, char* recv_x) {
     for (int kk = 0; kk < l.k; ++kk) {
       const int32_t le = meta[kMetaSlots + 2 * kk];
       if (le < 0) continue;
-      const int64_t row = int64_t(l.base[s * l.El + le]) + meta[kMetaSlots + 2 * kk + 1];
+      const int64_t row = int64_t(base[le]) + meta[kMetaSlots + 2 * kk + 1];
       // The own tokens' outputs are read in place by combine (no copy back); -1: lost to overflow.
       if (s == l.me && threadIdx.x == 0)
         l.self_row[int64_t(meta[kMetaToken]) * l.k + kk] = row < l.recv_rows ? int32_t(row) : -1;
@@ -524,6 +667,30 @@ __global__ void __launch_bounds__(kThreads) unpack(MoeLaunch l, char* recv_x) {
       ++ord;
     }
   }
+}
+
+// ---- unpack, part 2: every record of source blockIdx.y to its experts' rows.
+__global__ void __launch_bounds__(kThreads) unpack(MoeLaunch l, char* recv_x) {
+  const int s = blockIdx.y;
+  unpack_source(l, s, l.nrec[s], l.base + int64_t(s) * l.El, recv_x);
+}
+
+// ---- small batches: layout and unpack in one launch. Every CTA computes the layout in shared
+// memory (counts, offsets, its source's bases: [El], [El + 1], [El]); CTA (0, 0) also leaves it for
+// combine and the caller.
+__global__ void __launch_bounds__(kThreads) layout_unpack(MoeLaunch l, int32_t* counts, int32_t* offsets,
+                                                          char* recv_x) {
+  extern __shared__ int32_t sm[];
+  int32_t* cnt = sm;
+  int32_t* off = sm + l.El;
+  int32_t* base = sm + 2 * l.El + 1;
+  __shared__ int32_t over;
+  const int s = blockIdx.y;
+  layout_shared(l, cnt, off, &over);
+  for (int le = threadIdx.x; le < l.El; le += blockDim.x) base[le] = source_base(l, off, s, le);
+  __syncthreads();
+  if (blockIdx.x == 0 && blockIdx.y == 0) layout_outputs(l, cnt, off, over, counts, offsets);
+  unpack_source(l, s, reinterpret_cast<const int32_t*>(recv_slot(l, s))[2], base, recv_x);
 }
 
 __device__ __forceinline__ char* combine_slot(const MoeLaunch& l, int s) {
@@ -605,6 +772,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char*
 namespace {
 size_t route_smem(const MoeLaunch& l) { return size_t(moe_buckets(l)) * 4; }   // route_local's counters
 size_t layout_smem(const MoeLaunch& l) { return size_t(2 * l.El + 1) * 4; }   // layout's counts and offsets
+size_t layout_unpack_smem(const MoeLaunch& l) { return size_t(3 * l.El + 1) * 4; }  // and a source's bases
 }  // namespace
 
 Status moe_prepare_launch(const MoeLaunch& l) {
@@ -612,39 +780,52 @@ Status moe_prepare_launch(const MoeLaunch& l) {
     MK_CUDA_CHECK(cudaFuncSetAttribute(route_local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(l))));
   if (layout_smem(l) > 48 * 1024)
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
+  if (l.small && layout_unpack_smem(l) > 48 * 1024)
+    MK_CUDA_CHECK(cudaFuncSetAttribute(layout_unpack, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(layout_unpack_smem(l))));
   return OkStatus();
 }
 
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
                            cudaStream_t stream) {
+  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
+  const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
+  if (l.small) {
+    route_pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x), ids, weights, d_n, tokens);
+    MK_CUDA_CHECK(cudaGetLastError());
+    MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
+    layout_unpack<<<dim3(gx, l.W), kThreads, layout_unpack_smem(l), stream>>>(l, counts, offsets,
+                                                                              static_cast<char*>(recv_x));
+    MK_CUDA_CHECK(cudaGetLastError());
+    return OkStatus();
+  }
   route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
   MK_CUDA_CHECK(cudaGetLastError());
   route_scan_headers<<<(moe_buckets(l) + 7) / 8, 256, 0, stream>>>(l);
   MK_CUDA_CHECK(cudaGetLastError());
   // One CTA per token (grid-stride past 64 Ki): each token's chain of dependent loads is short,
   // and many CTAs in flight hide it.
-  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x));
   MK_CUDA_CHECK(cudaGetLastError());
   MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
   if (l.hier) {
-    const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
     repack<<<dim3(gx, l.nodes), kThreads, 0, stream>>>(l);
     MK_CUDA_CHECK(cudaGetLastError());
   }
   layout<<<1, 1024, layout_smem(l), stream>>>(l, counts, offsets);
   MK_CUDA_CHECK(cudaGetLastError());
-  const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
   unpack<<<dim3(gx, l.W), kThreads, 0, stream>>>(l, static_cast<char*>(recv_x));
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
 }
 
 Status moe_combine_launch(const MoeLaunch& l, const void* y, const float* weights, void* out, cudaStream_t stream) {
-  const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
-  combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y));
-  MK_CUDA_CHECK(cudaGetLastError());
+  if (l.W > 1) {  // one rank: every output row is read in place
+    const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
+    combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y));
+    MK_CUDA_CHECK(cudaGetLastError());
+  }
   MK_CHECK(comm::run_program(l.combine_program, l.comm_ctas, stream));
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), weights, static_cast<char*>(out));

@@ -33,6 +33,10 @@ struct MoeLaunch {
           cslot_bytes = 0, recv_rows = 0;
   int chunk_tokens = 64;  // tokens per route chunk
   int nchunks = 0;
+  // Small batches (direct mode, max tokens <= the tunable moe_small_tokens): route and pack in one
+  // launch, layout and unpack in one (each CTA computes what it needs instead of reading what an
+  // earlier launch left); the route scratch (hist, erank, cpos, recpos) goes unused.
+  bool small = false;
   // errors
   MoeErrorRecord* err = nullptr;  // host-mapped
   uint32_t* err_claim = nullptr;  // device
@@ -107,12 +111,12 @@ MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W
 // Once per operator, before its first call: kernel attributes its geometry needs (shared memory
 // past 48 KiB for many experts).
 Status moe_prepare_launch(const MoeLaunch& l);
-// dispatch: route, pack, the program, unpack. x/ids/weights: the caller's (weights null: unit
+// dispatch: route, pack, the program, unpack (small batches: route_pack, the program, layout_unpack). x/ids/weights: the caller's (weights null: unit
 // weights); d_n: device count or null (tokens); recv_x/counts/offsets: the caller's outputs.
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
                            cudaStream_t stream);
-// combine: pack y back, the program, the weighted sums into out (weights: [T, k] of this call, or
+// combine: pack y back (not at W = 1: every row is read in place), the program, the weighted sums into out (weights: [T, k] of this call, or
 // null: the dispatch's).
 Status moe_combine_launch(const MoeLaunch& l, const void* y, const float* weights, void* out, cudaStream_t stream);
 
