@@ -242,6 +242,20 @@ MUTATIONS = [
              "combine uses the weights the dispatch kept, not the call's own (MoeCombineArgs::topk_weights; "
              "the torch ops' gradients rely on it)",
              gpu=True, targets=["test_gpu_moe"]),
+    Mutation("moe-small-cpos-skips-own-slots", "src/ops/moe/moe_kernels.cu",
+             "        cr += rk[k2] == rk[kk];",
+             "",
+             ["test_gpu_moe_np1"],
+             "small-batch route_pack: an entry's combine row leaves out the token's earlier slots for the same "
+             "rank (two experts of one rank in a token: both rows to one place)",
+             gpu=True, targets=["test_gpu_moe"]),
+    Mutation("moe-small-base-of-source-zero", "src/ops/moe/moe_kernels.cu",
+             "  for (int s2 = 0; s2 < s; ++s2) b += reinterpret_cast<const int32_t*>(recv_slot(l, s2) + 16)[le];",
+             "",
+             ["test_gpu_moe_np2"],
+             "small-batch layout_unpack: every source's rows start at their expert's offset (sources overwrite "
+             "each other)",
+             gpu=True, targets=["test_gpu_moe"]),
     Mutation("attention-bwd-diagonal-masked", "src/attention/kernel/bwd.cuh",
              "bool masked = key >= len || (causal && kv_pos0 + key > q_pos_m + q);",
              "bool masked = key >= len || (causal && kv_pos0 + key >= q_pos_m + q);",
