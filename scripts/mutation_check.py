@@ -242,13 +242,12 @@ MUTATIONS = [
              "combine uses the weights the dispatch kept, not the call's own (MoeCombineArgs::topk_weights; "
              "the torch ops' gradients rely on it)",
              gpu=True, targets=["test_gpu_moe"]),
-    Mutation("moe-small-cpos-skips-own-slots", "src/ops/moe/moe_kernels.cu",
-             "        cr += rk[k2] == rk[kk];",
+    Mutation("moe-small-cpos-skips-own-slots", "src/ops/moe/moe_plan.h",
+             "    cr += rk[k2] == rk[kk];",
              "",
-             ["test_gpu_moe_np1"],
-             "small-batch route_pack: an entry's combine row leaves out the token's earlier slots for the same "
-             "rank (two experts of one rank in a token: both rows to one place)",
-             gpu=True, targets=["test_gpu_moe"]),
+             ["test_moe_plan:MoeRouting.SmallRoute*"],
+             "small-batch route (route_pack): an entry's combine row leaves out the token's earlier slots for "
+             "the same rank (two experts of one rank in a token: both rows to one place)"),
     Mutation("moe-small-base-of-source-zero", "src/ops/moe/moe_kernels.cu",
              "  for (int s2 = 0; s2 < s; ++s2) b += reinterpret_cast<const int32_t*>(recv_slot(l, s2) + 16)[le];",
              "",

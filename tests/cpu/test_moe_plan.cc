@@ -179,6 +179,76 @@ TEST(MoeRouting, EveryEntryAccountedFor) {
   printf("%d routings checked\n", cases);
 }
 
+// The small-batch dispatch's route (route_pack: each token's CTA counts the entries before its
+// own, small_route_own / small_route_before) gives route_source's positions: every entry's erank
+// and cpos, every record's index and combine base — with bad ids among them (left out by both).
+TEST(MoeRouting, SmallRouteCountsMatchRouteSource) {
+  int tokens = 0;
+  for (int W : {1, 2, 3, 8})
+    for (int kind = 0; kind < test::kMoeRoutings; ++kind)
+      for (int variant = 0; variant < 3; ++variant) {
+        MoeConfig cfg;
+        cfg.hidden = 16;
+        cfg.num_experts = W * (variant == 0 ? 1 : variant == 1 ? 3 : 8);
+        cfg.topk = variant == 0 ? 1 : variant == 1 ? 4 : 8;
+        if (cfg.topk > cfg.num_experts && kind == int(MoeRouting::kUniform)) cfg.topk = cfg.num_experts;
+        cfg.max_tokens_per_rank = variant == 2 ? 200 : 37;
+        MoeGeometry g;
+        ASSERT_TRUE(moe_geometry(cfg, W, &g).ok());
+        const uint64_t seed = test::mix(test::test_seed(), uint64_t(W) * 100 + kind * 10 + variant);
+        for (int rank = 0; rank < W; rank += W > 2 ? W - 1 : 1) {
+          std::vector<int32_t> ids;
+          std::vector<float> w;
+          int64_t n = 0;
+          test::make_moe_routing(MoeRouting(kind), seed, rank, W, g.E, g.k, g.T, &ids, &w, &n);
+          for (size_t i = 7; i < ids.size(); i += 23) ids[i] = (i / 23) % 2 ? g.E + int32_t(i % 5) : -2;
+          SourceRoute route;
+          int64_t bad = 0;
+          route_source(g, ids.data(), n, &route, &bad);
+          const std::string what = "W" + std::to_string(W) + " " + test::moe_routing_name(MoeRouting(kind)) +
+                                   " v" + std::to_string(variant) + " rank " + std::to_string(rank);
+          auto expert = [&](int64_t i) { return ids[i] >= 0 && ids[i] < g.E ? ids[i] : -1; };
+          for (int64_t t = 0; t < n; ++t) {
+            int32_t ex[32], rk[32], er[32], cp[32], rp[32];
+            bool first[32];
+            for (int kk = 0; kk < g.k; ++kk) {
+              ex[kk] = expert(t * g.k + kk);
+              rk[kk] = ex[kk] >= 0 ? ex[kk] / g.El : -1;
+            }
+            for (int kk = 0; kk < g.k; ++kk) {
+              small_route_own(g.k, kk, ex, rk, &er[kk], &cp[kk], &first[kk]);
+              rp[kk] = 0;
+            }
+            for (int64_t t2 = 0; t2 < t; ++t2)
+              small_route_before(g.k, g.El, [&](int j) { return expert(t2 * g.k + j); }, ex, rk, first, er, cp, rp,
+                                 [](int32_t* c, int32_t v) { *c += v; });
+            for (int kk = 0; kk < g.k; ++kk) {
+              const size_t i = size_t(t) * g.k + kk;
+              if (ex[kk] < 0) {
+                EXPECT_EQ(route.erank[i], -1) << what << " token " << t << " slot " << kk;
+                EXPECT_FALSE(first[kk]);
+                continue;
+              }
+              EXPECT_EQ(er[kk], route.erank[i]) << what << " token " << t << " slot " << kk;
+              EXPECT_EQ(cp[kk], route.cpos[i]) << what << " token " << t << " slot " << kk;
+              const auto& rec = route.rec_tokens[rk[kk]];
+              const int64_t idx = std::find(rec.begin(), rec.end(), int32_t(t)) - rec.begin();
+              ASSERT_LT(idx, int64_t(rec.size())) << what << " token " << t;
+              bool is_first = true;
+              for (int k2 = 0; k2 < kk; ++k2) is_first = is_first && rk[k2] != rk[kk];
+              EXPECT_EQ(first[kk], is_first) << what << " token " << t << " slot " << kk;
+              if (!first[kk]) continue;
+              EXPECT_EQ(rp[kk], idx) << what << " token " << t << " slot " << kk;
+              EXPECT_EQ(cp[kk], route.cbase[size_t(rk[kk]) * n + t]) << what << " token " << t << " slot " << kk;
+            }
+            ++tokens;
+            if (HasFailure()) return;
+          }
+        }
+      }
+  printf("%d tokens checked\n", tokens);
+}
+
 TEST(MoeRouting, GeometryChecks) {
   MoeGeometry g;
   EXPECT_TRUE(moe_geometry({7168, 256, 8, 4096, 1, 0}, 8, &g).ok());

@@ -393,35 +393,14 @@ __global__ void __launch_bounds__(kThreads) route_pack(MoeLaunch l, const char* 
     __syncthreads();
     if (threadIdx.x < k) {
       const int kk = threadIdx.x;
-      int32_t ce = 0, cr = 0;
-      bool f = rk[kk] >= 0;
-      for (int k2 = 0; k2 < kk; ++k2) {
-        ce += ex[k2] == ex[kk];
-        cr += rk[k2] == rk[kk];
-        f = f && rk[k2] != rk[kk];
-      }
-      er[kk] = ce, cp[kk] = cr, rp[kk] = 0, first[kk] = f;
+      small_route_own(k, kk, ex, rk, &er[kk], &cp[kk], &first[kk]);
+      rp[kk] = 0;
     }
     __syncthreads();
-    // The earlier tokens, one per thread: their entries of each own slot's expert and rank, and
-    // whether they hold a record for that rank.
-    for (int64_t t2 = threadIdx.x; t2 < t; t2 += blockDim.x) {
-      uint32_t holds = 0;  // own slots whose rank token t2 has an entry for
-      for (int j = 0; j < k; ++j) {
-        const int32_t e2 = expert(t2 * k + j);
-        if (e2 < 0) continue;
-        const int r2 = e2 / El;
-        for (int kk = 0; kk < k; ++kk) {
-          if (ex[kk] == e2) atomicAdd(&er[kk], 1);
-          if (rk[kk] == r2) {
-            atomicAdd(&cp[kk], 1);
-            holds |= 1u << kk;
-          }
-        }
-      }
-      for (int kk = 0; kk < k; ++kk)
-        if (((holds >> kk) & 1u) && first[kk]) atomicAdd(&rp[kk], 1);
-    }
+    // The earlier tokens, one per thread (shared-memory atomics: counts, so the order is free).
+    for (int64_t t2 = threadIdx.x; t2 < t; t2 += blockDim.x)
+      small_route_before(k, El, [&](int j) { return expert(t2 * k + j); }, ex, rk, first, er, cp, rp,
+                         [](int32_t* c, int32_t v) { atomicAdd(c, v); });
     __syncthreads();
     for (int kk = 0; kk < k; ++kk) {
       if (!first[kk]) continue;

@@ -90,6 +90,47 @@ void pack_node_slot(const MoeGeometry& g, const MoeNodeGeometry& ng, const comm:
 void repack_node_slot(const MoeGeometry& g, const MoeNodeGeometry& ng, const comm::Layout& layout, int s, int d,
                       const uint8_t* nslot, uint8_t* slot);
 
+// The small-batch route (route_pack, moe_kernels.cu: one CTA per token), shared with the CPU
+// test that checks it against route_source. Token t's slots: ex[kk] its expert (-1: none or
+// invalid), rk[kk] its rank (-1). small_route_own: slot kk's counts among the token's earlier
+// slots (entries of its expert, entries of its rank) and whether it is the token's first for its
+// rank (its record). small_route_before: the entries of one earlier token t2 (expert(j): its slot
+// j's expert, -1 for none or invalid), added through add(counter, value): erank, cpos, and the
+// record position of the slots that are their rank's first. Summed over every t2 < t they give
+// route_source's erank, cpos and the record's index in rec_tokens.
+MK_HOST_DEVICE inline void small_route_own(int k, int kk, const int32_t* ex, const int32_t* rk, int32_t* er,
+                                           int32_t* cp, bool* first) {
+  int32_t ce = 0, cr = 0;
+  bool f = rk[kk] >= 0;
+  for (int k2 = 0; k2 < kk; ++k2) {
+    ce += ex[k2] == ex[kk];
+    cr += rk[k2] == rk[kk];
+    f = f && rk[k2] != rk[kk];
+  }
+  *er = ce;
+  *cp = cr;
+  *first = f;
+}
+template <class Expert, class Add>
+MK_HOST_DEVICE inline void small_route_before(int k, int El, Expert expert, const int32_t* ex, const int32_t* rk,
+                                              const bool* first, int32_t* er, int32_t* cp, int32_t* rp, Add add) {
+  uint32_t holds = 0;  // own slots whose rank the token has an entry for
+  for (int j = 0; j < k; ++j) {
+    const int32_t e2 = expert(j);
+    if (e2 < 0) continue;
+    const int r2 = e2 / El;
+    for (int kk = 0; kk < k; ++kk) {
+      if (ex[kk] == e2) add(&er[kk], 1);
+      if (rk[kk] == r2) {
+        add(&cp[kk], 1);
+        holds |= 1u << kk;
+      }
+    }
+  }
+  for (int kk = 0; kk < k; ++kk)
+    if (((holds >> kk) & 1u) && first[kk]) add(&rp[kk], 1);
+}
+
 // One row of a rank's expert-major receive layout.
 struct RowOrigin {
   int32_t src = -1, token = -1, slot = -1;  // -1: an alignment gap or unused
