@@ -79,7 +79,7 @@ struct DeviceProgram {
   const DevOp* ops;          // null: no communication program
   int32_t n_ops;
   int32_t world;
-  int* op_counter;           // zeroed before each launch
+  int* op_counter;           // zeroed before each launch (the runner: by its last CTA, after the call)
   const DevWait* waits;
   const DevSignal* signals;
   // Pointer pool of the ops. An entry with kUserPtrBit names a caller buffer: user[slot] + offset.

@@ -30,14 +30,14 @@ __global__ void __launch_bounds__(kThreads) program_runner(DeviceProgram h) {
     run_comm_op<kThreads, 1, kRunnerCopyWords, kRunnerReduceSources, kRunnerReduceWords>(h, op, int(threadIdx.x),
                                                                                            epoch);
   });
-  device::epoch_finish(h.epoch, gridDim.x);
+  // Every CTA took its last op (a failed wait returns, so the CTAs still get here): the last one
+  // zeroes the op counter for the next call (allocated zeroed), instead of a memset launch per call.
+  device::epoch_finish(h.epoch, gridDim.x, h.op_counter);
 }
 
-// Enqueues one call of program h on `ctas` CTAs (its op counter zeroed first). Nothing when the
-// program has no op.
+// Enqueues one call of program h on `ctas` CTAs. Nothing when the program has no op.
 inline Status run_program(const DeviceProgram& h, int ctas, cudaStream_t stream) {
   if (h.n_ops <= 0) return OkStatus();
-  MK_CUDA_CHECK(cudaMemsetAsync(h.op_counter, 0, sizeof(int), stream));
   program_runner<kRunnerThreads><<<ctas, kRunnerThreads, 0, stream>>>(h);
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();

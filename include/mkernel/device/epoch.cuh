@@ -21,13 +21,15 @@ __device__ __forceinline__ uint64_t epoch_of_call(const EpochState* e) {
 }
 
 // Called by every CTA of the call after its last use of epoch_of_call(); the last CTA to
-// arrive advances the epoch for the next call (stream order publishes it to that call).
-__device__ __forceinline__ void epoch_finish(EpochState* e, uint32_t num_ctas) {
+// arrive advances the epoch for the next call (stream order publishes it to that call), and
+// zeroes *zero_last when given (a counter every CTA is done with: the next call's starts at 0).
+__device__ __forceinline__ void epoch_finish(EpochState* e, uint32_t num_ctas, int* zero_last = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
     __threadfence();
     if (atomicAdd(&e->arrived, 1u) == num_ctas - 1) {
       e->arrived = 0;
+      if (zero_last) *zero_last = 0;
       __threadfence();
       atomicAdd(reinterpret_cast<unsigned long long*>(&e->value), 1ull);
     }
