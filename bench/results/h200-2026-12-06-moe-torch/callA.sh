@@ -4,7 +4,7 @@
 # (caller-memory handles, a combine's own weights); the uneven/packed-documents ring gtests
 # (d745850, b0f1393 and the packed-documents work, never run on a GPU); the ring units; torch at
 # W = 4 and 1; examples/moe_block.py at W = 2. Carried binaries:
-#   rm -rf .devbin && MK_BUILD_DIR=build MK_PACK_ONLY='test_gpu_ring_attention$|test_gpu_matrix$|test_gpu_moe$|test_gpu_moe_layer$' \
+#   rm -rf .devbin && MK_BUILD_DIR=build MK_PACK_ONLY='test_gpu_ring_attention$|test_gpu_matrix$|test_gpu_moe$|test_gpu_moe_layer$|test_gpu_collective$' \
 #     MK_PACK_MUTANTS=/tmp/mut2 bash scripts/device/pack_binaries.sh
 # run as `bash .devbin/callA.sh` with carry [".devbin"].
 set -u
@@ -32,6 +32,11 @@ done
 echo "== MoE layer gtests (np 1; the small-batch dispatch path inside) at $(( $(date +%s) - t0 )) s"
 timeout 150 mpirun -np 1 $B/tests/gpu/test_gpu_moe_layer > $OUT/moe_layer_np1.log 2>&1; echo "moe_layer np1 rc=$?"
 grep -E "OK \]|FAILED|PASSED|Failure" $OUT/moe_layer_np1.log | sort | uniq -c | head -12
+echo "== standalone collectives np 1, 2 (the runner's op counter now zeroed by its last CTA) at $(( $(date +%s) - t0 )) s"
+for np in 1 2; do
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np)) timeout 120 mpirun -np $np $B/tests/gpu/test_gpu_collective > $OUT/coll_np$np.log 2>&1; echo "collective np$np rc=$?"
+  grep -E "OK \]|FAILED|PASSED|Failure" $OUT/coll_np$np.log | sort | uniq -c | head -8
+done
 echo "== the uneven and packed-documents ring tests, by name (np 2) at $(( $(date +%s) - t0 )) s"
 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout 120 mpirun -np 2 $B/tests/gpu/test_gpu_ring_attention \
   --gtest_filter='*Uneven*:*Documents*:*BadInput*' > $OUT/gtest.log 2>&1; echo "rc=$?"
