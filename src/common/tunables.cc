@@ -105,6 +105,10 @@ const std::vector<TunableDef> kTable = {
      "MoE dispatch in direct mode with max_tokens_per_rank at most this: route and pack in one "
      "launch and layout and unpack in one (each CTA counts the entries before its token: work "
      "grows with the square of the tokens; 0: never)", 0, 4096},
+    {"pdl", "MK_PDL", TunableType::kInt, "1",
+     "MoE dispatch/combine kernels that follow another kernel of the same call are launched early "
+     "(programmatic dependent launch): set up while the kernel before finishes, they wait for it "
+     "at their start (0: plain launches)", 0, 1},
     {"fault", "MK_FAULT", TunableType::kString, "",
      "test hook: plant a failure, <site>:<action>@<rank>[#<n>] (call:kill|stop|badinput, "
      "put:error, completion:error, register:error; the rank's n-th such event; docs/testing.md)"},

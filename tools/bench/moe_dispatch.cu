@@ -192,6 +192,9 @@ struct MoeRow {
   double dispatch_us = 0, combine_us = 0, copy_us = 0, nccl_us = 0;
   bool hierarchical = false;  // records crossed nodes through the twins (MoeMode, auto)
   double out_copy_us = 0;  // a device copy of the expert-major rows in use (recv_rows x H x 2)
+  // rank 0's host time to enqueue one call (the call's time is device time only while the
+  // enqueue is shorter: past that, the GPU waits for the host)
+  double dispatch_host_us = 0, combine_host_us = 0;
   uint64_t bytes() const { return uint64_t(records) * uint64_t(hidden) * 2; }
   double gbps(double us) const { return us > 0 ? double(bytes()) / (us * 1e3) : 0; }
 };
@@ -419,8 +422,10 @@ Status bench_moe_body(Communicator* comm, ops::MoeEp* ep, const RunCfg& rc, uint
   Timing t;
   MK_CHECK(time_it(comm, st, rc, "timing dispatch", [&] { return ep->dispatch(da, dout, st); }, &t));
   row->dispatch_us = t.median_ms * 1e3;
+  row->dispatch_host_us = t.host_median_ms * 1e3;
   MK_CHECK(time_it(comm, st, rc, "timing combine", [&] { return ep->combine(ca, out.p, st); }, &t));
   row->combine_us = t.median_ms * 1e3;
+  row->combine_host_us = t.host_median_ms * 1e3;
   // A bad input met during the timed calls would only show in check() (none is expected).
   MK_CHECK(agreed(comm, ep->check(), "the timed calls"));
   MK_CHECK(time_it(comm, st, rc, "timing the device copy", [&] {
@@ -465,7 +470,7 @@ std::string moe_json(const MoeRow& r) {
            "\"experts_preset\": %d, \"experts_rounded\": %s, \"topk\": %d, \"expert_align\": 1, "
            "\"recv_records\": %lld, \"recv_rows\": %lld, \"correct\": %s, \"mismatches\": %llu, "
            "\"dispatch_us\": %s, \"combine_us\": %s, \"copy_us\": %s, \"out_copy_us\": %s, \"nccl_us\": %s, "
-           "\"dispatch_GBps\": %s, "
+           "\"dispatch_host_us\": %s, \"combine_host_us\": %s, \"dispatch_GBps\": %s, "
            "\"combine_GBps\": %s, \"copy_GBps\": %s, \"nccl_GBps\": %s, \"copy_ratio\": %s, \"out_copy_ratio\": %s, "
            "\"shared_gpu\": %s, \"comparable\": %s, \"hierarchical\": %s}",
            r.preset.c_str(), r.W, r.nodes, (long long)r.tokens, (long long)r.tokens_preset,
@@ -473,7 +478,7 @@ std::string moe_json(const MoeRow& r) {
            r.experts != r.experts_preset ? "true" : "false", r.topk, (long long)r.records, (long long)r.recv_rows,
            r.correct ? "true" : "false", r.bad, jnum(r.dispatch_us, 2).c_str(), jnum(r.combine_us, 2).c_str(),
            jnum(r.copy_us, 2).c_str(), jnum(r.out_copy_us, 2).c_str(), jnum(r.nccl_us, 2).c_str(),
-           jnum(r.gbps(r.dispatch_us), 2).c_str(),
+           jnum(r.dispatch_host_us, 2).c_str(), jnum(r.combine_host_us, 2).c_str(), jnum(r.gbps(r.dispatch_us), 2).c_str(),
            jnum(r.gbps(r.combine_us), 2).c_str(), jnum(r.gbps(r.copy_us), 2).c_str(),
            jnum(r.gbps(r.nccl_us), 2).c_str(), jnum(ratio(r.copy_us, r.dispatch_us), 3).c_str(),
            jnum(ratio(r.out_copy_us, r.dispatch_us), 3).c_str(),
@@ -526,9 +531,11 @@ int moe_dispatch(const Env& env, const MoeBenchArgs& a) {
                     : "no NCCL: vs a device copy of the same bytes only");
     printf("GB/s: records rank 0 receives (one per source token and destination rank) x H x 2 / time "
            "(DeepEP's convention; combine counted with the same bytes); vs_copy = copy_us / dispatch_us; "
-           "vs_out = (device copy of the expert-major rows in use) / dispatch_us\n");
-    printf("%-10s %3s %6s %5s %4s %2s  %-6s %9s %9s %9s %9s %9s %9s %7s %7s\n", "preset", "W", "tokens", "H", "E", "k",
-           "check", "disp_us", "comb_us", "copy_us", "nccl_us", "disp_GB/s", "comb_GB/s", "vs_copy", "vs_out");
+           "vs_out = (device copy of the expert-major rows in use) / dispatch_us; host_us: rank 0's time to "
+           "enqueue one dispatch / combine (past the device time, the GPU waits for the host)\n");
+    printf("%-10s %3s %6s %5s %4s %2s  %-6s %9s %9s %9s %9s %9s %9s %7s %7s %11s\n", "preset", "W", "tokens", "H", "E",
+           "k", "check", "disp_us", "comb_us", "copy_us", "nccl_us", "disp_GB/s", "comb_GB/s", "vs_copy", "vs_out",
+           "host_us d/c");
   }
   std::vector<std::string> rows;
   std::vector<CheckLine> checks;
@@ -561,13 +568,13 @@ int moe_dispatch(const Env& env, const MoeBenchArgs& a) {
     if (s.ok() && r.correct) {
       rows.push_back(moe_json(r));
       if (me == 0) {
-        printf("%-10s %3d %6lld %5lld %4d %2d  %-6s %9s %9s %9s %9s %9s %9s %7s %7s%s\n", r.preset.c_str(), W,
+        printf("%-10s %3d %6lld %5lld %4d %2d  %-6s %9s %9s %9s %9s %9s %9s %7s %7s %11s%s\n", r.preset.c_str(), W,
                (long long)r.tokens, (long long)r.hidden, r.experts, r.topk, "ok", cell(r.dispatch_us, 1).c_str(),
                cell(r.combine_us, 1).c_str(), cell(r.copy_us, 1).c_str(),
                r.nccl_us > 0 ? cell(r.nccl_us, 1).c_str() : "n/a", cell(r.gbps(r.dispatch_us), 1).c_str(),
                cell(r.gbps(r.combine_us), 1).c_str(), cell(ratio(r.copy_us, r.dispatch_us), 2).c_str(),
                cell(ratio(r.out_copy_us, r.dispatch_us), 2).c_str(),
-               notes_of(r).c_str());
+               (cell(r.dispatch_host_us, 1) + "/" + cell(r.combine_host_us, 1)).c_str(), notes_of(r).c_str());
         fflush(stdout);
       }
     } else if (me == 0 && r.checked && !r.correct) {

@@ -42,6 +42,12 @@ __device__ void report(const MoeLaunch& l, int32_t kind, int32_t token, int32_t 
 
 __device__ __forceinline__ bool valid_expert(const MoeLaunch& l, int32_t e) { return e >= 0 && e < l.E; }
 
+// A kernel that follows another of the same call starts with this: launched early (programmatic
+// dependent launch, MoeLaunch::pdl), it waits here until the kernel before it has finished and its
+// writes are visible; launched plainly, it returns at once. Nothing before it reads or writes
+// what the kernel before touches.
+__device__ __forceinline__ void after_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // dst[0, bytes) = src[0, bytes) by the CTA (kThreads threads): the communication executor's copy.
 __device__ __forceinline__ void copy_row(const char* src, char* dst, int64_t bytes) {
   void* d = dst;
@@ -192,6 +198,7 @@ __device__ void write_headers(const MoeLaunch& l);
 
 // The scan, then — the last CTA to finish — the slots' headers from the totals.
 __global__ void __launch_bounds__(256) route_scan_headers(MoeLaunch l) {
+  after_prior_grid();
   route_scan_body(l);
   __shared__ bool last;
   __threadfence();
@@ -249,6 +256,7 @@ __device__ void write_headers(const MoeLaunch& l) {
 
 // ---- pack: one CTA per token (grid-stride): its records, and its entries' combine rows.
 __global__ void __launch_bounds__(kThreads) pack(MoeLaunch l, const char* x) {
+  after_prior_grid();
   const int B = moe_buckets(l);
   const int n = *l.n_tokens;
   const int k = l.k;
@@ -356,9 +364,12 @@ __global__ void __launch_bounds__(kThreads) route_pack(MoeLaunch l, const char* 
     return valid_expert(l, e) ? e : -1;
   };
   if (blockIdx.x == 0) {
+    // Counted in shared memory (buckets[moe_buckets]: many entries share a bucket, and a global
+    // atomic per entry serialized this CTA, the launch's longest), then stored once.
+    extern __shared__ int32_t buckets[];
     if (threadIdx.x == 0) *l.n_tokens = int32_t(n);
     const int B = moe_buckets(l);
-    for (int b = threadIdx.x; b < B; b += blockDim.x) l.totals[b] = 0;
+    for (int b = threadIdx.x; b < B; b += blockDim.x) buckets[b] = 0;
     __syncthreads();
     for (int64_t i = threadIdx.x; i < n * k; i += blockDim.x) {
       const int32_t e = expert(i);
@@ -369,10 +380,12 @@ __global__ void __launch_bounds__(kThreads) route_pack(MoeLaunch l, const char* 
         const int32_t e2 = expert(j);
         rec = !(e2 >= 0 && e2 / El == r);
       }
-      atomicAdd(&l.totals[e], 1);
-      atomicAdd(&l.totals[l.E + r], 1);
-      if (rec) atomicAdd(&l.totals[l.E + l.W + r], 1);
+      atomicAdd(&buckets[e], 1);
+      atomicAdd(&buckets[l.E + r], 1);
+      if (rec) atomicAdd(&buckets[l.E + l.W + r], 1);
     }
+    __syncthreads();
+    for (int b = threadIdx.x; b < B; b += blockDim.x) l.totals[b] = buckets[b];
     __threadfence_block();
     __syncthreads();
     write_headers(l);
@@ -444,6 +457,7 @@ __device__ __forceinline__ uint64_t epoch_after_runner(const comm::DeviceProgram
 // ---- repack (hier, at the twin): every node record from the remote twins to the record slots
 // of this node's ranks (peer stores), then — the last CTA — the fwd flags. blockIdx.y: node.
 __global__ void __launch_bounds__(kThreads) repack(MoeLaunch l) {
+  after_prior_grid();
   const int n = blockIdx.y;
   const uint64_t e = epoch_after_runner(l.dispatch_program);
   if (threadIdx.x == 0) comm::hook_waits(l.dispatch_program, l.rw0, l.rwn, e);
@@ -597,6 +611,7 @@ __device__ __forceinline__ int32_t source_base(const MoeLaunch& l, const int32_t
 // bases for unpack.
 __global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int32_t* offsets) {
   extern __shared__ int32_t sm[];
+  after_prior_grid();
   int32_t* cnt = sm;
   int32_t* off = sm + l.El;
   __shared__ int32_t over;
@@ -650,6 +665,7 @@ __device__ void unpack_source(const MoeLaunch& l, int s, int nrec, const int32_t
 
 // ---- unpack, part 2: every record of source blockIdx.y to its experts' rows.
 __global__ void __launch_bounds__(kThreads) unpack(MoeLaunch l, char* recv_x) {
+  after_prior_grid();
   const int s = blockIdx.y;
   unpack_source(l, s, l.nrec[s], l.base + int64_t(s) * l.El, recv_x);
 }
@@ -660,6 +676,7 @@ __global__ void __launch_bounds__(kThreads) unpack(MoeLaunch l, char* recv_x) {
 __global__ void __launch_bounds__(kThreads) layout_unpack(MoeLaunch l, int32_t* counts, int32_t* offsets,
                                                           char* recv_x) {
   extern __shared__ int32_t sm[];
+  after_prior_grid();
   int32_t* cnt = sm;
   int32_t* off = sm + l.El;
   int32_t* base = sm + 2 * l.El + 1;
@@ -701,6 +718,7 @@ __global__ void __launch_bounds__(kThreads) combine_pack(MoeLaunch l, const char
 __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char* y, const float* w, char* out) {
   __shared__ const char* src[32];
   __shared__ float wt[32];
+  after_prior_grid();
   const int n = *l.n_tokens;
   const int k = l.k;
   const int64_t chunks = l.row_bytes / 16;
@@ -749,14 +767,17 @@ __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char*
 }  // namespace
 
 namespace {
-size_t route_smem(const MoeLaunch& l) { return size_t(moe_buckets(l)) * 4; }   // route_local's counters
+size_t route_smem(const MoeLaunch& l) { return size_t(moe_buckets(l)) * 4; }   // route_local's and route_pack's counters
 size_t layout_smem(const MoeLaunch& l) { return size_t(2 * l.El + 1) * 4; }   // layout's counts and offsets
 size_t layout_unpack_smem(const MoeLaunch& l) { return size_t(3 * l.El + 1) * 4; }  // and a source's bases
 }  // namespace
 
 Status moe_prepare_launch(const MoeLaunch& l) {
-  if (route_smem(l) > 48 * 1024)
+  if (route_smem(l) > 48 * 1024) {
     MK_CUDA_CHECK(cudaFuncSetAttribute(route_local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(l))));
+    if (l.small)
+      MK_CUDA_CHECK(cudaFuncSetAttribute(route_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(l))));
+  }
   if (layout_smem(l) > 48 * 1024)
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
   if (l.small && layout_unpack_smem(l) > 48 * 1024)
@@ -765,51 +786,67 @@ Status moe_prepare_launch(const MoeLaunch& l) {
   return OkStatus();
 }
 
+namespace {
+// A kernel of the call that follows another of its kernels on the stream: with pdl (MoeLaunch::pdl),
+// launched early (programmatic dependent launch: its CTAs are set up while the kernel before
+// finishes; it waits in after_prior_grid()); else a plain launch.
+template <class... P, class... A>
+Status launch_next(bool pdl, void (*kernel)(P...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                   A... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  MK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...));
+  return OkStatus();
+}
+}  // namespace
+
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
                            cudaStream_t stream) {
+  // One CTA per token or record (grid-stride past 64 Ki): each one's chain of dependent loads is
+  // short, and many CTAs in flight hide it.
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
-  const int gx = int(std::max<int64_t>(1, std::min<int64_t>(l.T, kMaxGrid)));
+  const char* xc = static_cast<const char*>(x);
+  char* rx = static_cast<char*>(recv_x);
   if (l.small) {
-    route_pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x), ids, weights, d_n, tokens);
+    route_pack<<<grid, kThreads, route_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens);
     MK_CUDA_CHECK(cudaGetLastError());
     MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
-    layout_unpack<<<dim3(gx, l.W), kThreads, layout_unpack_smem(l), stream>>>(l, counts, offsets,
-                                                                              static_cast<char*>(recv_x));
-    MK_CUDA_CHECK(cudaGetLastError());
-    return OkStatus();
+    return launch_next(l.pdl, layout_unpack, dim3(grid, l.W), kThreads, layout_unpack_smem(l), stream, l, counts, offsets,
+                       rx);
   }
   route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
   MK_CUDA_CHECK(cudaGetLastError());
-  route_scan_headers<<<(moe_buckets(l) + 7) / 8, 256, 0, stream>>>(l);
-  MK_CUDA_CHECK(cudaGetLastError());
-  // One CTA per token (grid-stride past 64 Ki): each token's chain of dependent loads is short,
-  // and many CTAs in flight hide it.
-  pack<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(x));
-  MK_CUDA_CHECK(cudaGetLastError());
+  MK_CHECK(launch_next(l.pdl, route_scan_headers, dim3((moe_buckets(l) + 7) / 8), 256, 0, stream, l));
+  MK_CHECK(launch_next(l.pdl, pack, dim3(grid), kThreads, 0, stream, l, xc));
   MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
-  if (l.hier) {
-    repack<<<dim3(gx, l.nodes), kThreads, 0, stream>>>(l);
-    MK_CUDA_CHECK(cudaGetLastError());
-  }
-  layout<<<1, 1024, layout_smem(l), stream>>>(l, counts, offsets);
-  MK_CUDA_CHECK(cudaGetLastError());
-  unpack<<<dim3(gx, l.W), kThreads, 0, stream>>>(l, static_cast<char*>(recv_x));
-  MK_CUDA_CHECK(cudaGetLastError());
-  return OkStatus();
+  if (l.hier) MK_CHECK(launch_next(l.pdl, repack, dim3(grid, l.nodes), kThreads, 0, stream, l));
+  MK_CHECK(launch_next(l.pdl, layout, dim3(1), 1024, layout_smem(l), stream, l, counts, offsets));
+  return launch_next(l.pdl, unpack, dim3(grid, l.W), kThreads, 0, stream, l, rx);
 }
 
 Status moe_combine_launch(const MoeLaunch& l, const void* y, const float* weights, void* out, cudaStream_t stream) {
-  if (l.W > 1) {  // one rank: every output row is read in place
-    const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
-    combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y));
-    MK_CUDA_CHECK(cudaGetLastError());
-  }
-  MK_CHECK(comm::run_program(l.combine_program, l.comm_ctas, stream));
+  const char* yc = static_cast<const char*>(y);
+  char* oc = static_cast<char*>(out);
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
-  combine_sum<<<grid, kThreads, 0, stream>>>(l, static_cast<const char*>(y), weights, static_cast<char*>(out));
+  if (l.W == 1) {  // one rank: every output row is read in place, and the sums are the call's only kernel
+    combine_sum<<<grid, kThreads, 0, stream>>>(l, yc, weights, oc);
+    MK_CUDA_CHECK(cudaGetLastError());
+    return OkStatus();
+  }
+  const int rows_grid = int(std::max<int64_t>(1, std::min<int64_t>(l.recv_rows, kMaxGrid)));
+  combine_pack<<<rows_grid, kThreads, 0, stream>>>(l, yc);
   MK_CUDA_CHECK(cudaGetLastError());
-  return OkStatus();
+  MK_CHECK(comm::run_program(l.combine_program, l.comm_ctas, stream));
+  return launch_next(l.pdl, combine_sum, dim3(grid), kThreads, 0, stream, l, yc, weights, oc);
 }
 
 }  // namespace ops

@@ -37,6 +37,9 @@ struct MoeLaunch {
   // launch, layout and unpack in one (each CTA computes what it needs instead of reading what an
   // earlier launch left); the route scratch (hist, erank, cpos, recpos) goes unused.
   bool small = false;
+  // Kernels that follow another kernel of the same call start early (programmatic dependent
+  // launch; the tunable pdl): set up while the kernel before finishes, they wait for it first.
+  bool pdl = true;
   // errors
   MoeErrorRecord* err = nullptr;  // host-mapped
   uint32_t* err_claim = nullptr;  // device
