@@ -21,6 +21,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int64_t kMaxGrid = 65536;  // CTAs of the per-token / per-row kernels (grid-stride past it)
 constexpr unsigned kFull = 0xffffffffu;
+constexpr int kRouteStageIds = 2048;  // route_pack's CTA 0: ids staged in shared memory per chunk
 
 // The first bad input wins the record; later ones are left out silently (the first names the
 // problem, and calls are refused from then on).
@@ -364,25 +365,32 @@ __global__ void __launch_bounds__(kThreads) route_pack(MoeLaunch l, const char* 
     return valid_expert(l, e) ? e : -1;
   };
   if (blockIdx.x == 0) {
-    // Counted in shared memory (buckets[moe_buckets]: many entries share a bucket, and a global
-    // atomic per entry serialized this CTA, the launch's longest), then stored once.
+    // This CTA is the launch's longest: it counts every entry before its own token. Counted in
+    // shared memory (buckets[moe_buckets]: many entries share a bucket, and a global atomic per
+    // entry serialized it), then stored once; the ids come in through shared memory a chunk of
+    // tokens at a time (staged[kRouteStageIds]: one round of independent loads per chunk instead
+    // of a chain of dependent loads per entry).
     extern __shared__ int32_t buckets[];
+    int32_t* staged = buckets + moe_buckets(l);
     if (threadIdx.x == 0) *l.n_tokens = int32_t(n);
     const int B = moe_buckets(l);
     for (int b = threadIdx.x; b < B; b += blockDim.x) buckets[b] = 0;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < n * k; i += blockDim.x) {
-      const int32_t e = expert(i);
-      if (e < 0) continue;
-      const int r = e / El;
-      bool rec = true;  // the token's first entry for rank r: a record
-      for (int64_t j = (i / k) * k; j < i && rec; ++j) {
-        const int32_t e2 = expert(j);
-        rec = !(e2 >= 0 && e2 / El == r);
+    const int64_t per = kRouteStageIds / k;  // tokens per chunk (k <= 32)
+    for (int64_t c0 = 0; c0 < n; c0 += per) {
+      const int64_t ne = (min(n, c0 + per) - c0) * k;
+      __syncthreads();  // the buckets zeroed, or the previous chunk counted
+      for (int64_t i = threadIdx.x; i < ne; i += blockDim.x) staged[i] = expert(c0 * k + i);
+      __syncthreads();
+      for (int64_t i = threadIdx.x; i < ne; i += blockDim.x) {
+        const int32_t e = staged[i];
+        if (e < 0) continue;
+        const int r = e / El;
+        bool rec = true;  // the token's first entry for rank r: a record
+        for (int64_t j = (i / k) * k; j < i && rec; ++j) rec = !(staged[j] >= 0 && staged[j] / El == r);
+        atomicAdd(&buckets[e], 1);
+        atomicAdd(&buckets[l.E + r], 1);
+        if (rec) atomicAdd(&buckets[l.E + l.W + r], 1);
       }
-      atomicAdd(&buckets[e], 1);
-      atomicAdd(&buckets[l.E + r], 1);
-      if (rec) atomicAdd(&buckets[l.E + l.W + r], 1);
     }
     __syncthreads();
     for (int b = threadIdx.x; b < B; b += blockDim.x) l.totals[b] = buckets[b];
@@ -767,17 +775,18 @@ __global__ void __launch_bounds__(kThreads) combine_sum(MoeLaunch l, const char*
 }  // namespace
 
 namespace {
-size_t route_smem(const MoeLaunch& l) { return size_t(moe_buckets(l)) * 4; }   // route_local's and route_pack's counters
+size_t route_smem(const MoeLaunch& l) { return size_t(moe_buckets(l)) * 4; }   // route_local's counters
+size_t route_pack_smem(const MoeLaunch& l) { return route_smem(l) + size_t(kRouteStageIds) * 4; }  // and staged ids
 size_t layout_smem(const MoeLaunch& l) { return size_t(2 * l.El + 1) * 4; }   // layout's counts and offsets
 size_t layout_unpack_smem(const MoeLaunch& l) { return size_t(3 * l.El + 1) * 4; }  // and a source's bases
 }  // namespace
 
 Status moe_prepare_launch(const MoeLaunch& l) {
-  if (route_smem(l) > 48 * 1024) {
+  if (route_smem(l) > 48 * 1024)
     MK_CUDA_CHECK(cudaFuncSetAttribute(route_local, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(l))));
-    if (l.small)
-      MK_CUDA_CHECK(cudaFuncSetAttribute(route_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(l))));
-  }
+  if (l.small && route_pack_smem(l) > 48 * 1024)
+    MK_CUDA_CHECK(
+        cudaFuncSetAttribute(route_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_pack_smem(l))));
   if (layout_smem(l) > 48 * 1024)
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
   if (l.small && layout_unpack_smem(l) > 48 * 1024)
@@ -817,7 +826,7 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   const char* xc = static_cast<const char*>(x);
   char* rx = static_cast<char*>(recv_x);
   if (l.small) {
-    route_pack<<<grid, kThreads, route_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens);
+    route_pack<<<grid, kThreads, route_pack_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens);
     MK_CUDA_CHECK(cudaGetLastError());
     MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
     return launch_next(l.pdl, layout_unpack, dim3(grid, l.W), kThreads, layout_unpack_smem(l), stream, l, counts, offsets,
