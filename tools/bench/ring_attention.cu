@@ -87,7 +87,8 @@ std::vector<int32_t> doc_bounds(int64_t S, int64_t doc_len) {
 }
 
 // One traced fused call of a ring operator (forward or backward) on every rank: the per-CTA
-// timeline of this rank to <prefix>.s<S/rank>.w<W>.rank<r>.json (tools/trace_png.py draws it),
+// timeline of this rank to <prefix>.s<S/rank>.w<W>.rank<r>.json (tools/trace_png.py draws it;
+// uneven and balanced runs: <prefix>.uneven... and <prefix>.balanced...),
 // its buffer sized by the call's items and ops.
 template <class Op_, class Args_>
 Status trace_ring_call(Communicator* comm, cudaStream_t st, Op_& op, Args_ args, const std::string& prefix,
@@ -378,7 +379,11 @@ int ring_attention(const Env& env, std::vector<int64_t> seqs, bool causal, const
     c.label = "ring_attention S/rank " + std::to_string(run.S_l) +
               (run.rows.empty() ? "" : run.zigzag ? " (uneven shards)" : " (balanced contiguous shards)") + " W " +
               std::to_string(W);
-    Status s = bench_ring_one(comm, &r, rc, trace);
+    // Uneven and balanced runs trace under their own names: a rank's S/rank alone would let the
+    // padded or even run that follows overwrite them.
+    const std::string run_trace =
+        trace.empty() || run.rows.empty() ? trace : trace + (run.zigzag ? ".uneven" : ".balanced");
+    Status s = bench_ring_one(comm, &r, rc, run_trace);
     c.done = r.checked, c.ok = r.correct && (r.bwd_correct || !s.ok()), c.bad = r.bad + r.bwd_bad;
     if (!s.ok()) {
       c.error = s.to_string();
