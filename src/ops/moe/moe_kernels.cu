@@ -829,8 +829,8 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
     route_pack<<<grid, kThreads, route_pack_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens);
     MK_CUDA_CHECK(cudaGetLastError());
     MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
-    return launch_next(l.pdl, layout_unpack, dim3(grid, l.W), kThreads, layout_unpack_smem(l), stream, l, counts, offsets,
-                       rx);
+    return launch_next(l.pdl, layout_unpack, dim3(grid, l.W), kThreads, layout_unpack_smem(l), stream, l, counts,
+                       offsets, rx);
   }
   route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
   MK_CUDA_CHECK(cudaGetLastError());
