@@ -332,6 +332,9 @@ std::vector<RingConfig> sweep() {
   add(RingConfig{4, 1, false, false, true, true, 2, 80, 16, 3, 3});
   for (bool staged : {false, true})  // the GPU matrix's smallest case: 2 tokens per rank
     add(RingConfig{6, 3, false, staged, true, true, 1, 2, 2, 4, 2});
+  // ... in the matrix's 8x1 launch (staged, 12 communication CTAs), whose backward once timed out
+  // on a GPU (udp_rxd; bench/results/h100-2026-12-07-moe-dispatch): the replay finds no cycle.
+  add(RingConfig{8, 8, false, true, true, true, 1, 2, 2, 12, 4});
   add(RingConfig{5, 1, false, false, false, true, 1, 40, 24, 2, 1});  // a last piece shorter than the rest
   // Uneven shards: blocks of fewer pieces than the slots hold, a last piece of one row, ranks of
   // one row (contiguous) or two (zigzag), batches.
@@ -354,6 +357,9 @@ std::vector<RingConfig> sweep() {
     c.backward = true;
     out.push_back(c);
   }
+  RingConfig one_node8{8, 1, false, false, true, true, 1, 2, 2, 12, 4};  // the matrix's 1x8 launch
+  one_node8.backward = true;
+  out.push_back(one_node8);
   return out;
 }
 
