@@ -105,6 +105,10 @@ const std::vector<TunableDef> kTable = {
      "MoE dispatch in direct mode with max_tokens_per_rank at most this: route and pack in one "
      "launch and layout and unpack in one (each CTA counts the entries before its token: work "
      "grows with the square of the tokens; 0: never)", 0, 4096},
+    {"moe_local_dispatch", "MK_MOE_LOCAL_DISPATCH", TunableType::kInt, "1",
+     "MoE dispatch on one rank (W = 1) with small batches: the whole dispatch in one launch, each "
+     "token's row copied straight to its experts' rows (no send record; 0: route_pack, then "
+     "layout_unpack)", 0, 1},
     {"pdl", "MK_PDL", TunableType::kInt, "1",
      "MoE dispatch/combine kernels that follow another kernel of the same call are launched early "
      "(programmatic dependent launch): set up while the kernel before finishes, they wait for it "

@@ -203,15 +203,22 @@ TEST(Moe, DispatchCombineEveryRouting) {
   Communicator* comm = shared_comm();
   const int W = comm->world(), me = comm->rank();
   // T 300 is past the small-batch bound (moe_small_tokens, 256 by default): the six-launch path;
-  // the others run on the small-batch path and, with the bound at 0, on the six-launch one.
+  // the others run on the small-batch path and, with the bound at 0, on the six-launch one; at
+  // W = 1 the small-batch path is one launch (moe_local_dispatch), and also runs as two.
   const Case cases[] = {{256, 4, 4, 77, 1}, {512, 3, 2, 130, 8}, {128, 8, 6, 33, 1}, {128, 5, 3, 300, 4}};
   const Topology& topo = comm->topology();
   int ci = 0;
+  struct Path {
+    const char *small, *one_launch;
+  };
   for (const Case& c : cases)
-  for (const char* small : {"256", "0"})
+  for (const Path path : {Path{"256", "1"}, Path{"256", "0"}, Path{"0", "1"}})
   for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
-    if (c.T > 256 && std::string(small) == "0") continue;  // the same path twice
+    const std::string small = path.small, one = path.one_launch;
+    if (c.T > 256 && (small == "0" || one == "0")) continue;  // the same path again
+    if (W > 1 && one == "0") continue;                         // one launch is for W = 1 only
     MK_ASSERT_OK(tunables::set("moe_small_tokens", small));
+    MK_ASSERT_OK(tunables::set("moe_local_dispatch", one));
     ops::MoeConfig cfg;
     cfg.hidden = c.H;
     cfg.num_experts = c.experts_per_rank * W;
@@ -223,6 +230,7 @@ TEST(Moe, DispatchCombineEveryRouting) {
     opt.mode = mode;
     MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
     MK_ASSERT_OK(tunables::reset("moe_small_tokens"));
+    MK_ASSERT_OK(tunables::reset("moe_local_dispatch"));
     EXPECT_EQ(ep->hierarchical(), mode == ops::MoeMode::kThroughput && topo.num_nodes > 1 && topo.local_size > 1);
     for (MoeRouting kind : {MoeRouting::kUniform, MoeRouting::kZipf, MoeRouting::kLocal, MoeRouting::kSparse,
                             MoeRouting::kEmptyRanks}) {
@@ -230,7 +238,7 @@ TEST(Moe, DispatchCombineEveryRouting) {
       World wd;
       make_world(cfg, W, me, kind, seed, &wd);
       const std::string what = "case " + std::to_string(&c - cases) + (ep->hierarchical() ? " hierarchical " : " ") +
-                               "small_tokens " + small + " " + moe_routing_name(kind);
+                               "small_tokens " + small + " one_launch " + one + " " + moe_routing_name(kind);
       run_and_check(comm, ep.get(), cfg, wd, seed, what);
       if (HasFailure()) break;
     }

@@ -93,6 +93,7 @@ std::string string_or_default(const std::string& name);
   INT_(ring_comm_ctas)                       \
   INT_(moe_comm_ctas)                        \
   INT_(moe_small_tokens)                     \
+  INT_(moe_local_dispatch)                   \
   INT_(pdl)                                  \
   INT_(check_calls)                          \
   STRING_(fault)                             \

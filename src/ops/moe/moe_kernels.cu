@@ -544,14 +544,22 @@ __global__ void __launch_bounds__(kThreads) repack(MoeLaunch l) {
 // ---- unpack, part 1: counts and aligned offsets per local expert from the W receive slots'
 // headers, into shared memory (cnt [El], off [El + 1]); the first local expert whose rows begin
 // past capacity in *over (El: none). Every thread of the CTA takes part (blockDim a multiple of 32).
+__device__ void scan_offsets(const MoeLaunch& l, const int32_t* cnt, int32_t* off, int32_t* over);
 __device__ void layout_shared(const MoeLaunch& l, int32_t* cnt, int32_t* off, int32_t* over) {
-  __shared__ int32_t warp_sum[32];
-  const int W = l.W, El = l.El;
-  for (int le = threadIdx.x; le < El; le += blockDim.x) {
+  for (int le = threadIdx.x; le < l.El; le += blockDim.x) {
     int32_t run = 0;
-    for (int s = 0; s < W; ++s) run += reinterpret_cast<const int32_t*>(recv_slot(l, s) + 16)[le];
+    for (int s = 0; s < l.W; ++s) run += reinterpret_cast<const int32_t*>(recv_slot(l, s) + 16)[le];
     cnt[le] = run;
   }
+  scan_offsets(l, cnt, off, over);
+}
+
+// The aligned offsets from the counts in shared memory (cnt [El] -> off [El + 1]), the first local
+// expert whose rows begin past capacity in *over (El: none). Every thread of the CTA calls it
+// (blockDim a multiple of 32); the counts are read after a barrier, the offsets ready on return.
+__device__ void scan_offsets(const MoeLaunch& l, const int32_t* cnt, int32_t* off, int32_t* over) {
+  __shared__ int32_t warp_sum[32];
+  const int El = l.El;
   if (threadIdx.x == 0) *over = El;
   __syncthreads();
   // Exclusive scan of the aligned counts: each thread a contiguous run of experts, then the
@@ -588,16 +596,12 @@ __device__ void layout_shared(const MoeLaunch& l, int32_t* cnt, int32_t* off, in
   __syncthreads();
 }
 
-// What the layout leaves for later launches (one CTA): the overflow record, the per-source record
-// and combine counts, the counts and offsets (the caller's too), the alignment gaps marked in `back`.
+// What the layout leaves for later launches (one CTA): the overflow record, the counts and
+// offsets (the caller's too), the alignment gaps marked in `back`.
 __device__ void layout_outputs(const MoeLaunch& l, const int32_t* cnt, const int32_t* off, int32_t over,
                                int32_t* counts, int32_t* offsets) {
   const int El = l.El;
   if (threadIdx.x == 0 && over < El) report(l, kMoeErrOverflow, -1, -1, over, off[El], l.recv_rows);
-  for (int s = threadIdx.x; s < l.W; s += blockDim.x) {
-    l.nrec[s] = reinterpret_cast<const int32_t*>(recv_slot(l, s))[2];
-    l.ncomb[s] = reinterpret_cast<const int32_t*>(recv_slot(l, s))[3];
-  }
   for (int le = threadIdx.x; le <= El; le += blockDim.x) {
     l.offsets[le] = off[le];
     if (offsets) offsets[le] = off[le];
@@ -605,6 +609,14 @@ __device__ void layout_outputs(const MoeLaunch& l, const int32_t* cnt, const int
     l.counts[le] = cnt[le];
     if (counts) counts[le] = cnt[le];
     for (int64_t row = int64_t(off[le]) + cnt[le]; row < off[le + 1] && row < l.recv_rows; ++row) l.back[2 * row] = -1;
+  }
+}
+
+// The per-source record and combine counts from the receive slots' headers (one CTA).
+__device__ void slot_totals(const MoeLaunch& l) {
+  for (int s = threadIdx.x; s < l.W; s += blockDim.x) {
+    l.nrec[s] = reinterpret_cast<const int32_t*>(recv_slot(l, s))[2];
+    l.ncomb[s] = reinterpret_cast<const int32_t*>(recv_slot(l, s))[3];
   }
 }
 
@@ -637,6 +649,7 @@ __global__ void __launch_bounds__(1024) layout(MoeLaunch l, int32_t* counts, int
     }
   }
   layout_outputs(l, cnt, off, over, counts, offsets);
+  slot_totals(l);
 }
 
 // Every record of a source's slot (`nrec` records) to its experts' rows: CTA blockIdx.x takes
@@ -693,8 +706,107 @@ __global__ void __launch_bounds__(kThreads) layout_unpack(MoeLaunch l, int32_t* 
   layout_shared(l, cnt, off, &over);
   for (int le = threadIdx.x; le < l.El; le += blockDim.x) base[le] = source_base(l, off, s, le);
   __syncthreads();
-  if (blockIdx.x == 0 && blockIdx.y == 0) layout_outputs(l, cnt, off, over, counts, offsets);
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    layout_outputs(l, cnt, off, over, counts, offsets);
+    slot_totals(l);
+  }
   unpack_source(l, s, reinterpret_cast<const int32_t*>(recv_slot(l, s))[2], base, recv_x);
+}
+
+// ---- one rank, small batches (MoeLaunch::one_launch): the whole dispatch in one launch. Every
+// entry stays on this rank, so no record is written: each CTA counts every entry's expert in
+// shared memory (the layout's counts), scans them to the offsets, ranks its token's entries among
+// the earlier entries of their experts (route_pack's counting, the same rows layout_unpack gives)
+// and copies the token's row straight to those rows. CTA 0 also leaves the layout, the call's
+// tokens and the per-source totals for combine and the caller. Work per CTA grows with the
+// call's entries (bounded by moe_small_tokens).
+__global__ void __launch_bounds__(kThreads) local_dispatch(MoeLaunch l, const char* x, const int32_t* ids_in,
+                                                           const float* w, const int32_t* d_n, int64_t tokens,
+                                                           int32_t* counts, int32_t* offsets, char* recv_x) {
+  extern __shared__ int32_t sm[];
+  int32_t* cnt = sm;           // [El]
+  int32_t* off = sm + l.El;    // [El + 1]
+  __shared__ int32_t ex[32], rk[32], er[32], cp[32], rp[32];
+  __shared__ bool first[32];
+  __shared__ int32_t over, records;
+  const int k = l.k, El = l.El;
+  int64_t n = d_n ? int64_t(*d_n) : tokens;
+  if (n < 0 || n > tokens) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) report(l, kMoeErrTooManyTokens, -1, -1, -1, n, tokens);
+    n = n < 0 ? 0 : tokens;
+  }
+  if (blockIdx.x != 0 && blockIdx.x >= n) return;  // no token (CTA 0 still writes the layout)
+  auto expert = [&](int64_t i) {
+    const int32_t e = ids_in[i];
+    return valid_expert(l, e) ? e : -1;
+  };
+  for (int le = threadIdx.x; le < El; le += blockDim.x) cnt[le] = 0;
+  if (threadIdx.x == 0) records = 0;
+  __syncthreads();
+  for (int64_t t2 = threadIdx.x; t2 < n; t2 += blockDim.x) {
+    bool any = false;
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = expert(t2 * k + j);
+      if (e < 0) continue;
+      atomicAdd(&cnt[e], 1);
+      any = true;
+    }
+    if (any && blockIdx.x == 0) atomicAdd(&records, 1);
+  }
+  scan_offsets(l, cnt, off, &over);  // barriers inside: the counts complete, the offsets ready
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      *l.n_tokens = int32_t(n);
+      int32_t entries = 0;
+      for (int le = 0; le < El; ++le) entries += cnt[le];
+      l.nrec[0] = records;
+      l.ncomb[0] = entries;
+    }
+    layout_outputs(l, cnt, off, over, counts, offsets);
+  }
+  const bool regs = RowRegs::fits(l.row_bytes);
+  for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
+    __syncthreads();
+    const int64_t i0 = t * k;
+    if (threadIdx.x < k) {
+      const int kk = threadIdx.x;
+      const int32_t raw = ids_in[i0 + kk];
+      const int32_t e = valid_expert(l, raw) ? raw : -1;
+      if (raw != -1 && e < 0) report(l, kMoeErrBadExpert, int32_t(t), kk, raw, l.E, l.E);
+      l.ids[i0 + kk] = e;
+      l.weights[i0 + kk] = w ? w[i0 + kk] : 1.f;  // null: unit weights
+      ex[kk] = e;
+      rk[kk] = e >= 0 ? 0 : -1;
+    }
+    __syncthreads();
+    if (threadIdx.x < k) {
+      const int kk = threadIdx.x;
+      small_route_own(k, kk, ex, rk, &er[kk], &cp[kk], &first[kk]);
+      rp[kk] = 0;
+    }
+    __syncthreads();
+    for (int64_t t2 = threadIdx.x; t2 < t; t2 += blockDim.x)
+      small_route_before(k, El, [&](int j) { return expert(t2 * k + j); }, ex, rk, first, er, cp, rp,
+                         [](int32_t* c, int32_t v) { atomicAdd(c, v); });
+    __syncthreads();
+    RowRegs rr;
+    if (regs) rr.load(x + t * l.row_bytes, l.row_bytes);
+    for (int kk = 0; kk < k; ++kk) {
+      if (ex[kk] < 0) continue;
+      const int64_t row = int64_t(off[ex[kk]]) + er[kk];
+      // -1: lost to overflow (reported by CTA 0).
+      if (threadIdx.x == 0) l.self_row[i0 + kk] = row < l.recv_rows ? int32_t(row) : -1;
+      if (row >= l.recv_rows) continue;
+      if (regs) rr.store(recv_x + row * l.row_bytes, l.row_bytes);
+      else copy_row(x + t * l.row_bytes, recv_x + row * l.row_bytes, l.row_bytes);
+      if (threadIdx.x == 0) {
+        l.back[2 * row] = l.me;
+        l.back[2 * row + 1] = cp[kk];
+      }
+    }
+    // Where each entry's output comes back (combine).
+    if (threadIdx.x < k) l.cpos_g[i0 + threadIdx.x] = ex[threadIdx.x] < 0 ? -1 : cp[threadIdx.x];
+  }
 }
 
 __device__ __forceinline__ char* combine_slot(const MoeLaunch& l, int s) {
@@ -787,8 +899,12 @@ Status moe_prepare_launch(const MoeLaunch& l) {
   if (l.small && route_pack_smem(l) > 48 * 1024)
     MK_CUDA_CHECK(
         cudaFuncSetAttribute(route_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_pack_smem(l))));
-  if (layout_smem(l) > 48 * 1024)
+  if (layout_smem(l) > 48 * 1024) {
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
+    if (l.one_launch)
+      MK_CUDA_CHECK(
+          cudaFuncSetAttribute(local_dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
+  }
   if (l.small && layout_unpack_smem(l) > 48 * 1024)
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout_unpack, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(layout_unpack_smem(l))));
@@ -825,6 +941,11 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   const char* xc = static_cast<const char*>(x);
   char* rx = static_cast<char*>(recv_x);
+  if (l.one_launch) {
+    local_dispatch<<<grid, kThreads, layout_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens, counts, offsets, rx);
+    MK_CUDA_CHECK(cudaGetLastError());
+    return OkStatus();
+  }
   if (l.small) {
     route_pack<<<grid, kThreads, route_pack_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens);
     MK_CUDA_CHECK(cudaGetLastError());

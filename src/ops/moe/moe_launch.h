@@ -37,6 +37,9 @@ struct MoeLaunch {
   // launch, layout and unpack in one (each CTA computes what it needs instead of reading what an
   // earlier launch left); the route scratch (hist, erank, cpos, recpos) goes unused.
   bool small = false;
+  // One rank with small batches (the tunable moe_local_dispatch): the whole dispatch in one launch
+  // (local_dispatch), each token's row copied straight to its experts' rows; the slots go unused.
+  bool one_launch = false;
   // Kernels that follow another kernel of the same call start early (programmatic dependent
   // launch; the tunable pdl): set up while the kernel before finishes, they wait for it first.
   bool pdl = true;
@@ -114,7 +117,8 @@ MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W
 // Once per operator, before its first call: kernel attributes its geometry needs (shared memory
 // past 48 KiB for many experts).
 Status moe_prepare_launch(const MoeLaunch& l);
-// dispatch: route, pack, the program, unpack (small batches: route_pack, the program, layout_unpack). x/ids/weights: the caller's (weights null: unit
+// dispatch: route, pack, the program, unpack (small batches: route_pack, the program, layout_unpack;
+// one rank and small batches: local_dispatch alone). x/ids/weights: the caller's (weights null: unit
 // weights); d_n: device count or null (tokens); recv_x/counts/offsets: the caller's outputs.
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Call G (written 2026-12-07, for the next session): after the commits that followed calls E/F —
+# Call G (written 2026-12-07; the one-launch W = 1 dispatch added 2026-12-07 later): after the commits that followed calls E/F —
 # route_pack's CTA 0 staging ids through shared memory (not yet run on a GPU), the matrix's zero-dQ
 # check, the ring trace names, the smoke line rs_m3001. Steps: MoE units (every layout) first (the
 # changed kernel), dispatch A/B at 128 tokens with ncu, the traced uneven ring (both ranks now),
@@ -16,9 +16,9 @@ echo "== MoE units at $(el) s"
 MK_SUITE_STEPS="unit" MK_UNIT_ONLY='test_gpu_moe' timeout 150 bash scripts/device/suite.sh 2>&1 | grep -E "^unit|^      " | head -20
 echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; sleep 1
 echo "== dispatch 128 tokens W 1 at $(el) s"
-for rep in 1 2; do for v in 256 0; do
-  MK_MOE_SMALL_TOKENS=$v timeout 30 $B/mkernel bench moe_dispatch --preset deepep_ll --preset qwen3 --preset mixtral \
-    --tokens 128 --reps 50 2>&1 | grep -E "^(deepep_ll|qwen3|mixtral) " | sed "s/^/small $v  /"
+for rep in 1 2; do for v in "256 1" "256 0" "0 0"; do set -- $v
+  MK_MOE_SMALL_TOKENS=$1 MK_MOE_LOCAL_DISPATCH=$2 timeout 30 $B/mkernel bench moe_dispatch --preset deepep_ll --preset qwen3 --preset mixtral \
+    --tokens 128 --reps 50 2>&1 | grep -E "^(deepep_ll|qwen3|mixtral) " | sed "s/^/small $1 one_launch $2  /"
 done; done
 timeout 100 ncu --clock-control none --print-units base --metrics gpu__time_duration.sum --csv $B/mkernel bench moe_dispatch \
   --preset deepep_ll --tokens 128 --reps 5 --warmup 2 > $L/ncu_deepep.csv 2>/dev/null
