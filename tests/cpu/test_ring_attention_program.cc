@@ -37,6 +37,7 @@ struct RingConfig {
   int comm_slots = 1, unit_slots = 1;
   bool backward = false;  // with the backward's dK/dV sums (3 key blocks per chunk, pieces of 2)
   std::vector<int64_t> rows = {};  // uneven shards (S_l: unused), or empty
+  int kb_per_chunk = 3, kb_per_piece = 2;  // backward: key blocks per chunk and per dK/dV piece
 };
 std::string rows_name(const std::vector<int64_t>& rows) {
   std::string s = rows.empty() ? "" : "_rows";
@@ -47,7 +48,11 @@ std::string name_of(const RingConfig& c) {
   return "W" + std::to_string(c.W) + (c.strided ? "s" : "n") + std::to_string(c.nodes) + (c.staged ? "_staged" : "") +
          (c.zigzag ? "_zigzag" : "_contig") + (c.causal ? "_causal" : "") + "_B" + std::to_string(c.B) + "_S" +
          std::to_string(c.S_l) + "_ct" + std::to_string(c.chunk_tokens) + "_c" + std::to_string(c.comm_slots) + "_u" +
-         std::to_string(c.unit_slots) + (c.backward ? "_bwd" : "") + rows_name(c.rows);
+         std::to_string(c.unit_slots) + (c.backward ? "_bwd" : "") +
+         (c.backward && (c.kb_per_chunk != 3 || c.kb_per_piece != 2)
+              ? "_kb" + std::to_string(c.kb_per_chunk) + "p" + std::to_string(c.kb_per_piece)
+              : "") +
+         rows_name(c.rows);
 }
 void PrintTo(const RingConfig& c, std::ostream* os) { *os << name_of(c); }
 
@@ -80,8 +85,8 @@ void build(const RingConfig& c, Built* b) {
     g.hkv = 2;
     g.tile_bytes = 48;  // the program does not look inside a tile
     g.chunks = c.zigzag ? 2 : 1;
-    g.kb_per_chunk = 3;
-    g.kb_per_piece = 2;
+    g.kb_per_chunk = c.kb_per_chunk;
+    g.kb_per_piece = c.kb_per_piece;
     g.dkv_part_bytes = 64;  // pieces of 96 and 192 bytes: sums on the node in 2 and 3 parts
     if (!c.rows.empty()) {
       // Uneven: the longest chunk has 3 key blocks of kbt tokens, the others as many as their
@@ -360,6 +365,20 @@ std::vector<RingConfig> sweep() {
   RingConfig one_node8{8, 1, false, false, true, true, 1, 2, 2, 12, 4};  // the matrix's 1x8 launch
   one_node8.backward = true;
   out.push_back(one_node8);
+  // The matrix's tiny backward case as the device builds it: one token per chunk is one key
+  // block per chunk and one dK/dV piece (kb_per_piece is many key blocks), in the launches whose
+  // backward timed out on a GPU — 8x1 staged with 12 communication CTAs, 6x1 staged with 16
+  // (bench/results/h200-2026-12-07-moe-one-launch) — with 2 and 4 compute CTAs. The replay finds
+  // no cycle in these either.
+  for (RingConfig c : {RingConfig{8, 8, false, true, true, true, 1, 2, 2, 12, 2},
+                       RingConfig{6, 6, false, true, true, true, 1, 2, 2, 16, 4},
+                       RingConfig{6, 6, false, true, true, true, 1, 2, 2, 16, 2},
+                       RingConfig{6, 1, false, false, true, true, 1, 2, 2, 16, 2}}) {
+    c.backward = true;
+    c.kb_per_chunk = 1;
+    c.kb_per_piece = 16;
+    out.push_back(c);
+  }
   return out;
 }
 
