@@ -106,13 +106,16 @@ const std::vector<TunableDef> kTable = {
      "launch and layout and unpack in one (each CTA counts the entries before its token: work "
      "grows with the square of the tokens; 0: never)", 0, 4096},
     {"moe_local_dispatch", "MK_MOE_LOCAL_DISPATCH", TunableType::kInt, "1",
-     "MoE dispatch on one rank (W = 1) with small batches: the whole dispatch in one launch, each "
-     "token's row copied straight to its experts' rows (no send record; 0: route_pack, then "
-     "layout_unpack)", 0, 1},
+     "MoE dispatch on one rank (W = 1): each token's row copied straight to its experts' rows, no "
+     "send record — small batches in one launch, larger ones in three (route, scan, scatter); 0: "
+     "the record path of W > 1", 0, 1},
     {"pdl", "MK_PDL", TunableType::kInt, "1",
      "MoE dispatch/combine kernels that follow another kernel of the same call are launched early "
      "(programmatic dependent launch): set up while the kernel before finishes, they wait for it "
      "at their start (0: plain launches)", 0, 1},
+    {"wait_backoff_ns", "MK_WAIT_BACKOFF_NS", TunableType::kInt, "0",
+     "device-side waits on a flag sleep between polls, doubling from 32 ns up to this many ns "
+     "(0: poll back to back); read when an operator is created", 0, 1000000},
     {"fault", "MK_FAULT", TunableType::kString, "",
      "test hook: plant a failure, <site>:<action>@<rank>[#<n>] (call:kill|stop|badinput, "
      "put:error, completion:error, register:error; the rank's n-th such event; docs/testing.md)"},

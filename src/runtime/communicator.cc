@@ -301,6 +301,7 @@ WaitCtx Communicator::wait_ctx(uint32_t op_tag, Role role, int64_t timeout_ms) c
   c.rank = topo_.rank;
   c.op_tag = op_tag;
   c.role = static_cast<uint32_t>(role);
+  c.backoff_ns = uint32_t(tunables::wait_backoff_ns());
   return c;
 }
 

@@ -203,22 +203,23 @@ TEST(Moe, DispatchCombineEveryRouting) {
   Communicator* comm = shared_comm();
   const int W = comm->world(), me = comm->rank();
   // T 300 is past the small-batch bound (moe_small_tokens, 256 by default): the six-launch path;
-  // the others run on the small-batch path and, with the bound at 0, on the six-launch one; at
-  // W = 1 the small-batch path is one launch (moe_local_dispatch), and also runs as two.
+  // the others run on the small-batch path and, with the bound at 0, on the six-launch one. At
+  // W = 1 rows go straight to their experts' rows (moe_local_dispatch: one launch for small
+  // batches, route + scan + scatter past the bound), and every case also runs on the record path.
   const Case cases[] = {{256, 4, 4, 77, 1}, {512, 3, 2, 130, 8}, {128, 8, 6, 33, 1}, {128, 5, 3, 300, 4}};
   const Topology& topo = comm->topology();
   int ci = 0;
   struct Path {
-    const char *small, *one_launch;
+    const char *small, *direct;
   };
   for (const Case& c : cases)
-  for (const Path path : {Path{"256", "1"}, Path{"256", "0"}, Path{"0", "1"}})
+  for (const Path path : {Path{"256", "1"}, Path{"256", "0"}, Path{"0", "1"}, Path{"0", "0"}})
   for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
-    const std::string small = path.small, one = path.one_launch;
-    if (c.T > 256 && (small == "0" || one == "0")) continue;  // the same path again
-    if (W > 1 && one == "0") continue;                         // one launch is for W = 1 only
+    const std::string small = path.small, direct = path.direct;
+    if (c.T > 256 && small == "0") continue;  // the same path as with the bound at 256
+    if (W > 1 && direct == "0") continue;     // direct rows are for W = 1 only
     MK_ASSERT_OK(tunables::set("moe_small_tokens", small));
-    MK_ASSERT_OK(tunables::set("moe_local_dispatch", one));
+    MK_ASSERT_OK(tunables::set("moe_local_dispatch", direct));
     ops::MoeConfig cfg;
     cfg.hidden = c.H;
     cfg.num_experts = c.experts_per_rank * W;
@@ -238,7 +239,7 @@ TEST(Moe, DispatchCombineEveryRouting) {
       World wd;
       make_world(cfg, W, me, kind, seed, &wd);
       const std::string what = "case " + std::to_string(&c - cases) + (ep->hierarchical() ? " hierarchical " : " ") +
-                               "small_tokens " + small + " one_launch " + one + " " + moe_routing_name(kind);
+                               "small_tokens " + small + " direct_rows " + direct + " " + moe_routing_name(kind);
       run_and_check(comm, ep.get(), cfg, wd, seed, what);
       if (HasFailure()) break;
     }

@@ -95,6 +95,7 @@ std::string string_or_default(const std::string& name);
   INT_(moe_small_tokens)                     \
   INT_(moe_local_dispatch)                   \
   INT_(pdl)                                  \
+  INT_(wait_backoff_ns)                      \
   INT_(check_calls)                          \
   STRING_(fault)                             \
   INT_(fault_delay_ms)

@@ -75,7 +75,9 @@ struct WaitCtx {
   int32_t rank;
   uint32_t op_tag;
   uint32_t role;
-  uint32_t pad;
+  // 0: poll a flag back to back; else sleep between polls (__nanosleep), doubling from 32 ns up
+  // to this many ns (the tunable wait_backoff_ns): pollers leave the memory system to others.
+  uint32_t backoff_ns;
   // Traced launches only (null otherwise): a wait that had to spin records one Role::kSpin
   // event (device/trace.h) here when it is met.
   TraceEvent* trace_events;

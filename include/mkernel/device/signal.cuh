@@ -134,8 +134,12 @@ __device__ __forceinline__ bool wait_ge(const WaitCtx& ctx, const uint64_t* flag
   uint64_t v = ld_relaxed_sys(flag);
   if (v < expected) {
     const uint64_t start = global_timer_ns();
-    uint32_t spins = 0;
+    uint32_t spins = 0, nap = 0;
     while ((v = ld_relaxed_sys(flag)) < expected) {
+      if (ctx.backoff_ns) {
+        nap = nap ? min(2 * nap, ctx.backoff_ns) : min(32u, ctx.backoff_ns);
+        __nanosleep(nap);
+      }
       if ((++spins & 63u) == 0) {
         const uint64_t waited = global_timer_ns() - start;
         const bool aborted = ctx.abort && ld_volatile_u64(ctx.abort) != 0;

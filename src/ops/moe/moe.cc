@@ -237,7 +237,7 @@ Status build_launch(MoeState* st, const comm::Layout& layout, int me, int comm_c
   l.chunk_tokens = route_chunk_tokens(g);
   l.nchunks = route_chunks(g);
   l.small = !st->hier && g.T <= tunables::moe_small_tokens();
-  l.one_launch = l.small && layout.world == 1 && tunables::moe_local_dispatch() != 0;
+  l.direct_rows = layout.world == 1 && tunables::moe_local_dispatch() != 0;
   l.pdl = tunables::pdl() != 0;
   l.comm_ctas = comm_ctas;
   l.dP = moe_pieces(g.slot_bytes, pieces), l.dpb = moe_piece_bytes(g.slot_bytes, pieces);

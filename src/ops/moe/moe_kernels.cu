@@ -713,7 +713,7 @@ __global__ void __launch_bounds__(kThreads) layout_unpack(MoeLaunch l, int32_t* 
   unpack_source(l, s, reinterpret_cast<const int32_t*>(recv_slot(l, s))[2], base, recv_x);
 }
 
-// ---- one rank, small batches (MoeLaunch::one_launch): the whole dispatch in one launch. Every
+// ---- one rank, small batches (MoeLaunch::direct_rows): the whole dispatch in one launch. Every
 // entry stays on this rank, so no record is written: each CTA counts every entry's expert in
 // shared memory (the layout's counts), scans them to the offsets, ranks its token's entries among
 // the earlier entries of their experts (route_pack's counting, the same rows layout_unpack gives)
@@ -809,6 +809,56 @@ __global__ void __launch_bounds__(kThreads) local_dispatch(MoeLaunch l, const ch
   }
 }
 
+// ---- one rank, larger batches (MoeLaunch::direct_rows): after route and the scan, each token's
+// CTA copies its row straight to its experts' rows — no record, no layout launch. Every CTA scans
+// the expert totals to the offsets in shared memory; an entry's row is its expert's offset, its
+// chunk's base for the expert and its rank in the chunk (erank). CTA 0 also leaves the layout.
+__global__ void __launch_bounds__(kThreads) local_scatter(MoeLaunch l, const char* x, int32_t* counts,
+                                                          int32_t* offsets, char* recv_x) {
+  extern __shared__ int32_t sm[];
+  int32_t* cnt = sm;         // [El]
+  int32_t* off = sm + l.El;  // [El + 1]
+  __shared__ int32_t over;
+  after_prior_grid();
+  const int n = *l.n_tokens;
+  if (blockIdx.x != 0 && blockIdx.x >= n) return;  // no token (CTA 0 still writes the layout)
+  const int k = l.k, El = l.El, B = moe_buckets(l);
+  for (int le = threadIdx.x; le < El; le += blockDim.x) cnt[le] = l.totals[le];  // W = 1: every expert is local
+  scan_offsets(l, cnt, off, &over);
+  if (blockIdx.x == 0) {
+    layout_outputs(l, cnt, off, over, counts, offsets);
+    if (threadIdx.x == 0) {
+      l.nrec[0] = l.totals[l.E + l.W];  // records a source would have sent: tokens with an entry
+      l.ncomb[0] = l.totals[l.E];
+    }
+  }
+  const bool regs = RowRegs::fits(l.row_bytes);
+  for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
+    const int32_t* base = l.hist + (t / l.chunk_tokens) * B;
+    const int64_t i0 = t * k;
+    if (threadIdx.x < k) {
+      const int32_t e = l.ids[i0 + threadIdx.x];
+      l.cpos_g[i0 + threadIdx.x] = e < 0 ? -1 : base[l.E] + l.cpos[i0 + threadIdx.x];
+    }
+    RowRegs rr;
+    if (regs) rr.load(x + t * l.row_bytes, l.row_bytes);
+    for (int kk = 0; kk < k; ++kk) {
+      const int32_t e = l.ids[i0 + kk];
+      if (e < 0) continue;
+      const int64_t row = int64_t(off[e]) + base[e] + l.erank[i0 + kk];
+      // -1: lost to overflow (reported by CTA 0).
+      if (threadIdx.x == 0) l.self_row[i0 + kk] = row < l.recv_rows ? int32_t(row) : -1;
+      if (row >= l.recv_rows) continue;
+      if (regs) rr.store(recv_x + row * l.row_bytes, l.row_bytes);
+      else copy_row(x + t * l.row_bytes, recv_x + row * l.row_bytes, l.row_bytes);
+      if (threadIdx.x == 0) {
+        l.back[2 * row] = l.me;
+        l.back[2 * row + 1] = base[l.E] + l.cpos[i0 + kk];
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ char* combine_slot(const MoeLaunch& l, int s) {
   return s == l.me ? l.crecv + int64_t(l.me) * l.cslot_bytes : l.csend + int64_t(s) * l.cslot_bytes;
 }
@@ -901,9 +951,12 @@ Status moe_prepare_launch(const MoeLaunch& l) {
         cudaFuncSetAttribute(route_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_pack_smem(l))));
   if (layout_smem(l) > 48 * 1024) {
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
-    if (l.one_launch)
+    if (l.direct_rows) {
       MK_CUDA_CHECK(
           cudaFuncSetAttribute(local_dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
+      MK_CUDA_CHECK(
+          cudaFuncSetAttribute(local_scatter, cudaFuncAttributeMaxDynamicSharedMemorySize, int(layout_smem(l))));
+    }
   }
   if (l.small && layout_unpack_smem(l) > 48 * 1024)
     MK_CUDA_CHECK(cudaFuncSetAttribute(layout_unpack, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -941,7 +994,7 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
   const char* xc = static_cast<const char*>(x);
   char* rx = static_cast<char*>(recv_x);
-  if (l.one_launch) {
+  if (l.direct_rows && l.small) {
     local_dispatch<<<grid, kThreads, layout_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens, counts, offsets, rx);
     MK_CUDA_CHECK(cudaGetLastError());
     return OkStatus();
@@ -956,6 +1009,8 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
   route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
   MK_CUDA_CHECK(cudaGetLastError());
   MK_CHECK(launch_next(l.pdl, route_scan_headers, dim3((moe_buckets(l) + 7) / 8), 256, 0, stream, l));
+  if (l.direct_rows)
+    return launch_next(l.pdl, local_scatter, dim3(grid), kThreads, layout_smem(l), stream, l, xc, counts, offsets, rx);
   MK_CHECK(launch_next(l.pdl, pack, dim3(grid), kThreads, 0, stream, l, xc));
   MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
   if (l.hier) MK_CHECK(launch_next(l.pdl, repack, dim3(grid, l.nodes), kThreads, 0, stream, l));

@@ -37,9 +37,10 @@ struct MoeLaunch {
   // launch, layout and unpack in one (each CTA computes what it needs instead of reading what an
   // earlier launch left); the route scratch (hist, erank, cpos, recpos) goes unused.
   bool small = false;
-  // One rank with small batches (the tunable moe_local_dispatch): the whole dispatch in one launch
-  // (local_dispatch), each token's row copied straight to its experts' rows; the slots go unused.
-  bool one_launch = false;
+  // One rank (the tunable moe_local_dispatch): each token's row is copied straight to its experts'
+  // rows, no record is packed and the slots go unused — small batches in one launch
+  // (local_dispatch), larger ones after route and the scan (local_scatter).
+  bool direct_rows = false;
   // Kernels that follow another kernel of the same call start early (programmatic dependent
   // launch; the tunable pdl): set up while the kernel before finishes, they wait for it first.
   bool pdl = true;
@@ -118,7 +119,7 @@ MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W
 // past 48 KiB for many experts).
 Status moe_prepare_launch(const MoeLaunch& l);
 // dispatch: route, pack, the program, unpack (small batches: route_pack, the program, layout_unpack;
-// one rank and small batches: local_dispatch alone). x/ids/weights: the caller's (weights null: unit
+// direct_rows: local_dispatch alone, or route, the scan and local_scatter). x/ids/weights: the caller's (weights null: unit
 // weights); d_n: device count or null (tokens); recv_x/counts/offsets: the caller's outputs.
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
