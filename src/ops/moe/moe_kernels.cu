@@ -345,6 +345,44 @@ __global__ void __launch_bounds__(kThreads) pack(MoeLaunch l, const char* x) {
   }
 }
 
+// ---- small batches: token t's entries (the CTA; k <= 32) — its ids checked and saved with its
+// weights, then ranked among every entry before them by counting: ex/rk each slot's expert and
+// rank (-1: none), er/cp the entries of its expert/rank before it, rp the records for its rank
+// before the token's, first whether it is the token's first entry for its rank (its record). The
+// positions route + scan give, in one pass; route_pack and local_dispatch share it.
+__device__ void rank_token(const MoeLaunch& l, const int32_t* ids_in, const float* w, int64_t t, int32_t* ex,
+                           int32_t* rk, int32_t* er, int32_t* cp, int32_t* rp, bool* first) {
+  const int k = l.k, El = l.El;
+  const int64_t i0 = t * k;
+  __syncthreads();  // the slots of the CTA's previous token are read
+  if (threadIdx.x < k) {
+    const int kk = threadIdx.x;
+    const int32_t raw = ids_in[i0 + kk];
+    const int32_t e = valid_expert(l, raw) ? raw : -1;
+    if (raw != -1 && e < 0) report(l, kMoeErrBadExpert, int32_t(t), kk, raw, l.E, l.E);
+    l.ids[i0 + kk] = e;
+    l.weights[i0 + kk] = w ? w[i0 + kk] : 1.f;  // null: unit weights
+    ex[kk] = e;
+    rk[kk] = e >= 0 ? e / El : -1;
+  }
+  __syncthreads();
+  if (threadIdx.x < k) {
+    const int kk = threadIdx.x;
+    small_route_own(k, kk, ex, rk, &er[kk], &cp[kk], &first[kk]);
+    rp[kk] = 0;
+  }
+  __syncthreads();
+  // The earlier tokens, one per thread (shared-memory atomics: counts, so the order is free).
+  auto expert = [&](int64_t i) {
+    const int32_t e = ids_in[i];
+    return valid_expert(l, e) ? e : -1;
+  };
+  for (int64_t t2 = threadIdx.x; t2 < t; t2 += blockDim.x)
+    small_route_before(k, El, [&](int j) { return expert(t2 * k + j); }, ex, rk, first, er, cp, rp,
+                       [](int32_t* c, int32_t v) { atomicAdd(c, v); });
+  __syncthreads();
+}
+
 // ---- small batches (direct mode): route and pack in one launch. CTA t (grid-stride) ranks its
 // own token's entries among every entry before them by counting (entries of the earlier tokens,
 // then the token's own earlier slots: the positions route + scan give, in one pass), then packs
@@ -399,30 +437,8 @@ __global__ void __launch_bounds__(kThreads) route_pack(MoeLaunch l, const char* 
     write_headers(l);
   }
   for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
-    __syncthreads();
     const int64_t i0 = t * k;
-    if (threadIdx.x < k) {
-      const int kk = threadIdx.x;
-      const int32_t raw = ids_in[i0 + kk];
-      const int32_t e = valid_expert(l, raw) ? raw : -1;
-      if (raw != -1 && e < 0) report(l, kMoeErrBadExpert, int32_t(t), kk, raw, l.E, l.E);
-      l.ids[i0 + kk] = e;
-      l.weights[i0 + kk] = w ? w[i0 + kk] : 1.f;  // null: unit weights
-      ex[kk] = e;
-      rk[kk] = e >= 0 ? e / El : -1;
-    }
-    __syncthreads();
-    if (threadIdx.x < k) {
-      const int kk = threadIdx.x;
-      small_route_own(k, kk, ex, rk, &er[kk], &cp[kk], &first[kk]);
-      rp[kk] = 0;
-    }
-    __syncthreads();
-    // The earlier tokens, one per thread (shared-memory atomics: counts, so the order is free).
-    for (int64_t t2 = threadIdx.x; t2 < t; t2 += blockDim.x)
-      small_route_before(k, El, [&](int j) { return expert(t2 * k + j); }, ex, rk, first, er, cp, rp,
-                         [](int32_t* c, int32_t v) { atomicAdd(c, v); });
-    __syncthreads();
+    rank_token(l, ids_in, w, t, ex, rk, er, cp, rp, first);
     for (int kk = 0; kk < k; ++kk) {
       if (!first[kk]) continue;
       const int r = rk[kk];
@@ -766,29 +782,8 @@ __global__ void __launch_bounds__(kThreads) local_dispatch(MoeLaunch l, const ch
   }
   const bool regs = RowRegs::fits(l.row_bytes);
   for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
-    __syncthreads();
     const int64_t i0 = t * k;
-    if (threadIdx.x < k) {
-      const int kk = threadIdx.x;
-      const int32_t raw = ids_in[i0 + kk];
-      const int32_t e = valid_expert(l, raw) ? raw : -1;
-      if (raw != -1 && e < 0) report(l, kMoeErrBadExpert, int32_t(t), kk, raw, l.E, l.E);
-      l.ids[i0 + kk] = e;
-      l.weights[i0 + kk] = w ? w[i0 + kk] : 1.f;  // null: unit weights
-      ex[kk] = e;
-      rk[kk] = e >= 0 ? 0 : -1;
-    }
-    __syncthreads();
-    if (threadIdx.x < k) {
-      const int kk = threadIdx.x;
-      small_route_own(k, kk, ex, rk, &er[kk], &cp[kk], &first[kk]);
-      rp[kk] = 0;
-    }
-    __syncthreads();
-    for (int64_t t2 = threadIdx.x; t2 < t; t2 += blockDim.x)
-      small_route_before(k, El, [&](int j) { return expert(t2 * k + j); }, ex, rk, first, er, cp, rp,
-                         [](int32_t* c, int32_t v) { atomicAdd(c, v); });
-    __syncthreads();
+    rank_token(l, ids_in, w, t, ex, rk, er, cp, rp, first);
     RowRegs rr;
     if (regs) rr.load(x + t * l.row_bytes, l.row_bytes);
     for (int kk = 0; kk < k; ++kk) {
