@@ -107,8 +107,8 @@ const std::vector<TunableDef> kTable = {
      "grows with the square of the tokens; 0: never)", 0, 4096},
     {"moe_local_dispatch", "MK_MOE_LOCAL_DISPATCH", TunableType::kInt, "1",
      "MoE dispatch on one rank (W = 1): each token's row copied straight to its experts' rows, no "
-     "send record — small batches in one launch, larger ones in three (route, scan, scatter); 0: "
-     "the record path of W > 1", 0, 1},
+     "send record — 1: small batches (one launch); 2: also larger ones (route, scan, scatter: not "
+     "yet run on a GPU); 0: the record path of W > 1", 0, 2},
     {"pdl", "MK_PDL", TunableType::kInt, "1",
      "MoE dispatch/combine kernels that follow another kernel of the same call are launched early "
      "(programmatic dependent launch): set up while the kernel before finishes, they wait for it "

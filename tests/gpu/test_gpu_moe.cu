@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -204,47 +205,55 @@ TEST(Moe, DispatchCombineEveryRouting) {
   const int W = comm->world(), me = comm->rank();
   // T 300 is past the small-batch bound (moe_small_tokens, 256 by default): the six-launch path;
   // the others run on the small-batch path and, with the bound at 0, on the six-launch one. At
-  // W = 1 rows go straight to their experts' rows (moe_local_dispatch: one launch for small
-  // batches, route + scan + scatter past the bound), and every case also runs on the record path.
+  // W = 1 rows go straight to their experts' rows (moe_local_dispatch 1: one launch for small
+  // batches; 2: route + scan + scatter past the bound), and every case also runs on the record
+  // paths. Each distinct path once per case.
   const Case cases[] = {{256, 4, 4, 77, 1}, {512, 3, 2, 130, 8}, {128, 8, 6, 33, 1}, {128, 5, 3, 300, 4}};
   const Topology& topo = comm->topology();
   int ci = 0;
   struct Path {
     const char *small, *direct;
   };
-  for (const Case& c : cases)
-  for (const Path path : {Path{"256", "1"}, Path{"256", "0"}, Path{"0", "1"}, Path{"0", "0"}})
-  for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
-    const std::string small = path.small, direct = path.direct;
-    if (c.T > 256 && small == "0") continue;  // the same path as with the bound at 256
-    if (W > 1 && direct == "0") continue;     // direct rows are for W = 1 only
-    MK_ASSERT_OK(tunables::set("moe_small_tokens", small));
-    MK_ASSERT_OK(tunables::set("moe_local_dispatch", direct));
-    ops::MoeConfig cfg;
-    cfg.hidden = c.H;
-    cfg.num_experts = c.experts_per_rank * W;
-    cfg.topk = c.k;
-    cfg.max_tokens_per_rank = c.T;
-    cfg.expert_align = c.align;
-    std::unique_ptr<ops::MoeEp> ep;
-    ops::MoeOptions opt;
-    opt.mode = mode;
-    MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
-    MK_ASSERT_OK(tunables::reset("moe_small_tokens"));
-    MK_ASSERT_OK(tunables::reset("moe_local_dispatch"));
-    EXPECT_EQ(ep->hierarchical(), mode == ops::MoeMode::kThroughput && topo.num_nodes > 1 && topo.local_size > 1);
-    for (MoeRouting kind : {MoeRouting::kUniform, MoeRouting::kZipf, MoeRouting::kLocal, MoeRouting::kSparse,
-                            MoeRouting::kEmptyRanks}) {
-      const uint64_t seed = mix(test_seed(), uint64_t(ci) * 16 + uint64_t(kind));
-      World wd;
-      make_world(cfg, W, me, kind, seed, &wd);
-      const std::string what = "case " + std::to_string(&c - cases) + (ep->hierarchical() ? " hierarchical " : " ") +
-                               "small_tokens " + small + " direct_rows " + direct + " " + moe_routing_name(kind);
-      run_and_check(comm, ep.get(), cfg, wd, seed, what);
+  for (const Case& c : cases) {
+    std::set<std::string> ran;
+    for (const Path path : {Path{"256", "1"}, Path{"256", "0"}, Path{"256", "2"}, Path{"0", "2"}, Path{"0", "0"}})
+    for (ops::MoeMode mode : {ops::MoeMode::kLowLatency, ops::MoeMode::kThroughput}) {
+      const std::string small = path.small, direct = path.direct;
+      const bool is_small = c.T <= std::stoll(small);
+      const std::string path_kind = W > 1      ? (is_small ? "small" : "six")
+                                    : is_small ? (direct != "0" ? "one launch" : "small")
+                                               : (direct == "2" ? "scatter" : "six");
+      if (mode == ops::MoeMode::kLowLatency && !ran.insert(path_kind).second) break;  // that path ran already
+      MK_ASSERT_OK(tunables::set("moe_small_tokens", small));
+      MK_ASSERT_OK(tunables::set("moe_local_dispatch", direct));
+      ops::MoeConfig cfg;
+      cfg.hidden = c.H;
+      cfg.num_experts = c.experts_per_rank * W;
+      cfg.topk = c.k;
+      cfg.max_tokens_per_rank = c.T;
+      cfg.expert_align = c.align;
+      std::unique_ptr<ops::MoeEp> ep;
+      ops::MoeOptions opt;
+      opt.mode = mode;
+      MK_ASSERT_OK(ops::MoeEp::create(comm, cfg, opt, &ep));
+      MK_ASSERT_OK(tunables::reset("moe_small_tokens"));
+      MK_ASSERT_OK(tunables::reset("moe_local_dispatch"));
+      EXPECT_EQ(ep->hierarchical(), mode == ops::MoeMode::kThroughput && topo.num_nodes > 1 && topo.local_size > 1);
+      for (MoeRouting kind : {MoeRouting::kUniform, MoeRouting::kZipf, MoeRouting::kLocal, MoeRouting::kSparse,
+                              MoeRouting::kEmptyRanks}) {
+        const uint64_t seed = mix(test_seed(), uint64_t(ci) * 16 + uint64_t(kind));
+        World wd;
+        make_world(cfg, W, me, kind, seed, &wd);
+        const std::string what = "case " + std::to_string(&c - cases) + (ep->hierarchical() ? " hierarchical " : " ") +
+                                 "small_tokens " + small + " direct_rows " + direct + " (" + path_kind + ") " +
+                                 moe_routing_name(kind);
+        run_and_check(comm, ep.get(), cfg, wd, seed, what);
+        if (HasFailure()) break;
+      }
+      MK_EXPECT_OK(ep->destroy());
+      ++ci;
       if (HasFailure()) break;
     }
-    MK_EXPECT_OK(ep->destroy());
-    ++ci;
     if (HasFailure()) break;
   }
 }

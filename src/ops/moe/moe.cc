@@ -237,7 +237,8 @@ Status build_launch(MoeState* st, const comm::Layout& layout, int me, int comm_c
   l.chunk_tokens = route_chunk_tokens(g);
   l.nchunks = route_chunks(g);
   l.small = !st->hier && g.T <= tunables::moe_small_tokens();
-  l.direct_rows = layout.world == 1 && tunables::moe_local_dispatch() != 0;
+  const int64_t direct = tunables::moe_local_dispatch();
+  l.direct_rows = layout.world == 1 && (direct == 2 || (direct == 1 && l.small));
   l.pdl = tunables::pdl() != 0;
   l.comm_ctas = comm_ctas;
   l.dP = moe_pieces(g.slot_bytes, pieces), l.dpb = moe_piece_bytes(g.slot_bytes, pieces);

@@ -39,7 +39,7 @@ struct MoeLaunch {
   bool small = false;
   // One rank (the tunable moe_local_dispatch): each token's row is copied straight to its experts'
   // rows, no record is packed and the slots go unused — small batches in one launch
-  // (local_dispatch), larger ones after route and the scan (local_scatter).
+  // (local_dispatch), larger ones (tunable value 2) after route and the scan (local_scatter).
   bool direct_rows = false;
   // Kernels that follow another kernel of the same call start early (programmatic dependent
   // launch; the tunable pdl): set up while the kernel before finishes, they wait for it first.
