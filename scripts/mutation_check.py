@@ -255,6 +255,20 @@ MUTATIONS = [
              "small-batch layout_unpack: every source's rows start at their expert's offset (sources overwrite "
              "each other)",
              gpu=True, targets=["test_gpu_moe"]),
+    Mutation("moe-local-dispatch-rows-collide", "src/ops/moe/moe_kernels.cu",
+             "      const int64_t row = int64_t(off[ex[kk]]) + er[kk];",
+             "      const int64_t row = int64_t(off[ex[kk]]);",
+             ["test_gpu_moe_np1"],
+             "one-launch W = 1 dispatch (local_dispatch): every entry of an expert lands on its first row "
+             "(the entry's rank among the expert's earlier entries left out)",
+             gpu=True, targets=["test_gpu_moe"]),
+    Mutation("moe-local-scatter-chunk-base", "src/ops/moe/moe_kernels.cu",
+             "      const int64_t row = int64_t(off[e]) + base[e] + l.erank[i0 + kk];",
+             "      const int64_t row = int64_t(off[e]) + l.erank[i0 + kk];",
+             ["test_gpu_moe_np1"],
+             "W = 1 scatter past the small-batch bound (local_scatter): an entry's row leaves out the earlier "
+             "route chunks' entries of its expert (chunks overwrite each other)",
+             gpu=True, targets=["test_gpu_moe"]),
     Mutation("attention-bwd-diagonal-masked", "src/attention/kernel/bwd.cuh",
              "bool masked = key >= len || (causal && kv_pos0 + key > q_pos_m + q);",
              "bool masked = key >= len || (causal && kv_pos0 + key >= q_pos_m + q);",
