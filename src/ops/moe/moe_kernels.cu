@@ -729,6 +729,21 @@ __global__ void __launch_bounds__(kThreads) layout_unpack(MoeLaunch l, int32_t* 
   unpack_source(l, s, reinterpret_cast<const int32_t*>(recv_slot(l, s))[2], base, recv_x);
 }
 
+// One rank (direct rows): entry i of the own tokens at layout row `row` — its token's row (xrow,
+// held in rr when regs) copied there, and where its output goes back (the own rank, combine row
+// crow) noted; past capacity only self_row's -1 (the overflow is reported by the layout's CTA).
+__device__ __forceinline__ void place_local_entry(const MoeLaunch& l, const char* xrow, bool regs, const RowRegs& rr,
+                                                  int64_t i, int64_t row, int32_t crow, char* recv_x) {
+  if (threadIdx.x == 0) l.self_row[i] = row < l.recv_rows ? int32_t(row) : -1;
+  if (row >= l.recv_rows) return;
+  if (regs) rr.store(recv_x + row * l.row_bytes, l.row_bytes);
+  else copy_row(xrow, recv_x + row * l.row_bytes, l.row_bytes);
+  if (threadIdx.x == 0) {
+    l.back[2 * row] = l.me;
+    l.back[2 * row + 1] = crow;
+  }
+}
+
 // ---- one rank, small batches (MoeLaunch::direct_rows): the whole dispatch in one launch. Every
 // entry stays on this rank, so no record is written: each CTA counts every entry's expert in
 // shared memory (the layout's counts), scans them to the offsets, ranks its token's entries among
@@ -789,15 +804,7 @@ __global__ void __launch_bounds__(kThreads) local_dispatch(MoeLaunch l, const ch
     for (int kk = 0; kk < k; ++kk) {
       if (ex[kk] < 0) continue;
       const int64_t row = int64_t(off[ex[kk]]) + er[kk];
-      // -1: lost to overflow (reported by CTA 0).
-      if (threadIdx.x == 0) l.self_row[i0 + kk] = row < l.recv_rows ? int32_t(row) : -1;
-      if (row >= l.recv_rows) continue;
-      if (regs) rr.store(recv_x + row * l.row_bytes, l.row_bytes);
-      else copy_row(x + t * l.row_bytes, recv_x + row * l.row_bytes, l.row_bytes);
-      if (threadIdx.x == 0) {
-        l.back[2 * row] = l.me;
-        l.back[2 * row + 1] = cp[kk];
-      }
+      place_local_entry(l, x + t * l.row_bytes, regs, rr, i0 + kk, row, cp[kk], recv_x);
     }
     // Where each entry's output comes back (combine).
     if (threadIdx.x < k) l.cpos_g[i0 + threadIdx.x] = ex[threadIdx.x] < 0 ? -1 : cp[threadIdx.x];
@@ -841,15 +848,7 @@ __global__ void __launch_bounds__(kThreads) local_scatter(MoeLaunch l, const cha
       const int32_t e = l.ids[i0 + kk];
       if (e < 0) continue;
       const int64_t row = int64_t(off[e]) + base[e] + l.erank[i0 + kk];
-      // -1: lost to overflow (reported by CTA 0).
-      if (threadIdx.x == 0) l.self_row[i0 + kk] = row < l.recv_rows ? int32_t(row) : -1;
-      if (row >= l.recv_rows) continue;
-      if (regs) rr.store(recv_x + row * l.row_bytes, l.row_bytes);
-      else copy_row(x + t * l.row_bytes, recv_x + row * l.row_bytes, l.row_bytes);
-      if (threadIdx.x == 0) {
-        l.back[2 * row] = l.me;
-        l.back[2 * row + 1] = base[l.E] + l.cpos[i0 + kk];
-      }
+      place_local_entry(l, x + t * l.row_bytes, regs, rr, i0 + kk, row, base[l.E] + l.cpos[i0 + kk], recv_x);
     }
   }
 }
