@@ -105,17 +105,18 @@ const std::vector<TunableDef> kTable = {
      "MoE dispatch in direct mode with max_tokens_per_rank at most this: route and pack in one "
      "launch and layout and unpack in one (each CTA counts the entries before its token: work "
      "grows with the square of the tokens; 0: never)", 0, 4096},
-    {"moe_local_dispatch", "MK_MOE_LOCAL_DISPATCH", TunableType::kInt, "1",
+    {"moe_local_dispatch", "MK_MOE_LOCAL_DISPATCH", TunableType::kInt, "2",
      "MoE dispatch on one rank (W = 1): each token's row copied straight to its experts' rows, no "
-     "send record — 1: small batches (one launch); 2: also larger ones (route, scan, scatter: not "
-     "yet run on a GPU); 0: the record path of W > 1", 0, 2},
+     "send record — 2: every batch (small ones in one launch, larger ones by route, scan, "
+     "scatter); 1: small batches only; 0: the record path of W > 1", 0, 2},
     {"pdl", "MK_PDL", TunableType::kInt, "1",
      "MoE dispatch/combine kernels that follow another kernel of the same call are launched early "
      "(programmatic dependent launch): set up while the kernel before finishes, they wait for it "
      "at their start (0: plain launches)", 0, 1},
-    {"wait_backoff_ns", "MK_WAIT_BACKOFF_NS", TunableType::kInt, "0",
+    {"wait_backoff_ns", "MK_WAIT_BACKOFF_NS", TunableType::kInt, "-1",
      "device-side waits on a flag sleep between polls, doubling from 32 ns up to this many ns "
-     "(0: poll back to back); read when an operator is created", 0, 1000000},
+     "(0: poll back to back; -1: 1000 where another rank shares this rank's GPU, as under MPS, "
+     "else 0); read when an operator is created", -1, 1000000},
     {"fault", "MK_FAULT", TunableType::kString, "",
      "test hook: plant a failure, <site>:<action>@<rank>[#<n>] (call:kill|stop|badinput, "
      "put:error, completion:error, register:error; the rank's n-th such event; docs/testing.md)"},

@@ -39,6 +39,7 @@ std::string Topology::describe() const {
      << (emulated_nodes ? " (emulated)" : "") << ", local rank " << local_rank << "/"
      << local_size << ", host " << info[rank].hostname << ", GPU " << info[rank].cuda_device;
   if (info[rank].pci_bus_id[0]) os << " (" << info[rank].pci_bus_id << ")";
+  if (gpu_sharers) os << " shared with " << gpu_sharers << " other rank(s)";
   os << "; paths:";
   for (int r = 0; r < world; ++r) os << " " << r << ":" << peer_path_name(path[r]);
   return os.str();
@@ -120,6 +121,7 @@ Status build_topology(int rank, const std::vector<RankInfo>& infos, int ranks_pe
   t.local_size = static_cast<int>(t.node_ranks[t.node].size());
 
   const RankInfo& me = infos[rank];
+  for (int r = 0; r < world; ++r) t.gpu_sharers += r != rank && same_gpu(me, infos[r]);
   t.path.assign(world, PeerPath::kNetwork);
   for (int r = 0; r < world; ++r) {
     if (r == rank) {

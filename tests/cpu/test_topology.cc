@@ -335,16 +335,32 @@ TEST_F(TopologyTest, SharedGpuIsReachableWithoutPeerAccess) {
     Topology t;
     MK_ASSERT_OK(build_topology(rank, infos, 0, deny_all, &t));
     EXPECT_EQ(t.path[1 - rank], PeerPath::kIpc);
+    EXPECT_EQ(t.gpu_sharers, 1);  // the default poll backoff turns on for both
+    EXPECT_NE(t.describe().find("shared with 1 other rank"), std::string::npos) << t.describe();
   }
   // Same uuid but device ordinals differ (each process sees the GPU under its own ordinal).
   infos[1].cuda_device = 3;
   Topology t;
   MK_EXPECT_OK(build_topology(0, infos, 0, deny_all, &t));
+  EXPECT_EQ(t.gpu_sharers, 1);
+  // A third rank on another GPU of the host, and a fourth on another host with the same uuid
+  // bytes (another machine's GPU): neither shares rank 0's GPU.
+  auto more = make_hosts(rng, 2);
+  infos.push_back(make_info(2, hosts[0], 43, 1, gpu_seed(hosts[0], 1)));
+  infos.push_back(make_info(3, more[1], 44, 0, gpu_seed(hosts[0], 0)));
+  if (infos[3].host_hash == hosts[0].hash) infos[3].host_hash ^= 1;
+  MK_EXPECT_OK(build_topology(0, infos, 0, allow_all, &t));
+  EXPECT_EQ(t.gpu_sharers, 1);
+  MK_EXPECT_OK(build_topology(2, infos, 0, allow_all, &t));
+  EXPECT_EQ(t.gpu_sharers, 0);
+  EXPECT_EQ(t.describe().find("shared with"), std::string::npos) << t.describe();
+  infos.resize(2);
   // Without uuids the PCI bus id decides.
   memset(infos[0].gpu_uuid, 0, 16);
   memset(infos[1].gpu_uuid, 0, 16);
   snprintf(infos[1].pci_bus_id, sizeof(infos[1].pci_bus_id), "%s", infos[0].pci_bus_id);
   MK_EXPECT_OK(build_topology(0, infos, 0, deny_all, &t));
+  EXPECT_EQ(t.gpu_sharers, 1);
   snprintf(infos[1].pci_bus_id, sizeof(infos[1].pci_bus_id), "0000:ab:00.0");
   EXPECT_EQ(build_topology(0, infos, 0, deny_all, &t).code(), Code::kNotSupported);
 }

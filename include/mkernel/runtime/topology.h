@@ -50,6 +50,7 @@ struct Topology {
   std::vector<std::vector<int>> node_ranks;  // [num_nodes] -> global ranks, ascending
   std::vector<PeerPath> path;            // [world] how this rank reaches each rank
   std::vector<RankInfo> info;            // [world]
+  int gpu_sharers = 0;                   // other ranks on this rank's GPU (MPS, several per process)
 
   bool same_node(int r) const { return node_of[r] == node; }
   // Ranks this rank maps memory of (itself included): same node, path != kNetwork.
