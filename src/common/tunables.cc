@@ -113,10 +113,12 @@ const std::vector<TunableDef> kTable = {
      "MoE dispatch/combine kernels that follow another kernel of the same call are launched early "
      "(programmatic dependent launch): set up while the kernel before finishes, they wait for it "
      "at their start (0: plain launches)", 0, 1},
-    {"wait_backoff_ns", "MK_WAIT_BACKOFF_NS", TunableType::kInt, "-1",
+    {"wait_backoff_ns", "MK_WAIT_BACKOFF_NS", TunableType::kInt, "0",
      "device-side waits on a flag sleep between polls, doubling from 32 ns up to this many ns "
      "(0: poll back to back; -1: 1000 where another rank shares this rank's GPU, as under MPS, "
-     "else 0); read when an operator is created", -1, 1000000},
+     "else 0 — not the default: it made the ring backward's rare first-call timeout in the "
+     "matrix's 6x1 tcp launch more frequent, docs/attention.md); read when an operator is created",
+     -1, 1000000},
     {"fault", "MK_FAULT", TunableType::kString, "",
      "test hook: plant a failure, <site>:<action>@<rank>[#<n>] (call:kill|stop|badinput, "
      "put:error, completion:error, register:error; the rank's n-th such event; docs/testing.md)"},

@@ -32,7 +32,7 @@ Status Communicator::create(std::unique_ptr<Bootstrap> bs, const CommConfig& cfg
 namespace {
 // The poll backoff cap where ranks share a GPU (wait_backoff_ns = -1). Measured on an H100 under
 // MPS, ring attention W = 2 with uneven shards: caps of 1000 and 4000 ns give the same times,
-// 100 ns does not help (bench/results/h100-2026-12-07-backoff).
+// 100 ns does not help (bench/results/h100-2026-12-07-backoff/results.md).
 constexpr uint32_t kSharedGpuBackoffNs = 1000;
 
 // Setup and teardown syncs of the library's own streams: bounded by the signal timeout (the
@@ -306,8 +306,8 @@ WaitCtx Communicator::wait_ctx(uint32_t op_tag, Role role, int64_t timeout_ms) c
   c.rank = topo_.rank;
   c.op_tag = op_tag;
   c.role = static_cast<uint32_t>(role);
-  // -1 (the default): back off only where ranks share this GPU — their spinning CTAs would take
-  // issue slots from each other's compute; a GPU of its own polls back to back.
+  // -1: back off only where ranks share this GPU (their spinning CTAs take issue slots from each
+  // other's compute); a GPU of its own polls back to back. 0, the default: never.
   const int64_t backoff = tunables::wait_backoff_ns();
   c.backoff_ns = uint32_t(backoff >= 0 ? backoff : (topo_.gpu_sharers > 0 ? kSharedGpuBackoffNs : 0));
   return c;

@@ -335,7 +335,7 @@ TEST_F(TopologyTest, SharedGpuIsReachableWithoutPeerAccess) {
     Topology t;
     MK_ASSERT_OK(build_topology(rank, infos, 0, deny_all, &t));
     EXPECT_EQ(t.path[1 - rank], PeerPath::kIpc);
-    EXPECT_EQ(t.gpu_sharers, 1);  // the default poll backoff turns on for both
+    EXPECT_EQ(t.gpu_sharers, 1);  // wait_backoff_ns -1 backs off on both
     EXPECT_NE(t.describe().find("shared with 1 other rank"), std::string::npos) << t.describe();
   }
   // Same uuid but device ordinals differ (each process sees the GPU under its own ordinal).

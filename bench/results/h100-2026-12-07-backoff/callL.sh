@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$(date +%s); B=/tmp/mkb
 el() { echo $(( $(date +%s) - t0 )); }
-MK_SUITE_STEPS="setup unit smoke" timeout 420 bash scripts/device/suite.sh 2>&1 | grep -E "^(setup|smoke)|^unit: |FAIL|^      " | head -40
+MK_UNIT_ONLY='^(test_gpu_(threads|abort|bounded|lifetime|heap|signal|proxy|gemm_peer|fused|collective|matrix|baseline|ring|moe)|test_attention|test_torch|example)' MK_SUITE_STEPS="setup unit smoke" timeout 420 bash scripts/device/suite.sh 2>&1 | grep -E "^(setup|smoke)|^unit: |FAIL|^      " | head -40
 echo "== bench all 8192x3584x4096, MPS at 100/W %, at $(el) s"
 nvidia-cuda-mps-control -d 2>/dev/null
 for np in 2 4; do for bo in 0 -1; do
