@@ -580,6 +580,19 @@ TEST(RingBackward, UnevenZigzagCausalShortDocumentsGraphReplays) {
                       nullptr, 1);
 }
 
+// Roles by the order the CTAs start (tunable ring_roles_by_arrival): the same results, whichever
+// CTAs end up computing. Set before create (read there), reset after, also on failure.
+TEST(RingBackward, RolesByArrival) {
+  ASSERT_TRUE(tunables::set("ring_roles_by_arrival", "1").ok());
+  struct Reset {
+    ~Reset() { (void)tunables::reset("ring_roles_by_arrival"); }
+  } reset;
+  check_ring_backward(RingAttentionShape{1, 8, 2, 128, int64_t(shared_comm()->world()) * toks(1024),
+                                         SeqLayout::kZigzag, true}, 3);
+  check_ring_backward(uneven(RingAttentionShape{1, 8, 8, 64, 0, SeqLayout::kZigzag, true}, toks(1000)), 3, true,
+                      nullptr, 1);
+}
+
 // The ring captured once in a CUDA graph — a kernel advancing the call counter, the fills of
 // this call's Q, K, V and of this rank's shard, the poisoned O and LSE, the ring call, a copy
 // of O and LSE into a history and the K/V slot checks — replayed kGraphReplays times back to

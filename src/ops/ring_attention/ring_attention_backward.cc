@@ -149,6 +149,11 @@ Status setup(RingBwdState* st) {
   void* counter = nullptr;  // the dynamic schedule's (calls of an operator run in stream order)
   MK_CHECK(ses.alloc_zeroed(sizeof(int), &counter));
   r.item_counter = static_cast<int*>(counter);
+  if (r.comm_ctas > 0 && tunables::ring_roles_by_arrival()) {
+    void* roles = nullptr;
+    MK_CHECK(ses.alloc_zeroed(sizeof(int), &roles));
+    r.role_counter = static_cast<int*>(roles);
+  }
   // The workspace (dQ accumulator, LSE₂, Dsum over the chunks' virtual query blocks) and the
   // chunks' bounds that map those blocks back to rows.
   st->workspace_bytes = attention::backward_workspace_bytes(s.B, s.H, int(st->S_l), s.D, st->chunks);
