@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Call I (written 2026-12-07, not run: its start was taken back, then refused). W = 1 dispatch
+# Call I (written 2026-12-07; run the next session on an H100: ../h100-2026-12-07-backoff/results.md). W = 1 dispatch
 # with rows copied straight to the experts' rows past the small-batch bound too (route, scan,
 # local_scatter): the MoE units at np 1 first, then every preset at its default tokens both ways
 # (MK_MOE_LOCAL_DISPATCH 2: the scatter; 0: records); the uneven ring (W 2) with poll backoff,
