@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mkernel/common/status.h"
+#include "mkernel/common/tunables.h"
 #include "mkernel/runtime/bootstrap.h"
 #include "mkernel/runtime/communicator.h"
 
@@ -63,6 +64,13 @@ std::string stacks_of(int pid, size_t max_chars = 12000);
 // MK_TEST_SMALL=1 (the device sanitizer runs, scripts/device/sanitize_check.sh): tests that
 // loop over shapes leave out their large ones, keeping every code path at fewer tiles.
 bool small_shapes();
+
+// Sets a tunable for the scope of a test (a failed set is a test failure), then drops the override.
+struct ScopedTunable {
+  std::string name;
+  ScopedTunable(const std::string& n, const std::string& v) : name(n) { EXPECT_TRUE(tunables::set(n, v).ok()); }
+  ~ScopedTunable() { (void)tunables::reset(name); }
+};
 
 // Exit code that ctest (SKIP_RETURN_CODE) reports as "skipped".
 constexpr int kSkipExitCode = 77;

@@ -532,13 +532,6 @@ TEST_F(Fused, TraceRecordsTilesAndOps) {
 
 // ---- the SM-partition controller (fused_split=auto) ----
 
-// Sets a tunable for the scope of a test, then drops the override.
-struct ScopedTunable {
-  std::string name;
-  ScopedTunable(const std::string& n, const std::string& v) : name(n) { EXPECT_TRUE(tunables::set(n, v).ok()); }
-  ~ScopedTunable() { (void)tunables::reset(name); }
-};
-
 // Every operator with the controller on, the unit's shapes, several calls each (each call
 // starts where the last settled): exact, and the controller is on wherever there is traffic.
 TEST_F(Fused, ControllerMatchesReference) {

@@ -583,10 +583,8 @@ TEST(RingBackward, UnevenZigzagCausalShortDocumentsGraphReplays) {
 // Roles by the order the CTAs start (tunable ring_roles_by_arrival): the same results, whichever
 // CTAs end up computing. Set before create (read there), reset after, also on failure.
 TEST(RingBackward, RolesByArrival) {
-  ASSERT_TRUE(tunables::set("ring_roles_by_arrival", "1").ok());
-  struct Reset {
-    ~Reset() { (void)tunables::reset("ring_roles_by_arrival"); }
-  } reset;
+  ScopedTunable by_arrival("ring_roles_by_arrival", "1");
+  ASSERT_EQ(tunables::ring_roles_by_arrival(), 1);
   check_ring_backward(RingAttentionShape{1, 8, 2, 128, int64_t(shared_comm()->world()) * toks(1024),
                                          SeqLayout::kZigzag, true}, 3);
   check_ring_backward(uneven(RingAttentionShape{1, 8, 8, 64, 0, SeqLayout::kZigzag, true}, toks(1000)), 3, true,
