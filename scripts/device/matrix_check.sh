@@ -17,6 +17,9 @@
 #                          default '1x1-|1x4-|1x8-|2x2-|3x1-udp|2x4-shm|5x1-tcp')
 #   MK_MATRIX_SPLIT="static auto"  the fused operators' split modes (MK_FUSED_SPLIT): every launch
 #                          runs once per mode listed (auto: the on-GPU SM-partition controller)
+#   MK_MATRIX_TRACE_DIR=dir  (read by the ranks) the ring backward runs traced and every rank writes
+#                          its timeline of each case there (ringbwd.<case>.call<n>.rank<r>.tsv), also
+#                          after a failed call; bench/results/h100-2026-12-07-roles/residency.py reads them
 # Prints one line per launch and a summary; exits non-zero if any launch failed.
 set -uo pipefail
 B=${MK_BUILD_DIR:-/tmp/mkb}

@@ -65,11 +65,6 @@ struct BwdRing {
   // The dynamic schedule's item counter (device, zeroed by each launch; one per concurrently
   // running launch), or null: the static schedule (compute CTA c takes items c, c + n, ...).
   int* item_counter = nullptr;
-  // Non-null: roles by arrival (tunable ring_roles_by_arrival) — the CTAs count themselves in here
-  // as they start; the first grid - comm_ctas compute, the rest communicate. It is
-  // item_counter + 1, zeroed with it by each launch. Null: by index, the first comm_ctas
-  // communicate.
-  int* role_counter = nullptr;
   // K/V slots [slots][B][rows][Hkv][D] bf16 and their arrival flags (FmhaSlots' meaning).
   FmhaSlots slots;
   // dK/dV: fp32 tiles [blocks][B][kb][Hkv][2][128 * D] (dK scaled, then dV; fragment order);

@@ -98,11 +98,6 @@ const std::vector<TunableDef> kTable = {
      "shape, the split the controller settled on and the path auto chose (read at first use; \"\": kept in memory only)"},
     {"ring_comm_ctas", "MK_RING_COMM_CTAS", TunableType::kInt, "4",
      "CTAs of ring attention's persistent grid that forward K/V blocks (the others compute)", 1, 1024},
-    {"ring_roles_by_arrival", "MK_RING_ROLES_BY_ARRIVAL", TunableType::kInt, "0",
-     "ring attention backward: a CTA's role from the order the CTAs start (the first ones compute, "
-     "the rest communicate) instead of its index (the first ring_comm_ctas communicate), so a grid "
-     "not all resident at once (ranks sharing a GPU) still computes (1; not yet run on a GPU); read "
-     "at create", 0, 1},
     {"moe_comm_ctas", "MK_MOE_COMM_CTAS", TunableType::kInt, "16",
      "CTAs that move MoE dispatch/combine records between ranks (each slot travels in pieces, so "
      "several CTAs share one destination)", 1, 1024},

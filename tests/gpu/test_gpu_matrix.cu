@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cctype>
 #include <numeric>
 #include <cmath>
 #include <cstring>
@@ -31,6 +32,7 @@
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
+#include "mkernel/device/trace.h"
 #include "mkernel/gemm/gemm.h"
 #include "mkernel/ops/fused.h"
 #include "mkernel/ops/ring_attention.h"
@@ -537,6 +539,14 @@ void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed
     ops::RingAttentionArgs a;
     a.q = q.p, a.k = k.p, a.v = v.p, a.o = out.p, a.lse = lse.as<float>();
     ops::RingAttentionBackwardArgs b{q.p, k.p, v.p, out.p, dout.p, lse.as<float>(), dq.p, dk.p, dv.p};
+    // MK_MATRIX_TRACE_DIR: the backward runs traced, and each rank writes its timeline (every
+    // CTA's life, items, ops and long waits; write_trace_table) there, also after a failed call.
+    const char* trace_dir = getenv("MK_MATRIX_TRACE_DIR");
+    TraceRecorder rec;
+    if (trace_dir) {
+      MK_ASSERT_OK(TraceRecorder::create(1u << 16, &rec));
+      b.trace = rec.device();
+    }
     if (!hcu.empty()) {
       a.cu_seqlens = b.cu_seqlens = cu.as<int32_t>();
       a.n_docs = b.n_docs = int(hcu.size()) - 1;
@@ -545,6 +555,18 @@ void run_ring_backward_case(Communicator* comm, const RingCase& c, uint64_t seed
     MK_ASSERT_OK(call == 1 ? bwd->run(b, st) : bwd->enqueue(b, st));
     const Status s = comm->sync(st);
     EXPECT_TRUE(s.ok()) << "call " << call << ": " << s.to_string();
+    if (trace_dir) {
+      std::vector<TraceEvent> ev;
+      uint64_t dropped = 0;
+      const std::string name = ring_case_name(c, rows, me, comm_ctas);
+      std::string file;
+      for (char ch : name) file += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+      const Status ts = rec.fetch(&ev, &dropped);
+      if (ts.ok())
+        MK_EXPECT_OK(write_trace_table(ev, name + " call " + std::to_string(call) + (s.ok() ? " ok" : " failed"),
+                                       std::string(trace_dir) + "/ringbwd." + file + ".call" + std::to_string(call) +
+                                           ".rank" + std::to_string(me) + ".tsv"));
+    }
     if (!s.ok()) {  // where this rank's call stood: its CTAs that finished, its next op, its flags
       std::string where;
       const Status ps = ops::RingAttentionTesting::backward_progress(*bwd, &where);

@@ -155,22 +155,24 @@ void check_slots(const RingAttention& op, const RingAttentionShape& s, const __n
 // item computed once and every communication op run once (MK_TRACE_OUT=prefix writes the last
 // call's as prefix.<trace_name>.<rank>.json).
 // A traced call's timeline: every work item computed once, every op of the program run once,
-// nothing else but long producer waits (written to $MK_TRACE_OUT.<name>.<rank>.json if set and
-// last).
+// nothing else but long producer waits and (backward) each CTA's life at most once (written to
+// $MK_TRACE_OUT.<name>.<rank>.json if set and last).
 void check_trace(TraceRecorder& rec, int n_items, int n_ops, int me, const char* name, bool last) {
   std::vector<TraceEvent> ev;
   uint64_t dropped = 0;
   MK_ASSERT_OK(rec.fetch(&ev, &dropped));
   EXPECT_EQ(dropped, 0u);
-  std::vector<int> computed(n_items, 0), ran(n_ops, 0);
+  std::vector<int> computed(n_items, 0), ran(n_ops, 0), ctas(4096, 0);
   int waits = 0;
   for (const auto& e : ev) {
     EXPECT_LE(e.t0_ns, e.t1_ns);
     if (e.role == uint32_t(Role::kCompute)) ++computed.at(e.item);
     else if (e.role == uint32_t(Role::kComm) || e.role == uint32_t(Role::kNetSend)) ++ran.at(e.item);
     else if (e.role == uint32_t(Role::kWait)) ++waits;
+    else if (e.role == uint32_t(Role::kCta)) ++ctas.at(e.cta);  // the backward's CTA lives
     else ADD_FAILURE() << "unexpected role " << e.role;
   }
+  for (size_t c = 0; c < ctas.size(); ++c) EXPECT_LE(ctas[c], 1) << "rank " << me << " CTA " << c << " lived twice";
   for (size_t i = 0; i < computed.size(); ++i) EXPECT_EQ(computed[i], 1) << "rank " << me << " item " << i;
   for (size_t i = 0; i < ran.size(); ++i) EXPECT_EQ(ran[i], 1) << "rank " << me << " op " << i;
   if (me == 0)
@@ -576,17 +578,6 @@ TEST(RingBackward, UnevenContiguousFullD64) {
   check_ring_backward(uneven(RingAttentionShape{2, 16, 4, 64, 0, SeqLayout::kContiguous, false}, toks(1000)), 2);
 }
 TEST(RingBackward, UnevenZigzagCausalShortDocumentsGraphReplays) {
-  check_ring_backward(uneven(RingAttentionShape{1, 8, 8, 64, 0, SeqLayout::kZigzag, true}, toks(1000)), 3, true,
-                      nullptr, 1);
-}
-
-// Roles by the order the CTAs start (tunable ring_roles_by_arrival): the same results, whichever
-// CTAs end up computing. Set before create (read there), reset after, also on failure.
-TEST(RingBackward, RolesByArrival) {
-  ScopedTunable by_arrival("ring_roles_by_arrival", "1");
-  ASSERT_EQ(tunables::ring_roles_by_arrival(), 1);
-  check_ring_backward(RingAttentionShape{1, 8, 2, 128, int64_t(shared_comm()->world()) * toks(1024),
-                                         SeqLayout::kZigzag, true}, 3);
   check_ring_backward(uneven(RingAttentionShape{1, 8, 8, 64, 0, SeqLayout::kZigzag, true}, toks(1000)), 3, true,
                       nullptr, 1);
 }

@@ -91,7 +91,6 @@ std::string string_or_default(const std::string& name);
   STRING_(fused_path)                        \
   STRING_(split_memory_file)                 \
   INT_(ring_comm_ctas)                       \
-  INT_(ring_roles_by_arrival)                \
   INT_(moe_comm_ctas)                        \
   INT_(moe_small_tokens)                     \
   INT_(moe_local_dispatch)                   \

@@ -166,8 +166,9 @@ struct RingAttentionBackwardArgs {
   int n_docs = 0;
   // Non-null: the kernel records per CTA every work item ("compute", item = index in the
   // launch's item list, from its start to its ready flag), every wait of the producer for a
-  // ring block that lasted > 5 us ("wait") and every communication op ("comm" / "net-send",
-  // item = op index). Export with write_chrome_trace (device/trace.h).
+  // ring block that lasted > 5 us ("wait"), every communication op ("comm" / "net-send",
+  // item = op index) and each CTA's life ("cta", from its start to its end; item 1 for a
+  // communication CTA, 0 for a compute one). Export with write_chrome_trace (device/trace.h).
   const TraceBuffer* trace = nullptr;
 };
 

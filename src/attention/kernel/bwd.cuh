@@ -204,7 +204,6 @@ struct BwdParams {
   const DocWindow* doc_win;
   const DocWindow* qwin;
   int* item_counter;
-  int* role_counter;  // non-null: roles by the order the CTAs start (BwdRing::role_counter)
   FmhaSlots slots;
   float* part;
   uint64_t* ready;
@@ -674,35 +673,21 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   const int wg = cutlass::canonical_warp_group_idx();
   const int warp_in_wg = cutlass::canonical_warp_idx_sync() % 4;
   [[maybe_unused]] const uint64_t epoch = Comm_::call_epoch(p.comm);
-
-  // The CTA's role slot: its index, or (role_counter) the order in which it started. By index
-  // the first comm_ctas communicate; by arrival the first grid - comm_ctas compute, so a grid
-  // whose CTAs are not all resident at once (ranks sharing a GPU under MPS) has its compute
-  // CTAs running while the late ones are communication CTAs, which find the ops that are left.
-  // sh.sched is the dynamic schedule's, first written after the __syncthreads below.
-  const int comm_ctas = Comm_::dedicated_ctas(p.comm);
-  const int n_compute = int(gridDim.x) - comm_ctas;
-  int cta_slot = int(blockIdx.x);
-  bool communicates = Comm_::dedicated_cta(p.comm);
-  if (p.role_counter) {
-    if (threadIdx.x == 0) sh.sched[0] = atomicAdd(p.role_counter, 1);
-    __syncthreads();
-    cta_slot = sh.sched[0];
-    __syncthreads();
-    communicates = cta_slot >= n_compute;
-  } else {
-    cta_slot -= comm_ctas;
-  }
+  // Traced: each CTA's life (Role::kCta, item 1 for a communication CTA, 0 for a compute one),
+  // from its start to its end, so a timeline shows when each CTA became resident — also after
+  // a wait gave up, when the CTAs still run to their end.
+  const uint64_t t_start = p.trace.events ? device::trace_now_ns() : 0;
 
   // The ring's dedicated communication CTAs: the consumer threads run the program's ops in
   // order (the same register budgets as the compute CTAs).
-  if (communicates) {
+  if (Comm_::dedicated_cta(p.comm)) {
     if (wg == 0) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (wg >= 1) {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       Comm_::template run_dedicated<true, kMmaThreads, kCommBarrier, sizeof(typename C::Shared)>(
           p.comm, smem_raw, threadIdx.x - 128, epoch, p.trace);
     }
+    if (p.trace.events && threadIdx.x == 128) device::trace_record(p.trace, Role::kCta, 1, t_start);
     Comm_::finish(p.comm);
     return;
   }
@@ -711,6 +696,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   // CTAs. List order is step order, so a CTA waiting for a step's K/V holds no item of an earlier
   // step back. Each role keeps its current item in shared memory (sh.work[role], written by the
   // role's first thread): registers are short (the producer thread runs on 24).
+  const int comm_ctas = Comm_::dedicated_ctas(p.comm);
   const int n_items = p.n_items;
 
   typename C::PipeKV::Params pkv;
@@ -736,7 +722,8 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   ps.producer_arv_count = 1;
   ps.consumer_arv_count = kBwdDqThreads;  // the consumers and the reducing warp
   typename C::PipeSched pipe_s(sh.pipe_s, ps);
-  const FmhaScheduler<typename C::PipeSched> sched{p.item_counter != nullptr, cta_slot, n_compute, p.item_counter, pipe_s, sh.sched};
+  const FmhaScheduler<typename C::PipeSched> sched{p.item_counter != nullptr, int(blockIdx.x) - comm_ctas,
+                                                   int(gridDim.x) - comm_ctas, p.item_counter, pipe_s, sh.sched};
   __syncthreads();
 
   Tensor sK = make_tensor(make_smem_ptr(sh.k.data()), typename C::SmemKV{});
@@ -947,6 +934,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
             p.comm, smem_raw, threadIdx.x - 128, epoch, p.trace);
     }
   }
+  if (p.trace.events && threadIdx.x == 128) device::trace_record(p.trace, Role::kCta, 0, t_start);
   Comm_::finish(p.comm);
 #endif
 }

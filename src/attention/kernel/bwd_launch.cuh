@@ -71,11 +71,7 @@ Status launch_bwd(const BackwardArgs& a, const BwdWorkspace& w, cudaStream_t str
     p.n_pairs = ring->n_pairs;
     p.n_items = ring->n_items;
     p.item_counter = ring->item_counter;
-    p.role_counter = ring->role_counter;
-    MK_REQUIRE(!ring->role_counter || ring->role_counter == ring->item_counter + 1, Code::kInternal,
-               "ring backward: the role counter must follow the item counter (one memset zeroes both)");
-    if (ring->item_counter)
-      MK_CUDA_CHECK(cudaMemsetAsync(ring->item_counter, 0, (ring->role_counter ? 2 : 1) * sizeof(int), stream));
+    if (ring->item_counter) MK_CUDA_CHECK(cudaMemsetAsync(ring->item_counter, 0, sizeof(int), stream));
     p.slots = ring->slots;
     p.part = ring->part;
     p.ready = ring->ready;

@@ -146,13 +146,9 @@ Status setup(RingBwdState* st) {
   r.program = res.program;
   if (W == 1) r.program.epoch = nullptr;  // nothing to communicate: no epoch to keep
   r.comm_ctas = r.program.n_ops == 0 ? 0 : st->comm_ctas;
-  // The dynamic schedule's counter (calls of an operator run in stream order), and right after it
-  // the roles' when they go by arrival (one memset per launch zeroes both).
-  const bool by_arrival = r.comm_ctas > 0 && tunables::ring_roles_by_arrival();
-  void* counter = nullptr;
-  MK_CHECK(ses.alloc_zeroed((by_arrival ? 2 : 1) * sizeof(int), &counter));
+  void* counter = nullptr;  // the dynamic schedule's (calls of an operator run in stream order)
+  MK_CHECK(ses.alloc_zeroed(sizeof(int), &counter));
   r.item_counter = static_cast<int*>(counter);
-  if (by_arrival) r.role_counter = r.item_counter + 1;
   // The workspace (dQ accumulator, LSE₂, Dsum over the chunks' virtual query blocks) and the
   // chunks' bounds that map those blocks back to rows.
   st->workspace_bytes = attention::backward_workspace_bytes(s.B, s.H, int(st->S_l), s.D, st->chunks);
