@@ -85,6 +85,12 @@ MUTATIONS = [
              "    for (int s = 2; s <= t; ++s) {\n      const int h = holder(blk, s);",
              ["test_ring_attention_program"],
              "the backward's sums ignore the tiles of the first rank after the owner (a sum begins a step late)"),
+    Mutation("ring-bwd-roles-comm-first", "src/attention/ring_roles.h",
+             "  return RingRole{before * grid < (cta + 1) * comm, cta - before};",
+             "  return RingRole{cta < comm, cta - comm + 0 * before};",
+             ["test_ring_attention_plan:RingRoles.*"],
+             "the ring backward's communication CTAs first by index again: a rank that MPS leaves without its "
+             "last CTAs can have no compute CTA (its sums then wait for ever)"),
     Mutation("ring-bwd-sum-parts-counted-once", RING,
              "    return from_remote ? 1 : dkv_parts(dpiece_bytes(blk, dp));",
              "    return from_remote ? 1 : 1;",

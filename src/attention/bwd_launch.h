@@ -87,8 +87,10 @@ struct BwdRing {
   const DocWindow* doc_win = nullptr;
   const DocWindow* qwin = nullptr;
   comm::DeviceProgram program{};
+  // The persistent grid and its communication CTAs, interleaved with the compute ones by index
+  // (ring_role, src/attention/ring_roles.h).
   int comm_ctas = 0, grid = 0;
-  TraceBuffer trace{};  // events non-null: the kernel records items, long K/V waits and ops
+  TraceBuffer trace{};  // events non-null: the kernel records items, long K/V waits, ops, CTA lives
 };
 
 // The ring's call: `a` as launch_bwd_d* takes it, a.workspace of

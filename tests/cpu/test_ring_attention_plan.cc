@@ -13,6 +13,7 @@
 
 #include "mkernel/ops/ring_attention.h"
 #include "src/attention/doc_window.h"
+#include "src/attention/ring_roles.h"
 #include "src/ops/ring_attention/ring_attention_plan.h"
 #include "src/ops/ring_attention/ring_attention_program.h"
 #include "tests/common/test_util.h"
@@ -480,6 +481,38 @@ TEST(RingDocuments, CallRules) {
     EXPECT_EQ(st.code(), Code::kInvalidArgument) << c.says;
     EXPECT_NE(st.message().find(c.says), std::string::npos) << st.to_string();
   }
+}
+
+
+// The backward's roles (attention::ring_role): exactly C of G CTAs communicate, the compute CTAs'
+// slots are 0 .. G - C - 1 once each in index order, and every first part of the grid holds
+// both roles in proportion — what a rank that MPS left without its last CTAs needs (with the
+// communication CTAs first, a first part of C CTAs had no compute CTA at all). Every grid up to
+// 160 CTAs, every count.
+TEST(RingRoles, InterleavedSoEveryFirstPartHoldsBothRoles) {
+  for (int G = 1; G <= 160; ++G)
+    for (int C = 0; C <= G; ++C) {
+      int comm = 0, compute = 0;
+      for (int i = 0; i < G; ++i) {
+        const attention::RingRole r = attention::ring_role(i, C, G);
+        if (r.comm) {
+          ++comm;
+        } else {
+          ASSERT_EQ(r.compute_slot, compute) << "G " << G << " C " << C << " CTA " << i;
+          ++compute;
+        }
+        const int L = i + 1;  // the first L CTAs
+        ASSERT_GE(comm, L * C / G) << "G " << G << " C " << C << " first " << L;
+        ASSERT_GE(compute, L * (G - C) / G) << "G " << G << " C " << C << " first " << L;
+      }
+      ASSERT_EQ(comm, C) << "G " << G;
+      ASSERT_EQ(compute, G - C) << "G " << G;
+      if (C > 0) EXPECT_TRUE(attention::ring_role(0, C, G).comm) << "G " << G << " C " << C;
+    }
+  // The matrix's launch that timed out: 16 of 20 communicating; its short ranks ran 10-16 CTAs.
+  int compute = 0;
+  for (int i = 0; i < 10; ++i) compute += attention::ring_role(i, 16, 20).comm ? 0 : 1;
+  EXPECT_EQ(compute, 2);
 }
 
 }  // namespace

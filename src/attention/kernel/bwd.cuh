@@ -43,6 +43,7 @@
 #include "src/attention/kernel/config.cuh"
 #include "src/attention/kernel/scheduler.cuh"
 #include "src/attention/kernel/varlen.cuh"
+#include "src/attention/ring_roles.h"
 #include "src/comm/comm_role.cuh"
 
 // Leave-one-stage-out builds, for accounting where a call's time goes (benchmarks only; 0 in the
@@ -678,9 +679,14 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   // a wait gave up, when the CTAs still run to their end.
   const uint64_t t_start = p.trace.events ? device::trace_now_ns() : 0;
 
+  // Roles interleaved by index (src/attention/ring_roles.h): a rank left without its last CTAs
+  // (ranks sharing a GPU) still has both roles running.
+  const int comm_ctas = Comm_::dedicated_ctas(p.comm);
+  const RingRole role = ring_role(int(blockIdx.x), comm_ctas, int(gridDim.x));
+
   // The ring's dedicated communication CTAs: the consumer threads run the program's ops in
   // order (the same register budgets as the compute CTAs).
-  if (Comm_::dedicated_cta(p.comm)) {
+  if (role.comm) {
     if (wg == 0) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (wg >= 1) {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
@@ -696,7 +702,6 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   // CTAs. List order is step order, so a CTA waiting for a step's K/V holds no item of an earlier
   // step back. Each role keeps its current item in shared memory (sh.work[role], written by the
   // role's first thread): registers are short (the producer thread runs on 24).
-  const int comm_ctas = Comm_::dedicated_ctas(p.comm);
   const int n_items = p.n_items;
 
   typename C::PipeKV::Params pkv;
@@ -722,7 +727,7 @@ __global__ void __launch_bounds__(kThreads, 1) fmha_bwd_ring_kernel(__grid_const
   ps.producer_arv_count = 1;
   ps.consumer_arv_count = kBwdDqThreads;  // the consumers and the reducing warp
   typename C::PipeSched pipe_s(sh.pipe_s, ps);
-  const FmhaScheduler<typename C::PipeSched> sched{p.item_counter != nullptr, int(blockIdx.x) - comm_ctas,
+  const FmhaScheduler<typename C::PipeSched> sched{p.item_counter != nullptr, role.compute_slot,
                                                    int(gridDim.x) - comm_ctas, p.item_counter, pipe_s, sh.sched};
   __syncthreads();
 
