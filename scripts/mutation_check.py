@@ -11,7 +11,12 @@ The scratch copy (tracked and untracked, not ignored, files of this tree) gets i
 folder; with ccache (scripts/setup.sh's settings: keys relative to the tree) only the mutated
 files compile anew. Before any mutation the listed tests must pass on the unmutated copy.
 
-  scripts/mutation_check.py                 the CPU mutations (CI runs this)
+  scripts/mutation_check.py                 the CPU mutations, in a scratch copy
+  scripts/mutation_check.py --in-place --base-passed
+                                            CI's run (.ci/run): the mutations applied to this tree
+                                            one at a time and built in its own build (restored
+                                            after each, also on SIGTERM); no unmutated run, as
+                                            scripts/test.sh has just passed these tests there
   scripts/mutation_check.py --gpu           the GPU ones too (on a GPU machine; the ranks of a
                                             multi-rank test share the GPU under MPS there)
   scripts/mutation_check.py --list          the mutations, without running anything
@@ -25,14 +30,15 @@ files compile anew. Before any mutation the listed tests must pass on the unmuta
                                             mutation's binaries swapped in, unmutated first (ranks
                                             of a multi-rank test under MPS at 100/np % each)
 Environment: MK_BUILD_DIR (the main build, for its CMake settings; default build),
-MK_MUTATION_DIR (the scratch folder; default /tmp/mk-mutation), MK_MUTATION_JSON (also write
-the report there).
+MK_MUTATION_DIR (the scratch folder, and the logs; default /tmp/mk-mutation), MK_MUTATION_JSON
+(also write the report there). MK_TEST_STRIDE is dropped from the tests' environment.
 """
 import argparse
 import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +61,11 @@ class Mutation:
     # A hole known and not yet closed: reported as SURVIVED (known: why) and not counted in the
     # exit status; once caught, the report says to drop the mark.
     known: str = ""
+    # The file is a header the catching CPU test includes itself: the mutant is compiled into that
+    # test alone (the library and the other targets keep their objects, so a header the CUDA
+    # kernels include costs one test object, not the kernels' rebuild). Only for tests that check
+    # the header's own functions; the build checks that the test's object includes the file.
+    test_only: bool = False
 
 
 RING = "src/ops/ring_attention/ring_attention_program.cc"
@@ -90,7 +101,7 @@ MUTATIONS = [
              "  return RingRole{cta < comm, cta - comm + 0 * before};",
              ["test_ring_attention_plan:RingRoles.*"],
              "the ring backward's communication CTAs first by index again: a rank that MPS leaves without its "
-             "last CTAs can have no compute CTA (its sums then wait for ever)"),
+             "last CTAs can have no compute CTA (its sums then wait for ever)", test_only=True),
     Mutation("ring-bwd-sum-parts-counted-once", RING,
              "    return from_remote ? 1 : dkv_parts(dpiece_bytes(blk, dp));",
              "    return from_remote ? 1 : 1;",
@@ -120,12 +131,13 @@ MUTATIONS = [
              "  w.hi = next > pos ? next : S;",
              "  w.hi = next > pos && found + 2 <= n_docs ? doc_clamp(cu[found + 2], S) : S;",
              ["test_ring_attention_plan:RingDocuments.*"],
-             "a token's document window runs on into the next document"),
+             "a token's document window runs on into the next document", test_only=True),
     Mutation("doc-keys-span-from-last-row", "src/attention/doc_window.h",
              "  *lo = first.lo;\n  *hi = causal ? q_last + 1 : last.hi;",
              "  *lo = last.lo;\n  *hi = causal ? q_last + 1 : last.hi;",
              ["test_ring_attention_plan:RingDocuments.*"],
-             "a forward tile's key span starts at its last row's document, skipping keys its first rows see"),
+             "a forward tile's key span starts at its last row's document, skipping keys its first rows see",
+             test_only=True),
     Mutation("moe-entry-wait", MOE,
              "      op.waits = {wait_on(MoeRegion::kEntry, m.me, uint32_t(m.to), 1, m.to)};",
              "      op.waits = {};",
@@ -150,12 +162,12 @@ MUTATIONS = [
              "  if (tail) return s->comm;",
              "  return s->comm;",
              ["test_split_control:SplitSim.*"],
-             "the SM-partition controller never moves the split (the model alone must see it)"),
+             "the SM-partition controller never moves the split (the model alone must see it)", test_only=True),
     Mutation("controller-jumps-to-ceiling", SPLIT,
              "  int32_t up = s->comm + step;",
              "  int32_t up = lim.hi;",
              ["test_split_control:SplitSim.*"],
-             "the controller grows straight to its ceiling (the model alone must see it)",
+             "the controller grows straight to its ceiling (the model alone must see it)", test_only=True,
              known="issue 40 item 1: the rule grows only where its prediction says the call ends sooner, so "
                    "taking the ceiling as the step changes little wherever the models can see: in the "
                    "plan-driven model calibrated on the H200's traces (test_split_calibration), on one node and "
@@ -445,18 +457,40 @@ def cmake_args(main_build):
     return args
 
 
+def test_sources(tree, m):
+    """The catching CPU tests' own sources (a test_only mutation's header is compiled into these)."""
+    return [os.path.join(tree, "tests", "cpu", t.split(":")[0] + ".cc") for t in m.tests]
+
+
+def test_object(t):
+    """The object file, in the build folder, of CPU test t's own source."""
+    name = t.split(":")[0]
+    return f"tests/cpu/CMakeFiles/{name}.dir/{name}.cc.o"
+
+
 @contextlib.contextmanager
 def mutated(tree, m):
-    """m applied to its file of the scratch tree for the duration of the block, then undone."""
+    """m applied to its file of the tree for the duration of the block, then undone. A test_only
+    mutation's header keeps its modification time (nothing that includes it looks out of date)
+    and the catching tests' sources get a new one, so only they compile with the mutant, and
+    again (a compiler-cache hit) once it is undone."""
     path = os.path.join(tree, m.file)
     original = open(path).read()
-    with open(path, "w") as f:
-        f.write(original.replace(m.find, m.replace, 1))
+    st = os.stat(path)
+
+    def put(text):
+        with open(path, "w") as f:
+            f.write(text)
+        if m.test_only:
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            for src in test_sources(tree, m):
+                os.utime(src)
+
+    put(original.replace(m.find, m.replace, 1))
     try:
         yield
     finally:
-        with open(path, "w") as f:
-            f.write(original)
+        put(original)
 
 
 def verdict_of(m, status, failed, blog):
@@ -550,11 +584,21 @@ def main():
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--build-only", metavar="DIR", help="build the GPU mutations' binaries into DIR/mutants")
     ap.add_argument("--prebuilt", metavar="DIR", help="run DIR/mutants' binaries in a prebuilt build (GPU machine)")
+    ap.add_argument("--in-place", action="store_true",
+                    help="mutate this tree and rebuild in its build (MK_BUILD_DIR), not a scratch copy (CI: a "
+                         "throw-away clone whose build scripts/test.sh just made); each file is restored after")
+    ap.add_argument("--base-passed", action="store_true",
+                    help="leave out the unmutated run: the listed tests just passed on this build (CI: "
+                         "scripts/test.sh ran them; with --in-place only)")
     o = ap.parse_args()
     if o.prebuilt:
         return run_prebuilt(o.prebuilt, set(o.only) if o.only else None)
     if o.build_only:
         o.gpu = True
+    if o.in_place and (o.build_only or o.gpu):
+        sys.exit("mutation_check: --in-place is for the CPU mutations (not --gpu or --build-only)")
+    if o.base_passed and not o.in_place:
+        sys.exit("mutation_check: --base-passed needs --in-place (a scratch copy's build is new)")
     chosen = [m for m in MUTATIONS if (o.gpu or not m.gpu) and (o.only is None or m.name in o.only)
               and (not o.build_only or m.gpu)]
     if o.only:
@@ -571,18 +615,30 @@ def main():
             sys.exit(f"mutation_check: {m.name}: its text occurs {n} times in {m.file} (must be once): update the list")
 
     scratch = os.environ.get("MK_MUTATION_DIR", "/tmp/mk-mutation")
-    tree, build, logs = os.path.join(scratch, "tree"), os.path.join(scratch, "build"), os.path.join(scratch, "logs")
+    logs = os.path.join(scratch, "logs")
     main_build = os.path.join(ROOT, os.environ.get("MK_BUILD_DIR", "build"))
-    scratch_copy(tree)
     os.makedirs(logs, exist_ok=True)
+    # A kill (CI's time limit) still undoes the mutation in hand (mutated()'s finally).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, _: sys.exit(128 + s))
+    if o.in_place:
+        tree, build = ROOT, main_build
+        if not os.path.exists(os.path.join(build, "build.ninja")):
+            sys.exit(f"mutation_check: --in-place: no build in {build} (scripts/setup.sh first)")
+    else:
+        tree, build = os.path.join(scratch, "tree"), os.path.join(scratch, "build")
+        scratch_copy(tree)
+    # MK_TEST_STRIDE would thin the tests that must catch the mutants: never here.
     env = dict(os.environ, CCACHE_BASEDIR=tree, CCACHE_NOHASHDIR="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("MK_TEST_INSTALLED", None)
-    rc, _ = run(["cmake", "-S", tree, "-B", build, "-G", "Ninja"] + cmake_args(main_build),
-                tree, os.path.join(logs, "configure.log"), env=env)
-    if rc:
-        print(tail(os.path.join(logs, "configure.log")))
-        sys.exit("mutation_check: the scratch copy did not configure")
+    for k in ("MK_TEST_INSTALLED", "MK_TEST_STRIDE"):
+        env.pop(k, None)
+    if not o.in_place:
+        rc, _ = run(["cmake", "-S", tree, "-B", build, "-G", "Ninja"] + cmake_args(main_build),
+                    tree, os.path.join(logs, "configure.log"), env=env)
+        if rc:
+            print(tail(os.path.join(logs, "configure.log")))
+            sys.exit("mutation_check: the scratch copy did not configure")
 
     def targets_of(m):
         return m.targets or [t.split(":")[0] for t in m.tests if not t.startswith("test_torch")]
@@ -593,6 +649,14 @@ def main():
         rc, bt = run(["ninja", "-C", build] + tg, tree, log, env=env)
         if rc:
             return "build failed", None, bt, 0.0, log
+        if m.test_only:  # the mutant reached the test only if its object includes the file
+            for t in m.tests:
+                deps = subprocess.run(["ninja", "-C", build, "-t", "deps", test_object(t)], capture_output=True,
+                                      text=True).stdout
+                if not any(line.strip().endswith(m.file) for line in deps.splitlines()):
+                    with open(log, "a") as f:
+                        f.write(f"mutation_check: {test_object(t)} does not include {m.file} (test_only)\n")
+                    return "build failed", None, bt, 0.0, log
         failed, tt = None, 0.0
         for t in m.tests:
             tlog = os.path.join(logs, f"{tag}.{t.split(':')[0]}.log")
@@ -601,7 +665,10 @@ def main():
                 cmd = [os.path.join(build, "tests", "cpu", name), f"--gtest_filter={filt}"]
             else:
                 cmd = ["ctest", "--test-dir", build, "-R", f"^{t}$", "--output-on-failure", "--no-tests=error"]
-            rc, dt = run(cmd, tree, tlog, timeout=1800, env=env)
+            # One failure is a catch: the rest of the binary's tests need not run (not for the
+            # ranks of an MPI test, which would leave the others waiting for them).
+            tenv = env if "_np" in t else dict(env, GTEST_FAIL_FAST="1")
+            rc, dt = run(cmd, tree, tlog, timeout=1800, env=tenv)
             tt += dt
             if rc:
                 failed = (t, tlog)
@@ -614,14 +681,18 @@ def main():
         return build_mutants(o.build_only, chosen, tree, build, logs, env, targets_of)
 
     # The unmutated copy first: the tests must pass, or a "caught" below means nothing.
-    print(f"mutation_check: {len(chosen)} mutations in {tree}; first the unmutated tree")
-    base = Mutation("unmutated", "", "", "", sorted({t for m in chosen for t in m.tests}), "",
-                    targets=sorted({t for m in chosen for t in targets_of(m)}))
-    status, failed, bt, tt, blog = build_and_test(base, "unmutated")
-    if status != "ok" or failed:
-        print(tail(blog or failed[1], 30))
-        sys.exit(f"mutation_check: the unmutated tree fails ({status}, {failed[0] if failed else ''}): fix that first")
-    print(f"  unmutated: every test passes (build {bt:.0f} s, tests {tt:.0f} s)")
+    if o.base_passed:
+        print(f"mutation_check: {len(chosen)} mutations in {tree} (in place, build {build}); the unmutated "
+              f"run left out: --base-passed (the tests just passed on this build)")
+    else:
+        print(f"mutation_check: {len(chosen)} mutations in {tree}; first the unmutated tree")
+        base = Mutation("unmutated", "", "", "", sorted({t for m in chosen for t in m.tests}), "",
+                        targets=sorted({t for m in chosen for t in targets_of(m)}))
+        status, failed, bt, tt, blog = build_and_test(base, "unmutated")
+        if status != "ok" or failed:
+            print(tail(blog or failed[1], 30))
+            sys.exit(f"mutation_check: the unmutated tree fails ({status}, {failed[0] if failed else ''}): fix that first")
+        print(f"  unmutated: every test passes (build {bt:.0f} s, tests {tt:.0f} s)")
 
     report, bad = [], 0
     for m in chosen:

@@ -9,6 +9,10 @@
 #   MK_SAN_TESTS=regex        only the cpu tests whose name matches (ctest -R)
 #   MK_SAN_RETRY=1            rerun once the tests that failed without a sanitizer report (timing
 #                             on a loaded 2-core machine); they are named; 0: no rerun
+#   MK_SAN_STRIDE=n           the CPU plan tests run one in n of their sweep configurations and
+#                             mutants under the sanitizers (MK_TEST_STRIDE; default 4, 1: all;
+#                             tests/common/test_util.h): their sanitized run is 5-8 times slower,
+#                             and scripts/test.sh runs every one unsanitized
 #   MK_JOBS=n                 build jobs (default: all cores)
 # Run scripts/setup.sh first (CI's scripts/test.sh does); this script installs nothing.
 set -euo pipefail
@@ -24,7 +28,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 tsan_known_races=()
 # Not run under TSan: single-threaded tests (TSan finds races between threads only) that take
 # minutes under it. ASan+UBSan runs them.
-tsan_single_threaded=(test_fused_gemm_plan)
+tsan_single_threaded=(test_fused_gemm_plan test_ring_attention_program test_collective_plan)
 
 nvcc=$(command -v nvcc || true)
 [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
@@ -41,6 +45,7 @@ done
 sanitizer_env() {  # kind logs
   local kind=$1 logs=$2
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS
+  export MK_TEST_STRIDE=${MK_SAN_STRIDE:-4}
   if [[ $kind == asan ]]; then
     # fast_unwind_on_malloc=0: full allocation stacks through OpenMPI (built without frame
     # pointers), so the leak suppressions can match its frames. protect_shadow_gap=0: the CUDA
@@ -74,12 +79,20 @@ for kind in $kinds; do
   t0=$(date +%s)
   echo "== sanitize: $kind: configure and build ($dir)"
   mkdir -p "$dir"
+  # -O1 -g1: line tables are all a report's stack needs; this build compiles in a third of the
+  # time -O2 -g takes (the gtest-heavy test sources), and runs about as fast.
   cmake -S . -B "$dir" -G Ninja -DCMAKE_CUDA_COMPILER="$nvcc" -DMK_SANITIZE="$san" \
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+        -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
         -DMK_WITH_CUTLASS=OFF -DMK_BUILD_TESTS=ON > "$dir/sanitize-cmake.log" 2>&1 ||
     { cat "$dir/sanitize-cmake.log"; exit 1; }
   # The executables defined in tests/cpu are exactly what label cpu runs.
   mapfile -t targets < <(ninja -C "$dir" -t targets all |
                          sed -n 's|^\(tests/cpu/[^/:]*\): CXX_EXECUTABLE_LINKER.*|\1|p')
+  if [[ $kind == tsan ]]; then  # what TSan does not run, it does not build
+    mapfile -t targets < <(printf '%s\n' "${targets[@]}" |
+                           grep -vxE "tests/cpu/($(IFS='|'; echo "${tsan_single_threaded[*]}"))" || true)
+  fi
   if ((${#targets[@]} == 0)); then
     echo "sanitize: no cpu test targets in $dir (GoogleTest missing? see $dir/sanitize-cmake.log)" >&2
     exit 1
@@ -120,7 +133,7 @@ for kind in $kinds; do
     "${prefix[@]}" ctest "${args[@]}" --rerun-failed 2>&1 | tee "$logs/ctest-rerun.out" || rc=$?
   fi
   mapfile -t files < <(reports)
-  unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS
+  unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS MK_TEST_STRIDE
 
   # Every report is printed; a report fails the stage unless it comes from a test listed in
   # tsan_known_races (matched by the binary's name in the report's frames).
@@ -137,7 +150,7 @@ for kind in $kinds; do
     if ((known)); then echo "(known race, listed in tsan_known_races: not failing)"; else findings=$((findings + 1)); fi
   done
   t2=$(date +%s)
-  line="$kind: build $((t1 - t0)) s, tests $((t2 - t1)) s, ctest rc=$rc, sanitizer reports ${#files[@]} (failing $findings)"
+  line="$kind: build $((t1 - t0)) s, tests $((t2 - t1)) s (MK_TEST_STRIDE ${MK_SAN_STRIDE:-4}), ctest rc=$rc, sanitizer reports ${#files[@]} (failing $findings)"
   [[ -n $retried ]] && line+=", rerun once: $retried"
   summary+=("$line")
   if ((rc != 0 || findings != 0)); then status=1; fi

@@ -70,6 +70,21 @@ bool small_shapes() {
   return v && *v && strcmp(v, "0") != 0;
 }
 
+uint64_t test_stride() {
+  static const uint64_t n = [] {
+    const char* v = getenv("MK_TEST_STRIDE");
+    if (!v || !*v) return uint64_t(1);
+    char* end = nullptr;
+    const unsigned long long x = strtoull(v, &end, 10);
+    if (*end != '\0' || x < 1) {
+      fprintf(stderr, "MK_TEST_STRIDE='%s': not a number >= 1\n", v);
+      std::abort();
+    }
+    return uint64_t(x);
+  }();
+  return n;
+}
+
 bool have_gpu() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

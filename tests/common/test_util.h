@@ -65,6 +65,23 @@ std::string stacks_of(int pid, size_t max_chars = 12000);
 // loop over shapes leave out their large ones, keeping every code path at fewer tiles.
 bool small_shapes();
 
+// MK_TEST_STRIDE=n (n >= 1; the sanitizer stage, scripts/sanitize.sh, sets 4): the CPU plan
+// tests (fused GEMM, ring attention, collectives) keep one in n of their sweep configurations and
+// of their mutants, from an offset drawn from the run seed (runs cover different ones;
+// MK_TEST_SEED replays a run's choice). Unset or 1: all of them, as scripts/test.sh runs them.
+// Read at static initialization too (the sweeps' lists); a value that is not a number >= 1 aborts.
+uint64_t test_stride();
+template <class T>
+std::vector<T> strided(std::vector<T> v) {
+  const uint64_t n = test_stride();
+  if (n <= 1 || v.empty()) return v;
+  const uint64_t off = mix(test_seed(), 0x57121de) % n;
+  std::vector<T> out;
+  for (size_t i = off; i < v.size(); i += n) out.push_back(std::move(v[i]));
+  if (out.empty()) out.push_back(std::move(v[off % v.size()]));  // a short list keeps one
+  return out;
+}
+
 // Sets a tunable for the scope of a test (a failed set is a test failure), then drops the override.
 struct ScopedTunable {
   std::string name;

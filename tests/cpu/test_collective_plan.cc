@@ -272,7 +272,7 @@ TEST_P(CollReplay, ThreeCallsBitExact) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Sweep, CollReplay, ::testing::ValuesIn(sweep()),
+INSTANTIATE_TEST_SUITE_P(Sweep, CollReplay, ::testing::ValuesIn(test::strided(sweep())),
                          [](const ::testing::TestParamInfo<Config>& i) { return config_name(i.param); });
 
 // ---- What the planner refuses, with what it says.
@@ -496,7 +496,7 @@ class CollMutation : public ::testing::TestWithParam<Config> {
     for (uint64_t k = 0; k < 64; ++k)
       ASSERT_EQ(replay_once(p, c.seed, test::mutant_replay(test::mix(c.seed, 77 + k), c.slots, 1, k)), "")
           << seed_note(c);
-    const std::vector<Mutant> ms = mutants;
+    const std::vector<Mutant> ms = test::strided(mutants);  // all but under MK_TEST_STRIDE
     if (ms.empty()) {
       EXPECT_TRUE(allow_none) << cls << ": no site";
       return;

@@ -466,7 +466,7 @@ TEST_P(PlanReplay, ThreeCallsExact) {
   EXPECT_TRUE(replay.run()) << replay.error() << seed_note(c);
 }
 
-INSTANTIATE_TEST_SUITE_P(Sweep, PlanReplay, ::testing::ValuesIn(sweep()),
+INSTANTIATE_TEST_SUITE_P(Sweep, PlanReplay, ::testing::ValuesIn(test::strided(sweep())),
                          [](const ::testing::TestParamInfo<Config>& i) { return config_name(i.param); });
 
 // ---- Shapes and layouts the planner must refuse.
@@ -846,7 +846,9 @@ class PlanMutation : public ::testing::TestWithParam<Config> {
   }
   // Applies each mutant to a copy of the plan and expects it rejected as `detect` says.
   // allow_none: the plan may have no site of this class (then there is nothing to break).
-  void expect_rejected(const char* cls, const std::vector<Mutant>& mutants, Detect detect, bool allow_none = false) {
+  // Under MK_TEST_STRIDE only some of them (test::strided).
+  void expect_rejected(const char* cls, std::vector<Mutant> mutants, Detect detect, bool allow_none = false) {
+    mutants = test::strided(std::move(mutants));
     if (mutants.empty() && allow_none) {
       printf("%s on %s: no site\n", cls, config_name(base_).c_str());
       return;
