@@ -507,7 +507,9 @@ TEST(RingRoles, InterleavedSoEveryFirstPartHoldsBothRoles) {
       }
       ASSERT_EQ(comm, C) << "G " << G;
       ASSERT_EQ(compute, G - C) << "G " << G;
-      if (C > 0) EXPECT_TRUE(attention::ring_role(0, C, G).comm) << "G " << G << " C " << C;
+      if (C > 0) {
+        EXPECT_TRUE(attention::ring_role(0, C, G).comm) << "G " << G << " C " << C;
+      }
     }
   // The matrix's launch that timed out: 16 of 20 communicating; its short ranks ran 10-16 CTAs.
   int compute = 0;

@@ -134,11 +134,10 @@ void pack_record_slot(const MoeGeometry& g, int s, int r, const uint16_t* x, con
   }
 }
 
-void unpack_slots(const MoeGeometry& g, int r, const std::vector<const uint8_t*>& slots, uint16_t* recv_x,
-                  int32_t* counts, int32_t* offsets, int32_t* back, int64_t* overflow) {
-  (void)r;
+void layout_from_headers(const MoeGeometry& g, const std::vector<const uint8_t*>& headers, int32_t* counts,
+                         int32_t* offsets, int32_t* base) {
   std::vector<int32_t> c(size_t(g.W) * g.El);
-  for (int s = 0; s < g.W; ++s) std::memcpy(&c[size_t(s) * g.El], slots[s] + 16, 4 * size_t(g.El));
+  for (int s = 0; s < g.W; ++s) std::memcpy(&c[size_t(s) * g.El], headers[s] + 16, 4 * size_t(g.El));
   offsets[0] = 0;
   for (int le = 0; le < g.El; ++le) {
     int64_t sum = 0;
@@ -146,32 +145,49 @@ void unpack_slots(const MoeGeometry& g, int r, const std::vector<const uint8_t*>
     counts[le] = int32_t(sum);
     offsets[le + 1] = offsets[le] + int32_t(round_up(sum, g.align));
   }
-  int64_t over = 0;
-  std::vector<int64_t> base(offsets, offsets + g.El);
-  for (int s = 0; s < g.W; ++s) {
-    uint32_t nrec;
-    std::memcpy(&nrec, slots[s] + 8, 4);
-    for (uint32_t j = 0; j < nrec; ++j) {
-      const uint8_t* rec = slots[s] + g.hdr_bytes + int64_t(j) * g.rec_bytes;
-      std::vector<int32_t> meta(size_t(g.meta_bytes / 4));
-      std::memcpy(meta.data(), rec + g.row_bytes, size_t(g.meta_bytes));
-      int32_t ord = 0;
-      for (int kk = 0; kk < g.k; ++kk) {
-        const int32_t le = meta[kMetaSlots + 2 * kk];
-        if (le < 0) continue;
-        const int64_t row = base[le] + meta[kMetaSlots + 2 * kk + 1];
-        if (row < g.recv_rows) {
-          std::memcpy(recv_x + row * g.H, rec, size_t(g.row_bytes));
-          back[2 * row] = meta[kMetaSrc];
-          back[2 * row + 1] = meta[kMetaCbase] + ord;
-        } else {
-          ++over;
-        }
-        ++ord;
-      }
+  for (int le = 0; le < g.El; ++le) {
+    int64_t row = offsets[le];
+    for (int s = 0; s < g.W; ++s) {
+      base[size_t(s) * g.El + le] = int32_t(row);
+      row += c[size_t(s) * g.El + le];
     }
-    for (int le = 0; le < g.El; ++le) base[le] += c[size_t(s) * g.El + le];
   }
+}
+
+int64_t unpack_source(const MoeGeometry& g, const uint8_t* slot, const int32_t* base_s, uint16_t* recv_x,
+                      int32_t* back) {
+  int64_t over = 0;
+  uint32_t nrec;
+  std::memcpy(&nrec, slot + 8, 4);
+  std::vector<int32_t> meta(size_t(g.meta_bytes / 4));
+  for (uint32_t j = 0; j < nrec; ++j) {
+    const uint8_t* rec = slot + g.hdr_bytes + int64_t(j) * g.rec_bytes;
+    std::memcpy(meta.data(), rec + g.row_bytes, size_t(g.meta_bytes));
+    int32_t ord = 0;
+    for (int kk = 0; kk < g.k; ++kk) {
+      const int32_t le = meta[kMetaSlots + 2 * kk];
+      if (le < 0) continue;
+      const int64_t row = int64_t(base_s[le]) + meta[kMetaSlots + 2 * kk + 1];
+      if (row < g.recv_rows) {
+        std::memcpy(recv_x + row * g.H, rec, size_t(g.row_bytes));
+        back[2 * row] = meta[kMetaSrc];
+        back[2 * row + 1] = meta[kMetaCbase] + ord;
+      } else {
+        ++over;
+      }
+      ++ord;
+    }
+  }
+  return over;
+}
+
+void unpack_slots(const MoeGeometry& g, int r, const std::vector<const uint8_t*>& slots, uint16_t* recv_x,
+                  int32_t* counts, int32_t* offsets, int32_t* back, int64_t* overflow) {
+  (void)r;
+  std::vector<int32_t> base(size_t(g.W) * g.El);
+  layout_from_headers(g, slots, counts, offsets, base.data());
+  int64_t over = 0;
+  for (int s = 0; s < g.W; ++s) over += unpack_source(g, slots[s], &base[size_t(s) * g.El], recv_x, back);
   if (overflow) *overflow = over;
 }
 

@@ -144,13 +144,23 @@ struct DestLayout {
 void dest_layout(const MoeGeometry& g, int r, const std::vector<const int32_t*>& ids, const std::vector<int64_t>& n,
                  const std::vector<SourceRoute>& routes, DestLayout* out);
 
+// The receive layout from the W slots' headers (headers[s]: source s's slot, its header at least):
+// counts [El], offsets [El + 1] and base [W][El] (the row where source s's rows of local expert le
+// begin: offsets[le] + the counts of the sources before s).
+void layout_from_headers(const MoeGeometry& g, const std::vector<const uint8_t*>& headers, int32_t* counts,
+                         int32_t* offsets, int32_t* base);
+// One source's records from its slot into recv_x at the rows base_s (its [El] of base) gives, with
+// the way back of each row; returns the rows dropped past recv_rows.
+int64_t unpack_source(const MoeGeometry& g, const uint8_t* slot, const int32_t* base_s, uint16_t* recv_x,
+                      int32_t* back);
 // The bytes of source s's dispatch slot for rank r (header and records) as the pack kernel
 // writes them, from x [n, H] bf16 (as uint16) and ids [n, k]; `slot` holds g.slot_bytes.
 void pack_record_slot(const MoeGeometry& g, int s, int r, const uint16_t* x, const int32_t* ids,
                       const SourceRoute& route, uint8_t* slot);
 // Rank r's unpack from its W receive slots: recv_x [recv_rows, H] (rows past recv_rows are
 // dropped and counted in *overflow), counts, offsets, and per row the (source, combine
-// position) its output goes back to (back[2 * row]).
+// position) its output goes back to (back[2 * row]): layout_from_headers, then unpack_source for
+// every source.
 void unpack_slots(const MoeGeometry& g, int r, const std::vector<const uint8_t*>& slots, uint16_t* recv_x,
                   int32_t* counts, int32_t* offsets, int32_t* back, int64_t* overflow);
 

@@ -68,6 +68,11 @@ struct SlotMove {
   int64_t slot_bytes = 0;
   int pieces = 1;  // requested (moe_pieces)
   std::string label, suffix;  // "<label>[ piece i]<suffix>"
+  // The flags the pieces raise at `to` (the layer's combine has its own).
+  comm::RegionId arrived = MoeRegion::kArrived, arrived_net = MoeRegion::kArrivedNet;
+  // Whether every piece waits for `to`'s entry (dispatch); and further waits of every piece.
+  bool entry = true;
+  std::vector<comm::Wait> waits;
 };
 void add_slot_pieces(ProgramBuilder& pb, comm::RankProgram& rp, const SlotMove& m) {
   const int P = moe_pieces(m.slot_bytes, m.pieces);
@@ -81,18 +86,19 @@ void add_slot_pieces(ProgramBuilder& pb, comm::RankProgram& rp, const SlotMove& 
     const std::string what = m.label + (P > 1 ? " piece " + std::to_string(pc) : std::string()) + m.suffix;
     Op op;
     if (m.remote) {
-      op = pb.put(m.to, src, dst, bytes, flag_at(MoeRegion::kArrivedNet, m.to, uint32_t(m.me)),
+      op = pb.put(m.to, src, dst, bytes, flag_at(m.arrived_net, m.to, uint32_t(m.me)),
                   flag_at(MoeRegion::kSrcFree, m.me, 0), what);
-      op.waits = {wait_on(MoeRegion::kEntryNet, m.me, uint32_t(m.to), 1, m.to)};
+      if (m.entry) op.waits = {wait_on(MoeRegion::kEntryNet, m.me, uint32_t(m.to), 1, m.to)};
     } else {
       op.kind = OpKind::kCopy;
       op.srcs = {src};
       op.dsts = {dst};
       op.bytes = bytes;
-      op.waits = {wait_on(MoeRegion::kEntry, m.me, uint32_t(m.to), 1, m.to)};
-      op.signals = {add_to(MoeRegion::kArrived, m.to, uint32_t(m.me))};
+      if (m.entry) op.waits = {wait_on(MoeRegion::kEntry, m.me, uint32_t(m.to), 1, m.to)};
+      op.signals = {add_to(m.arrived, m.to, uint32_t(m.me))};
       op.what = what;
     }
+    op.waits.insert(op.waits.end(), m.waits.begin(), m.waits.end());
     op.count_at = m.counts;
     op.count_at.offset += 8ull * pc;
     rp.ops.push_back(op);
@@ -101,17 +107,20 @@ void add_slot_pieces(ProgramBuilder& pb, comm::RankProgram& rp, const SlotMove& 
 
 // A slot from rank s on another node is here once all its `pieces` puts landed: staged, copied
 // from its host mirror (`mirror`, byte count at its start) into `slot`; then arrived[s].
+// (The layer's relays name their own regions, and where the byte count is: `count_at`, or the
+// mirror's start; an unset count_at with `fixed`: `bytes` always.)
 Op relay_op(const comm::Program& p, int me, int s, BufRef mirror, BufRef slot, uint64_t bytes, uint64_t pieces,
-            const std::string& label) {
+            const std::string& label, comm::RegionId arrived_net = MoeRegion::kArrivedNet,
+            comm::RegionId arrived = MoeRegion::kArrived, const BufRef* count_at = nullptr, bool fixed = false) {
   Op op;
-  op.waits = {wait_on(MoeRegion::kArrivedNet, me, uint32_t(s), pieces, s)};
-  op.signals = {add_to(MoeRegion::kArrived, me, uint32_t(s))};
+  op.waits = {wait_on(arrived_net, me, uint32_t(s), pieces, s)};
+  op.signals = {add_to(arrived, me, uint32_t(s))};
   if (p.net_staged) {
     op.kind = OpKind::kCopy;
     op.srcs = {mirror};
     op.dsts = {slot};
     op.bytes = bytes;
-    op.count_at = mirror;
+    if (!fixed) op.count_at = count_at ? *count_at : mirror;
     op.what = label + " of rank " + std::to_string(s) + " from the host mirror";
   } else {
     op.kind = OpKind::kSignal;
@@ -296,6 +305,198 @@ Status build_moe_hier_program(const comm::Layout& layout, int64_t slot_bytes, in
     for (int d : mine)
       if (d != me)
         for (int s : twins) rp.signals.push_back(add_to(MoeRegion::kFwd, d, uint32_t(s)));
+  }
+  return OkStatus();
+}
+
+MoeLayerPools moe_layer_pools(int W, int El) {
+  MoeLayerPools p;
+  const uint32_t o = uint32_t(W - 1);
+  p.hdr = 0;
+  p.laid = p.hdr + o;
+  p.arrived = p.laid + 1;
+  p.unpacked = p.arrived + o;
+  p.g1 = p.unpacked + uint32_t(W);
+  p.packed = p.g1 + uint32_t(El);
+  p.carrived = p.packed + 1;
+  p.waits = p.carrived + o;
+  p.s_laid = 0;
+  p.s_unpacked = 1;
+  p.s_g1 = p.s_unpacked + uint32_t(W);
+  p.s_packed = p.s_g1 + uint32_t(El);
+  p.signals = p.s_packed + 1;
+  return p;
+}
+
+int64_t moe_layer_lay_bytes(const MoeGeometry& g) {
+  return 4 * (int64_t(g.El) + (g.El + 1) + int64_t(g.W) * g.El + 2 * g.recv_rows);
+}
+
+Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g, int64_t inter, int pieces_req,
+                               bool staged, comm::Program* out) {
+  const int W = layout.world, El = g.El;
+  MK_REQUIRE(W >= 1 && W == g.W && El >= 1 && inter > 0 && pieces_req >= 1 && g.slot_bytes > g.hdr_bytes &&
+                 g.hdr_bytes % 16 == 0 && g.cslot_bytes % 16 == 0,
+             Code::kInvalidArgument, "moe layer: bad program geometry (world %d, geometry for %d, %d local experts)",
+             W, g.W, El);
+  MK_CHECK(layout.check("moe layer"));
+  const int64_t slot = g.slot_bytes, cslot = g.cslot_bytes, body = slot - g.hdr_bytes;
+  const int P = moe_pieces(body, pieces_req), CP = moe_pieces(cslot, pieces_req);
+  comm::Program& p = *out;
+  p = comm::Program{};
+  p.layout = layout;
+  const bool net = layout.nodes() > 1;
+  p.net_staged = staged && net;
+  const bool direct = net && !p.net_staged;
+  ProgramBuilder pb(p);
+  declare_slots(pb, uint64_t(W) * uint64_t(slot), P, direct);
+  const uint64_t call = uint64_t(W) * uint64_t(cslot);
+  pb.buf("csend", call, comm::Space::kSymmetric, direct);
+  pb.buf("crecv", call, comm::Space::kSymmetric, direct);
+  pb.buf("csend_net", p.net_staged ? call : 0, comm::Space::kHost, p.net_staged, -1, MoeLayerBuf::kCSend);
+  pb.buf("crecv_net", p.net_staged ? call : 0, comm::Space::kHost, p.net_staged, -1, MoeLayerBuf::kCRecv);
+  pb.buf("cpiece_bytes", 8ull * W * CP, comm::Space::kSymmetric, false);
+  pb.buf("recv_x", uint64_t(g.recv_rows * g.row_bytes), comm::Space::kUser, false, 0);
+  pb.buf("act", uint64_t(g.recv_rows * inter * 2), comm::Space::kUser, false, 1);
+  pb.buf("y", uint64_t(g.recv_rows * g.row_bytes), comm::Space::kUser, false, 2);
+  pb.buf("lay", uint64_t(moe_layer_lay_bytes(g)), comm::Space::kUser, false, 3);
+  pb.buf("out", uint64_t(g.T * g.row_bytes), comm::Space::kUser, false, 4);
+  const uint32_t Wu = uint32_t(W);
+  p.add_region("arrived", Wu, false);
+  p.add_region("arrived_net", Wu, true);
+  p.add_region("entry", Wu, false);
+  p.add_region("entry_net", Wu, true);
+  p.add_region("src_free", 1, true);
+  p.add_region("hdr", Wu, false);
+  p.add_region("hdr_net", Wu, true);
+  p.add_region("carrived", Wu, false);
+  p.add_region("carrived_net", Wu, true);
+  p.add_region("laid", 1, false);
+  p.add_region("unpacked", Wu, false);
+  p.add_region("g1done", uint32_t(El), false);
+  p.add_region("packed", 1, false);
+  p.place_regions();
+  p.ranks.resize(W);
+  auto remote = [&](int a, int b) { return !layout.same_node(a, b); };
+  for (int me = 0; me < W; ++me) {
+    comm::RankProgram& rp = p.ranks[me];
+    rp.rank = me;
+    const uint32_t m = uint32_t(me);
+    // The kernels' pools (moe_layer_pools gives the places).
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + d) % W;
+      rp.waits.push_back(wait_on(MoeLayerRegion::kHdr, me, uint32_t(s), 1, s));
+    }
+    rp.waits.push_back(wait_on(MoeLayerRegion::kLaid, me, 0, 1, me));
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + d) % W;
+      rp.waits.push_back(wait_on(MoeRegion::kArrived, me, uint32_t(s), remote(me, s) ? 1 : uint64_t(P), s));
+    }
+    for (int s = 0; s < W; ++s) rp.waits.push_back(wait_on(MoeLayerRegion::kUnpacked, me, uint32_t(s), 1, me));
+    for (int le = 0; le < El; ++le) rp.waits.push_back(wait_on(MoeLayerRegion::kG1Done, me, uint32_t(le), 1, me));
+    rp.waits.push_back(wait_on(MoeLayerRegion::kPacked, me, 0, uint64_t(El), me));
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + d) % W;
+      rp.waits.push_back(wait_on(MoeLayerRegion::kCArrived, me, uint32_t(s), remote(me, s) ? 1 : uint64_t(CP), s));
+    }
+    rp.signals.push_back(add_to(MoeLayerRegion::kLaid, me, 0));
+    for (int s = 0; s < W; ++s) rp.signals.push_back(add_to(MoeLayerRegion::kUnpacked, me, uint32_t(s)));
+    for (int le = 0; le < El; ++le) rp.signals.push_back(add_to(MoeLayerRegion::kG1Done, me, uint32_t(le)));
+    rp.signals.push_back(add_to(MoeLayerRegion::kPacked, me, 0));
+    if (W == 1) continue;
+    // Dispatch: entry, every slot's header, then the records in pieces.
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + W - d) % W;
+      rp.ops.push_back(entry_op(pb, me, s, remote(me, s), "layer dispatch"));
+    }
+    for (int d = 1; d < W; ++d) {
+      const int r = (me + d) % W;
+      const BufRef src{MoeBuf::kSend, me, uint64_t(r) * uint64_t(slot)}, dst{MoeBuf::kRecv, r, m * uint64_t(slot)};
+      const std::string what = "layer dispatch header to rank " + std::to_string(r);
+      Op op;
+      if (remote(me, r)) {
+        op = pb.put(r, src, dst, uint64_t(g.hdr_bytes), flag_at(MoeLayerRegion::kHdrNet, r, m),
+                    flag_at(MoeRegion::kSrcFree, me, 0), what + " (network)");
+        op.waits = {wait_on(MoeRegion::kEntryNet, me, uint32_t(r), 1, r)};
+      } else {
+        op.kind = OpKind::kCopy;
+        op.srcs = {src};
+        op.dsts = {dst};
+        op.bytes = uint64_t(g.hdr_bytes);
+        op.waits = {wait_on(MoeRegion::kEntry, me, uint32_t(r), 1, r)};
+        op.signals = {add_to(MoeLayerRegion::kHdr, r, m)};
+        op.what = what;
+      }
+      rp.ops.push_back(op);
+    }
+    for (int d = 1; d < W; ++d) {
+      const int r = (me + d) % W;
+      SlotMove mv;
+      mv.me = me, mv.to = r, mv.remote = remote(me, r);
+      mv.src = BufRef{MoeBuf::kSend, me, uint64_t(r) * uint64_t(slot) + uint64_t(g.hdr_bytes)};
+      mv.dst = BufRef{MoeBuf::kRecv, r, m * uint64_t(slot) + uint64_t(g.hdr_bytes)};
+      mv.counts = BufRef{MoeBuf::kPieceBytes, me, 8ull * uint64_t(r) * P};
+      mv.slot_bytes = body, mv.pieces = pieces_req;
+      mv.label = "layer dispatch records";
+      mv.suffix = " to rank " + std::to_string(r) + (mv.remote ? " (network)" : "");
+      add_slot_pieces(pb, rp, mv);
+    }
+    // Arrivals from other nodes: the header, then the records (staged: out of the host mirror, as
+    // many bytes as the header says are in use; so the records' relay waits for the header too).
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + W - d) % W;
+      if (!remote(me, s)) continue;
+      const uint64_t at = uint64_t(s) * uint64_t(slot);
+      rp.ops.push_back(relay_op(p, me, s, BufRef{MoeBuf::kRecvNet, me, at}, BufRef{MoeBuf::kRecv, me, at},
+                                uint64_t(g.hdr_bytes), 1, "layer dispatch header", MoeLayerRegion::kHdrNet,
+                                MoeLayerRegion::kHdr, nullptr, true));
+    }
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + W - d) % W;
+      if (!remote(me, s)) continue;
+      const uint64_t at = uint64_t(s) * uint64_t(slot);
+      const BufRef used{MoeBuf::kRecvNet, me, at};
+      Op op = relay_op(p, me, s, BufRef{MoeBuf::kRecvNet, me, at + uint64_t(g.hdr_bytes)},
+                       BufRef{MoeBuf::kRecv, me, at + uint64_t(g.hdr_bytes)}, uint64_t(body), uint64_t(P),
+                       "layer dispatch records", MoeRegion::kArrivedNet, MoeRegion::kArrived, &used);
+      if (p.net_staged) op.waits.push_back(wait_on(MoeLayerRegion::kHdrNet, me, uint32_t(s), 1, s));
+      rp.ops.push_back(op);
+    }
+    // Combine: every expert's rows packed (the GEMM2 units), each slot in pieces. The destination's
+    // combine slot for this rank is free: it entered this call (it sent its header, which the
+    // layout waited for before any GEMM unit, and so before `packed`).
+    for (int d = 1; d < W; ++d) {
+      const int r = (me + d) % W;
+      SlotMove mv;
+      mv.me = me, mv.to = r, mv.remote = remote(me, r);
+      mv.src = BufRef{MoeLayerBuf::kCSend, me, uint64_t(r) * uint64_t(cslot)};
+      mv.dst = BufRef{MoeLayerBuf::kCRecv, r, m * uint64_t(cslot)};
+      mv.counts = BufRef{MoeLayerBuf::kCPieceBytes, me, 8ull * uint64_t(r) * CP};
+      mv.slot_bytes = cslot, mv.pieces = pieces_req;
+      mv.label = "layer combine slot";
+      mv.suffix = " to rank " + std::to_string(r) + (mv.remote ? " (network)" : "");
+      mv.arrived = MoeLayerRegion::kCArrived, mv.arrived_net = MoeLayerRegion::kCArrivedNet;
+      mv.entry = false;
+      mv.waits = {wait_on(MoeLayerRegion::kPacked, me, 0, uint64_t(El), me)};
+      add_slot_pieces(pb, rp, mv);
+    }
+    for (int d = 1; d < W; ++d) {
+      const int s = (me + W - d) % W;
+      if (!remote(me, s)) continue;
+      const uint64_t at = uint64_t(s) * uint64_t(cslot);
+      rp.ops.push_back(relay_op(p, me, s, BufRef{MoeLayerBuf::kCRecvNet, me, at},
+                                BufRef{MoeLayerBuf::kCRecv, me, at}, uint64_t(cslot), uint64_t(CP),
+                                "layer combine slot", MoeLayerRegion::kCArrivedNet, MoeLayerRegion::kCArrived));
+    }
+    // The call ends once the proxy finished reading this call's sources (the arrivals are the
+    // units' waits).
+    if (const uint64_t puts = pb.completions_at(flag_at(MoeRegion::kSrcFree, me, 0))) {
+      Op op;
+      op.kind = OpKind::kSignal;
+      op.waits = {wait_on(MoeRegion::kSrcFree, me, 0, puts, me)};
+      op.what = "layer: the proxy read every source";
+      rp.ops.push_back(op);
+    }
   }
   return OkStatus();
 }

@@ -10,6 +10,7 @@
 #include "mkernel/common/status.h"
 #include "mkernel/device/command.h"  // MK_HOST_DEVICE
 #include "src/comm/program.h"
+#include "src/ops/moe/moe_plan.h"
 
 namespace mk {
 namespace ops {
@@ -63,6 +64,58 @@ MK_HOST_DEVICE inline uint64_t moe_piece_count_of(int64_t slot_bytes, int64_t pb
   return uint64_t(v > 16 ? v : 16);
 }
 uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used);
+
+// ---- The fused MoE layer (dispatch, the experts' two GEMMs and combine as one call) ----
+//
+// One program per layer call (one epoch): the communication CTAs take the ops, the compute side
+// takes units in this order, each after its waits (pools below):
+//   layout     after every other source's header (hdr[s]): counts, offsets and each source's
+//              base rows from the W headers (layout_from_headers) into `lay`, and every combine
+//              slot's header and piece counts; raises laid;
+//   unpack(s)  for s = me, then me + 1, ...: after laid and the source's records (arrived[s];
+//              none for the own slot, which pack writes in place): its rows into recv_x and their
+//              way back into `lay` (unpack_source); raises unpacked[s];
+//   gemm1(le)  per local expert: after laid (it reads the layout to find its rows), then after
+//              unpacked[s] of each source with rows of le (a run-time subset): act = the first
+//              GEMM and SwiGLU of its rows; raises g1done[le];
+//   gemm2(le)  after g1done[le]: y = the second GEMM of its rows, each row whose token is another
+//              rank's also into that rank's combine send slot (its combine row); raises packed += 1;
+//   combine    (the last unit) after packed >= El (the own tokens' rows of y) and every other
+//              source's combine slot (carrived[s]): the weighted sums into `out`.
+// The ops: entry handshakes (as dispatch's); per destination the slot's header (hdr_bytes: hdr
+// there, hdr_net across nodes) then its records in pieces from hdr_bytes on (run-time counts in
+// piece_bytes, as dispatch's); the relays of other nodes' headers and records (staged: out of the
+// host mirror); per destination the combine slot in pieces (after packed >= El; counts in
+// cpiece_bytes) raising carrived (carrived_net); their relays; a last op waiting for the proxy's
+// local completions. Headers travel first so that the layout, and the GEMMs of the sources that
+// have landed, need not wait for the slowest slot.
+namespace MoeLayerBuf {
+enum : comm::BufId { kCSend = 7, kCRecv = 8, kCSendNet = 9, kCRecvNet = 10, kCPieceBytes = 11,
+                     // the caller's side (user buffers, in this order of slots 0..4)
+                     kRecvX = 12, kAct = 13, kY = 14, kLay = 15, kOut = 16, kCount = 17 };
+}  // namespace MoeLayerBuf
+namespace MoeLayerRegion {
+enum : comm::RegionId { kHdr = 5, kHdrNet = 6, kCArrived = 7, kCArrivedNet = 8, kLaid = 9, kUnpacked = 10,
+                         kG1Done = 11, kPacked = 12, kCount = 13 };
+}  // namespace MoeLayerRegion
+// The places of each unit's waits and signals in RankProgram::waits / signals. Lists over "the
+// other sources" run s = me + 1, me + 2, ... (mod W).
+struct MoeLayerPools {
+  uint32_t hdr = 0;       // [W - 1] the layout's: hdr[s]
+  uint32_t laid = 0;      // [1] unpack's and gemm1's
+  uint32_t arrived = 0;   // [W - 1] unpack(s)'s: arrived[s] (pieces on the node, 1 across nodes)
+  uint32_t unpacked = 0;  // [W] gemm1's: unpacked[s] for s = 0 .. W - 1
+  uint32_t g1 = 0;        // [El] gemm2(le)'s: g1done[le]
+  uint32_t packed = 0;    // [1] combine's: packed >= El
+  uint32_t carrived = 0;  // [W - 1] combine's: carrived[s]
+  uint32_t waits = 0;     // all
+  uint32_t s_laid = 0, s_unpacked = 0 /* [W] */, s_g1 = 0 /* [El] */, s_packed = 0, signals = 0;
+};
+MoeLayerPools moe_layer_pools(int W, int El);
+// `lay` (int32): counts [El], offsets [El + 1], base [W][El], back [recv_rows][2].
+int64_t moe_layer_lay_bytes(const MoeGeometry& g);
+Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g, int64_t inter, int pieces,
+                               bool staged, comm::Program* out);
 
 }  // namespace ops
 }  // namespace mk
