@@ -28,7 +28,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 tsan_known_races=()
 # Not run under TSan: single-threaded tests (TSan finds races between threads only) that take
 # minutes under it. ASan+UBSan runs them.
-tsan_single_threaded=(test_fused_gemm_plan test_ring_attention_program test_collective_plan test_moe_plan)
+tsan_single_threaded=(test_fused_gemm_plan test_ring_attention_program test_collective_plan test_moe_plan test_moe_layer_program)
 
 nvcc=$(command -v nvcc || true)
 [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
