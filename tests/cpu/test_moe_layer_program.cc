@@ -30,16 +30,19 @@ namespace ops {
 namespace {
 
 constexpr int64_t kInter = 6;  // the experts' intermediate size (act row: 12 bytes)
+constexpr int64_t kTileRows = 3;  // rows of a GEMM tile row (the kernel's 128)
+constexpr int kCombineChunks = 2;  // combine units (chunks of the own tokens)
 
 struct LayerCase {
   int W = 2, nodes = 1;
   bool strided = false, staged = false;
   int pieces = 1, comm_slots = 1, compute_slots = 1, align = 1;
+  int chunks = 1;  // unpack units per source
 };
 std::string name_of(const LayerCase& c) {
   return "W" + std::to_string(c.W) + (c.strided ? "s" : "n") + std::to_string(c.nodes) + (c.staged ? "_staged" : "") +
          "_p" + std::to_string(c.pieces) + "_c" + std::to_string(c.comm_slots) + "_u" +
-         std::to_string(c.compute_slots) + "_a" + std::to_string(c.align);
+         std::to_string(c.compute_slots) + "_a" + std::to_string(c.align) + "_k" + std::to_string(c.chunks);
 }
 void PrintTo(const LayerCase& c, std::ostream* os) { *os << name_of(c); }
 
@@ -97,6 +100,11 @@ class LayerCompute : public comm::ReplayCompute {
     body_ = g_.slot_bytes - g_.hdr_bytes;
     P_ = moe_pieces(body_, c.pieces);
     CP_ = moe_pieces(g_.cslot_bytes, c.pieces);
+    NC_ = c.chunks;
+    J_ = int((int64_t(W_) * g_.T * g_.k + kTileRows - 1) / kTileRows);  // tile rows of the fullest expert
+    G1_ = size_t(1 + W_ * NC_);
+    G2_ = G1_ + size_t(El_ * J_);
+    CS_ = G2_ + size_t(El_ * J_);
     // The static units' waits, from the (possibly mutated) pools.
     waits_.resize(size_t(W_));
     for (int me = 0; me < W_; ++me) {
@@ -104,19 +112,22 @@ class LayerCompute : public comm::ReplayCompute {
       auto& w = waits_[size_t(me)];
       w.resize(units(me));
       w[0].assign(pw.begin() + pl_.hdr, pw.begin() + pl_.hdr + (W_ - 1));
-      for (int i = 0; i < W_; ++i) {
+      for (int i = 0; i < W_ * NC_; ++i) {
+        const int idx = i / NC_;  // source me + idx
         w[size_t(1 + i)] = {pw[pl_.laid]};
-        if (i > 0) w[size_t(1 + i)].push_back(pw[pl_.arrived + uint32_t(i - 1)]);  // source me + i
+        if (idx > 0) w[size_t(1 + i)].push_back(pw[pl_.arrived + uint32_t(idx - 1)]);
       }
-      for (int le = 0; le < El_; ++le) {
-        w[size_t(1 + W_ + le)] = {pw[pl_.laid]};
-        w[size_t(1 + W_ + El_ + le)] = {pw[pl_.g1 + uint32_t(le)]};
-      }
-      w.back().assign(pw.begin() + pl_.packed, pw.begin() + pl_.packed + W_);  // packed, then carrived
+      for (int le = 0; le < El_; ++le)
+        for (int j = 0; j < J_; ++j) {
+          w[G1_ + size_t(le * J_ + j)] = {pw[pl_.laid]};
+          w[G2_ + size_t(le * J_ + j)] = {pw[pl_.g1 + uint32_t(le)]};
+        }
+      for (int c = 0; c < kCombineChunks; ++c)  // packed, then carrived
+        w[CS_ + size_t(c)].assign(pw.begin() + pl_.packed, pw.begin() + pl_.packed + W_);
     }
   }
 
-  size_t units(int) const override { return size_t(2 + W_ + 2 * El_); }
+  size_t units(int) const override { return CS_ + kCombineChunks; }
   int phases(int, size_t u) const override { return is_gemm1(u) ? 2 : 1; }
   const comm::Wait* waits(int me, size_t u, int phase, size_t* n) const override {
     if (is_gemm1(u) && phase == 1) {
@@ -131,10 +142,13 @@ class LayerCompute : public comm::ReplayCompute {
   }
   std::string unit_name(int me, size_t u) const override {
     if (u == 0) return "layout";
-    if (u <= size_t(W_)) return "unpack(source " + std::to_string((me + int(u) - 1) % W_) + ")";
-    if (is_gemm1(u)) return "gemm1(expert " + std::to_string(int(u) - 1 - W_) + ")";
-    if (u < units(me) - 1) return "gemm2(expert " + std::to_string(int(u) - 1 - W_ - El_) + ")";
-    return "combine";
+    if (u < G1_)
+      return "unpack(source " + std::to_string((me + int(u - 1) / NC_) % W_) + ", chunk " +
+             std::to_string(int(u - 1) % NC_) + ")";
+    if (u < CS_)
+      return std::string(u < G2_ ? "gemm1" : "gemm2") + "(expert " + std::to_string(int((u - (u < G2_ ? G1_ : G2_)) / size_t(J_))) +
+             ", tile row " + std::to_string(int((u - (u < G2_ ? G1_ : G2_)) % size_t(J_))) + ")";
+    return "combine(chunk " + std::to_string(int(u - CS_)) + ")";
   }
 
   void start_call(comm::Replay& r, int me, int e) override {
@@ -174,10 +188,10 @@ class LayerCompute : public comm::ReplayCompute {
 
   bool run(comm::Replay& r, int me, size_t u, int phase) override {
     if (u == 0) return layout(r, me);
-    if (u <= size_t(W_)) return unpack(r, me, (me + int(u) - 1) % W_);
+    if (u < G1_) return unpack(r, me, (me + int(u - 1) / NC_) % W_, int(u - 1) % NC_);
     if (is_gemm1(u)) return phase == 0 ? gemm1_rows(r, me, u) : gemm1(r, me, u);
-    if (u < units(me) - 1) return gemm2(r, me, int(u) - 1 - W_ - El_);
-    return combine(r, me);
+    if (u < CS_) return gemm2(r, me, int(u - G2_) / J_, int(u - G2_) % J_);
+    return combine(r, me, int(u - CS_));
   }
 
   bool finish_call(comm::Replay& r, int me, int e) override {
@@ -214,7 +228,7 @@ class LayerCompute : public comm::ReplayCompute {
   }
 
  private:
-  bool is_gemm1(size_t u) const { return u > size_t(W_) && u <= size_t(W_ + El_); }
+  bool is_gemm1(size_t u) const { return u >= G1_ && u < G2_; }
 
   // Call e's routing: in a quarter of the replays kFull in every call (dispatch send slots full to
   // their last piece), in another quarter every slot of every token to one other rank's experts
@@ -258,6 +272,9 @@ class LayerCompute : public comm::ReplayCompute {
   int32_t* offsets(int32_t* l) const { return l + El_; }
   int32_t* base(int32_t* l) const { return l + El_ + El_ + 1; }
   int32_t* back(int32_t* l) const { return base(l) + W_ * El_; }
+  int32_t* tiles_done(int32_t* l, int gemm) const { return back(l) + 2 * g_.recv_rows + gemm * El_; }
+  // Expert le's tile rows in this call.
+  int tile_rows(int32_t* l, int le) const { return int((l[le] + kTileRows - 1) / kTileRows); }
   // The layout as it is in `lay`, checked before use (read too early, it is poison).
   bool layout_sane(comm::Replay& r, int32_t* l) {
     const int32_t* off = offsets(l);
@@ -283,6 +300,7 @@ class LayerCompute : public comm::ReplayCompute {
     if (!l) return false;
     layout_from_headers(g_, hdr, l, offsets(l), base(l));
     for (int i = 0; i < 2 * g_.recv_rows; ++i) back(l)[i] = -1;
+    for (int i = 0; i < 2 * El_; ++i) tiles_done(l, 0)[i] = 0;
     // Every combine slot's header (rows in use: the entries that source sent) and piece counts.
     for (int s = 0; s < W_; ++s) {
       if (s == me) continue;
@@ -303,7 +321,7 @@ class LayerCompute : public comm::ReplayCompute {
     return true;
   }
 
-  bool unpack(comm::Replay& r, int me, int s) {
+  bool unpack(comm::Replay& r, int me, int s, int chunk) {
     const uint8_t* slot =
         r.mem(me, comm::BufRef{MoeBuf::kRecv, me, uint64_t(s) * uint64_t(g_.slot_bytes)}, uint64_t(g_.slot_bytes));
     int32_t* l = lay(r, me);
@@ -313,8 +331,9 @@ class LayerCompute : public comm::ReplayCompute {
     uint32_t nrec;
     memcpy(&nrec, slot + 8, 4);
     if (nrec > uint32_t(g_.T)) return r.fail("the slot of source " + std::to_string(s) + " is not there");
+    const uint32_t per = uint32_t((g_.T + NC_ - 1) / NC_), j0 = uint32_t(chunk) * per, j1 = j0 + per;
     // Records read before they landed hold poison: their expert indexes are out of range.
-    for (uint32_t j = 0; j < nrec; ++j) {
+    for (uint32_t j = j0; j < std::min(nrec, j1); ++j) {
       const uint8_t* meta = slot + g_.hdr_bytes + int64_t(j) * g_.rec_bytes + g_.row_bytes;
       for (int kk = 0; kk < g_.k; ++kk) {
         int32_t le, er;
@@ -324,49 +343,59 @@ class LayerCompute : public comm::ReplayCompute {
           return r.fail("a record of source " + std::to_string(s) + " read before it landed");
       }
     }
-    if (unpack_source(g_, slot, base(l) + s * El_, reinterpret_cast<uint16_t*>(rx), back(l)) != 0)
+    if (unpack_source(g_, slot, base(l) + s * El_, reinterpret_cast<uint16_t*>(rx), back(l), j0, j1) != 0)
       return r.fail("rows past the receive buffer");
     r.raise(me, p_.ranks[size_t(me)].signals[pl_.s_unpacked + uint32_t(s)]);
     return true;
   }
 
-  // gemm1's first phase: its rows, and the sources that have rows there (their unpacked waits).
+  // gemm1's first phase: its rows (none past the expert's tile rows), and the sources that have
+  // rows there (their unpacked waits).
   bool gemm1_rows(comm::Replay& r, int me, size_t u) {
-    const int le = int(u) - 1 - W_;
+    const int le = int(u - G1_) / J_, j = int(u - G1_) % J_;
     int32_t* l = lay(r, me);
     if (!l) return false;
     if (!layout_sane(r, l)) return false;
     std::vector<comm::Wait>& w = covered_[{me, u}];
     w.clear();
     const auto& pw = p_.ranks[size_t(me)].waits;
-    for (int s = 0; s < W_; ++s) {
-      const int32_t b0 = base(l)[s * El_ + le];
-      const int32_t b1 = s + 1 < W_ ? base(l)[(s + 1) * El_ + le] : offsets(l)[le] + l[le];
-      if (b1 > b0) w.push_back(pw[pl_.unpacked + uint32_t(s)]);
-    }
+    const int64_t r0 = offsets(l)[le] + int64_t(j) * kTileRows, r1 = std::min<int64_t>(r0 + kTileRows, offsets(l)[le] + l[le]);
+    for (int s = 0; s < W_; ++s)
+      if (moe_tile_has_source(base(l), W_, El_, le, offsets(l)[le] + l[le], r0, r1, s))
+        w.push_back(pw[pl_.unpacked + uint32_t(s)]);
     return true;
   }
+  // The expert's tile row j done: the last of its tile rows (tile row 0 of an empty expert)
+  // raises the expert's signal.
+  void tile_row_done(comm::Replay& r, int me, int32_t* l, int le, int j, int gemm) {
+    const int n = tile_rows(l, le);
+    const comm::Signal& sg = p_.ranks[size_t(me)].signals[gemm == 0 ? pl_.s_g1 + uint32_t(le) : pl_.s_packed];
+    const int done = j < n ? ++tiles_done(l, gemm)[le] : 0;  // the kernel: an atomic add's result + 1
+    if ((n == 0 || j < n) && moe_tile_row_raises(n, j, done)) r.raise(me, sg);
+  }
   bool gemm1(comm::Replay& r, int me, size_t u) {
-    const int le = int(u) - 1 - W_;
+    const int le = int(u - G1_) / J_, j = int(u - G1_) % J_;
     int32_t* l = lay(r, me);
     const uint8_t* rx = r.mem(me, comm::BufRef{MoeLayerBuf::kRecvX, me, 0}, uint64_t(g_.recv_rows * g_.row_bytes));
     uint8_t* act = r.mem(me, comm::BufRef{MoeLayerBuf::kAct, me, 0}, uint64_t(g_.recv_rows * kInter * 2));
     if (!l || !rx || !act) return false;
     const int e = me * El_ + le;
-    for (int64_t row = offsets(l)[le]; row < int64_t(offsets(l)[le]) + l[le]; ++row)
+    const int64_t r0 = offsets(l)[le] + int64_t(j) * kTileRows, r1 = std::min<int64_t>(r0 + kTileRows, offsets(l)[le] + l[le]);
+    for (int64_t row = r0; row < r1; ++row)
       expert_up(reinterpret_cast<const uint16_t*>(rx + row * g_.row_bytes), g_.H, e,
                 reinterpret_cast<uint16_t*>(act + row * kInter * 2));
-    r.raise(me, p_.ranks[size_t(me)].signals[pl_.s_g1 + uint32_t(le)]);
+    tile_row_done(r, me, l, le, j, 0);
     return true;
   }
-  bool gemm2(comm::Replay& r, int me, int le) {
+  bool gemm2(comm::Replay& r, int me, int le, int j) {
     int32_t* l = lay(r, me);
     const uint8_t* act = r.mem(me, comm::BufRef{MoeLayerBuf::kAct, me, 0}, uint64_t(g_.recv_rows * kInter * 2));
     uint8_t* y = r.mem(me, comm::BufRef{MoeLayerBuf::kY, me, 0}, uint64_t(g_.recv_rows * g_.row_bytes));
     if (!l || !act || !y) return false;
     if (!layout_sane(r, l)) return false;
     const int e = me * El_ + le;
-    for (int64_t row = offsets(l)[le]; row < int64_t(offsets(l)[le]) + l[le]; ++row) {
+    const int64_t r0 = offsets(l)[le] + int64_t(j) * kTileRows, r1 = std::min<int64_t>(r0 + kTileRows, offsets(l)[le] + l[le]);
+    for (int64_t row = r0; row < r1; ++row) {
       uint16_t* yr = reinterpret_cast<uint16_t*>(y + row * g_.row_bytes);
       expert_down(reinterpret_cast<const uint16_t*>(act + row * kInter * 2), g_.H, e, yr);
       const int32_t src = back(l)[2 * row], cpos = back(l)[2 * row + 1];
@@ -381,10 +410,10 @@ class LayerCompute : public comm::ReplayCompute {
       if (!dst) return false;
       memcpy(dst, yr, size_t(g_.row_bytes));
     }
-    r.raise(me, p_.ranks[size_t(me)].signals[pl_.s_packed]);
+    tile_row_done(r, me, l, le, j, 1);
     return true;
   }
-  bool combine(comm::Replay& r, int me) {
+  bool combine(comm::Replay& r, int me, int chunk) {
     World wd;
     world(r.epoch(me), &wd);
     int32_t* l = lay(r, me);
@@ -397,7 +426,8 @@ class LayerCompute : public comm::ReplayCompute {
     for (int64_t row = 0; row < offsets(l)[El_]; ++row)
       if (back(l)[2 * row] == me) own[back(l)[2 * row + 1]] = row;
     const int64_t H = g_.H;
-    for (int64_t t = 0; t < wd.n[size_t(me)]; ++t) {
+    const int64_t per = (g_.T + kCombineChunks - 1) / kCombineChunks;
+    for (int64_t t = chunk * per; t < std::min<int64_t>(wd.n[size_t(me)], (chunk + 1) * per); ++t) {
       std::vector<uint64_t> acc(size_t(H), 0);
       for (int kk = 0; kk < g_.k; ++kk) {
         const int32_t ex = wd.ids[size_t(me)][size_t(t * g_.k + kk)];
@@ -435,7 +465,8 @@ class LayerCompute : public comm::ReplayCompute {
   LayerCase c_;
   uint64_t seed_;
   MoeGeometry g_;
-  int W_ = 1, El_ = 1, P_ = 1, CP_ = 1;
+  int W_ = 1, El_ = 1, P_ = 1, CP_ = 1, NC_ = 1, J_ = 1;
+  size_t G1_ = 0, G2_ = 0, CS_ = 0;  // the first gemm1, gemm2 and combine units
   int64_t body_ = 0;
   MoeLayerPools pl_;
   std::vector<std::vector<std::vector<comm::Wait>>> waits_;  // [rank][unit]
@@ -445,7 +476,7 @@ class LayerCompute : public comm::ReplayCompute {
 void build(const LayerCase& c, comm::Program* p) {
   MoeGeometry g;
   ASSERT_TRUE(moe_geometry(cfg_of(c), c.W, &g).ok());
-  ASSERT_TRUE(build_moe_layer_program(layout_of(c), g, kInter, c.pieces, c.staged, p).ok());
+  ASSERT_TRUE(build_moe_layer_program(layout_of(c), g, kInter, c.pieces, c.chunks, c.staged, p).ok());
 }
 std::vector<const comm::RankProgram*> programs(const comm::Program& p) {
   std::vector<const comm::RankProgram*> v;
@@ -453,14 +484,18 @@ std::vector<const comm::RankProgram*> programs(const comm::Program& p) {
   return v;
 }
 // The flag accounting, the units' pools included.
-std::string layer_static(const comm::Program& p, int El) {
+std::string layer_static(const comm::Program& p, int El, int chunks) {
   std::vector<comm::ComputeRaise> raises;
   std::vector<comm::ComputeWait> waits;
   for (int r = 0; r < p.layout.world; ++r) {
     const MoeLayerPools pl = moe_layer_pools(p.layout.world, El);
     const auto& sg = p.ranks[size_t(r)].signals;
     for (uint32_t i = 0; i < sg.size(); ++i)
-      raises.push_back({r, sg[i], i == pl.s_packed ? uint64_t(El) : 1, "layer unit"});
+      raises.push_back({r, sg[i],
+                        i == pl.s_packed                                           ? uint64_t(El)
+                        : i >= pl.s_unpacked && i < pl.s_unpacked + uint32_t(p.layout.world) ? uint64_t(chunks)
+                                                                                   : 1,
+                        "layer unit"});
     for (const auto& w : p.ranks[size_t(r)].waits) waits.push_back({r, w, "layer unit"});
   }
   return comm::check_static(p, programs(p), raises, waits);
@@ -479,10 +514,11 @@ TEST(MoeLayerProgram, BadGeometryIsRefused) {
   MoeGeometry g;
   ASSERT_TRUE(moe_geometry(cfg_of(c), 2, &g).ok());
   comm::Program p;
-  EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(4, 1), g, kInter, 1, false, &p).ok());  // world 4, geometry 2
-  EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, 0, 1, false, &p).ok());
-  EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 0, false, &p).ok());
-  EXPECT_TRUE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 1, false, &p).ok());
+  EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(4, 1), g, kInter, 1, 1, false, &p).ok());  // world 4, geometry 2
+  EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, 0, 1, 1, false, &p).ok());
+  EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 0, 1, false, &p).ok());
+  EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 1, 0, false, &p).ok());
+  EXPECT_TRUE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 1, 1, false, &p).ok());
 }
 
 TEST(MoeLayerProgram, PoolsArePlacedAsDeclared) {
@@ -531,7 +567,7 @@ std::vector<LayerCase> sweep() {
         for (int staged = 0; staged < (nodes > 1 ? 2 : 1); ++staged)
           for (int pieces : {1, 3})
             v.push_back(LayerCase{W, nodes, strided == 1, staged == 1, pieces, pieces == 3 ? 3 : 1,
-                                  pieces == 3 ? 4 : 1, W % 2 == 0 && pieces == 3 ? 4 : 1});
+                                  pieces == 3 ? 4 : 1, W % 2 == 0 && pieces == 3 ? 4 : 1, pieces == 3 ? 2 : 1});
     }
   return v;
 }
@@ -542,7 +578,7 @@ TEST_P(MoeLayerReplay, ThreeCallsGiveEveryTokensOutput) {
   const LayerCase c = GetParam();
   comm::Program p;
   ASSERT_NO_FATAL_FAILURE(build(c, &p));
-  ASSERT_EQ(layer_static(p, 2), "") << name_of(c);
+  ASSERT_EQ(layer_static(p, 2, c.chunks), "") << name_of(c);
   for (uint64_t k = 0; k < 6; ++k) {
     const uint64_t seed = seed_of(c, k);
     comm::ReplayOptions o{seed, c.comm_slots, c.compute_slots, 3};
@@ -631,7 +667,7 @@ TEST_P(MoeLayerMutation, EveryMutantIsRejected) {
   MoeGeometry g;
   ASSERT_TRUE(moe_geometry(cfg_of(c), c.W, &g).ok());
   auto reject = [&](const comm::Program& m, uint64_t k) {
-    const std::string why = k == 0 ? layer_static(m, g.El) : "";
+    const std::string why = k == 0 ? layer_static(m, g.El, c.chunks) : "";
     return why.empty() ? replay(m, c, test::mutant_replay(seed_of(c, 100 + k), c.comm_slots, c.compute_slots, k)) : why;
   };
   int caught = 0, implied = 0;
@@ -660,10 +696,10 @@ TEST_P(MoeLayerMutation, EveryMutantIsRejected) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeLayerMutation,
-                         ::testing::Values(LayerCase{3, 1, false, false, 1, 1, 1, 1},
-                                           LayerCase{2, 2, false, false, 1, 1, 2, 1},
-                                           LayerCase{2, 2, false, true, 2, 1, 1, 1},
-                                           LayerCase{4, 2, true, true, 1, 1, 2, 2}),
+                         ::testing::Values(LayerCase{3, 1, false, false, 1, 1, 1, 1, 2},
+                                           LayerCase{2, 2, false, false, 1, 1, 2, 1, 1},
+                                           LayerCase{2, 2, false, true, 2, 1, 1, 1, 2},
+                                           LayerCase{4, 2, true, true, 1, 1, 2, 2, 1}),
                          [](const ::testing::TestParamInfo<LayerCase>& i) { return name_of(i.param); });
 
 }  // namespace

@@ -155,12 +155,12 @@ void layout_from_headers(const MoeGeometry& g, const std::vector<const uint8_t*>
 }
 
 int64_t unpack_source(const MoeGeometry& g, const uint8_t* slot, const int32_t* base_s, uint16_t* recv_x,
-                      int32_t* back) {
+                      int32_t* back, uint32_t first, uint32_t end) {
   int64_t over = 0;
   uint32_t nrec;
   std::memcpy(&nrec, slot + 8, 4);
   std::vector<int32_t> meta(size_t(g.meta_bytes / 4));
-  for (uint32_t j = 0; j < nrec; ++j) {
+  for (uint32_t j = first; j < std::min(nrec, end); ++j) {
     const uint8_t* rec = slot + g.hdr_bytes + int64_t(j) * g.rec_bytes;
     std::memcpy(meta.data(), rec + g.row_bytes, size_t(g.meta_bytes));
     int32_t ord = 0;

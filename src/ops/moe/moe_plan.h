@@ -149,10 +149,25 @@ void dest_layout(const MoeGeometry& g, int r, const std::vector<const int32_t*>&
 // begin: offsets[le] + the counts of the sources before s).
 void layout_from_headers(const MoeGeometry& g, const std::vector<const uint8_t*>& headers, int32_t* counts,
                          int32_t* offsets, int32_t* base);
-// One source's records from its slot into recv_x at the rows base_s (its [El] of base) gives, with
-// the way back of each row; returns the rows dropped past recv_rows.
+// One source's records [first, end) (clamped to the records in its slot) into recv_x at the rows
+// base_s (its [El] of base) gives, with the way back of each row; returns the rows dropped past
+// recv_rows.
 int64_t unpack_source(const MoeGeometry& g, const uint8_t* slot, const int32_t* base_s, uint16_t* recv_x,
-                      int32_t* back);
+                      int32_t* back, uint32_t first = 0, uint32_t end = 0xffffffffu);
+// The fused layer's GEMM units (moe_program.h, build_moe_layer_program), per tile row of an
+// expert's rows. Whether source s has rows in rows [r0, r1) of local expert le: base [W][El]
+// (layout_from_headers), `end` = offsets[le] + counts[le] (where the last source's rows end).
+MK_HOST_DEVICE inline bool moe_tile_has_source(const int32_t* base, int W, int El, int le, int64_t end, int64_t r0,
+                                               int64_t r1, int s) {
+  const int64_t b0 = base[s * El + le];
+  const int64_t b1 = s + 1 < W ? base[(s + 1) * El + le] : end;
+  return b1 > b0 && b0 < r1 && r0 < b1;
+}
+// Whether tile row j of an expert with n tile rows raises the expert's signal once it is done,
+// `done` tile rows of it being done then (this one included): the last one to finish does; an
+// expert without rows raises from its tile row 0 (so every expert raises once per call).
+MK_HOST_DEVICE inline bool moe_tile_row_raises(int n, int j, int done) { return n == 0 ? j == 0 : done == n; }
+
 // The bytes of source s's dispatch slot for rank r (header and records) as the pack kernel
 // writes them, from x [n, H] bf16 (as uint16) and ids [n, k]; `slot` holds g.slot_bytes.
 void pack_record_slot(const MoeGeometry& g, int s, int r, const uint16_t* x, const int32_t* ids,

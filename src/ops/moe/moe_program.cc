@@ -329,16 +329,17 @@ MoeLayerPools moe_layer_pools(int W, int El) {
 }
 
 int64_t moe_layer_lay_bytes(const MoeGeometry& g) {
-  return 4 * (int64_t(g.El) + (g.El + 1) + int64_t(g.W) * g.El + 2 * g.recv_rows);
+  return 4 * (int64_t(g.El) + (g.El + 1) + int64_t(g.W) * g.El + 2 * g.recv_rows + 2 * int64_t(g.El));
 }
 
 Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g, int64_t inter, int pieces_req,
-                               bool staged, comm::Program* out) {
+                               int unpack_chunks, bool staged, comm::Program* out) {
   const int W = layout.world, El = g.El;
-  MK_REQUIRE(W >= 1 && W == g.W && El >= 1 && inter > 0 && pieces_req >= 1 && g.slot_bytes > g.hdr_bytes &&
-                 g.hdr_bytes % 16 == 0 && g.cslot_bytes % 16 == 0,
-             Code::kInvalidArgument, "moe layer: bad program geometry (world %d, geometry for %d, %d local experts)",
-             W, g.W, El);
+  MK_REQUIRE(W >= 1 && W == g.W && El >= 1 && inter > 0 && pieces_req >= 1 && unpack_chunks >= 1 &&
+                 g.slot_bytes > g.hdr_bytes && g.hdr_bytes % 16 == 0 && g.cslot_bytes % 16 == 0,
+             Code::kInvalidArgument,
+             "moe layer: bad program geometry (world %d, geometry for %d, %d local experts, %d unpack chunks)", W, g.W,
+             El, unpack_chunks);
   MK_CHECK(layout.check("moe layer"));
   const int64_t slot = g.slot_bytes, cslot = g.cslot_bytes, body = slot - g.hdr_bytes;
   const int P = moe_pieces(body, pieces_req), CP = moe_pieces(cslot, pieces_req);
@@ -392,7 +393,8 @@ Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g,
       const int s = (me + d) % W;
       rp.waits.push_back(wait_on(MoeRegion::kArrived, me, uint32_t(s), remote(me, s) ? 1 : uint64_t(P), s));
     }
-    for (int s = 0; s < W; ++s) rp.waits.push_back(wait_on(MoeLayerRegion::kUnpacked, me, uint32_t(s), 1, me));
+    for (int s = 0; s < W; ++s)
+      rp.waits.push_back(wait_on(MoeLayerRegion::kUnpacked, me, uint32_t(s), uint64_t(unpack_chunks), me));
     for (int le = 0; le < El; ++le) rp.waits.push_back(wait_on(MoeLayerRegion::kG1Done, me, uint32_t(le), 1, me));
     rp.waits.push_back(wait_on(MoeLayerRegion::kPacked, me, 0, uint64_t(El), me));
     for (int d = 1; d < W; ++d) {

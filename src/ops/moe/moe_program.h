@@ -69,19 +69,25 @@ uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used);
 //
 // One program per layer call (one epoch): the communication CTAs take the ops, the compute side
 // takes units in this order, each after its waits (pools below):
-//   layout     after every other source's header (hdr[s]): counts, offsets and each source's
-//              base rows from the W headers (layout_from_headers) into `lay`, and every combine
-//              slot's header and piece counts; raises laid;
-//   unpack(s)  for s = me, then me + 1, ...: after laid and the source's records (arrived[s];
-//              none for the own slot, which pack writes in place): its rows into recv_x and their
-//              way back into `lay` (unpack_source); raises unpacked[s];
-//   gemm1(le)  per local expert: after laid (it reads the layout to find its rows), then after
-//              unpacked[s] of each source with rows of le (a run-time subset): act = the first
-//              GEMM and SwiGLU of its rows; raises g1done[le];
-//   gemm2(le)  after g1done[le]: y = the second GEMM of its rows, each row whose token is another
-//              rank's also into that rank's combine send slot (its combine row); raises packed += 1;
-//   combine    (the last unit) after packed >= El (the own tokens' rows of y) and every other
-//              source's combine slot (carrived[s]): the weighted sums into `out`.
+//   layout       after every other source's header (hdr[s]): counts, offsets and each source's
+//                base rows from the W headers (layout_from_headers) into `lay`, every combine
+//                slot's header and piece counts; zeroes the per-expert tile counters; raises laid;
+//   unpack(s, c) for s = me, then me + 1, ..., each in `unpack_chunks` chunks of its records:
+//                after laid and the source's records (arrived[s]; none for the own slot, which
+//                pack writes in place): the chunk's rows into recv_x and their way back into `lay`
+//                (unpack_source); raises unpacked[s] (+1 per chunk);
+//   gemm1(le, j) per local expert and tile row (as many as the layout gives it, the rest do
+//                nothing): after laid (it reads the layout to find its rows), then after unpacked[s]
+//                of each source with rows in its tile row (a run-time subset): act = the first GEMM
+//                and SwiGLU of its rows; the expert's last tile row to finish (a counter in `lay`)
+//                raises g1done[le] (an expert without rows: its tile row 0);
+//   gemm2(le, j) after g1done[le]: y = the second GEMM of its rows, each row whose token is
+//                another rank's also into that rank's combine send slot (its combine row); the
+//                expert's last tile row (or row 0 of an empty expert) raises packed += 1;
+//   combine(c)   in chunks of the own tokens, after packed >= El (the own tokens' rows of y) and
+//                every other source's combine slot (carrived[s]): the weighted sums into `out`.
+// Units only wait for units before them (and for other ranks), so a queue that hands them out in
+// this order cannot deadlock, whatever the number of CTAs.
 // The ops: entry handshakes (as dispatch's); per destination the slot's header (hdr_bytes: hdr
 // there, hdr_net across nodes) then its records in pieces from hdr_bytes on (run-time counts in
 // piece_bytes, as dispatch's); the relays of other nodes' headers and records (staged: out of the
@@ -104,7 +110,7 @@ struct MoeLayerPools {
   uint32_t hdr = 0;       // [W - 1] the layout's: hdr[s]
   uint32_t laid = 0;      // [1] unpack's and gemm1's
   uint32_t arrived = 0;   // [W - 1] unpack(s)'s: arrived[s] (pieces on the node, 1 across nodes)
-  uint32_t unpacked = 0;  // [W] gemm1's: unpacked[s] for s = 0 .. W - 1
+  uint32_t unpacked = 0;  // [W] gemm1's: unpacked[s] >= unpack_chunks for s = 0 .. W - 1
   uint32_t g1 = 0;        // [El] gemm2(le)'s: g1done[le]
   uint32_t packed = 0;    // [1] combine's: packed >= El
   uint32_t carrived = 0;  // [W - 1] combine's: carrived[s]
@@ -112,10 +118,11 @@ struct MoeLayerPools {
   uint32_t s_laid = 0, s_unpacked = 0 /* [W] */, s_g1 = 0 /* [El] */, s_packed = 0, signals = 0;
 };
 MoeLayerPools moe_layer_pools(int W, int El);
-// `lay` (int32): counts [El], offsets [El + 1], base [W][El], back [recv_rows][2].
+// `lay` (int32): counts [El], offsets [El + 1], base [W][El], back [recv_rows][2], tile rows done
+// per expert [2][El] (gemm1's, gemm2's).
 int64_t moe_layer_lay_bytes(const MoeGeometry& g);
 Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g, int64_t inter, int pieces,
-                               bool staged, comm::Program* out);
+                               int unpack_chunks, bool staged, comm::Program* out);
 
 }  // namespace ops
 }  // namespace mk
