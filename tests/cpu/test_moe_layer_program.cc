@@ -1,7 +1,7 @@
 // The fused MoE layer's program (src/ops/moe/moe_program.h, build_moe_layer_program) replayed on
-// the CPU: every rank's communication ops, and its compute side as the units the layer kernel
-// runs (layout, unpack per source, the two GEMMs per local expert, combine), each after its
-// waits. The math is integer and exact (16-bit wrap-around sums: any row in the wrong place, of
+// the CPU: every rank's communication ops, and its compute side as the items the layer kernel's
+// work queue hands out (moe_layer_item: the layout, unpack per source and chunk, the two GEMMs
+// per tile, combine per chunk of tokens), each after its waits. The math is integer and exact (16-bit wrap-around sums: any row in the wrong place, of
 // another call or another expert changes the result): the layer's output of every token of every
 // rank is checked against a reference computed straight from the token's routing, in every call
 // (a new routing and new rows each call). Every buffer the units read is poisoned when the rank
@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mkernel/ops/moe.h"
@@ -32,6 +33,7 @@ namespace {
 constexpr int64_t kInter = 6;  // the experts' intermediate size (act row: 12 bytes)
 constexpr int64_t kTileRows = 3;  // rows of a GEMM tile row (the kernel's 128)
 constexpr int kCombineChunks = 2;  // combine units (chunks of the own tokens)
+constexpr int kTilesN1 = 2, kTilesN2 = 3;  // column tiles of the GEMMs (act: 6 columns, y: 8)
 
 struct LayerCase {
   int W = 2, nodes = 1;
@@ -62,8 +64,9 @@ comm::Layout layout_of(const LayerCase& c) {
 
 // The experts: integer maps of rows that differ per expert, column and input element.
 uint16_t lo16(uint64_t v) { return uint16_t(v & 0xffffu); }
-void expert_up(const uint16_t* x, int64_t H, int e, uint16_t* act) {  // x [H] -> act [kInter]
-  for (int64_t j = 0; j < kInter; ++j) {
+// Columns [c0, c1) of a row (a column tile).
+void expert_up(const uint16_t* x, int64_t H, int e, int64_t c0, int64_t c1, uint16_t* act) {  // x [H] -> act [kInter]
+  for (int64_t j = c0; j < c1; ++j) {
     uint64_t g = 0, u = 0;
     for (int64_t c = 0; c < H; ++c) {
       g += uint64_t(x[c]) * uint64_t(1 + (c * 7 + j * 3 + e * 5) % 11);
@@ -72,8 +75,9 @@ void expert_up(const uint16_t* x, int64_t H, int e, uint16_t* act) {  // x [H] -
     act[j] = lo16(lo16(g) * (uint64_t(lo16(u)) | 1u) + uint64_t(e) * 31u + uint64_t(j));
   }
 }
-void expert_down(const uint16_t* act, int64_t H, int e, uint16_t* y) {  // act [kInter] -> y [H]
-  for (int64_t h = 0; h < H; ++h) {
+void expert_down(const uint16_t* act, int64_t H, int e, int64_t c0, int64_t c1, uint16_t* y) {  // act -> y [H]
+  (void)H;
+  for (int64_t h = c0; h < c1; ++h) {
     uint64_t v = uint64_t(e) * 131u + uint64_t(h);
     for (int64_t j = 0; j < kInter; ++j) v += uint64_t(act[j]) * uint64_t(1 + (j * 5 + h * 3 + e * 7) % 17);
     y[h] = lo16(v);
@@ -91,6 +95,11 @@ struct World {
   std::vector<std::vector<uint16_t>> x;
 };
 
+// The compute side as the kernel's work queue hands it out (moe_layer_item): the replay's compute
+// slots take units in order, as CTAs take items from the queue's counter. The queue's length
+// follows the layout, so the replay has as many units as the largest call can have: each unit
+// past the static ones first waits for the layout (as a CTA that draws such an item does), finds
+// its item, then waits for what that item needs; units past the call's items do nothing.
 class LayerCompute : public comm::ReplayCompute {
  public:
   LayerCompute(const comm::Program& p, const LayerCase& c, uint64_t seed) : p_(p), c_(c), seed_(seed) {
@@ -100,55 +109,56 @@ class LayerCompute : public comm::ReplayCompute {
     body_ = g_.slot_bytes - g_.hdr_bytes;
     P_ = moe_pieces(body_, c.pieces);
     CP_ = moe_pieces(g_.cslot_bytes, c.pieces);
-    NC_ = c.chunks;
-    J_ = int((int64_t(W_) * g_.T * g_.k + kTileRows - 1) / kTileRows);  // tile rows of the fullest expert
-    G1_ = size_t(1 + W_ * NC_);
-    G2_ = G1_ + size_t(El_ * J_);
-    CS_ = G2_ + size_t(El_ * J_);
+    q_ = queue_of(c, g_);
+    S_ = size_t(moe_layer_static_items(q_));
+    const int J = moe_tile_rows(int64_t(W_) * g_.T * g_.k, q_.tile_rows);  // tile rows of the fullest expert
+    U_ = S_ + size_t(El_) * size_t(J) * size_t(q_.tiles_n1 + q_.tiles_n2) + size_t(q_.combine_chunks);
     // The static units' waits, from the (possibly mutated) pools.
     waits_.resize(size_t(W_));
     for (int me = 0; me < W_; ++me) {
       const auto& pw = p.ranks[size_t(me)].waits;
       auto& w = waits_[size_t(me)];
-      w.resize(units(me));
+      w.resize(S_ + 1);
       w[0].assign(pw.begin() + pl_.hdr, pw.begin() + pl_.hdr + (W_ - 1));
-      for (int i = 0; i < W_ * NC_; ++i) {
-        const int idx = i / NC_;  // source me + idx
-        w[size_t(1 + i)] = {pw[pl_.laid]};
-        if (idx > 0) w[size_t(1 + i)].push_back(pw[pl_.arrived + uint32_t(idx - 1)]);
+      for (size_t u = 1; u < S_; ++u) {
+        const int idx = int(u - 1) / q_.unpack_chunks;  // source me + idx
+        w[u] = {pw[pl_.laid]};
+        if (idx > 0) w[u].push_back(pw[pl_.arrived + uint32_t(idx - 1)]);
       }
-      for (int le = 0; le < El_; ++le)
-        for (int j = 0; j < J_; ++j) {
-          w[G1_ + size_t(le * J_ + j)] = {pw[pl_.laid]};
-          w[G2_ + size_t(le * J_ + j)] = {pw[pl_.g1 + uint32_t(le)]};
-        }
-      for (int c = 0; c < kCombineChunks; ++c)  // packed, then carrived
-        w[CS_ + size_t(c)].assign(pw.begin() + pl_.packed, pw.begin() + pl_.packed + W_);
+      w[S_] = {pw[pl_.laid]};  // every later unit's first phase
     }
   }
+  static MoeLayerQueue queue_of(const LayerCase& c, const MoeGeometry& g) {
+    MoeLayerQueue q;
+    q.W = c.W, q.El = g.El, q.unpack_chunks = c.chunks, q.combine_chunks = kCombineChunks;
+    q.tile_rows = int(kTileRows), q.tiles_n1 = kTilesN1, q.tiles_n2 = kTilesN2;
+    return q;
+  }
 
-  size_t units(int) const override { return CS_ + kCombineChunks; }
-  int phases(int, size_t u) const override { return is_gemm1(u) ? 2 : 1; }
+  size_t units(int) const override { return U_; }
+  int phases(int, size_t u) const override { return u < S_ ? 1 : 2; }
   const comm::Wait* waits(int me, size_t u, int phase, size_t* n) const override {
-    if (is_gemm1(u) && phase == 1) {
-      auto it = covered_.find({me, u});
-      const std::vector<comm::Wait>& v = it->second;
-      *n = v.size();
-      return v.data();
-    }
-    const auto& v = waits_[size_t(me)][u];
-    *n = v.size();
-    return v.data();
+    const std::vector<comm::Wait>* v = &waits_[size_t(me)][std::min(u, S_)];
+    if (phase == 1) v = &items_.at({me, u}).second;
+    *n = v->size();
+    return v->data();
   }
   std::string unit_name(int me, size_t u) const override {
     if (u == 0) return "layout";
-    if (u < G1_)
-      return "unpack(source " + std::to_string((me + int(u - 1) / NC_) % W_) + ", chunk " +
-             std::to_string(int(u - 1) % NC_) + ")";
-    if (u < CS_)
-      return std::string(u < G2_ ? "gemm1" : "gemm2") + "(expert " + std::to_string(int((u - (u < G2_ ? G1_ : G2_)) / size_t(J_))) +
-             ", tile row " + std::to_string(int((u - (u < G2_ ? G1_ : G2_)) % size_t(J_))) + ")";
-    return "combine(chunk " + std::to_string(int(u - CS_)) + ")";
+    if (u < S_)
+      return "unpack(source " + std::to_string((me + int(u - 1) / q_.unpack_chunks) % W_) + ", chunk " +
+             std::to_string(int(u - 1) % q_.unpack_chunks) + ")";
+    auto it = items_.find({me, u});
+    if (it == items_.end()) return "item " + std::to_string(u) + " (not drawn yet)";
+    const MoeLayerItem& m = it->second.first;
+    const std::string tile = "(expert " + std::to_string(m.a) + ", tile row " + std::to_string(m.b) + ", column tile " +
+                             std::to_string(m.c) + ")";
+    switch (m.kind) {
+      case kMoeItemGemm1: return "gemm1" + tile;
+      case kMoeItemGemm2: return "gemm2" + tile;
+      case kMoeItemCombine: return "combine(chunk " + std::to_string(m.a) + ")";
+      default: return "item " + std::to_string(u) + " (none)";
+    }
   }
 
   void start_call(comm::Replay& r, int me, int e) override {
@@ -188,10 +198,16 @@ class LayerCompute : public comm::ReplayCompute {
 
   bool run(comm::Replay& r, int me, size_t u, int phase) override {
     if (u == 0) return layout(r, me);
-    if (u < G1_) return unpack(r, me, (me + int(u - 1) / NC_) % W_, int(u - 1) % NC_);
-    if (is_gemm1(u)) return phase == 0 ? gemm1_rows(r, me, u) : gemm1(r, me, u);
-    if (u < CS_) return gemm2(r, me, int(u - G2_) / J_, int(u - G2_) % J_);
-    return combine(r, me, int(u - CS_));
+    if (u < S_) return unpack(r, me, (me + int(u - 1) / q_.unpack_chunks) % W_, int(u - 1) % q_.unpack_chunks);
+    if (phase == 0) return draw(r, me, u);
+    const MoeLayerItem m = items_.at({me, u}).first;
+    switch (m.kind) {
+      case kMoeItemGemm1: return gemm1(r, me, m);
+      case kMoeItemGemm2: return gemm2(r, me, m);
+      case kMoeItemCombine: return combine(r, me, m.a);
+      case kMoeItemNone: return true;
+      default: return r.fail("item " + std::to_string(u) + " of kind " + std::to_string(m.kind) + " past the static items");
+    }
   }
 
   bool finish_call(comm::Replay& r, int me, int e) override {
@@ -212,8 +228,8 @@ class LayerCompute : public comm::ReplayCompute {
       for (int kk = 0; kk < g_.k; ++kk) {
         const int32_t ex = wd.ids[size_t(me)][size_t(t * g_.k + kk)];
         if (ex < 0) continue;
-        expert_up(&wd.x[size_t(me)][size_t(t * H)], H, ex, act.data());
-        expert_down(act.data(), H, ex, y.data());
+        expert_up(&wd.x[size_t(me)][size_t(t * H)], H, ex, 0, kInter, act.data());
+        expert_down(act.data(), H, ex, 0, H, y.data());
         for (int64_t h = 0; h < H; ++h) want[size_t(h)] += weight_of(t, kk, ex) * y[size_t(h)];
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -228,8 +244,6 @@ class LayerCompute : public comm::ReplayCompute {
   }
 
  private:
-  bool is_gemm1(size_t u) const { return u >= G1_ && u < G2_; }
-
   // Call e's routing: in a quarter of the replays kFull in every call (dispatch send slots full to
   // their last piece), in another quarter every slot of every token to one other rank's experts
   // in every call (combine slots full to their last piece: T * k rows), in the rest every kind in
@@ -264,7 +278,8 @@ class LayerCompute : public comm::ReplayCompute {
     memset(m, kPoison, size_t(bytes));
     return true;
   }
-  // `lay`: counts [El], offsets [El + 1], base [W][El], back [recv_rows][2] (moe_layer_lay_bytes).
+  // `lay`: counts [El], offsets [El + 1], base [W][El], back [recv_rows][2], tiles done [2][El]
+  // (moe_layer_lay_bytes).
   int32_t* lay(comm::Replay& r, int me) {
     return reinterpret_cast<int32_t*>(
         r.mem(me, comm::BufRef{MoeLayerBuf::kLay, me, 0}, uint64_t(moe_layer_lay_bytes(g_))));
@@ -273,17 +288,27 @@ class LayerCompute : public comm::ReplayCompute {
   int32_t* base(int32_t* l) const { return l + El_ + El_ + 1; }
   int32_t* back(int32_t* l) const { return base(l) + W_ * El_; }
   int32_t* tiles_done(int32_t* l, int gemm) const { return back(l) + 2 * g_.recv_rows + gemm * El_; }
-  // Expert le's tile rows in this call.
-  int tile_rows(int32_t* l, int le) const { return int((l[le] + kTileRows - 1) / kTileRows); }
   // The layout as it is in `lay`, checked before use (read too early, it is poison).
   bool layout_sane(comm::Replay& r, int32_t* l) {
     const int32_t* off = offsets(l);
     for (int le = 0; le <= El_; ++le)
       if (off[le] < 0 || off[le] > g_.recv_rows || (le > 0 && off[le] < off[le - 1]))
         return r.fail("the layout read before it was written (offset " + std::to_string(off[le]) + ")");
+    for (int le = 0; le < El_; ++le)
+      if (l[le] < 0 || l[le] > off[le + 1] - off[le]) return r.fail("the layout's counts read before they were written");
     for (int i = 0; i < W_ * El_; ++i)
       if (base(l)[i] < 0 || base(l)[i] > g_.recv_rows) return r.fail("the layout's base read before it was written");
     return true;
+  }
+  // Rows [r0, r1) of the tile row, and its columns [c0, c1) of `n` in column tiles of tn.
+  struct Tile {
+    int64_t r0, r1, c0, c1;
+  };
+  Tile tile_of(int32_t* l, const MoeLayerItem& m, int64_t n, int tn) const {
+    const int64_t r0 = offsets(l)[m.a] + int64_t(m.b) * q_.tile_rows;
+    const int64_t cw = (n + tn - 1) / tn;
+    return Tile{r0, std::min<int64_t>(r0 + q_.tile_rows, offsets(l)[m.a] + l[m.a]), m.c * cw,
+                std::min<int64_t>(n, (m.c + 1) * cw)};
   }
 
   bool layout(comm::Replay& r, int me) {
@@ -317,7 +342,14 @@ class LayerCompute : public comm::ReplayCompute {
         memcpy(pc + 8 * q, &v, 8);
       }
     }
-    r.raise(me, p_.ranks[size_t(me)].signals[pl_.s_laid]);
+    // Experts without rows have no tiles in the queue: their flags are raised here.
+    const auto& sg = p_.ranks[size_t(me)].signals;
+    for (int le = 0; le < El_; ++le)
+      if (moe_tile_rows(l[le], q_.tile_rows) == 0) {
+        r.raise(me, sg[pl_.s_g1 + uint32_t(le)]);
+        r.raise(me, sg[pl_.s_packed]);
+      }
+    r.raise(me, sg[pl_.s_laid]);
     return true;
   }
 
@@ -331,7 +363,8 @@ class LayerCompute : public comm::ReplayCompute {
     uint32_t nrec;
     memcpy(&nrec, slot + 8, 4);
     if (nrec > uint32_t(g_.T)) return r.fail("the slot of source " + std::to_string(s) + " is not there");
-    const uint32_t per = uint32_t((g_.T + NC_ - 1) / NC_), j0 = uint32_t(chunk) * per, j1 = j0 + per;
+    const uint32_t per = uint32_t((g_.T + q_.unpack_chunks - 1) / q_.unpack_chunks), j0 = uint32_t(chunk) * per,
+                   j1 = j0 + per;
     // Records read before they landed hold poison: their expert indexes are out of range.
     for (uint32_t j = j0; j < std::min(nrec, j1); ++j) {
       const uint8_t* meta = slot + g_.hdr_bytes + int64_t(j) * g_.rec_bytes + g_.row_bytes;
@@ -349,68 +382,73 @@ class LayerCompute : public comm::ReplayCompute {
     return true;
   }
 
-  // gemm1's first phase: its rows (none past the expert's tile rows), and the sources that have
-  // rows there (their unpacked waits).
-  bool gemm1_rows(comm::Replay& r, int me, size_t u) {
-    const int le = int(u - G1_) / J_, j = int(u - G1_) % J_;
+  // A unit past the static ones, once the layout is there: its item, and what that item waits for.
+  bool draw(comm::Replay& r, int me, size_t u) {
     int32_t* l = lay(r, me);
     if (!l) return false;
     if (!layout_sane(r, l)) return false;
-    std::vector<comm::Wait>& w = covered_[{me, u}];
+    std::vector<int32_t> prefix(size_t(El_ + 1));
+    moe_layer_tile_prefix(q_, l, prefix.data());
+    const MoeLayerItem m = moe_layer_item(q_, prefix.data(), int64_t(u));
+    auto& entry = items_[{me, u}];
+    entry.first = m;
+    std::vector<comm::Wait>& w = entry.second;
     w.clear();
     const auto& pw = p_.ranks[size_t(me)].waits;
-    const int64_t r0 = offsets(l)[le] + int64_t(j) * kTileRows, r1 = std::min<int64_t>(r0 + kTileRows, offsets(l)[le] + l[le]);
-    for (int s = 0; s < W_; ++s)
-      if (moe_tile_has_source(base(l), W_, El_, le, offsets(l)[le] + l[le], r0, r1, s))
-        w.push_back(pw[pl_.unpacked + uint32_t(s)]);
+    if (m.kind == kMoeItemGemm1) {
+      const Tile t = tile_of(l, m, kInter, q_.tiles_n1);
+      for (int s = 0; s < W_; ++s)
+        if (moe_tile_has_source(base(l), W_, El_, m.a, offsets(l)[m.a] + l[m.a], t.r0, t.r1, s))
+          w.push_back(pw[pl_.unpacked + uint32_t(s)]);
+    } else if (m.kind == kMoeItemGemm2) {
+      w.push_back(pw[pl_.g1 + uint32_t(m.a)]);
+    } else if (m.kind == kMoeItemCombine) {
+      w.assign(pw.begin() + pl_.packed, pw.begin() + pl_.packed + W_);  // packed, then carrived
+    }
     return true;
   }
-  // The expert's tile row j done: the last of its tile rows (tile row 0 of an empty expert)
-  // raises the expert's signal.
-  void tile_row_done(comm::Replay& r, int me, int32_t* l, int le, int j, int gemm) {
-    const int n = tile_rows(l, le);
-    const comm::Signal& sg = p_.ranks[size_t(me)].signals[gemm == 0 ? pl_.s_g1 + uint32_t(le) : pl_.s_packed];
-    const int done = j < n ? ++tiles_done(l, gemm)[le] : 0;  // the kernel: an atomic add's result + 1
-    if ((n == 0 || j < n) && moe_tile_row_raises(n, j, done)) r.raise(me, sg);
+  // A finished tile of expert le: the last of its tiles raises the expert's signal.
+  void tile_done(comm::Replay& r, int me, int32_t* l, int le, int gemm) {
+    const int tiles = moe_tile_rows(l[le], q_.tile_rows) * (gemm == 0 ? q_.tiles_n1 : q_.tiles_n2);
+    if (moe_tile_raises(tiles, ++tiles_done(l, gemm)[le]))
+      r.raise(me, p_.ranks[size_t(me)].signals[gemm == 0 ? pl_.s_g1 + uint32_t(le) : pl_.s_packed]);
   }
-  bool gemm1(comm::Replay& r, int me, size_t u) {
-    const int le = int(u - G1_) / J_, j = int(u - G1_) % J_;
+  bool gemm1(comm::Replay& r, int me, const MoeLayerItem& m) {
     int32_t* l = lay(r, me);
     const uint8_t* rx = r.mem(me, comm::BufRef{MoeLayerBuf::kRecvX, me, 0}, uint64_t(g_.recv_rows * g_.row_bytes));
     uint8_t* act = r.mem(me, comm::BufRef{MoeLayerBuf::kAct, me, 0}, uint64_t(g_.recv_rows * kInter * 2));
     if (!l || !rx || !act) return false;
-    const int e = me * El_ + le;
-    const int64_t r0 = offsets(l)[le] + int64_t(j) * kTileRows, r1 = std::min<int64_t>(r0 + kTileRows, offsets(l)[le] + l[le]);
-    for (int64_t row = r0; row < r1; ++row)
-      expert_up(reinterpret_cast<const uint16_t*>(rx + row * g_.row_bytes), g_.H, e,
+    const Tile t = tile_of(l, m, kInter, q_.tiles_n1);
+    for (int64_t row = t.r0; row < t.r1; ++row)
+      expert_up(reinterpret_cast<const uint16_t*>(rx + row * g_.row_bytes), g_.H, me * El_ + m.a, t.c0, t.c1,
                 reinterpret_cast<uint16_t*>(act + row * kInter * 2));
-    tile_row_done(r, me, l, le, j, 0);
+    tile_done(r, me, l, m.a, 0);
     return true;
   }
-  bool gemm2(comm::Replay& r, int me, int le, int j) {
+  bool gemm2(comm::Replay& r, int me, const MoeLayerItem& m) {
     int32_t* l = lay(r, me);
     const uint8_t* act = r.mem(me, comm::BufRef{MoeLayerBuf::kAct, me, 0}, uint64_t(g_.recv_rows * kInter * 2));
     uint8_t* y = r.mem(me, comm::BufRef{MoeLayerBuf::kY, me, 0}, uint64_t(g_.recv_rows * g_.row_bytes));
     if (!l || !act || !y) return false;
     if (!layout_sane(r, l)) return false;
-    const int e = me * El_ + le;
-    const int64_t r0 = offsets(l)[le] + int64_t(j) * kTileRows, r1 = std::min<int64_t>(r0 + kTileRows, offsets(l)[le] + l[le]);
-    for (int64_t row = r0; row < r1; ++row) {
+    const Tile t = tile_of(l, m, g_.H, q_.tiles_n2);
+    for (int64_t row = t.r0; row < t.r1; ++row) {
       uint16_t* yr = reinterpret_cast<uint16_t*>(y + row * g_.row_bytes);
-      expert_down(reinterpret_cast<const uint16_t*>(act + row * kInter * 2), g_.H, e, yr);
+      expert_down(reinterpret_cast<const uint16_t*>(act + row * kInter * 2), g_.H, me * El_ + m.a, t.c0, t.c1, yr);
       const int32_t src = back(l)[2 * row], cpos = back(l)[2 * row + 1];
       if (src < 0 || src >= W_ || cpos < 0 || cpos >= g_.comb_per_src)
         return r.fail("row " + std::to_string(row) + " has no way back (unpacked after the GEMM?)");
       if (src == me) continue;  // combine reads the own tokens' rows in y
+      // The tile's columns of the row, straight into the combine slot of its token's rank.
       uint8_t* dst = r.mem(me,
                            comm::BufRef{MoeLayerBuf::kCSend, me,
                                         uint64_t(src) * uint64_t(g_.cslot_bytes) + uint64_t(g_.chdr_bytes) +
-                                            uint64_t(cpos) * uint64_t(g_.row_bytes)},
-                           uint64_t(g_.row_bytes));
+                                            uint64_t(cpos) * uint64_t(g_.row_bytes) + uint64_t(2 * t.c0)},
+                           uint64_t(2 * (t.c1 - t.c0)));
       if (!dst) return false;
-      memcpy(dst, yr, size_t(g_.row_bytes));
+      memcpy(dst, yr + t.c0, size_t(2 * (t.c1 - t.c0)));
     }
-    tile_row_done(r, me, l, le, j, 1);
+    tile_done(r, me, l, m.a, 1);
     return true;
   }
   bool combine(comm::Replay& r, int me, int chunk) {
@@ -426,7 +464,7 @@ class LayerCompute : public comm::ReplayCompute {
     for (int64_t row = 0; row < offsets(l)[El_]; ++row)
       if (back(l)[2 * row] == me) own[back(l)[2 * row + 1]] = row;
     const int64_t H = g_.H;
-    const int64_t per = (g_.T + kCombineChunks - 1) / kCombineChunks;
+    const int64_t per = (g_.T + q_.combine_chunks - 1) / q_.combine_chunks;
     for (int64_t t = chunk * per; t < std::min<int64_t>(wd.n[size_t(me)], (chunk + 1) * per); ++t) {
       std::vector<uint64_t> acc(size_t(H), 0);
       for (int kk = 0; kk < g_.k; ++kk) {
@@ -465,12 +503,14 @@ class LayerCompute : public comm::ReplayCompute {
   LayerCase c_;
   uint64_t seed_;
   MoeGeometry g_;
-  int W_ = 1, El_ = 1, P_ = 1, CP_ = 1, NC_ = 1, J_ = 1;
-  size_t G1_ = 0, G2_ = 0, CS_ = 0;  // the first gemm1, gemm2 and combine units
+  int W_ = 1, El_ = 1, P_ = 1, CP_ = 1;
   int64_t body_ = 0;
   MoeLayerPools pl_;
-  std::vector<std::vector<std::vector<comm::Wait>>> waits_;  // [rank][unit]
-  std::map<std::pair<int, size_t>, std::vector<comm::Wait>> covered_;
+  MoeLayerQueue q_;
+  size_t S_ = 0, U_ = 0;  // static units; all units
+  std::vector<std::vector<std::vector<comm::Wait>>> waits_;  // [rank][static unit, then the later units' first phase]
+  // (rank, unit) -> its item and the waits of its second phase, once drawn.
+  std::map<std::pair<int, size_t>, std::pair<MoeLayerItem, std::vector<comm::Wait>>> items_;
 };
 
 void build(const LayerCase& c, comm::Program* p) {
@@ -519,6 +559,54 @@ TEST(MoeLayerProgram, BadGeometryIsRefused) {
   EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 0, 1, false, &p).ok());
   EXPECT_FALSE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 1, 0, false, &p).ok());
   EXPECT_TRUE(build_moe_layer_program(comm::Layout::uniform(2, 1), g, kInter, 1, 1, false, &p).ok());
+}
+
+// The queue: every unit of a call exactly once, in the order the protocol needs (layout, unpack,
+// every tile of the first GEMM, every tile of the second, combine), an expert's items contiguous
+// with tile rows fastest; nothing past the end.
+TEST(MoeLayerQueue, EveryItemOnceInOrder) {
+  for (int El : {1, 2, 5})
+    for (const std::vector<int32_t>& counts_of :
+         {std::vector<int32_t>{0, 0, 0, 0, 0}, std::vector<int32_t>{1, 128, 129, 0, 300}, std::vector<int32_t>{500, 0, 0, 7, 256}}) {
+      MoeLayerQueue q;
+      q.W = 3, q.El = El, q.unpack_chunks = 2, q.combine_chunks = 3, q.tile_rows = 128, q.tiles_n1 = 2, q.tiles_n2 = 3;
+      std::vector<int32_t> counts(counts_of.begin(), counts_of.begin() + El), prefix(size_t(El + 1));
+      moe_layer_tile_prefix(q, counts.data(), prefix.data());
+      const int64_t n = moe_layer_items(q, prefix.data());
+      std::map<std::tuple<int, int, int, int>, int> seen;
+      int last_kind = kMoeItemLayout;
+      std::pair<int, int> last_tile{-1, -1};  // (expert, column tile) of the last GEMM item
+      int last_row = -1;
+      for (int64_t i = 0; i < n; ++i) {
+        const MoeLayerItem m = moe_layer_item(q, prefix.data(), i);
+        ASSERT_NE(m.kind, kMoeItemNone) << i;
+        ASSERT_GE(m.kind, last_kind) << "item " << i << " out of order";
+        if (m.kind != last_kind) last_tile = {-1, -1};
+        last_kind = m.kind;
+        ++seen[{m.kind, m.a, m.b, m.c}];
+        if (m.kind == kMoeItemUnpack) {
+          ASSERT_LT(m.a, q.W);
+          ASSERT_LT(m.b, q.unpack_chunks);
+        } else if (m.kind == kMoeItemGemm1 || m.kind == kMoeItemGemm2) {
+          ASSERT_LT(m.a, El);
+          ASSERT_LT(m.b, moe_tile_rows(counts[size_t(m.a)], q.tile_rows)) << "a tile row past the expert's rows";
+          ASSERT_LT(m.c, m.kind == kMoeItemGemm1 ? q.tiles_n1 : q.tiles_n2);
+          const std::pair<int, int> t{m.a, m.c};
+          if (t == last_tile) ASSERT_EQ(m.b, last_row + 1) << "tile rows fastest";
+          else ASSERT_EQ(m.b, 0);
+          ASSERT_GE(t, last_tile) << "an expert's items together";
+          last_tile = t, last_row = m.b;
+        } else if (m.kind == kMoeItemCombine) {
+          ASSERT_LT(m.a, q.combine_chunks);
+        }
+      }
+      EXPECT_EQ(moe_layer_item(q, prefix.data(), n).kind, kMoeItemNone);
+      EXPECT_EQ(moe_layer_item(q, prefix.data(), -1).kind, kMoeItemNone);
+      int64_t tiles = 0;
+      for (int32_t c : counts) tiles += moe_tile_rows(c, q.tile_rows);
+      EXPECT_EQ(int64_t(seen.size()), n) << "an item twice";
+      EXPECT_EQ(n, 1 + q.W * q.unpack_chunks + tiles * (q.tiles_n1 + q.tiles_n2) + q.combine_chunks);
+    }
 }
 
 TEST(MoeLayerProgram, PoolsArePlacedAsDeclared) {

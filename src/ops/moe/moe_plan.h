@@ -163,10 +163,88 @@ MK_HOST_DEVICE inline bool moe_tile_has_source(const int32_t* base, int W, int E
   const int64_t b1 = s + 1 < W ? base[(s + 1) * El + le] : end;
   return b1 > b0 && b0 < r1 && r0 < b1;
 }
-// Whether tile row j of an expert with n tile rows raises the expert's signal once it is done,
-// `done` tile rows of it being done then (this one included): the last one to finish does; an
-// expert without rows raises from its tile row 0 (so every expert raises once per call).
-MK_HOST_DEVICE inline bool moe_tile_row_raises(int n, int j, int done) { return n == 0 ? j == 0 : done == n; }
+
+// The fused layer's work queue: one counter per call, items handed out in this order (a unit
+// waits only for units before it, so no CTA count deadlocks): the layout; unpack(i, c) for
+// source me + i (i = 0: the own slot) and chunk c; every tile of the first GEMM; every tile of
+// the second; the combine's chunks of the own tokens. The GEMMs' items follow from the layout's
+// counts (tile_prefix, moe_layer_tile_prefix): per expert its tile rows times the column tiles,
+// tile rows fastest (consecutive items share the weights' tile); an expert without rows has none
+// (the layout raises its flags instead).
+struct MoeLayerQueue {
+  int W = 1, El = 1;
+  int unpack_chunks = 1, combine_chunks = 1;
+  int tile_rows = 128;             // rows of a GEMM tile
+  int tiles_n1 = 1, tiles_n2 = 1;  // column tiles of the first GEMM (SwiGLU outputs) and the second
+};
+enum MoeLayerItemKind : int { kMoeItemLayout = 0, kMoeItemUnpack, kMoeItemGemm1, kMoeItemGemm2, kMoeItemCombine,
+                              kMoeItemNone };
+struct MoeLayerItem {
+  int kind = kMoeItemNone;
+  int a = 0, b = 0, c = 0;  // unpack: source index i, chunk; gemm: local expert, tile row, column tile; combine: chunk
+};
+// Tile rows of `count` rows.
+MK_HOST_DEVICE inline int moe_tile_rows(int64_t count, int tile_rows) {
+  return int((count + tile_rows - 1) / tile_rows);
+}
+// tile_prefix [El + 1]: the tile rows of the experts before le (from counts [El]).
+MK_HOST_DEVICE inline void moe_layer_tile_prefix(const MoeLayerQueue& q, const int32_t* counts, int32_t* tile_prefix) {
+  tile_prefix[0] = 0;
+  for (int le = 0; le < q.El; ++le) tile_prefix[le + 1] = tile_prefix[le] + moe_tile_rows(counts[le], q.tile_rows);
+}
+// Items before the layout's counts are needed, and all of a call.
+MK_HOST_DEVICE inline int64_t moe_layer_static_items(const MoeLayerQueue& q) {
+  return 1 + int64_t(q.W) * q.unpack_chunks;
+}
+MK_HOST_DEVICE inline int64_t moe_layer_items(const MoeLayerQueue& q, const int32_t* tile_prefix) {
+  return moe_layer_static_items(q) + int64_t(tile_prefix[q.El]) * (q.tiles_n1 + q.tiles_n2) + q.combine_chunks;
+}
+// Item `item` of the queue (tile_prefix: read only past the static items; kMoeItemNone past the end).
+MK_HOST_DEVICE inline MoeLayerItem moe_layer_item(const MoeLayerQueue& q, const int32_t* tile_prefix, int64_t item) {
+  MoeLayerItem it;
+  if (item < 0) return it;
+  if (item == 0) {
+    it.kind = kMoeItemLayout;
+    return it;
+  }
+  int64_t i = item - 1;
+  if (i < int64_t(q.W) * q.unpack_chunks) {
+    it.kind = kMoeItemUnpack;
+    it.a = int(i / q.unpack_chunks);
+    it.b = int(i % q.unpack_chunks);
+    return it;
+  }
+  i -= int64_t(q.W) * q.unpack_chunks;
+  for (int g = 0; g < 2; ++g) {
+    const int tn = g == 0 ? q.tiles_n1 : q.tiles_n2;
+    const int64_t n = int64_t(tile_prefix[q.El]) * tn;
+    if (i < n) {
+      int lo = 0, hi = q.El - 1;  // the expert whose items hold i: tile_prefix[le] * tn <= i
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (int64_t(tile_prefix[mid]) * tn <= i) lo = mid;
+        else hi = mid - 1;
+      }
+      const int rows = tile_prefix[lo + 1] - tile_prefix[lo];
+      const int64_t local = i - int64_t(tile_prefix[lo]) * tn;
+      it.kind = g == 0 ? kMoeItemGemm1 : kMoeItemGemm2;
+      it.a = lo;
+      it.b = int(local % rows);
+      it.c = int(local / rows);
+      return it;
+    }
+    i -= n;
+  }
+  if (i < q.combine_chunks) {
+    it.kind = kMoeItemCombine;
+    it.a = int(i);
+  }
+  return it;
+}
+// Whether a finished tile of an expert with `tiles` tiles (tile rows x column tiles) raises the
+// expert's flag, `done` of its tiles being done then (this one included; the kernel: an atomic
+// add's result + 1): the last one to finish does.
+MK_HOST_DEVICE inline bool moe_tile_raises(int tiles, int done) { return done == tiles; }
 
 // The bytes of source s's dispatch slot for rank r (header and records) as the pack kernel
 // writes them, from x [n, H] bf16 (as uint16) and ids [n, k]; `slot` holds g.slot_bytes.

@@ -357,11 +357,11 @@ Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g,
   pb.buf("csend_net", p.net_staged ? call : 0, comm::Space::kHost, p.net_staged, -1, MoeLayerBuf::kCSend);
   pb.buf("crecv_net", p.net_staged ? call : 0, comm::Space::kHost, p.net_staged, -1, MoeLayerBuf::kCRecv);
   pb.buf("cpiece_bytes", 8ull * W * CP, comm::Space::kSymmetric, false);
-  pb.buf("recv_x", uint64_t(g.recv_rows * g.row_bytes), comm::Space::kUser, false, 0);
-  pb.buf("act", uint64_t(g.recv_rows * inter * 2), comm::Space::kUser, false, 1);
-  pb.buf("y", uint64_t(g.recv_rows * g.row_bytes), comm::Space::kUser, false, 2);
-  pb.buf("lay", uint64_t(moe_layer_lay_bytes(g)), comm::Space::kUser, false, 3);
-  pb.buf("out", uint64_t(g.T * g.row_bytes), comm::Space::kUser, false, 4);
+  pb.buf("recv_x", uint64_t(g.recv_rows * g.row_bytes), comm::Space::kUser, false);
+  pb.buf("act", uint64_t(g.recv_rows * inter * 2), comm::Space::kUser, false);
+  pb.buf("y", uint64_t(g.recv_rows * g.row_bytes), comm::Space::kUser, false);
+  pb.buf("lay", uint64_t(moe_layer_lay_bytes(g)), comm::Space::kUser, false);
+  pb.buf("out", uint64_t(g.T * g.row_bytes), comm::Space::kUser, false);
   const uint32_t Wu = uint32_t(W);
   p.add_region("arrived", Wu, false);
   p.add_region("arrived_net", Wu, true);

@@ -76,14 +76,15 @@ uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used);
 //                after laid and the source's records (arrived[s]; none for the own slot, which
 //                pack writes in place): the chunk's rows into recv_x and their way back into `lay`
 //                (unpack_source); raises unpacked[s] (+1 per chunk);
-//   gemm1(le, j) per local expert and tile row (as many as the layout gives it, the rest do
-//                nothing): after laid (it reads the layout to find its rows), then after unpacked[s]
-//                of each source with rows in its tile row (a run-time subset): act = the first GEMM
-//                and SwiGLU of its rows; the expert's last tile row to finish (a counter in `lay`)
-//                raises g1done[le] (an expert without rows: its tile row 0);
-//   gemm2(le, j) after g1done[le]: y = the second GEMM of its rows, each row whose token is
-//                another rank's also into that rank's combine send slot (its combine row); the
-//                expert's last tile row (or row 0 of an empty expert) raises packed += 1;
+//   gemm1(le, j, c) per tile of a local expert (tile row j, column tile c; as many as the layout
+//                gives it: the items of the work queue, moe_layer_item in moe_plan.h): after laid,
+//                then after unpacked[s] of each source with rows in its tile row (a run-time
+//                subset): act = the first GEMM and SwiGLU of its rows and columns; the expert's last
+//                tile to finish (a counter in `lay`) raises g1done[le];
+//   gemm2(le, j, c) after g1done[le]: y = the second GEMM of its rows and columns, each row whose
+//                token is another rank's also into that rank's combine send slot (its combine
+//                row); the expert's last tile raises packed += 1;
+//                (the layout raises both for an expert without rows: it has no tiles)
 //   combine(c)   in chunks of the own tokens, after packed >= El (the own tokens' rows of y) and
 //                every other source's combine slot (carrived[s]): the weighted sums into `out`.
 // Units only wait for units before them (and for other ranks), so a queue that hands them out in
@@ -97,7 +98,7 @@ uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used);
 // have landed, need not wait for the slowest slot.
 namespace MoeLayerBuf {
 enum : comm::BufId { kCSend = 7, kCRecv = 8, kCSendNet = 9, kCRecvNet = 10, kCPieceBytes = 11,
-                     // the caller's side (user buffers, in this order of slots 0..4)
+                     // the compute side's own (user buffers with no slot: no op touches them)
                      kRecvX = 12, kAct = 13, kY = 14, kLay = 15, kOut = 16, kCount = 17 };
 }  // namespace MoeLayerBuf
 namespace MoeLayerRegion {
