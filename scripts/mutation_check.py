@@ -174,6 +174,12 @@ MUTATIONS = [
              "        if (int64_t(tile_prefix[mid]) * tn < i) lo = mid;",
              ["test_moe_layer_program"],
              "the fused layer's queue gives an expert's first tile to the expert before it", test_only=True),
+    Mutation("replay-shared-slot-spins", "src/comm/replay.cc",
+             "          else if (op_ready) units.push_back({UnitKind::kSharedOp, r, int(i)});",
+             "          else if (op_ready && false) units.push_back({UnitKind::kSharedOp, r, int(i)});",
+             ["test_moe_layer_program:MoeLayerReplay.*"],
+             "the replayer's shared slots: a slot whose unit waits never runs a ready op (so the replays "
+             "no longer model CTAs that never block; the fused layer's one-CTA ranks then deadlock)"),
     Mutation("moe-piece-short", MOE,
              "    const uint64_t bytes = uint64_t(std::min<int64_t>(pb_bytes, m.slot_bytes - int64_t(off)));",
              "    const uint64_t bytes = uint64_t(std::min<int64_t>(pb_bytes, m.slot_bytes - int64_t(off))) - 16;",

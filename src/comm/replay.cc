@@ -121,9 +121,10 @@ Replay::Replay(const ProgramDecl& p, std::vector<const RankProgram*> ranks, Repl
         }
     }
     s.flags.assign(p.pad_flags, 0);
-    s.comm.assign(std::max(1, o.comm_slots), -1);
+    const bool shared = o.shared_slots > 0;
+    s.comm.assign(shared ? o.shared_slots : std::max(1, o.comm_slots), -1);
     s.held.assign(s.comm.size(), 0);
-    s.units.assign(std::max(1, o.compute_slots), {-1, 0});
+    s.units.assign(shared ? o.shared_slots : std::max(1, o.compute_slots), {-1, 0});
   }
 }
 
@@ -318,6 +319,12 @@ std::string Replay::deadlock_report() {
       os << "   op " << idx << " " << op_kind_name(op.kind) << " (" << op.what << ") waits "
          << (w ? wait_str(r, *w) : "nothing?") << "\n";
     }
+    if (opt_.shared_slots > 0 && s.next_op < rp.ops.size()) {
+      const Op& op = rp.ops[s.next_op];
+      const Wait* w = unmet(r, op.waits);
+      os << "   next op " << s.next_op << " " << op_kind_name(op.kind) << " (" << op.what << ") waits "
+         << (w ? wait_str(r, *w) : "nothing?") << "\n";
+    }
     for (const auto& u : s.units) {
       if (u.first < 0) continue;
       size_t n = 0;
@@ -342,7 +349,7 @@ bool Replay::run() {
       if (!s.in_flight.empty()) units.push_back({UnitKind::kDeliver, r, 0});
       if (!s.active) continue;
       busy = true;
-      for (size_t i = 0; i < s.comm.size(); ++i) {
+      for (size_t i = 0; i < s.comm.size() && opt_.shared_slots <= 0; ++i) {
         if (s.comm[i] < 0 && s.next_op < rp.ops.size()) {  // take the next op
           s.comm[i] = int(s.next_op++);
           s.held[i] = opt_.hold_one_in > 0 && rng_() % uint64_t(opt_.hold_one_in) == 0;
@@ -351,6 +358,27 @@ bool Replay::run() {
           units.push_back({UnitKind::kComm, r, int(i)});
       }
       const size_t nu = compute_->units(r);
+      if (opt_.shared_slots > 0) {
+        // Shared slots: the next op (in list order) when its waits are met, else the next unit;
+        // a slot whose unit waits runs the next op meanwhile when it is ready.
+        const bool op_ready = s.next_op < rp.ops.size() && !unmet(r, rp.ops[s.next_op].waits);
+        for (size_t i = 0; i < s.units.size(); ++i) {
+          auto& u = s.units[i];
+          if (u.first < 0) {
+            if (op_ready) {
+              units.push_back({UnitKind::kSharedOp, r, int(i)});
+              continue;
+            }
+            if (s.next_unit >= nu) continue;
+            u = {long(s.next_unit++), 0};
+          }
+          size_t n = 0;
+          const Wait* ws = compute_->waits(r, size_t(u.first), u.second, &n);
+          if (!unmet(r, ws, n)) units.push_back({UnitKind::kCompute, r, int(i)});
+          else if (op_ready) units.push_back({UnitKind::kSharedOp, r, int(i)});
+        }
+        continue;
+      }
       for (size_t i = 0; i < s.units.size(); ++i) {
         auto& u = s.units[i];
         if (u.first < 0 && s.next_unit < nu) u = {long(s.next_unit++), 0};
@@ -375,8 +403,9 @@ bool Replay::run() {
     uint64_t total = 0;  // a random unit, weighted by its rank's speed and its kind's weight
     auto weight = [&](const Unit& x) -> uint64_t {
       const RankState& r = ranks_[x.rank];
-      return uint64_t(r.speed) *
-             (x.kind == UnitKind::kComm ? r.w_comm : x.kind == UnitKind::kCompute ? r.w_unit : r.w_net);
+      return uint64_t(r.speed) * (x.kind == UnitKind::kComm || x.kind == UnitKind::kSharedOp ? r.w_comm
+                                  : x.kind == UnitKind::kCompute                                 ? r.w_unit
+                                                                                                 : r.w_net);
     };
     for (const Unit& x : units) total += weight(x);
     uint64_t pick = rng_() % total;
@@ -388,6 +417,10 @@ bool Replay::run() {
     switch (u.kind) {
       case UnitKind::kDeliver: ok = deliver(u.rank); break;
       case UnitKind::kComm: ok = exec_op(u.rank, u.slot); break;
+      case UnitKind::kSharedOp:
+        s.comm[u.slot] = int(s.next_op++);
+        ok = exec_op(u.rank, u.slot);
+        break;
       case UnitKind::kCompute: {
         auto& cu = s.units[u.slot];
         ctx_ = "rank " + std::to_string(u.rank) + " call " + std::to_string(s.epoch) + " " +

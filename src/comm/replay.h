@@ -79,6 +79,12 @@ struct ReplayOptions {
   // can move (then one held op, at random, is let go): one CTA descheduled while the rest of
   // the job runs as far as the program lets it.
   int hold_one_in = 0;
+  // > 0: the kernel's CTAs take either kind of work (comm_slots and compute_slots are ignored):
+  // this many slots, each taking the next op (in list order) when its waits are met and else the
+  // next unit; a slot whose unit waits runs the next op meanwhile when that op is ready (a CTA
+  // never spins on a unit while an op is ready). A schedule that deadlocks here would hang a
+  // kernel whose CTAs are not all resident (MPS, a smaller partition) if its roles were fixed.
+  int shared_slots = 0;
 };
 
 class Replay {
@@ -113,7 +119,7 @@ class Replay {
     std::vector<std::pair<long, int>> units;  // (unit, phase) held by each compute slot; unit -1: free
     std::deque<std::pair<int, uint64_t>> in_flight;  // issued puts (op index, bytes), delivered in order
   };
-  enum class UnitKind { kComm, kCompute, kDeliver };
+  enum class UnitKind { kComm, kCompute, kDeliver, kSharedOp };
   struct Unit {
     UnitKind kind;
     int rank, slot;

@@ -674,6 +674,16 @@ TEST_P(MoeLayerReplay, ThreeCallsGiveEveryTokensOutput) {
     ASSERT_EQ(replay(p, c, o), "") << name_of(c) << " replay seed " << seed << " (MK_TEST_SEED=" << test::test_seed()
                                    << " replays it)";
   }
+  // The kernel's CTAs taking either kind of work (ReplayOptions::shared_slots): from one CTA doing
+  // everything up; none may deadlock, however few CTAs a rank gets.
+  for (uint64_t k = 0; k < 8; ++k) {
+    const uint64_t seed = seed_of(c, 50 + k);
+    comm::ReplayOptions o{seed, 1, 1, 3};
+    o.speed_levels = 4;
+    o.shared_slots = int(1 + k % 4);
+    ASSERT_EQ(replay(p, c, o), "") << name_of(c) << " shared slots " << o.shared_slots << " replay seed " << seed
+                                   << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, MoeLayerReplay, ::testing::ValuesIn(test::strided(sweep())),

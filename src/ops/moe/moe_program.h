@@ -71,7 +71,8 @@ uint64_t moe_piece_count(int64_t slot_bytes, int pieces, int p, uint64_t used);
 // takes units in this order, each after its waits (pools below):
 //   layout       after every other source's header (hdr[s]): counts, offsets and each source's
 //                base rows from the W headers (layout_from_headers) into `lay`, every combine
-//                slot's header and piece counts; zeroes the per-expert tile counters; raises laid;
+//                slot's header and piece counts; zeroes the per-expert tile counters; raises the
+//                flags of experts without rows (g1done, packed: they have no tiles); raises laid;
 //   unpack(s, c) for s = me, then me + 1, ..., each in `unpack_chunks` chunks of its records:
 //                after laid and the source's records (arrived[s]; none for the own slot, which
 //                pack writes in place): the chunk's rows into recv_x and their way back into `lay`
