@@ -177,7 +177,7 @@ MUTATIONS = [
     Mutation("replay-shared-slot-spins", "src/comm/replay.cc",
              "          else if (op_ready) units.push_back({UnitKind::kSharedOp, r, int(i)});",
              "          else if (op_ready && false) units.push_back({UnitKind::kSharedOp, r, int(i)});",
-             ["test_moe_layer_program:MoeLayerReplay.*"],
+             ["test_moe_layer_program:*MoeLayerReplay.*"],
              "the replayer's shared slots: a slot whose unit waits never runs a ready op (so the replays "
              "no longer model CTAs that never block; the fused layer's one-CTA ranks then deadlock)"),
     Mutation("moe-piece-short", MOE,
