@@ -394,6 +394,16 @@ TEST_P(RingReplay, ThreeCallsDeliverEveryBlock) {
     ASSERT_EQ(replay(b.plan, b.prog, comm::ReplayOptions{seed, c.comm_slots, c.unit_slots, 3}), "")
         << name_of(c) << " replay seed " << seed << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
   }
+  // CTAs that take either kind of work and never spin on a kernel step while an op is ready
+  // (ReplayOptions::shared_slots, 1 to 4 per rank): the program lets such a kernel finish however
+  // few of its CTAs are resident (what a kernel with fixed roles needs both roles resident for).
+  for (uint64_t k = 0; k < 4; ++k) {
+    const uint64_t seed = seed_of(c, 40 + k);
+    comm::ReplayOptions o{seed, 1, 1, 3};
+    o.shared_slots = int(1 + k);
+    ASSERT_EQ(replay(b.plan, b.prog, o), "") << name_of(c) << " shared slots " << o.shared_slots << " replay seed "
+                                             << seed << " (MK_TEST_SEED=" << test::test_seed() << " replays it)";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, RingReplay, ::testing::ValuesIn(test::strided(sweep())),
