@@ -70,6 +70,16 @@ void ProgramBuilder::entry_ops(int me, RegionId entry, RegionId entry_net, BufId
                              "entry signal to rank " + std::to_string(q) + " (network)"));
 }
 
+void ProgramBuilder::proxy_done_op(const FlagRef& src_free, int me, std::string what, std::vector<Op>* ops) const {
+  const uint64_t puts = completions_at(src_free);
+  if (!puts) return;
+  Op op;
+  op.kind = OpKind::kSignal;
+  op.waits = {Wait{src_free, puts, me}};
+  op.what = std::move(what);
+  ops->push_back(op);
+}
+
 std::vector<std::pair<uint32_t, uint64_t>> ProgramBuilder::completions(RegionId region, int rank) const {
   std::vector<std::pair<uint32_t, uint64_t>> out;
   for (const auto& [key, count] : completions_)

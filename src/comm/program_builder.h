@@ -59,6 +59,11 @@ class ProgramBuilder {
   // that twin's `entry_net` flag me (token_put: no local completion).
   void entry_ops(int me, RegionId entry, RegionId entry_net, BufId token, std::vector<Op>* ops);
 
+  // The op that ends a call once the proxy has read every source of this rank's puts: a wait for
+  // their local completions counted on `src_free` (rank me's), appended to `ops` — none when no put
+  // of the program counts there.
+  void proxy_done_op(const FlagRef& src_free, int me, std::string what, std::vector<Op>* ops) const;
+
   // Local completions counted on local flags by put() and token_put(): per flag index within
   // `region` of `rank` (ascending), and on one flag.
   std::vector<std::pair<uint32_t, uint64_t>> completions(RegionId region, int rank) const;

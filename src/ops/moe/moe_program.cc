@@ -492,13 +492,7 @@ Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g,
     }
     // The call ends once the proxy finished reading this call's sources (the arrivals are the
     // units' waits).
-    if (const uint64_t puts = pb.completions_at(flag_at(MoeRegion::kSrcFree, me, 0))) {
-      Op op;
-      op.kind = OpKind::kSignal;
-      op.waits = {wait_on(MoeRegion::kSrcFree, me, 0, puts, me)};
-      op.what = "layer: the proxy read every source";
-      rp.ops.push_back(op);
-    }
+    pb.proxy_done_op(flag_at(MoeRegion::kSrcFree, me, 0), me, "layer: the proxy read every source", &rp.ops);
   }
   return OkStatus();
 }

@@ -145,13 +145,8 @@ struct Builder {
               wait_on(RingRegion::kDkvArrived, me, p.dkv_index(me, b, dp), dkv_arrivals(me, dp, prev_remote), prev));
     op.what = g.backward ? "every block and the own dK/dV of the call arrived" : "every block of the call arrived";
     rp.ops.push_back(op);
-    if (const uint64_t net_puts = pb.completions_at(flag_at(RingRegion::kSrcFree, me, 0))) {
-      Op done;
-      done.kind = OpKind::kSignal;
-      done.waits = {wait_on(RingRegion::kSrcFree, me, 0, net_puts, me)};
-      done.what = "the proxy finished reading this call's sources";
-      rp.ops.push_back(done);
-    }
+    pb.proxy_done_op(flag_at(RingRegion::kSrcFree, me, 0), me, "the proxy finished reading this call's sources",
+                     &rp.ops);
   }
 
 
