@@ -691,11 +691,7 @@ INSTANTIATE_TEST_SUITE_P(Sweep, MoeLayerReplay, ::testing::ValuesIn(test::stride
 
 // ---- mutants ----
 
-struct Mutant {
-  std::string what;
-  std::function<void(comm::Program&)> apply;
-  bool implied = false;
-};
+using Mutant = test::ProgramMutant;
 
 // Every wait and signal of the ops and of the pools dropped (a pool wait: waits for 0; a pool
 // signal: adds 0), and the header ops and every slot's first piece moved 16 bytes on. Implied
@@ -768,29 +764,7 @@ TEST_P(MoeLayerMutation, EveryMutantIsRejected) {
     const std::string why = k == 0 ? layer_static(m, g.El, c.chunks) : "";
     return why.empty() ? replay(m, c, test::mutant_replay(seed_of(c, 100 + k), c.comm_slots, c.compute_slots, k)) : why;
   };
-  int caught = 0, implied = 0;
-  uint64_t most = 0;
-  const std::vector<Mutant> ms = test::strided(mutants(p, g));
-  for (const Mutant& mu : ms) {
-    comm::Program m = p;
-    mu.apply(m);
-    std::string why;
-    if (mu.implied) {
-      ++implied;
-      for (uint64_t k = 0; why.empty() && k < test::implied_replays(); ++k) why = reject(m, k);
-      EXPECT_EQ(why, "") << name_of(c) << ": an implied wait dropped, yet caught: " << mu.what;
-      continue;
-    }
-    uint64_t k = 0;
-    for (; why.empty() && k < test::kMutantReplays; ++k) why = reject(m, k);
-    most = std::max(most, k);
-    EXPECT_FALSE(why.empty()) << name_of(c) << ": mutant not rejected in " << test::kMutantReplays
-                              << " replays: " << mu.what << " (MK_TEST_SEED=" << test::test_seed() << ")";
-    caught += !why.empty();
-  }
-  printf("%s: %zu mutants, %d rejected (at most %llu replays), %d implied ones unseen\n", name_of(c).c_str(),
-         ms.size() - size_t(implied), caught, static_cast<unsigned long long>(most), implied);
-  EXPECT_GT(caught, 0);
+  EXPECT_GT(test::rejected_mutants(p, test::strided(mutants(p, g)), name_of(c), reject), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeLayerMutation,

@@ -538,11 +538,7 @@ TEST_P(MoeReplay, ThreeCallsDeliverEveryRow) {
 INSTANTIATE_TEST_SUITE_P(Sweep, MoeReplay, ::testing::ValuesIn(sweep()),
                          [](const ::testing::TestParamInfo<ProgConfig>& i) { return name_of(i.param); });
 
-struct Mutant {
-  std::string what;
-  std::function<void(comm::Program&)> apply;
-  bool implied = false;  // a dropped wait that changes nothing (op_mutants says why)
-};
+using Mutant = test::ProgramMutant;
 
 // Mutants of a program's ops: every wait dropped (the implied ones marked), every signal dropped,
 // and — with `shift_every` > 0 — the destination of a slot's first piece (the one carrying its
@@ -583,40 +579,6 @@ std::vector<Mutant> op_mutants(const comm::Program& p, uint64_t shift_every) {
     }
   }
   return ms;
-}
-
-// `reject(m, k)`: "" when replay k of program m passes, else why it failed (k = 0 also runs
-// the static check). Each mutant but the implied ones must fail one of test::kMutantReplays
-// (tests/common/mutant_replay.h: a few need hundreds — a later piece's entry wait shows only when
-// the slot is full, kFull, in consecutive calls); each implied one must pass
-// test::implied_replays() (a replay that caught one would prove its argument
-// wrong). Returns how many were rejected.
-int rejected(const comm::Program& p, const std::vector<Mutant>& ms, const std::string& name,
-             const std::function<std::string(const comm::Program&, uint64_t)>& reject) {
-  int caught = 0, implied = 0;
-  uint64_t most = 0;
-  for (const Mutant& mu : ms) {
-    comm::Program m = p;
-    mu.apply(m);
-    if (mu.implied) {
-      ++implied;
-      std::string why;
-      for (uint64_t k = 0; why.empty() && k < test::implied_replays(); ++k) why = reject(m, k);
-      EXPECT_EQ(why, "") << name << ": an implied wait dropped, yet caught: " << mu.what;
-      continue;
-    }
-    std::string why;
-    uint64_t k = 0;
-    for (; why.empty() && k < test::kMutantReplays; ++k) why = reject(m, k);
-    most = std::max(most, k);
-    EXPECT_FALSE(why.empty()) << name << ": mutant not rejected in " << test::kMutantReplays << " replays: " << mu.what
-                              << " (MK_TEST_SEED=" << test::test_seed() << ")";
-    caught += !why.empty();
-  }
-  printf("%s: %zu mutants, %d rejected (at most %llu replays), %d implied ones unseen in %llu replays each\n",
-         name.c_str(), ms.size() - size_t(implied), caught, static_cast<unsigned long long>(most), implied,
-         static_cast<unsigned long long>(test::implied_replays()));
-  return caught;
 }
 
 // ---- the hierarchical program, replayed: pack (start_call), the twin's repack and the layout
@@ -757,7 +719,7 @@ TEST(MoeHierMutation, EveryMutantIsRejected) {
       for (size_t j = 0; j < p.ranks[r].waits.size(); ++j)
         ms.push_back({"rank " + std::to_string(r) + " pool wait " + std::to_string(j) + ": waits for 0",
                       [=](comm::Program& m) { m.ranks[r].waits[j].mul = 0; }});
-    rejected(p, ms, name_of(c), [&](const comm::Program& m, uint64_t k) {
+    test::rejected_mutants(p, ms, name_of(c), [&](const comm::Program& m, uint64_t k) {
       const std::string why = k == 0 ? hier_static(m) : "";
       return why.empty() ? replay_hier(m, c, test::mutant_replay(seed_of(c, 900 + k), c.comm_slots, 2, k)) : why;
     });
@@ -778,7 +740,9 @@ TEST_P(MoeMutation, EveryMutantIsRejected) {
     const std::string why = k == 0 ? comm::check_static(m, programs(m), {}, {}) : "";
     return why.empty() ? replay(m, c, test::mutant_replay(seed_of(c, 100 + k), c.comm_slots, 1, k)) : why;
   };
-  const int caught = rejected(p, op_mutants(p, uint64_t(g.slot_bytes)), name_of(c), reject);
+  // (A few need hundreds of replays: a later piece's entry wait shows only when the slot is full,
+  // kFull, in consecutive calls.)
+  const int caught = test::rejected_mutants(p, op_mutants(p, uint64_t(g.slot_bytes)), name_of(c), reject);
   EXPECT_GT(caught, 0);
 }
 

@@ -107,11 +107,11 @@ void add_slot_pieces(ProgramBuilder& pb, comm::RankProgram& rp, const SlotMove& 
 
 // A slot from rank s on another node is here once all its `pieces` puts landed: staged, copied
 // from its host mirror (`mirror`, byte count at its start) into `slot`; then arrived[s].
-// (The layer's relays name their own regions, and where the byte count is: `count_at`, or the
-// mirror's start; an unset count_at with `fixed`: `bytes` always.)
+// (The layer's relays name their own regions, and where the byte count is when not at the
+// mirror's start.)
 Op relay_op(const comm::Program& p, int me, int s, BufRef mirror, BufRef slot, uint64_t bytes, uint64_t pieces,
             const std::string& label, comm::RegionId arrived_net = MoeRegion::kArrivedNet,
-            comm::RegionId arrived = MoeRegion::kArrived, const BufRef* count_at = nullptr, bool fixed = false) {
+            comm::RegionId arrived = MoeRegion::kArrived, const BufRef* count_at = nullptr) {
   Op op;
   op.waits = {wait_on(arrived_net, me, uint32_t(s), pieces, s)};
   op.signals = {add_to(arrived, me, uint32_t(s))};
@@ -120,7 +120,7 @@ Op relay_op(const comm::Program& p, int me, int s, BufRef mirror, BufRef slot, u
     op.srcs = {mirror};
     op.dsts = {slot};
     op.bytes = bytes;
-    if (!fixed) op.count_at = count_at ? *count_at : mirror;
+    op.count_at = count_at ? *count_at : mirror;
     op.what = label + " of rank " + std::to_string(s) + " from the host mirror";
   } else {
     op.kind = OpKind::kSignal;
@@ -411,25 +411,17 @@ Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g,
       const int s = (me + W - d) % W;
       rp.ops.push_back(entry_op(pb, me, s, remote(me, s), "layer dispatch"));
     }
-    for (int d = 1; d < W; ++d) {
+    for (int d = 1; d < W; ++d) {  // the headers: one piece each, hdr_bytes always
       const int r = (me + d) % W;
-      const BufRef src{MoeBuf::kSend, me, uint64_t(r) * uint64_t(slot)}, dst{MoeBuf::kRecv, r, m * uint64_t(slot)};
-      const std::string what = "layer dispatch header to rank " + std::to_string(r);
-      Op op;
-      if (remote(me, r)) {
-        op = pb.put(r, src, dst, uint64_t(g.hdr_bytes), flag_at(MoeLayerRegion::kHdrNet, r, m),
-                    flag_at(MoeRegion::kSrcFree, me, 0), what + " (network)");
-        op.waits = {wait_on(MoeRegion::kEntryNet, me, uint32_t(r), 1, r)};
-      } else {
-        op.kind = OpKind::kCopy;
-        op.srcs = {src};
-        op.dsts = {dst};
-        op.bytes = uint64_t(g.hdr_bytes);
-        op.waits = {wait_on(MoeRegion::kEntry, me, uint32_t(r), 1, r)};
-        op.signals = {add_to(MoeLayerRegion::kHdr, r, m)};
-        op.what = what;
-      }
-      rp.ops.push_back(op);
+      SlotMove mv;
+      mv.me = me, mv.to = r, mv.remote = remote(me, r);
+      mv.src = BufRef{MoeBuf::kSend, me, uint64_t(r) * uint64_t(slot)};
+      mv.dst = BufRef{MoeBuf::kRecv, r, m * uint64_t(slot)};
+      mv.slot_bytes = g.hdr_bytes, mv.pieces = 1;
+      mv.label = "layer dispatch header";
+      mv.suffix = " to rank " + std::to_string(r) + (mv.remote ? " (network)" : "");
+      mv.arrived = MoeLayerRegion::kHdr, mv.arrived_net = MoeLayerRegion::kHdrNet;
+      add_slot_pieces(pb, rp, mv);
     }
     for (int d = 1; d < W; ++d) {
       const int r = (me + d) % W;
@@ -451,7 +443,7 @@ Status build_moe_layer_program(const comm::Layout& layout, const MoeGeometry& g,
       const uint64_t at = uint64_t(s) * uint64_t(slot);
       rp.ops.push_back(relay_op(p, me, s, BufRef{MoeBuf::kRecvNet, me, at}, BufRef{MoeBuf::kRecv, me, at},
                                 uint64_t(g.hdr_bytes), 1, "layer dispatch header", MoeLayerRegion::kHdrNet,
-                                MoeLayerRegion::kHdr, nullptr, true));
+                                MoeLayerRegion::kHdr));  // the bytes in use (at the start) >= hdr_bytes
     }
     for (int d = 1; d < W; ++d) {
       const int s = (me + W - d) % W;
