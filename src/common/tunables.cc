@@ -109,6 +109,11 @@ const std::vector<TunableDef> kTable = {
      "MoE dispatch on one rank (W = 1): each token's row copied straight to its experts' rows, no "
      "send record — 2: every batch (small ones in one launch, larger ones by route, scan, "
      "scatter); 1: small batches only; 0: the record path of W > 1", 0, 2},
+    {"moe_fused_layer", "MK_MOE_FUSED_LAYER", TunableType::kInt, "0",
+     "MoE layer: 1 runs each call as route and pack, then one persistent kernel whose CTAs take the "
+     "dispatch and combine ops, the layout, unpack, both grouped GEMMs' tiles and the weighted sums "
+     "as each is ready (docs/moe.md); 0: dispatch, the two GEMMs and combine as separate launches. "
+     "Read when a layer is created; not for the hierarchical mode (falls back to the launches)", 0, 1},
     {"pdl", "MK_PDL", TunableType::kInt, "1",
      "MoE dispatch/combine kernels that follow another kernel of the same call are launched early "
      "(programmatic dependent launch): set up while the kernel before finishes, they wait for it "

@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -269,6 +270,12 @@ int64_t check_output(const Weights& wt, const std::vector<uint16_t>& x, const st
   return bad;
 }
 
+// Whether this run asks for the fused layer (the tunable's variable, as ctest's _fused tests set it).
+bool fused_requested() {
+  const char* v = std::getenv("MK_MOE_FUSED_LAYER");
+  return v && std::string(v) == "1";
+}
+
 struct Case {
   int64_t H, I;
   int experts_per_rank, k;
@@ -288,6 +295,8 @@ TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
       opt.mode = mode;
       std::unique_ptr<ops::MoeLayer> layer;
       MK_ASSERT_OK(ops::MoeLayer::create(comm, cfg, opt, &layer));
+      // The fused kernel when asked for (ctest's _fused tests), but in the hierarchical mode.
+      EXPECT_EQ(layer->fused(), fused_requested() && !layer->ep()->hierarchical());
       const int El = layer->local_experts(), k = c.k;
       const int64_t T = c.T, H = c.H;
       const uint64_t wseed = mix(test_seed(), 0x776569ull + uint64_t(ci));
@@ -316,7 +325,8 @@ TEST(MoeLayer, EveryRoutingAgainstDoubleReference) {
         MK_ASSERT_OK(layer->check());
         std::vector<uint16_t> out(size_t(T * H));
         ASSERT_EQ(cudaMemcpy(out.data(), in.out.p, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-        const std::string what = "case " + std::to_string(ci / 2) + (layer->ep()->hierarchical() ? " hierarchical " : " ") +
+        const std::string what = "case " + std::to_string(ci / 2) +
+                                 (layer->fused() ? " fused" : "") + (layer->ep()->hierarchical() ? " hierarchical " : " ") +
                                  moe_routing_name(kind) + " rank " + std::to_string(me);
         const int64_t bad = check_output(wt, x, ids, w, k, n, T, out, what, &blind);
         EXPECT_EQ(bad, 0) << what;

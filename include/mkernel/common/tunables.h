@@ -94,6 +94,7 @@ std::string string_or_default(const std::string& name);
   INT_(moe_comm_ctas)                        \
   INT_(moe_small_tokens)                     \
   INT_(moe_local_dispatch)                   \
+  INT_(moe_fused_layer)                      \
   INT_(pdl)                                  \
   INT_(wait_backoff_ns)                      \
   INT_(check_calls)                          \

@@ -111,6 +111,7 @@ struct MoeMemory {
 
 struct MoeState;
 struct MoeHandleState;
+struct MoeLaunch;
 
 // The routing one dispatch leaves for its combine (positions, weights, the way back). An
 // operator has one of its own, used when a call passes none; a caller that keeps several
@@ -197,6 +198,9 @@ class MoeEp {
   MoeEp() = default;
   // The device's record as it is now (check() latches what it returns).
   Status record_status() const;
+  // The kernels' launch (library-internal: the fused MoE layer reuses the routing state and the
+  // error record).
+  friend const MoeLaunch& moe_launch_of(const MoeEp& ep);
   std::unique_ptr<MoeState> st_;
 };
 

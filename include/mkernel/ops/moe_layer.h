@@ -13,9 +13,10 @@
 // outputs in bf16 ([recv_rows, H]) and the SwiGLU activations in bf16 ([recv_rows, I]), owned by
 // the operator.
 //
-// Today the four stages are consecutive launches on the stream (dispatch and combine each
-// several kernels, the GEMMs one persistent kernel each); running them as one persistent
-// kernel whose CTAs take dispatch, compute and combine roles is not done yet (docs/moe.md).
+// By default the four stages are consecutive launches on the stream (dispatch and combine each
+// several kernels, the GEMMs one persistent kernel each). With the tunable moe_fused_layer = 1
+// a call is route and pack, then one persistent kernel whose CTAs take the dispatch and combine
+// ops and the layout, unpack, GEMM-tile and weighted-sum units as each is ready (docs/moe.md).
 //
 // Errors and graphs follow MoeEp: bad routing input is recorded on the device and reported by
 // check() after the stream completed (once it reported one, calls are refused); a call is capturable in a CUDA
@@ -82,6 +83,10 @@ class MoeLayer {
   Status check() const;
 
   const MoeLayerConfig& config() const;
+  // Whether calls run as route and pack, then one persistent kernel (the tunable moe_fused_layer,
+  // read at create; not in MoeEp's hierarchical mode), instead of dispatch, the GEMMs and combine
+  // as separate launches.
+  bool fused() const;
   MoeEp* ep() const;           // the dispatch/combine operator inside
   int local_experts() const;
   int64_t recv_rows() const;
@@ -96,6 +101,7 @@ class MoeLayer {
   MoeLayer() = default;
   Status enqueue_experts(const void* w1, const void* w2, cudaStream_t stream);
   struct State;
+  friend struct MoeLayerInternal;  // library-internal (the fused path's setup)
   std::unique_ptr<State> st_;
 };
 

@@ -191,10 +191,16 @@ __device__ __forceinline__ void grouped_store(const GroupedParams& p, const Accu
 // The staged epilogue: per consumer warp (16 rows of the tile), 64 output columns at a time —
 // bf16 pairs from the registers into the warp's shared buffer, then 16-byte rows back out to C,
 // each row's 128 bytes written by 8 consecutive lanes (full 32-byte sectors), rows past the
-// group's count skipped. Same values as grouped_store.
-template <class Accum_>
+// group's count skipped. Same values as grouped_store. `also(row)` (row: C's row) names a second
+// place for a row (its output element n goes to also(row) + n), or null: none (the fused MoE
+// layer's rows bound for another rank's combine slot).
+struct NoSecondRow {
+  __device__ __forceinline__ __nv_bfloat16* operator()(int) const { return nullptr; }
+};
+template <class Accum_, class Also_ = NoSecondRow>
 __device__ __forceinline__ void grouped_store_staged(const GroupedParams& p, const Accum_& accum, int mma_tid,
-                                                     int first_row, int count, int tm, int tn, char* stage) {
+                                                     int first_row, int count, int tm, int tn, char* stage,
+                                                     const Also_& also = Also_{}) {
   TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(mma_tid);
   Tensor coords = make_identity_tensor(take<0, 2>(TileShape{}));
@@ -235,13 +241,19 @@ __device__ __forceinline__ void grouped_store_staged(const GroupedParams& p, con
       uint4 v;
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(sbase + lr * kStageRowBytes + ch * 16));
-      if (r < rows_left && n < p.n_out)
-        *reinterpret_cast<uint4*>(p.C + int64_t(first_row + tm * kTileM + r) * p.ldc + n) = v;
+      if (r < rows_left && n < p.n_out) {
+        const int row = first_row + tm * kTileM + r;
+        *reinterpret_cast<uint4*>(p.C + int64_t(row) * p.ldc + n) = v;
+        if (__nv_bfloat16* o = also(row)) *reinterpret_cast<uint4*>(o + n) = v;
+      }
     }
     __syncwarp();
   }
 }
 
+// The kernel itself is defined once (sm90_grouped_bf16.cu); other kernels built from the parts
+// above (the fused MoE layer) include this header with MK_GROUPED_PARTS_ONLY defined.
+#ifndef MK_GROUPED_PARTS_ONLY
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(__grid_constant__ const GroupedParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
@@ -309,6 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm(__grid_constant__ co
   __trap();  // built without sm_90a: fail loudly instead of computing nothing
 #endif
 }
+#endif  // MK_GROUPED_PARTS_ONLY
 
 }  // namespace sm90
 }  // namespace gemm

@@ -123,7 +123,6 @@ const MoeLaunch& launch_for(const MoeState& st, const MoeHandleState* h, MoeLaun
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-int default_pieces(int comm_ctas, int W) { return std::max(1, std::min(32, (comm_ctas + W - 2) / std::max(1, W - 1))); }
 
 bool use_hier(const MoeConfig& cfg, MoeMode mode, int nodes, int local) {
   if (nodes < 2 || local < 2) return false;  // nothing to forward inside a node
@@ -139,6 +138,11 @@ int route_chunk_tokens(const MoeGeometry& g) {
 int route_chunks(const MoeGeometry& g) { return int((g.T + route_chunk_tokens(g) - 1) / route_chunk_tokens(g)); }
 
 }  // namespace
+
+int moe_default_pieces(int comm_ctas, int W) {
+  return std::max(1, std::min(32, (comm_ctas + W - 2) / std::max(1, W - 1)));
+}
+const MoeLaunch& moe_launch_of(const MoeEp& ep) { return ep.st_->l; }
 
 Status MoeEp::can_implement(const MoeConfig& cfg, int world) {
   MoeGeometry g;
@@ -297,7 +301,7 @@ Status MoeEp::create(Communicator* comm, const MoeConfig& cfg, const MoeOptions&
   const MoeGeometry& g = st->g;
   int64_t cc = opt.comm_ctas > 0 ? opt.comm_ctas : tunables::moe_comm_ctas();
   const int comm_ctas = int(std::max<int64_t>(1, std::min<int64_t>(cc, 1024)));
-  const int pieces = default_pieces(comm_ctas, W);
+  const int pieces = moe_default_pieces(comm_ctas, W);
   const comm::Layout layout = comm::layout_of(comm->topology());
 
   const Topology& topo = comm->topology();

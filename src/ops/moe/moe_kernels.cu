@@ -2,6 +2,7 @@
 // the CPU). Every position is computed in a fixed order (counting sorts by chunk, stable within
 // a chunk): layouts and sums are the same on every run.
 #include "src/ops/moe/moe_launch.h"
+#include "src/ops/moe/moe_layer_launch.h"
 
 #include <cuda_bf16.h>
 
@@ -225,7 +226,8 @@ __device__ void write_headers(const MoeLaunch& l) {
     if (r != l.me)
       for (int pc = 0; pc < l.dP; ++pc)
         l.dpiece[r * l.dP + pc] =
-            moe_piece_count_of(l.slot_bytes, l.dpb, pc, uint64_t(l.hdr_bytes + int64_t(nrec) * l.rec_bytes));
+            l.layer_body ? moe_piece_count_of(l.slot_bytes - l.hdr_bytes, l.dpb, pc, uint64_t(int64_t(nrec) * l.rec_bytes))
+                         : moe_piece_count_of(l.slot_bytes, l.dpb, pc, uint64_t(l.hdr_bytes + int64_t(nrec) * l.rec_bytes));
   }
   for (int i = threadIdx.x; i < l.W * l.El; i += blockDim.x) {
     const int r = i / l.El, le = i % l.El;
@@ -980,6 +982,21 @@ Status launch_next(bool pdl, void (*kernel)(P...), dim3 grid, int threads, size_
 }
 }  // namespace
 
+Status moe_route_pack_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
+                             const int32_t* d_n, int64_t tokens, cudaStream_t stream) {
+  const int grid = int(std::min<int64_t>(std::max<int64_t>(l.T, 1), kMaxGrid));
+  const char* xc = static_cast<const char*>(x);
+  if (l.small) {
+    route_pack<<<grid, kThreads, route_pack_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens);
+    MK_CUDA_CHECK(cudaGetLastError());
+    return OkStatus();
+  }
+  route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
+  MK_CUDA_CHECK(cudaGetLastError());
+  MK_CHECK(launch_next(l.pdl, route_scan_headers, dim3((moe_buckets(l) + 7) / 8), 256, 0, stream, l));
+  return launch_next(l.pdl, pack, dim3(grid), kThreads, 0, stream, l, xc);
+}
+
 Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
                            const int32_t* d_n, int64_t tokens, void* recv_x, int32_t* counts, int32_t* offsets,
                            cudaStream_t stream) {
@@ -994,18 +1011,18 @@ Status moe_dispatch_launch(const MoeLaunch& l, const void* x, const int32_t* ids
     return OkStatus();
   }
   if (l.small) {
-    route_pack<<<grid, kThreads, route_pack_smem(l), stream>>>(l, xc, ids, weights, d_n, tokens);
-    MK_CUDA_CHECK(cudaGetLastError());
+    MK_CHECK(moe_route_pack_launch(l, x, ids, weights, d_n, tokens, stream));
     MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
     return launch_next(l.pdl, layout_unpack, dim3(grid, l.W), kThreads, layout_unpack_smem(l), stream, l, counts,
                        offsets, rx);
   }
-  route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
-  MK_CUDA_CHECK(cudaGetLastError());
-  MK_CHECK(launch_next(l.pdl, route_scan_headers, dim3((moe_buckets(l) + 7) / 8), 256, 0, stream, l));
-  if (l.direct_rows)
+  if (l.direct_rows) {
+    route_local<<<l.nchunks, 32, route_smem(l), stream>>>(l, ids, weights, d_n, tokens);
+    MK_CUDA_CHECK(cudaGetLastError());
+    MK_CHECK(launch_next(l.pdl, route_scan_headers, dim3((moe_buckets(l) + 7) / 8), 256, 0, stream, l));
     return launch_next(l.pdl, local_scatter, dim3(grid), kThreads, layout_smem(l), stream, l, xc, counts, offsets, rx);
-  MK_CHECK(launch_next(l.pdl, pack, dim3(grid), kThreads, 0, stream, l, xc));
+  }
+  MK_CHECK(moe_route_pack_launch(l, x, ids, weights, d_n, tokens, stream));
   MK_CHECK(comm::run_program(l.dispatch_program, l.comm_ctas, stream));
   if (l.hier) MK_CHECK(launch_next(l.pdl, repack, dim3(grid, l.nodes), kThreads, 0, stream, l));
   MK_CHECK(launch_next(l.pdl, layout, dim3(1), 1024, layout_smem(l), stream, l, counts, offsets));

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "mkernel/common/status.h"
+#include "mkernel/ops/moe.h"
 #include "src/comm/device_program.h"
 
 namespace mk {
@@ -41,6 +42,9 @@ struct MoeLaunch {
   // rows, no record is packed and the slots go unused — small batches in one launch
   // (local_dispatch), larger ones (tunable value 2) after route and the scan (local_scatter).
   bool direct_rows = false;
+  // The fused layer's slots (moe_layer_launch.h): a slot's header travels alone, then its records
+  // in dP pieces of dpb bytes from hdr_bytes on; the pieces' counts are of the records' bytes.
+  bool layer_body = false;
   // Kernels that follow another kernel of the same call start early (programmatic dependent
   // launch; the tunable pdl): set up while the kernel before finishes, they wait for it first.
   bool pdl = true;
@@ -111,6 +115,11 @@ inline void set_route_state(MoeLaunch& l, const MoeRouteState& r) {
   l.counts = r.counts, l.offsets = r.offsets, l.base = r.base, l.nrec = r.nrec, l.ncomb = r.ncomb;
   l.back = r.back, l.self_row = r.self_row;
 }
+
+// The operator's own launch (moe.cc).
+const MoeLaunch& moe_launch_of(const MoeEp& ep);
+// Slot pieces for a communication role of `comm_ctas` CTAs at world W (moe.cc's choice).
+int moe_default_pieces(int comm_ctas, int W);
 
 // Route buckets: experts, entries per rank, records per rank, then (hier) node records per node.
 MK_HOST_DEVICE inline int moe_buckets(const MoeLaunch& l) { return l.E + 2 * l.W + (l.hier ? l.nodes : 0); }

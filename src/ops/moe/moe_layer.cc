@@ -7,8 +7,12 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
+#include "mkernel/common/tunables.h"
 #include "mkernel/gemm/grouped.h"
 #include "mkernel/runtime/communicator.h"
+#include "src/comm/session.h"
+#include "src/ops/moe/moe_layer_launch.h"
+#include "src/ops/moe/moe_program.h"
 
 namespace mk {
 namespace ops {
@@ -30,6 +34,11 @@ struct MoeLayer::State {
   // The first error check() reported: run() and run_experts() refuse from then on (the caller's
   // observation, in its program order; never the device's records racing the calls in flight).
   mutable Status reported;
+  // The fused path (tunable moe_fused_layer): the layer program's session and the kernel's launch.
+  bool fused = false;
+  std::unique_ptr<comm::OpSession> lses;
+  comm::Program lprog;
+  MoeLayerFusedLaunch fl;
   ~State() {
     cudaFree(recv_x);
     cudaFree(act);
@@ -39,6 +48,12 @@ struct MoeLayer::State {
     cudaFree(gemm_err_dev);
     if (gemm_err_host) cudaFreeHost(gemm_err_host);
   }
+};
+
+// The fused path's session, program and launch (collective; every rank takes it or none: the
+// tunable and the mode are the same on every rank).
+struct MoeLayerInternal {
+  static Status create_fused(Communicator* comm, MoeLayer::State& st, const MoeOptions& opt);
 };
 
 namespace {
@@ -96,6 +111,7 @@ Status MoeLayer::create(Communicator* comm, const MoeLayerConfig& cfg, const Moe
   MK_CHECK(zero_bounded(st.gemm_err_dev, 16, -1, "moe layer: zeroing the error word"));
   MK_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st.gemm_err_host), 16, cudaHostAllocDefault));
   *st.gemm_err_host = 0;
+  if (tunables::moe_fused_layer() != 0 && !st.ep->hierarchical()) MK_CHECK(MoeLayerInternal::create_fused(comm, st, opt));
   *out = std::move(layer);
   return OkStatus();
 }
@@ -107,7 +123,70 @@ MoeLayer::~MoeLayer() {
 
 Status MoeLayer::destroy() {
   if (!st_ || !st_->ep) return OkStatus();
-  return st_->ep->destroy();
+  Status first = st_->lses ? st_->lses->destroy() : OkStatus();
+  const Status s = st_->ep->destroy();
+  return first.ok() ? s : first;
+}
+
+Status MoeLayerInternal::create_fused(Communicator* comm, MoeLayer::State& st, const MoeOptions& opt) {
+  const int W = comm->world(), me = comm->rank();
+  MoeGeometry g;
+  MK_CHECK(moe_geometry(st.cfg.moe, W, &g));
+  const comm::Layout layout = comm::layout_of(comm->topology());
+  MK_CHECK(comm::OpSession::create(comm, "moe_layer", opt.staging, &st.lses));
+  const MoeLaunch& el = moe_launch_of(*st.ep);
+  const int pieces = moe_default_pieces(el.comm_ctas, W);
+  const int uchunks = moe_layer_unpack_chunks(g.T);
+  const int64_t H = st.cfg.moe.hidden, I = st.cfg.intermediate;
+  MK_CHECK(build_moe_layer_program(layout, g, I, pieces, uchunks, st.lses->staged(), &st.lprog));
+  MK_CHECK(st.lses->setup(st.lprog));
+  auto fill = [&]() -> Status {
+    comm::OpSession& ls = *st.lses;
+    comm::Resolved r;
+    MK_CHECK(ls.resolve(st.lprog, st.lprog.ranks[me], &r));
+    MoeLayerFusedLaunch& f = st.fl;
+    f.l = el;
+    MoeLaunch& l = f.l;
+    l.send = static_cast<char*>(ls.local(MoeBuf::kSend));
+    l.recv = static_cast<char*>(ls.local(MoeBuf::kRecv));
+    l.dpiece = static_cast<uint64_t*>(ls.local(MoeBuf::kPieceBytes));
+    l.csend = static_cast<char*>(ls.local(MoeLayerBuf::kCSend));
+    l.crecv = static_cast<char*>(ls.local(MoeLayerBuf::kCRecv));
+    l.cpiece = static_cast<uint64_t*>(ls.local(MoeLayerBuf::kCPieceBytes));
+    MK_REQUIRE(l.send && l.recv && l.dpiece && l.csend && l.crecv && l.cpiece, Code::kInternal,
+               "moe layer (fused): a slot buffer was not allocated");
+    const int64_t body = g.slot_bytes - g.hdr_bytes;
+    l.dP = moe_pieces(body, pieces), l.dpb = moe_piece_bytes(body, pieces);
+    l.cP = moe_pieces(g.cslot_bytes, pieces), l.cpb = moe_piece_bytes(g.cslot_bytes, pieces);
+    l.layer_body = true;
+    l.direct_rows = false;
+    l.dispatch_program = comm::DeviceProgram{};
+    l.combine_program = comm::DeviceProgram{};
+    f.program = r.program;
+    MoeLayerPools& pl = f.pools;
+    pl = moe_layer_pools(W, g.El);
+    for (uint32_t* w : {&pl.hdr, &pl.laid, &pl.arrived, &pl.unpacked, &pl.g1, &pl.packed, &pl.carrived, &pl.waits})
+      *w += r.hook_wait0;
+    for (uint32_t* s : {&pl.s_laid, &pl.s_unpacked, &pl.s_g1, &pl.s_packed, &pl.signals}) *s += r.hook_signal0;
+    f.q.W = W, f.q.El = g.El, f.q.unpack_chunks = uchunks, f.q.combine_chunks = moe_layer_combine_chunks(g.T);
+    f.q.tile_rows = 128;
+    f.q.tiles_n1 = int((I + 127) / 128);  // SwiGLU outputs per tile: 128 (the tile's 256 columns: gate, up)
+    f.q.tiles_n2 = int((H + 255) / 256);
+    f.I = I;
+    f.recv_x = st.recv_x, f.act = st.act, f.y = st.y;
+    f.counts_out = st.counts, f.offsets_out = st.offsets;
+    void* p = nullptr;
+    MK_CHECK(ls.alloc_zeroed(size_t(moe_layer_fused_lay_bytes(g.El)), &p));
+    f.lay = static_cast<int32_t*>(p);
+    MK_CHECK(ls.alloc_zeroed(sizeof(int), &p));
+    f.queue_counter = static_cast<int*>(p);
+    MK_CHECK(ls.alloc_zeroed(sizeof(int), &p));
+    f.done_ctas = static_cast<int*>(p);
+    return moe_layer_fused_prepare(&f);
+  };
+  MK_CHECK(agree(comm->bootstrap(), fill(), "moe layer create (fused)"));
+  st.fused = true;
+  return OkStatus();
 }
 
 Status MoeLayer::check() const {
@@ -130,6 +209,16 @@ Status MoeLayer::run(const MoeLayerArgs& a, void* out, cudaStream_t stream) {
   MK_REQUIRE(a.w1 && a.w2 && out, Code::kInvalidArgument, "moe layer: null w1, w2 or out");
   MK_REQUIRE(aligned16(a.w1) && aligned16(a.w2), Code::kInvalidArgument,
              "moe layer: w1 and w2 must be 16-byte aligned");
+  if (st.fused) {
+    MK_REQUIRE(a.x && a.topk_ids, Code::kInvalidArgument, "moe layer: null x or topk_ids");
+    MK_REQUIRE(aligned16(a.x) && aligned16(out), Code::kInvalidArgument, "moe layer: x and out must be 16-byte aligned");
+    MK_REQUIRE(a.tokens >= 0 && a.tokens <= st.cfg.moe.max_tokens_per_rank, Code::kInvalidArgument,
+               "moe layer: %lld token rows (max_tokens_per_rank %lld)", (long long)a.tokens,
+               (long long)st.cfg.moe.max_tokens_per_rank);
+    MK_CHECK(st.lses->check_call());
+    return moe_layer_fused_launch(st.fl, a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens, a.w1, a.w2, out,
+                                  stream);
+  }
   MK_CHECK(st.ep->dispatch_enqueue({a.x, a.topk_ids, a.topk_weights, a.d_num_tokens, a.tokens},
                                    {st.recv_x, st.counts, st.offsets}, stream));
   MK_CHECK(enqueue_experts(a.w1, a.w2, stream));
@@ -175,6 +264,7 @@ Status MoeLayer::run_experts(const void* w1, const void* w2, cudaStream_t stream
 }
 
 const MoeLayerConfig& MoeLayer::config() const { return st_->cfg; }
+bool MoeLayer::fused() const { return st_ && st_->fused; }
 MoeEp* MoeLayer::ep() const { return st_->ep.get(); }
 int MoeLayer::local_experts() const { return st_->El; }
 int64_t MoeLayer::recv_rows() const { return st_->rows; }
