@@ -20,11 +20,12 @@ namespace comm {
 // Waits [w0, w0 + n) of the hook pool, by one thread (acquire at system scope). A wait that
 // gives up (bound or abort) lets the rest go on without waiting: the kernel runs to its end.
 // kProducer: called from the producer warp (40 registers), whose waits inline their cold path.
-template <bool kProducer = false>
+// kGpuScope: flags only this GPU's threads raise (device::wait_ge).
+template <bool kProducer = false, bool kGpuScope = false>
 __device__ __forceinline__ void hook_waits(const DeviceProgram& h, uint32_t w0, uint32_t n, uint64_t epoch) {
   for (uint32_t i = 0; i < n; ++i) {
     const DevWait& w = h.waits[w0 + i];
-    if (w.mul) device::wait_ge<kProducer>(h.wait, w.flag, w.mul * epoch, w.peer, w.index);
+    if (w.mul) device::wait_ge<kProducer, kGpuScope>(h.wait, w.flag, w.mul * epoch, w.peer, w.index);
   }
 }
 // Raises nothing once a wait of this rank failed (device::wait_failed): a flag never vouches
@@ -35,6 +36,16 @@ __device__ __forceinline__ void hook_signals(const DeviceProgram& h, uint32_t s0
     const DevSignal& g = h.signals[s0 + i];
     if (g.add) device::signal_add(g.flag, g.value);
     else device::signal_set(g.flag, g.value * epoch);
+  }
+}
+
+// hook_signals for flags only this GPU's threads wait on: release at GPU scope.
+__device__ __forceinline__ void hook_signals_gpu(const DeviceProgram& h, uint32_t s0, uint32_t n, uint64_t epoch) {
+  if (n == 0 || device::wait_failed(h.wait)) return;
+  for (uint32_t i = 0; i < n; ++i) {
+    const DevSignal& g = h.signals[s0 + i];
+    if (g.add) device::red_add_release_gpu(g.flag, g.value);
+    else device::st_release_gpu(g.flag, g.value * epoch);
   }
 }
 

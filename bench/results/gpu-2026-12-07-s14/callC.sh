@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Call C (2026-12-07): where the fused layer's time goes (call B: 2677 us against 462 us at 128
+# Call C (2026-12-07): where the fused layer's time goes (tree: the units' waits and signals at GPU
+# scope, the one-off bits below) (call B: 2677 us against 462 us at 128
 # tokens, one rank). Same carried binaries as call B. ncu: every kernel's duration of a short
 # bench run (fused), then the fused kernel's warp states and throughput.
 set -u
@@ -23,3 +24,24 @@ MK_MOE_FUSED_LAYER=1 timeout 200 ncu --clock-control none -k regex:moe_layer_fus
   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
   $B/mkernel bench moe_layer --preset qwen3_30b --tokens 128 --reps 2 --warmup 1 > $OUT/ncu_fused.txt 2>&1
 grep -E "Duration|Throughput|Stall|Warp Cycles|Active Warps|Eligible|Issued|Grid Size|Registers|Block Size|Waves" $OUT/ncu_fused.txt | head -60
+# One-off experiments (MK_MOE_FUSED_DEBUG bits, src/ops/moe/moe_layer_kernel.cu): 1 the second
+# GEMM's tile fence at system scope and 2 the units' waits and signals at system scope (3: the kernel
+# as call B ran it), 8 the gate without its acquire, 4 no epilogue stores (wrong outputs: the check
+# fails by design).
+for d in 0 3 1 2 8 4; do
+  for tok in 128 4096; do
+    echo "== MK_MOE_FUSED_DEBUG=$d tokens $tok"
+    MK_MOE_FUSED_DEBUG=$d MK_MOE_FUSED_LAYER=1 timeout 40 $B/mkernel bench moe_layer --preset qwen3_30b --tokens $tok \
+      --reps 10 --warmup 2 2>&1 | grep -E "^qwen3"
+  done
+done
+MK_UNIT_ONLY='test_gpu_moe_layer_(fused_np1|fused_np2|fused_np4|fused_3nodes_tcp_np3)$' MK_SUITE_STEPS="unit" \
+  timeout 120 bash scripts/device/suite.sh 2>&1 | grep -E "^unit|^      " | head -20
+# W = 4 ranks sharing the GPU under MPS (25 % each): the launches, then the fused kernel.
+nvidia-cuda-mps-control -d
+for fused in 0 1; do
+  echo "== W 4 (MPS) MK_MOE_FUSED_LAYER=$fused tokens 4096"
+  timeout 100 mpirun -np 4 -x MK_MOE_FUSED_LAYER=$fused -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 $B/mkernel bench moe_layer \
+    --preset qwen3_30b --tokens 4096 --reps 10 --warmup 2 --json $OUT/layer_w4_f$fused.json 2>&1 | grep -E "^qwen3|^check|^bench"
+done
+echo quit | nvidia-cuda-mps-control

@@ -37,6 +37,20 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
   return v;
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// GPU scope: for flags that only threads of this GPU raise and read (a kernel's own work queue).
+// A system-scope fence per wait serialized a persistent kernel's items (docs/moe.md).
+__device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void red_add_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -125,17 +139,18 @@ __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
 // kInlineReport: the cold path is inlined instead of called. Needed where one kernel waits in
 // warps with different register budgets (setmaxnreg): ptxas cannot give one out-of-line
 // function both budgets.
-template <bool kInlineReport = false>
+// kGpuScope: the flag is raised by threads of this GPU only (an acquire at GPU scope).
+template <bool kInlineReport = false, bool kGpuScope = false>
 __device__ __forceinline__ bool wait_ge(const WaitCtx& ctx, const uint64_t* flag, uint64_t expected,
                                         int peer, int flag_index) {
   // Poll with relaxed loads (an acquire load per poll would fence every iteration and slow
   // the SM and the memory system for everyone); once the value is there, one fence makes the
   // poll an acquire (PTX "acquire pattern": a strong read, then fence.acq_rel).
-  uint64_t v = ld_relaxed_sys(flag);
+  uint64_t v = (kGpuScope ? ld_relaxed_gpu(flag) : ld_relaxed_sys(flag));
   if (v < expected) {
     const uint64_t start = global_timer_ns();
     uint32_t spins = 0, nap = 0;
-    while ((v = ld_relaxed_sys(flag)) < expected) {
+    while ((v = (kGpuScope ? ld_relaxed_gpu(flag) : ld_relaxed_sys(flag))) < expected) {
       if (ctx.backoff_ns) {
         nap = nap ? min(2 * nap, ctx.backoff_ns) : min(32u, ctx.backoff_ns);
         __nanosleep(nap);
@@ -158,7 +173,8 @@ __device__ __forceinline__ bool wait_ge(const WaitCtx& ctx, const uint64_t* flag
       else trace_spin(ctx, start, peer, flag_index);
     }
   }
-  fence_acq_rel_sys();
+  if constexpr (kGpuScope) fence_acq_rel_gpu();
+  else fence_acq_rel_sys();
   return true;
 }
 

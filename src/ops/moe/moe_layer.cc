@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "mkernel/common/log.h"
@@ -123,6 +125,7 @@ MoeLayer::~MoeLayer() {
 
 Status MoeLayer::destroy() {
   if (!st_ || !st_->ep) return OkStatus();
+  if (st_->fused && st_->lses->alive()) moe_layer_fused_print_stats(st_->fl);
   Status first = st_->lses ? st_->lses->destroy() : OkStatus();
   const Status s = st_->ep->destroy();
   return first.ok() ? s : first;
@@ -182,6 +185,10 @@ Status MoeLayerInternal::create_fused(Communicator* comm, MoeLayer::State& st, c
     f.queue_counter = static_cast<int*>(p);
     MK_CHECK(ls.alloc_zeroed(sizeof(int), &p));
     f.done_ctas = static_cast<int*>(p);
+    if (const char* d = std::getenv("MK_MOE_FUSED_DEBUG"); d && (std::atoi(d) & 64)) {  // one-off timing counters
+      MK_CHECK(ls.alloc_zeroed(64 * sizeof(unsigned long long), &p));
+      f.stats = static_cast<unsigned long long*>(p);
+    }
     return moe_layer_fused_prepare(&f);
   };
   MK_CHECK(agree(comm->bootstrap(), fill(), "moe layer create (fused)"));

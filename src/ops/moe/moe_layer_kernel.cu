@@ -23,6 +23,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
@@ -63,6 +65,11 @@ struct LayerParams {
   GroupedParams g1, g2;  // maps, C, ldc, n_out, k_tiles, tiles_n, swiglu (the mainloop's: g1's)
   MoeLayerFusedLaunch f;
   char* out;
+  int debug;  // one-off experiment bits (MK_MOE_FUSED_DEBUG): 1 the second GEMM's tile fence at system scope
+              // (with 256), 2 the units' waits and signals at system scope (as first written), 4 no epilogue
+              // stores, 8 the gate without its acquire (a gpu-scope fence instead), 64 timing counters, 128
+              // no proxy fence before a tile's loads, 256 every consumer thread fences after a tile (as
+              // first written)
 };
 
 struct LayerSmem {
@@ -86,7 +93,7 @@ static_assert(kSmem <= 232448, "the fused layer's shared storage exceeds the sm_
 __device__ __forceinline__ void consumers_sync() { device::named_barrier_sync(kMmaThreads, kHookBarrier); }
 
 // The first bad input wins the record (as the dispatch kernels' report).
-__device__ void layer_report(const MoeLaunch& l, int32_t kind, int32_t expert, int64_t count, int64_t limit) {
+__device__ __noinline__ void layer_report(const MoeLaunch& l, int32_t kind, int32_t expert, int64_t count, int64_t limit) {
   if (atomicCAS(l.err_claim, 0u, 1u) != 0u) return;
   MoeErrorRecord* r = l.err;
   r->kind = kind;
@@ -106,6 +113,20 @@ __device__ __forceinline__ int32_t* lay_prefix(const MoeLayerFusedLaunch& f) { r
 __device__ __forceinline__ int32_t* lay_rows(const MoeLayerFusedLaunch& f) { return f.lay + f.l.El + 1; }
 __device__ __forceinline__ int32_t* lay_done(const MoeLayerFusedLaunch& f, int gemm) {
   return f.lay + 2 * f.l.El + 1 + gemm * f.l.El;
+}
+
+// One-off timing counters (MK_MOE_FUSED_DEBUG bit 64): [kind] the producer's gate time, [8 + kind]
+// the consumers' time, [16 + kind] items, [24] load issue time, [25] item-ring waits, [30] the
+// longest CTA, [31] the CTAs' time summed (ns; kind 5: ops, 6: the layout's flag before the prefix).
+__device__ __forceinline__ void stat_add(const LayerParams& P, int i, unsigned long long v) {
+  if (P.f.stats) atomicAdd(P.f.stats + i, v);
+}
+__device__ __forceinline__ int stat_kind(int kind) { return kind == kSlotOp ? 5 : kind < 0 ? 6 : kind; }
+
+// A unit's signal (pool place i): a flag only this GPU's threads wait on (release at GPU scope).
+__device__ __forceinline__ void local_signal(const LayerParams& P, uint32_t i, uint64_t epoch) {
+  if (P.debug & 2) comm::hook_signals(P.f.program, i, 1, epoch);
+  else comm::hook_signals_gpu(P.f.program, i, 1, epoch);
 }
 
 // Exclusive scan of val(i), i < n, by the 256 consumers into out[0, n], out[n] the total.
@@ -146,7 +167,7 @@ __device__ __forceinline__ void scan256(LayerSmem& s, int n, Val val, int* out, 
 // The layout from the W headers: counts, offsets and every source's base rows; the rows the GEMMs
 // take per expert (cut at recv_rows; the overflow reported) and the tile prefix; every combine
 // slot's header and piece counts; the tile counters zeroed; the flags of experts without tiles.
-__device__ void layout_unit(const LayerParams& P, LayerSmem& s, int tid, uint64_t epoch) {
+__device__ __forceinline__ void layout_unit(const LayerParams& P, LayerSmem& s, int tid, uint64_t epoch) {
   const MoeLayerFusedLaunch& f = P.f;
   const MoeLaunch& l = f.l;
   const int El = l.El, W = l.W;
@@ -199,16 +220,16 @@ __device__ void layout_unit(const LayerParams& P, LayerSmem& s, int tid, uint64_
   const comm::DeviceProgram& h = f.program;
   for (int le = tid; le < El; le += kMmaThreads)
     if (s.cnt[le + 1] == s.cnt[le]) {
-      comm::hook_signals(h, f.pools.s_g1 + uint32_t(le), 1, epoch);
-      comm::hook_signals(h, f.pools.s_packed, 1, epoch);
+      local_signal(P, f.pools.s_g1 + uint32_t(le), epoch);
+      local_signal(P, f.pools.s_packed, epoch);
     }
-  if (tid == 0) comm::hook_signals(h, f.pools.s_laid, 1, epoch);
+  if (tid == 0) local_signal(P, f.pools.s_laid, epoch);
 }
 
 // Records [j0, j1) of source src's slot (chunk c of its records, moe_plan.h's unpack_source): one
 // warp per record; each of its entries' rows gets the record's row, and its way back (source,
 // combine row); the own tokens' entries their row (self_row, -1 when lost to overflow).
-__device__ void unpack_unit(const LayerParams& P, LayerSmem& s, int tid, int i, int c, uint64_t epoch) {
+__device__ __forceinline__ void unpack_unit(const LayerParams& P, LayerSmem& s, int tid, int i, int c, uint64_t epoch) {
   const MoeLayerFusedLaunch& f = P.f;
   const MoeLaunch& l = f.l;
   const int src = (l.me + i) % l.W;
@@ -261,14 +282,16 @@ __device__ void unpack_unit(const LayerParams& P, LayerSmem& s, int tid, int i, 
     }
     __syncwarp();
   }
-  __threadfence();
   consumers_sync();
-  if (tid == 0) comm::hook_signals(f.program, f.pools.s_unpacked + uint32_t(src), 1, epoch);
+  if (tid == 0) {
+    __threadfence();
+    local_signal(P, f.pools.s_unpacked + uint32_t(src), epoch);
+  }
 }
 
 // The own tokens of chunk c: out[t] = sum_k w[t, k] * y(t, k) in fp32, slots in order (as
 // combine_sum): an own expert's row in y (self_row), another rank's in its combine slot here.
-__device__ void combine_unit(const LayerParams& P, LayerSmem& s, int tid, int c) {
+__device__ __forceinline__ void combine_unit(const LayerParams& P, LayerSmem& s, int tid, int c) {
   const MoeLayerFusedLaunch& f = P.f;
   const MoeLaunch& l = f.l;
   const int n = *l.n_tokens, k = l.k;
@@ -326,27 +349,31 @@ struct Scheduler {
 
   __device__ __forceinline__ const comm::DeviceProgram& h() const { return P.f.program; }
   // One of the item's waits (pool place w): met now (peek), or — block — waited for (bounded).
-  __device__ __forceinline__ bool one(uint32_t w, bool block) const {
+  // `local`: a flag only this GPU's units raise (layout, unpack, the GEMMs' experts, packed): an
+  // acquire at GPU scope; a system-scope fence per item serialized the items (a one-off run of
+  // this kernel: 1.5 us per item across the whole GPU). Other ranks' flags: system scope.
+  __device__ __forceinline__ bool one(uint32_t w, bool block, bool local) const {
     if (block) {
-      comm::hook_waits<true>(h(), w, 1, epoch);
+      if (local && !(P.debug & 2)) comm::hook_waits<true, true>(h(), w, 1, epoch);
+      else comm::hook_waits<true>(h(), w, 1, epoch);
       return true;
     }
     return comm::waits_met(h(), w, 1, epoch);
   }
   // Whether the item's waits are met (block: waits for each, bounded). kind -1: the layout's flag
   // alone (before the GEMM items can be read).
-  __device__ bool ready(const LayerSlot& it, bool block) const {
+  __device__ __forceinline__ bool ready(const LayerSlot& it, bool block) const {
     const MoeLayerFusedLaunch& f = P.f;
     const MoeLayerPools& pl = f.pools;
     const int W = f.l.W;
     switch (it.kind) {
       case kMoeItemLayout:
         for (int i = 0; i < W - 1; ++i)
-          if (!one(pl.hdr + uint32_t(i), block)) return false;
+          if (!one(pl.hdr + uint32_t(i), block, false)) return false;
         return true;
       case kMoeItemUnpack:
-        if (!one(pl.laid, block)) return false;
-        return it.a == 0 || one(pl.arrived + uint32_t(it.a - 1), block);
+        if (!one(pl.laid, block, true)) return false;
+        return it.a == 0 || one(pl.arrived + uint32_t(it.a - 1), block, false);
       case kMoeItemGemm1: {
         const int le = it.a;
         const int64_t r0 = int64_t(it.row0) + int64_t(it.b) * kTileM;
@@ -354,22 +381,22 @@ struct Scheduler {
         const int64_t end = int64_t(f.l.offsets[le]) + f.l.counts[le];
         for (int src = 0; src < W; ++src)
           if (moe_tile_has_source(f.l.base, W, f.l.El, le, end, r0, r1, src) &&
-              !one(pl.unpacked + uint32_t(src), block))
+              !one(pl.unpacked + uint32_t(src), block, true))
             return false;
         return true;
       }
       case kMoeItemGemm2:
-        return one(pl.g1 + uint32_t(it.a), block);
+        return one(pl.g1 + uint32_t(it.a), block, true);
       case kMoeItemCombine:
         for (int i = 0; i < W; ++i)  // packed, then every other source's combine slot
-          if (!one(pl.packed + uint32_t(i), block)) return false;
+          if (!one(pl.packed + uint32_t(i), block, i == 0)) return false;
         return true;
       default:
-        return one(pl.laid, block);
+        return one(pl.laid, block, true);
     }
   }
   // Hands the op the counter points at to the consumers when its waits are met now.
-  __device__ bool try_op(ItemPipeline& ip, ItemState& iw) const {
+  __device__ __forceinline__ bool try_op(ItemPipeline& ip, ItemState& iw) const {
     const comm::DeviceProgram& H = h();
     if (H.n_ops <= 0) return false;
     const int idx = *reinterpret_cast<volatile int*>(H.op_counter);
@@ -378,33 +405,54 @@ struct Scheduler {
     hand(ip, iw, LayerSlot{kSlotOp, idx, 0, 0, 0, 0});
     return true;
   }
-  __device__ void hand(ItemPipeline& ip, ItemState& iw, const LayerSlot& sl) const {
+  __device__ __forceinline__ void hand(ItemPipeline& ip, ItemState& iw, const LayerSlot& sl) const {
+    const uint64_t t0 = P.f.stats ? device::global_timer_ns() : 0;
     ip.producer_acquire(iw);
+    if (P.f.stats) stat_add(P, 25, device::global_timer_ns() - t0);
     s.slots[iw.index()] = sl;
     ip.producer_commit(iw);
     ++iw;
   }
   // Waits until `it` is ready, running ready ops meanwhile; past the bound (or once the
   // communicator aborted) through the bounded waits, which record and give up.
-  __device__ void gate(ItemPipeline& ip, ItemState& iw, const LayerSlot& it) const {
+  __device__ __forceinline__ void gate(ItemPipeline& ip, ItemState& iw, const LayerSlot& it) const {
+    const uint64_t t0 = P.f.stats ? device::global_timer_ns() : 0;
+    gate_body(ip, iw, it);
+    if (P.f.stats) {
+      stat_add(P, stat_kind(it.kind), device::global_timer_ns() - t0);
+      stat_add(P, 16 + stat_kind(it.kind), 1);
+    }
+  }
+  // Polls back off from 64 ns to 1 us (every CTA whose item waits polls a few shared flags); the
+  // bound and the abort word — pinned host memory, a PCIe read — are checked every 64th poll only,
+  // as device::wait_ge does.
+  __device__ __forceinline__ void gate_body(ItemPipeline& ip, ItemState& iw, const LayerSlot& it) const {
     uint64_t since = 0;
+    uint32_t spins = 0, nap = 0;
     while (!ready(it, false)) {
       if (try_op(ip, iw)) {
-        since = 0;
+        since = 0, spins = 0, nap = 0;
         continue;
       }
-      const uint64_t now = device::global_timer_ns();
-      if (since == 0) since = now;
-      const WaitCtx& ctx = h().wait;
-      const bool aborted = ctx.abort && device::ld_volatile_u64(ctx.abort) != 0;
-      if (now - since > ctx.timeout_ns || aborted || device::wait_failed(ctx)) break;
-      __nanosleep(128);
+      if ((spins++ & 63u) == 0) {
+        const uint64_t now = device::global_timer_ns();
+        if (since == 0) since = now;
+        const WaitCtx& ctx = h().wait;
+        const bool aborted = ctx.abort && device::ld_volatile_u64(ctx.abort) != 0;
+        if (now - since > ctx.timeout_ns || aborted || device::wait_failed(ctx)) break;
+      }
+      nap = nap ? min(2 * nap, 1024u) : 64u;
+      __nanosleep(nap);
+    }
+    if (P.debug & 8) {
+      __threadfence();
+      return;
     }
     ready(it, true);  // the acquire (met: returns at once); else the bounded waits
   }
 };
 
-__device__ void produce(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, MainloopPipeline& pipe, uint64_t epoch) {
+__device__ __forceinline__ void produce(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, MainloopPipeline& pipe, uint64_t epoch) {
   const MoeLayerFusedLaunch& f = P.f;
   Scheduler sch{P, s, epoch, moe_layer_static_items(f.q), INT64_MAX};
   ItemState iw = cutlass::make_producer_start_state<ItemPipeline>();
@@ -442,18 +490,25 @@ __device__ void produce(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, Ma
     sch.hand(ip, iw, sl);
     if (!gemm) continue;
     // The tile's loads: its rows were written by generic stores (released to the waits above).
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    const GroupedParams& g = m.kind == kMoeItemGemm1 ? P.g1 : P.g2;
-    const int row = sl.row0 + m.b * kTileM;
-    for (int kt = 0; kt < g.k_tiles; ++kt) {
+    if (!(P.debug & 128)) asm volatile("fence.proxy.async.global;" ::: "memory");
+    // (Everything the loop reads is in registers: the asm statements' memory clobbers would
+    // reload it from the parameters at every slice.)
+    const bool first = m.kind == kMoeItemGemm1;
+    const CUtensorMap* map_a = first ? &P.g1.map_a : &P.g2.map_a;
+    const CUtensorMap* map_b = first ? &P.g1.map_b : &P.g2.map_b;
+    const int k_tiles = first ? P.g1.k_tiles : P.g2.k_tiles;
+    const int row = sl.row0 + m.b * kTileM, le = m.a, col = first ? m.c * (kTileN / 2) : m.c * kTileN;
+    const uint64_t t_load = P.f.stats ? device::global_timer_ns() : 0;
+    for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.producer_acquire(ml);
       const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(pipe.producer_get_barrier(ml)));
       const int stage = ml.index();
-      tma_load_2d(&g.map_a, sa + stage * kStageA, bar, kt * kTileK, row);
-      if (g.swiglu) tma_load_4d(&g.map_b, sb + stage * kStageB, bar, kt * kTileK, m.c * (kTileN / 2), 0, m.a);
-      else tma_load_3d(&g.map_b, sb + stage * kStageB, bar, kt * kTileK, m.c * kTileN, m.a);
+      tma_load_2d(map_a, sa + stage * kStageA, bar, kt * kTileK, row);
+      if (first) tma_load_4d(map_b, sb + stage * kStageB, bar, kt * kTileK, col, 0, le);
+      else tma_load_3d(map_b, sb + stage * kStageB, bar, kt * kTileK, col, le);
       ++ml;
     }
+    if (P.f.stats) stat_add(P, 24, device::global_timer_ns() - t_load);
   }
   // The queue is drawn out: the program's remaining ops, in order, ready or not.
   if (h.n_ops > 0)
@@ -465,7 +520,7 @@ __device__ void produce(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, Ma
 
 // ---- the consumers ----
 
-__device__ void consume(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, MainloopPipeline& pipe, int tid,
+__device__ __forceinline__ void consume(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, MainloopPipeline& pipe, int tid,
                         uint64_t epoch) {
   const MoeLayerFusedLaunch& f = P.f;
   const MoeLaunch& l = f.l;
@@ -479,6 +534,7 @@ __device__ void consume(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, Ma
     ip.consumer_release(ir);
     ++ir;
     if (sl.kind == kSlotDone) break;
+    const uint64_t t_item = P.f.stats ? device::global_timer_ns() : 0;
     switch (sl.kind) {
       case kSlotOp:
         comm::run_comm_op<kMmaThreads, kHookBarrier>(f.program, sl.a, tid, epoch);
@@ -497,7 +553,8 @@ __device__ void consume(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, Ma
         const GroupedParams& g = first ? P.g1 : P.g2;
         auto accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
         mma_tile(mainloop, P.g1.mainloop, pipe, read, accum, g.k_tiles, tid, s.tensors);
-        if (first) {
+        if (P.debug & 4) {
+        } else if (first) {
           grouped_store_staged(g, accum, tid, sl.row0, sl.count, sl.b, sl.c, s.stage[tid / 32]);
         } else {
           // Rows of another rank's tokens also go straight into its combine slot.
@@ -511,18 +568,26 @@ __device__ void consume(const LayerParams& P, LayerSmem& s, ItemPipeline& ip, Ma
           grouped_store_staged(g, accum, tid, sl.row0, sl.count, sl.b, sl.c, s.stage[tid / 32], also);
         }
         // The expert's last tile raises its flag (g1done[le]; packed after the second GEMM).
-        if (first) __threadfence();
-        else __threadfence_system();  // the combine slots: read by the network proxy too
+        // The consumers meet, then one thread fences and counts (as a barrier's arrival: the
+        // barrier orders the others' stores before its fence, and its release is cumulative). GPU
+        // scope: the combine slots are read by this rank's ops (their waits acquire `packed`); a
+        // network put's command is pushed after a system-scope release, also cumulative.
+        if (P.debug & 256) {
+          if (first || !(P.debug & 1)) __threadfence();
+          else __threadfence_system();
+        }
         consumers_sync();
         if (tid == 0) {
+          __threadfence();
           const int tiles = moe_tile_rows(sl.count, f.q.tile_rows) * (first ? f.q.tiles_n1 : f.q.tiles_n2);
           const int done = atomicAdd(lay_done(f, first ? 0 : 1) + sl.a, 1) + 1;
           if (moe_tile_raises(tiles, done))
-            comm::hook_signals(f.program, first ? f.pools.s_g1 + uint32_t(sl.a) : f.pools.s_packed, 1, epoch);
+            local_signal(P, first ? f.pools.s_g1 + uint32_t(sl.a) : f.pools.s_packed, epoch);
         }
         break;
       }
     }
+    if (P.f.stats && tid == 0) stat_add(P, 8 + stat_kind(sl.kind), device::global_timer_ns() - t_item);
   }
 }
 
@@ -556,6 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_fused(__grid_constant__
   __syncthreads();  // barrier inits visible to the whole CTA
   const comm::DeviceProgram& h = P.f.program;
   const uint64_t epoch = device::epoch_of_call(h.epoch);
+  const uint64_t t_cta = P.f.stats ? device::global_timer_ns() : 0;
 
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
@@ -568,6 +634,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_fused(__grid_constant__
   // epoch's last one zeroes the op counter and advances the epoch.
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (P.f.stats) {
+      const unsigned long long dt = device::global_timer_ns() - t_cta;
+      atomicMax(P.f.stats + 30, dt);
+      atomicAdd(P.f.stats + 31, dt);
+    }
     __threadfence();
     if (atomicAdd(P.f.done_ctas, 1) == int(gridDim.x) - 1) {
       *P.f.done_ctas = 0;
@@ -621,6 +692,11 @@ Status moe_layer_fused_launch(const MoeLayerFusedLaunch& f, const void* x, const
   LayerParams P{};
   P.f = f;
   P.out = static_cast<char*>(out);
+  static const int debug = [] {  // one-off experiment switches (LayerParams::debug), read once
+    const char* d = getenv("MK_MOE_FUSED_DEBUG");
+    return d ? atoi(d) : 0;
+  }();
+  P.debug = debug;
   {  // x W1ᵀ with SwiGLU: A = recv_x [rows, H]; W1 as [El, 2, I, H]
     const cuuint64_t da[2] = {cuuint64_t(H), cuuint64_t(rows)};
     const cuuint64_t sa[1] = {cuuint64_t(H) * 2};
@@ -674,7 +750,25 @@ Status moe_layer_fused_launch(const MoeLayerFusedLaunch& f, const void* x, const
   return OkStatus();
 }
 
+void moe_layer_fused_print_stats(const MoeLayerFusedLaunch& f) {
+  if (!f.stats) return;
+  unsigned long long v[64] = {};
+  if (cudaMemcpy(v, f.stats, sizeof v, cudaMemcpyDeviceToHost) != cudaSuccess) return;
+  static const char* names[7] = {"layout", "unpack", "gemm1", "gemm2", "combine", "op", "laid-prefix"};
+  fprintf(stderr, "moe fused stats (rank %d; us summed over CTAs, per item in brackets):\n", f.l.me);
+  for (int k = 0; k < 7; ++k) {
+    const double n = double(v[16 + k]);
+    if (n == 0 && v[8 + k] == 0) continue;
+    fprintf(stderr, "  %-12s items %8.0f  gate %10.1f (%7.2f)  consumers %10.1f (%7.2f)\n", names[k], n, v[k] / 1e3,
+            n ? v[k] / 1e3 / n : 0.0, v[8 + k] / 1e3, n ? v[8 + k] / 1e3 / n : 0.0);
+  }
+  fprintf(stderr, "  load issue %.1f us, item-ring waits %.1f us, longest CTA %.1f us, CTAs summed %.1f us\n",
+          v[24] / 1e3, v[25] / 1e3, v[30] / 1e3, v[31] / 1e3);
+}
+
 #else  // !MK_WITH_CUTLASS
+
+void moe_layer_fused_print_stats(const MoeLayerFusedLaunch&) {}
 
 Status moe_layer_fused_prepare(MoeLayerFusedLaunch*) {
   return Status(Code::kNotSupported, "moe layer (fused): mkernel was built without CUTLASS headers");

@@ -37,6 +37,9 @@ struct MoeLayerFusedLaunch {
   int* queue_counter = nullptr;
   int* done_ctas = nullptr;
   int grid = 0;                   // CTAs (set by moe_layer_fused_prepare)
+  // One-off timing counters (MK_MOE_FUSED_DEBUG bit 64; device, [64]; null: none), printed when
+  // the layer is destroyed (moe_layer_fused_print_stats).
+  unsigned long long* stats = nullptr;
 };
 // Bytes of MoeLayerFusedLaunch::lay.
 inline int64_t moe_layer_fused_lay_bytes(int El) { return 4 * (int64_t(El) + 1 + El + 2 * int64_t(El)); }
@@ -47,6 +50,8 @@ int moe_layer_combine_chunks(int64_t T);
 // Once per layer: the kernel's attributes and grid (every co-resident CTA); kNotSupported without
 // CUTLASS or an sm_90 GPU.
 Status moe_layer_fused_prepare(MoeLayerFusedLaunch* f);
+// The one-off timing counters to stderr (nothing when f.stats is null).
+void moe_layer_fused_print_stats(const MoeLayerFusedLaunch& f);
 // Route and pack into the slots of `l` (the first part of a dispatch): route, scan and pack, or the
 // small-batch route_pack.
 Status moe_route_pack_launch(const MoeLaunch& l, const void* x, const int32_t* ids, const float* weights,
