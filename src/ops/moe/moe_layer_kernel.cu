@@ -217,7 +217,6 @@ __device__ __forceinline__ void layout_unit(const LayerParams& P, LayerSmem& s, 
   __threadfence_system();
   consumers_sync();
   // Experts without tiles: nothing will raise their flags but this.
-  const comm::DeviceProgram& h = f.program;
   for (int le = tid; le < El; le += kMmaThreads)
     if (s.cnt[le + 1] == s.cnt[le]) {
       local_signal(P, f.pools.s_g1 + uint32_t(le), epoch);
