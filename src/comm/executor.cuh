@@ -29,23 +29,20 @@ __device__ __forceinline__ void hook_waits(const DeviceProgram& h, uint32_t w0, 
   }
 }
 // Raises nothing once a wait of this rank failed (device::wait_failed): a flag never vouches
-// for data computed past a failed wait.
+// for data computed past a failed wait. kGpuScope: flags only this GPU's threads wait on
+// (release at GPU scope).
+template <bool kGpuScope = false>
 __device__ __forceinline__ void hook_signals(const DeviceProgram& h, uint32_t s0, uint32_t n, uint64_t epoch) {
   if (n == 0 || device::wait_failed(h.wait)) return;
   for (uint32_t i = 0; i < n; ++i) {
     const DevSignal& g = h.signals[s0 + i];
-    if (g.add) device::signal_add(g.flag, g.value);
-    else device::signal_set(g.flag, g.value * epoch);
-  }
-}
-
-// hook_signals for flags only this GPU's threads wait on: release at GPU scope.
-__device__ __forceinline__ void hook_signals_gpu(const DeviceProgram& h, uint32_t s0, uint32_t n, uint64_t epoch) {
-  if (n == 0 || device::wait_failed(h.wait)) return;
-  for (uint32_t i = 0; i < n; ++i) {
-    const DevSignal& g = h.signals[s0 + i];
-    if (g.add) device::red_add_release_gpu(g.flag, g.value);
-    else device::st_release_gpu(g.flag, g.value * epoch);
+    if constexpr (kGpuScope) {
+      if (g.add) device::red_add_release_gpu(g.flag, g.value);
+      else device::st_release_gpu(g.flag, g.value * epoch);
+    } else {
+      if (g.add) device::signal_add(g.flag, g.value);
+      else device::signal_set(g.flag, g.value * epoch);
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include "mkernel/common/check.h"
 #include "mkernel/common/cuda_check.h"
 #include "src/common/per_device.h"
+#include "src/gemm/tensor_map.h"
 #include "src/runtime/cuda_driver.h"
 
 #if MK_WITH_CUTLASS
@@ -90,15 +91,6 @@ Status resident_ctas(int* out) {
   }, out);
 }
 
-Status encode(const CudaDriver* drv, CUtensorMap* m, int rank, const void* base, const cuuint64_t* dims,
-              const cuuint64_t* strides, const cuuint32_t* box) {
-  const cuuint32_t elem[4] = {1, 1, 1, 1};
-  MK_CU_CHECK(drv->cuTensorMapEncodeTiled(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base),
-                                          dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
-  return OkStatus();
-}
 }  // namespace
 #endif
 
@@ -125,19 +117,19 @@ Status run_grouped(const GroupedArguments& a, cudaStream_t stream, const Grouped
     const cuuint64_t dims[2] = {cuuint64_t(a.K), cuuint64_t(a.rows)};
     const cuuint64_t strides[1] = {cuuint64_t(lda) * 2};
     const cuuint32_t box[2] = {kTileK, kTileM};
-    MK_CHECK(encode(drv, &p.map_a, 2, a.A, dims, strides, box));
+    MK_CHECK(gemm::encode_bf16_map(drv, &p.map_a, 2, a.A, dims, strides, box));
   }
   if (swiglu) {
     const int64_t I = a.N / 2;
     const cuuint64_t dims[4] = {cuuint64_t(a.K), cuuint64_t(I), 2, cuuint64_t(a.groups)};
     const cuuint64_t strides[3] = {cuuint64_t(a.K) * 2, cuuint64_t(I * a.K) * 2, cuuint64_t(a.N * a.K) * 2};
     const cuuint32_t box[4] = {kTileK, kTileN / 2, 2, 1};
-    MK_CHECK(encode(drv, &p.map_b, 4, a.B, dims, strides, box));
+    MK_CHECK(gemm::encode_bf16_map(drv, &p.map_b, 4, a.B, dims, strides, box));
   } else {
     const cuuint64_t dims[3] = {cuuint64_t(a.K), cuuint64_t(a.N), cuuint64_t(a.groups)};
     const cuuint64_t strides[2] = {cuuint64_t(a.K) * 2, cuuint64_t(a.N * a.K) * 2};
     const cuuint32_t box[3] = {kTileK, kTileN, 1};
-    MK_CHECK(encode(drv, &p.map_b, 3, a.B, dims, strides, box));
+    MK_CHECK(gemm::encode_bf16_map(drv, &p.map_b, 3, a.B, dims, strides, box));
   }
   // The CUTLASS mainloop's parameters (its MMA reads none of them; the pipeline takes the
   // per-stage byte count): built for group 0's problem.

@@ -31,6 +31,7 @@
 #include "mkernel/device/epoch.cuh"
 #include "mkernel/device/signal.cuh"
 #include "src/comm/executor.cuh"
+#include "src/gemm/tensor_map.h"
 #include "src/runtime/cuda_driver.h"
 
 #if MK_WITH_CUTLASS
@@ -126,7 +127,7 @@ __device__ __forceinline__ int stat_kind(int kind) { return kind == kSlotOp ? 5 
 // A unit's signal (pool place i): a flag only this GPU's threads wait on (release at GPU scope).
 __device__ __forceinline__ void local_signal(const LayerParams& P, uint32_t i, uint64_t epoch) {
   if (P.debug & 2) comm::hook_signals(P.f.program, i, 1, epoch);
-  else comm::hook_signals_gpu(P.f.program, i, 1, epoch);
+  else comm::hook_signals<true>(P.f.program, i, 1, epoch);
 }
 
 // Exclusive scan of val(i), i < n, by the 256 consumers into out[0, n], out[n] the total.
@@ -651,15 +652,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_fused(__grid_constant__
 #endif
 }
 
-Status encode(const CudaDriver* drv, CUtensorMap* m, int rank, const void* base, const cuuint64_t* dims,
-              const cuuint64_t* strides, const cuuint32_t* box) {
-  const cuuint32_t elem[4] = {1, 1, 1, 1};
-  MK_CU_CHECK(drv->cuTensorMapEncodeTiled(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base),
-                                          dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
-  return OkStatus();
-}
 
 }  // namespace
 
@@ -700,21 +692,21 @@ Status moe_layer_fused_launch(const MoeLayerFusedLaunch& f, const void* x, const
     const cuuint64_t da[2] = {cuuint64_t(H), cuuint64_t(rows)};
     const cuuint64_t sa[1] = {cuuint64_t(H) * 2};
     const cuuint32_t ba[2] = {kTileK, kTileM};
-    MK_CHECK(encode(drv, &P.g1.map_a, 2, f.recv_x, da, sa, ba));
+    MK_CHECK(gemm::encode_bf16_map(drv, &P.g1.map_a, 2, f.recv_x, da, sa, ba));
     const cuuint64_t db[4] = {cuuint64_t(H), cuuint64_t(I), 2, cuuint64_t(El)};
     const cuuint64_t sb[3] = {cuuint64_t(H) * 2, cuuint64_t(I * H) * 2, cuuint64_t(2 * I * H) * 2};
     const cuuint32_t bb[4] = {kTileK, kTileN / 2, 2, 1};
-    MK_CHECK(encode(drv, &P.g1.map_b, 4, w1, db, sb, bb));
+    MK_CHECK(gemm::encode_bf16_map(drv, &P.g1.map_b, 4, w1, db, sb, bb));
   }
   {  // act W2ᵀ: A = act [rows, I]; W2 as [El, H, I]
     const cuuint64_t da[2] = {cuuint64_t(I), cuuint64_t(rows)};
     const cuuint64_t sa[1] = {cuuint64_t(I) * 2};
     const cuuint32_t ba[2] = {kTileK, kTileM};
-    MK_CHECK(encode(drv, &P.g2.map_a, 2, f.act, da, sa, ba));
+    MK_CHECK(gemm::encode_bf16_map(drv, &P.g2.map_a, 2, f.act, da, sa, ba));
     const cuuint64_t db[3] = {cuuint64_t(I), cuuint64_t(H), cuuint64_t(El)};
     const cuuint64_t sb[2] = {cuuint64_t(I) * 2, cuuint64_t(H * I) * 2};
     const cuuint32_t bb[3] = {kTileK, kTileN, 1};
-    MK_CHECK(encode(drv, &P.g2.map_b, 3, w2, db, sb, bb));
+    MK_CHECK(gemm::encode_bf16_map(drv, &P.g2.map_b, 3, w2, db, sb, bb));
   }
   {  // the mainloop's parameters (its MMA reads none of them; the pipeline takes the stage bytes)
     const int M = int(rows), N = int(2 * I), K = int(H);
@@ -728,22 +720,19 @@ Status moe_layer_fused_launch(const MoeLayerFusedLaunch& f, const void* x, const
                "moe layer (fused): stage bytes %u differ from the raw loads' %d", P.g1.mainloop.tma_transaction_bytes,
                (kTileM + kTileN) * kTileK * 2);
   }
-  P.g1.C = static_cast<__nv_bfloat16*>(f.act);
-  P.g1.ldc = I;
-  P.g1.n_out = int(I);
-  P.g1.k_tiles = int((H + kTileK - 1) / kTileK);
-  P.g1.tiles_n = f.q.tiles_n1;
-  P.g1.swiglu = 1;
-  P.g1.staged = 1;
-  P.g1.rows = int(rows);
-  P.g2.C = static_cast<__nv_bfloat16*>(f.y);
-  P.g2.ldc = H;
-  P.g2.n_out = int(H);
-  P.g2.k_tiles = int((I + kTileK - 1) / kTileK);
-  P.g2.tiles_n = f.q.tiles_n2;
-  P.g2.swiglu = 0;
-  P.g2.staged = 1;
-  P.g2.rows = int(rows);
+  // The epilogues' parts of the grouped GEMM's parameters (its maps are above).
+  auto gemm_of = [&](GroupedParams& g, void* C, int64_t n_out, int64_t K, int tiles_n, bool swiglu) {
+    g.C = static_cast<__nv_bfloat16*>(C);
+    g.ldc = n_out;
+    g.n_out = int(n_out);
+    g.k_tiles = int((K + kTileK - 1) / kTileK);
+    g.tiles_n = tiles_n;
+    g.swiglu = swiglu ? 1 : 0;
+    g.staged = 1;
+    g.rows = int(rows);
+  };
+  gemm_of(P.g1, f.act, I, H, f.q.tiles_n1, true);
+  gemm_of(P.g2, f.y, H, I, f.q.tiles_n2, false);
   moe_layer_fused<<<f.grid, kThreads, kSmem, stream>>>(P);
   MK_CUDA_CHECK(cudaGetLastError());
   return OkStatus();
